@@ -1,0 +1,1 @@
+"""Prefix KV reuse and its lifecycle."""

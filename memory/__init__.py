@@ -1,0 +1,1 @@
+"""The unified-memory policy. Pure arithmetic plus one ledger."""

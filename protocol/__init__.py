@@ -1,0 +1,1 @@
+"""The coordinator wire contract. Pure: no sockets, no MLX."""
