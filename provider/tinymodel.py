@@ -1,0 +1,299 @@
+"""Tiny offline models for tests, benchmarks and the demo.
+
+`build_tiny_model` writes a complete model folder in the normal MLX / Hugging Face layout
+(`config.json`, `model.safetensors`, `tokenizer.json`, `tokenizer_config.json`,
+`chat_template.jinja`) that `mlx_lm.load(path)` loads unchanged. Nothing is downloaded:
+
+* the tokenizer is a byte-level BPE trained with `tokenizers` on a seeded synthetic corpus
+  (pseudo-words plus some multi-byte UTF-8 text), with ChatML special tokens
+  `<|endoftext|>` (0, bos/pad), `<|im_start|>` (1) and `<|im_end|>` (2, eos);
+* the weights are a seeded random init of `mlx_lm.models.llama.Model`.
+
+Presets (weights are float32 because float32 is the fastest dtype on an x86 CPU; see
+reference/mlx-notes.md §3):
+
+| preset | hidden/layers/ffn/heads/kv/vocab | context | fp32 weights |
+| ------ | -------------------------------- | ------- | ------------ |
+| tiny   | 256/2/256/4/2/2048               | 2048    | ~5.2 MB      |
+| small  | 512/4/1024/8/4/6144              | 4096    | ~50 MB       |
+| medium | 1024/8/2816/16/4/8192            | 4096    | ~394 MB      |
+
+`q_bits=4` (or 8) quantizes with `mlx_lm.utils.quantize_model`; the scales stay float32, which
+keeps a quantized tiny model usable on CPU (half-precision scales are 10-50x slower there).
+
+Building is deterministic: the same arguments give the same bytes. A marker file records the
+builder version and the arguments, so a second call with the same arguments reuses the folder.
+
+CLI: ``python -m provider.tinymodel OUT [--preset tiny|small|medium] [--dtype float32]
+[--q-bits 4] [--seed 0] [--force] [--check]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# Bump whenever the output of the builder changes, so cached folders are rebuilt.
+BUILDER_VERSION = 1
+MARKER_FILE = ".tinymodel.json"
+
+BOS_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = (BOS_TOKEN, IM_START, EOS_TOKEN)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    max_position_embeddings: int
+
+
+PRESETS: dict[str, Shape] = {
+    "tiny": Shape(256, 2, 256, 4, 2, 2048, 2048),
+    "small": Shape(512, 4, 1024, 8, 4, 6144, 4096),
+    "medium": Shape(1024, 8, 2816, 16, 4, 8192, 4096),
+}
+
+# A small seeded corpus: pseudo-words from syllables, some real words and punctuation, and
+# non-ASCII words so that multi-byte UTF-8 characters get their own merges.
+_SYLLABLES = (
+    "ka ro mi ne ta lu vo si pe da quo zen bar tel fin gor hul wix yam ost "
+    "an er in on un al el il ol ul ar or ur ek ik ok ax ex ix ox"
+).split()
+_WORDS = (
+    "the a of and to in is it that for on with as was at by this be from or an are not "
+    "model token memory cache batch stream prompt reply coordinator provider request "
+    "hello world answer question number apple river mountain blue green red yellow "
+    "one two three four five six seven eight nine ten hundred thousand"
+).split()
+_UNICODE_WORDS = (
+    "café naïve über straße señor façade crème brûlée smörgåsbord "
+    "日本語 東京 漢字 中文 한국어 Ελληνικά русский язык مرحبا שלום "
+    "😀 🚀 ✨ 🙂 🍎 ⭐ 你好 世界 数学"
+).split()
+_PUNCT = (".", ",", "!", "?", ";", ":", " -", "")
+_CORPUS_LINES = 20_000
+
+
+def _synthetic_corpus(seed: int) -> list[str]:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(_CORPUS_LINES):
+        words = []
+        for _ in range(rng.randint(3, 14)):
+            roll = rng.random()
+            if roll < 0.45:
+                words.append("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))))
+            elif roll < 0.85:
+                words.append(rng.choice(_WORDS))
+            elif roll < 0.95:
+                words.append(rng.choice(_UNICODE_WORDS))
+            else:
+                words.append(str(rng.randint(0, 9999)))
+        line = " ".join(words) + rng.choice(_PUNCT)
+        lines.append(line[0].upper() + line[1:] if rng.random() < 0.5 else line)
+    return lines
+
+
+def _train_tokenizer(vocab_size: int, seed: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        # Seeding the full byte alphabet makes every UTF-8 string encodable.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_synthetic_corpus(seed), trainer=trainer)
+    return tok
+
+
+def _save_tokenizer(out: Path, vocab_size: int, seed: int) -> int:
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(vocab_size, seed),
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=BOS_TOKEN,
+        unk_token=None,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=1_000_000,
+    )
+    hf.save_pretrained(str(out))
+    # transformers 5 writes "TokenizersBackend", which transformers 4.x cannot resolve.
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return len(hf)
+
+
+def _model_config(shape: Shape) -> dict:
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": shape.hidden_size,
+        "num_hidden_layers": shape.num_hidden_layers,
+        "intermediate_size": shape.intermediate_size,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_key_value_heads,
+        "head_dim": shape.hidden_size // shape.num_attention_heads,
+        "vocab_size": shape.vocab_size,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": 0,
+        "eos_token_id": [2, 0],
+    }
+
+
+def _save_weights(out: Path, config: dict, dtype: str, q_bits: int | None, q_group_size: int,
+                  seed: int) -> dict:
+    import mlx.core as mx
+    from mlx.utils import tree_map
+    from mlx_lm.models import llama
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    # Small embeddings keep logits in a sane range for a tied random model.
+    model.model.embed_tokens.weight = model.model.embed_tokens.weight * 0.02
+    target = getattr(mx, dtype)
+    model.update(tree_map(lambda p: p.astype(target), model.parameters()))
+    mx.eval(model.parameters())
+    config = dict(config, torch_dtype=dtype)
+    if q_bits is not None:
+        model, config = quantize_model(model, config, q_group_size, q_bits)
+    save_model(out, model)
+    save_config(config, out / "config.json")
+    return config
+
+
+@dataclass(frozen=True)
+class _Marker:
+    builder_version: int
+    preset: str
+    dtype: str
+    q_bits: int | None
+    q_group_size: int
+    seed: int
+
+
+def _marker_matches(out: Path, marker: _Marker) -> bool:
+    path = out / MARKER_FILE
+    if not path.is_file():
+        return False
+    try:
+        return json.loads(path.read_text()) == asdict(marker)
+    except (OSError, ValueError):
+        return False
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    *,
+    preset: str = "tiny",
+    dtype: str = "float32",
+    q_bits: int | None = None,
+    q_group_size: int = 64,
+    seed: int = 0,
+    force: bool = False,
+) -> Path:
+    """Build (or reuse) a tiny model folder at `out_dir` and return its path.
+
+    The folder is reused when its marker says it was built by this builder version with
+    the same arguments, unless `force` is set. The folder is built under a temporary name and
+    renamed into place, so a half-written folder is never seen or reused.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {DTYPES}")
+    out = Path(out_dir)
+    marker = _Marker(BUILDER_VERSION, preset, dtype, q_bits, q_group_size, seed)
+    if not force and _marker_matches(out, marker):
+        return out
+    # Build next to the target and rename at the end, so a concurrent test run never sees a
+    # half-written folder.
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        shape = PRESETS[preset]
+        _save_tokenizer(tmp, shape.vocab_size, seed)
+        _save_weights(tmp, _model_config(shape), dtype, q_bits, q_group_size, seed)
+        (tmp / MARKER_FILE).write_text(json.dumps(asdict(marker), indent=2, sort_keys=True) + "\n")
+        if out.exists():
+            if not force and _marker_matches(out, marker):
+                return out  # another process finished the same build first
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out
+
+
+def weights_bytes(model_dir: str | Path) -> int:
+    """Total size of the safetensors files in a model folder."""
+    return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+
+
+def _check(path: Path) -> str:
+    import mlx_lm
+
+    model, tok = mlx_lm.load(str(path))
+    ids = tok.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True)
+    return mlx_lm.generate(model, tok, ids, max_tokens=16)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m provider.tinymodel", description=__doc__.split("\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--q-bits", type=int, default=None)
+    parser.add_argument("--q-group-size", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--force", action="store_true")
+    parser.add_argument("--check", action="store_true", help="load it with mlx_lm and generate 16 tokens")
+    args = parser.parse_args(argv)
+    path = build_tiny_model(args.out, preset=args.preset, dtype=args.dtype, q_bits=args.q_bits,
+                            q_group_size=args.q_group_size, seed=args.seed, force=args.force)
+    print(f"{path}: {weights_bytes(path) / 1e6:.1f} MB of weights")
+    if args.check:
+        print(repr(_check(path)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny MLX models built offline by `provider.tinymodel`.
+
+Models are built once into the repo-local cache `.cache/tiny-models/` (gitignored) and reused on
+later runs while the builder version marker matches. Fixture names are stable; other test
+modules may use them freely:
+
+* ``tiny_model_path`` (session): ~5 MB float32 Llama, context 2048, vocab 2048. Fast; use it
+  for almost everything.
+* ``small_model_path`` (session): ~50 MB float32 Llama, context 4096, vocab 6144.
+* ``quantized_model_path`` (session): the tiny shape quantized to 4 bits (fp32 scales),
+  ~0.8 MB. Use it for load tests only.
+* ``medium_model_path`` (session): ~394 MB float32 Llama. Slow to build and load; only for a
+  test that really needs a big model.
+* ``tiny_models_dir`` (session): the cache folder itself.
+
+All tiny models use ChatML with `<|endoftext|>` = 0, `<|im_start|>` = 1 and `<|im_end|>` = 2;
+`config.json` sets `eos_token_id: [2, 0]`.
+
+`HF_HUB_OFFLINE=1` is set here so a model name that is not a local path fails at once instead
+of trying the network.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+from provider.tinymodel import build_tiny_model  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_models_dir() -> Path:
+    path = Path(os.environ.get("DARKBLOOM_TINY_MODELS_DIR", REPO_ROOT / ".cache" / "tiny-models"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tiny_models_dir: Path) -> Path:
+    return build_tiny_model(tiny_models_dir / "tiny-f32", preset="tiny")
+
+
+@pytest.fixture(scope="session")
+def small_model_path(tiny_models_dir: Path) -> Path:
+    return build_tiny_model(tiny_models_dir / "small-f32", preset="small")
+
+
+@pytest.fixture(scope="session")
+def quantized_model_path(tiny_models_dir: Path) -> Path:
+    return build_tiny_model(tiny_models_dir / "tiny-q4", preset="tiny", q_bits=4)
+
+
+@pytest.fixture(scope="session")
+def medium_model_path(tiny_models_dir: Path) -> Path:
+    return build_tiny_model(tiny_models_dir / "medium-f32", preset="medium")
