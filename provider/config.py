@@ -1,0 +1,456 @@
+"""Provider settings: defaults < TOML file < ``DARKBLOOM_*`` environment < CLI flags.
+
+One frozen, validated :class:`Settings` object with flat fields (``settings.coordinator_url``).
+Every field has exactly one name, used everywhere:
+
+* TOML key: the field name, at the top level of the file (``max_model_slots = 3``); the only table
+  is ``[model_aliases]`` (``"my-qwen" = "~/models/qwen"``).
+* Environment variable: ``DARKBLOOM_`` + the field name upper-cased (``DARKBLOOM_MAX_MODEL_SLOTS``).
+  Lists are comma-separated (``DARKBLOOM_MODEL_DIRS=~/a,~/b``), aliases are
+  ``id=path,id2=path2``, booleans ``true/false/1/0/yes/no``. An empty variable counts as unset.
+* CLI flag: ``--`` + the field name with dashes (``--max-model-slots``); the CLI passes flags it was
+  given as ``overrides`` (``None`` means "not given").
+
+The file is ``--config``, else ``$DARKBLOOM_CONFIG``, else ``$XDG_CONFIG_HOME/darkbloom/provider.toml``
+(default ``~/.config/darkbloom/provider.toml``); a missing default file just means "no file".
+``deploy/provider.example.toml`` lists every key with its default, and ``deploy/README.md`` has
+the table of environment names.
+
+Not settings: ``DARKBLOOM_MEM_CAP_FRACTION`` and ``DARKBLOOM_ACTIVATION_RESERVE_GB`` are read by
+``memory/policy`` itself (it treats bad values as unset, by design of the cap).
+
+Any bad input raises one :class:`ConfigError` whose message names where the value came from (file
+and key, environment variable, or flag), the value, and what is allowed. Unknown file keys are
+errors too, so a typo cannot silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import os
+import sys
+import tomllib
+from collections.abc import Mapping
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+
+ENV_PREFIX = "DARKBLOOM_"
+CONFIG_ENV = "DARKBLOOM_CONFIG"  # names the TOML file; not a setting itself
+# Read by memory/policy, not by this module; listed so `unrecognised_env` does not flag them.
+MEMORY_POLICY_ENV = frozenset({"DARKBLOOM_MEM_CAP_FRACTION", "DARKBLOOM_ACTIVATION_RESERVE_GB"})
+DEFAULT_COORDINATOR_URL = "wss://api.darkbloom.dev/ws/provider"
+DEFAULT_LOCAL_PORT = 8484
+GIB = 1 << 30
+
+
+class ConfigError(Exception):
+    """A bad configuration file or value; the message is meant for the operator as is."""
+
+
+class LogLevel(StrEnum):
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+class LogFormat(StrEnum):
+    AUTO = "auto"  # console on a terminal, JSON lines otherwise (launchd, systemd)
+    JSON = "json"
+    CONSOLE = "console"
+
+
+def default_state_dir(home: Path, platform: str = sys.platform, env: Mapping[str, str] | None = None) -> Path:
+    """Where identity keys and the KV SSD cache live."""
+    if platform == "darwin":
+        return home / "Library" / "Application Support" / "darkbloom"
+    xdg = (env or {}).get("XDG_DATA_HOME")
+    return (Path(xdg) if xdg else home / ".local" / "share") / "darkbloom"
+
+
+def default_config_path(home: Path, env: Mapping[str, str] | None = None) -> Path:
+    xdg = (env or {}).get("XDG_CONFIG_HOME")
+    return (Path(xdg) if xdg else home / ".config") / "darkbloom" / "provider.toml"
+
+
+def _allowed(text: str) -> dict[str, Any]:
+    # What an error message says is allowed; also the "allowed" column of deploy/README.md.
+    return {"json_schema_extra": {"allowed": text}}
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class Settings(BaseModel):
+    """Everything the operator can set. Sizes are GiB (2^30 bytes), durations as the name says."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, validate_default=True)
+
+    # Declared first because coordinator_url's check reads it.
+    dev_posture: bool = Field(
+        False, description="Development mode: relaxes production-only checks (e.g. ws:// to a remote host).",
+        **_allowed("true or false"),
+    )
+
+    # --- coordinator link
+    coordinator_url: str = Field(
+        DEFAULT_COORDINATOR_URL, description="Coordinator WebSocket endpoint.",
+        **_allowed("a wss:// URL (ws:// only to a loopback host, or with dev_posture)"),
+    )
+    auth_token: SecretStr | None = Field(
+        None, description="Device-linked provider token sent in `register` (links earnings to an account).",
+        **_allowed("a non-empty string"),
+    )
+    heartbeat_interval_s: float = Field(
+        5.0, gt=0, description="Seconds between heartbeats.", **_allowed("a number of seconds > 0"),
+    )
+    backend: str = Field(
+        "inprocess-mlx", min_length=1, max_length=64, description="`backend` string sent in `register`.",
+        **_allowed("a non-empty string of at most 64 characters"),
+    )
+    runtime_hash: str | None = Field(
+        None, min_length=1, max_length=128, description="Override for the `runtime_hash` sent in `register`.",
+        **_allowed("a non-empty string of at most 128 characters"),
+    )
+
+    # --- models
+    model_dirs: tuple[Path, ...] = Field(
+        (), description="Extra directories scanned for MLX models (besides the HF cache).",
+        **_allowed("a list of directory paths"),
+    )
+    hf_cache_dir: Path | None = Field(
+        None, description="Hugging Face hub cache to scan; unset = huggingface_hub's default (HF_HUB_CACHE, HF_HOME).",
+        **_allowed("a directory path"),
+    )
+    model_aliases: dict[str, Path] = Field(
+        default_factory=dict, description="Model ids served from a local path: `id = path`.",
+        **_allowed("a table of model id = directory path"),
+    )
+    enabled_models: tuple[str, ...] = Field(
+        (), description="Model ids to advertise; empty = every discovered model.",
+        **_allowed("a list of model ids"),
+    )
+
+    # --- memory (the cap fraction and activation reserve come from memory/policy's own env vars)
+    memory_reserve_gb: float = Field(
+        4.0, ge=0, description="Memory held back for the OS and the owner's apps (GiB).",
+        **_allowed("a number of GiB >= 0"),
+    )
+    memory_limit_gb: float | None = Field(
+        None, gt=0, description="Treat the machine as having at most this much memory (GiB); unset = physical.",
+        **_allowed("a number of GiB > 0"),
+    )
+
+    # --- model slots
+    max_model_slots: int = Field(
+        3, ge=1, description="Most models resident at once.", **_allowed("an integer >= 1"),
+    )
+    idle_timeout_mins: float = Field(
+        60.0, ge=0, description="Unload a model idle this long (minutes); 0 = never.",
+        **_allowed("a number of minutes >= 0 (0 = never)"),
+    )
+    load_wait_timeout_s: float = Field(
+        120.0, gt=0, description="How long a request waits for a load already in progress.",
+        **_allowed("a number of seconds > 0"),
+    )
+    settle_timeout_s: float = Field(
+        5.0, gt=0, description="How long an unload waits for MLX memory to settle.",
+        **_allowed("a number of seconds > 0"),
+    )
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="On shutdown, how long in-flight requests may finish.",
+        **_allowed("a number of seconds >= 0"),
+    )
+
+    # --- local state
+    state_dir: Path = Field(
+        default_factory=lambda: default_state_dir(Path.home()),
+        description="Identity keys and the KV SSD cache (default: ~/Library/Application Support/darkbloom "
+        "on macOS, ~/.local/share/darkbloom elsewhere).",
+        **_allowed("a directory path"),
+    )
+    kv_ssd_budget_gb: float = Field(
+        16.0, ge=0, description="Disk budget of the encrypted KV SSD tier (GiB); 0 = tier off.",
+        **_allowed("a number of GiB >= 0 (0 = off)"),
+    )
+
+    # --- local HTTP server (/healthz, /status, /metrics, local OpenAI API)
+    local_enabled: bool = Field(
+        True, description="Run the local HTTP server.", **_allowed("true or false"),
+    )
+    local_host: str = Field(
+        "127.0.0.1", description="Local server address; loopback only.",
+        **_allowed("a loopback address: 127.0.0.1, ::1 or localhost"),
+    )
+    local_port: int = Field(
+        DEFAULT_LOCAL_PORT, ge=1, le=65535, description="Local server port.",
+        **_allowed("an integer port 1-65535"),
+    )
+
+    # --- logs
+    log_level: LogLevel = Field(
+        LogLevel.INFO, description="Lowest level logged.", **_allowed("debug, info, warning or error"),
+    )
+    log_format: LogFormat = Field(
+        LogFormat.AUTO, description="auto = console on a terminal, JSON lines otherwise.",
+        **_allowed("auto, json or console"),
+    )
+
+    @field_validator(
+        "heartbeat_interval_s", "memory_reserve_gb", "memory_limit_gb", "max_model_slots", "idle_timeout_mins",
+        "load_wait_timeout_s", "settle_timeout_s", "drain_timeout_s", "kv_ssd_budget_gb", "local_port",
+        mode="before",
+    )
+    @classmethod
+    def _no_bool_numbers(cls, value: Any) -> Any:
+        # pydantic reads `true` as 1; in a config file that is a mistake, not a number.
+        if isinstance(value, bool):
+            raise ValueError("a boolean is not a number")
+        return value
+
+    @field_validator("coordinator_url")
+    @classmethod
+    def _check_coordinator_url(cls, url: str, info: ValidationInfo) -> str:
+        parts = urlsplit(url)
+        if parts.scheme not in ("ws", "wss") or not parts.hostname:
+            raise ValueError("must be a ws:// or wss:// URL with a host")
+        if parts.scheme == "ws" and not _is_loopback(parts.hostname) and not info.data.get("dev_posture"):
+            raise ValueError("plain ws:// is only allowed to a loopback host unless dev_posture is true")
+        return url
+
+    @field_validator("auth_token")
+    @classmethod
+    def _check_token(cls, token: SecretStr | None) -> SecretStr | None:
+        if token is not None and not token.get_secret_value():
+            raise ValueError("must not be empty")
+        return token
+
+    @field_validator("local_host")
+    @classmethod
+    def _check_local_host(cls, host: str) -> str:
+        if not _is_loopback(host):
+            raise ValueError("the local server listens on a loopback address only")
+        return host
+
+    @field_validator("enabled_models")
+    @classmethod
+    def _check_model_ids(cls, ids: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not i or i != i.strip() for i in ids):
+            raise ValueError("model ids must be non-empty and have no surrounding spaces")
+        return ids
+
+    @field_validator("model_aliases")
+    @classmethod
+    def _check_alias_ids(cls, aliases: dict[str, Path]) -> dict[str, Path]:
+        if any(not i or i != i.strip() for i in aliases):
+            raise ValueError("model ids must be non-empty and have no surrounding spaces")
+        return aliases
+
+    @field_validator("model_dirs", "hf_cache_dir", "model_aliases", "state_dir")
+    @classmethod
+    def _expand_home(cls, value: Any) -> Any:
+        # The loader already resolved `~` and relative paths per source; this covers direct use.
+        if isinstance(value, Path):
+            return value.expanduser()
+        if isinstance(value, tuple):
+            return tuple(p.expanduser() for p in value)
+        if isinstance(value, dict):
+            return {k: p.expanduser() for k, p in value.items()}
+        return value
+
+    # --- derived figures, so callers do not each redo the unit arithmetic
+    @property
+    def memory_reserve_bytes(self) -> int:
+        return int(self.memory_reserve_gb * GIB)
+
+    @property
+    def memory_limit_bytes(self) -> int | None:
+        return None if self.memory_limit_gb is None else int(self.memory_limit_gb * GIB)
+
+    @property
+    def kv_ssd_budget_bytes(self) -> int:
+        return int(self.kv_ssd_budget_gb * GIB)
+
+    @property
+    def idle_timeout_s(self) -> float | None:
+        """Seconds before an idle model is unloaded; ``None`` = never."""
+        return None if self.idle_timeout_mins == 0 else self.idle_timeout_mins * 60.0
+
+    @property
+    def local_base_url(self) -> str:
+        host = f"[{self.local_host}]" if ":" in self.local_host else self.local_host
+        return f"http://{host}:{self.local_port}"
+
+
+FIELDS: tuple[str, ...] = tuple(Settings.model_fields)
+_PATH_FIELDS = frozenset({"model_dirs", "hf_cache_dir", "state_dir"})
+_LIST_FIELDS = frozenset({"model_dirs", "enabled_models"})
+_SECRET_FIELDS = frozenset({"auth_token"})
+
+
+def env_name(field: str) -> str:
+    """The environment variable that sets ``field``."""
+    return ENV_PREFIX + field.upper()
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def allowed_text(field: str) -> str:
+    extra = Settings.model_fields[field].json_schema_extra
+    assert isinstance(extra, dict)
+    return str(extra["allowed"])
+
+
+def unrecognised_env(env: Mapping[str, str]) -> list[str]:
+    """``DARKBLOOM_*`` variables that nothing reads (likely typos), for `doctor` to point out."""
+    known = {env_name(f) for f in FIELDS} | MEMORY_POLICY_ENV | {CONFIG_ENV}
+    return sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
+
+
+def resolve_config_path(config_path: Path | None, env: Mapping[str, str], home: Path) -> tuple[Path, bool]:
+    """The TOML file to read and whether it must exist (it must when named explicitly)."""
+    if config_path is not None:
+        return config_path.expanduser(), True
+    if env.get(CONFIG_ENV):
+        return _expand(env[CONFIG_ENV], home, Path.cwd()), True
+    return default_config_path(home, env), False
+
+
+def load_settings(
+    *,
+    config_path: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    platform: str = sys.platform,
+) -> Settings:
+    """Build the settings: defaults < TOML file < ``DARKBLOOM_*`` env < ``overrides`` (CLI flags)."""
+    env = os.environ if env is None else env
+    home = Path(env["HOME"]) if env.get("HOME") else Path.home()
+    values: dict[str, Any] = {"state_dir": default_state_dir(home, platform, env)}
+    origins: dict[str, str] = {}
+
+    path, required = resolve_config_path(config_path, env, home)
+    for key, value in _read_toml(path, required, home).items():
+        values[key], origins[key] = value, f"{path}: key '{key}{{sub}}'"
+    for key, value in _read_env(env, home).items():
+        values[key], origins[key] = value, f"environment variable {env_name(key)}{{sub}}"
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if key not in Settings.model_fields:
+            raise ConfigError(f"unknown setting {flag_name(key)} (known: {', '.join(FIELDS)})")
+        values[key] = _normalise_paths(key, value, home, Path.cwd())
+        origins[key] = f"option {flag_name(key)}{{sub}}"
+
+    try:
+        return Settings.model_validate(values)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, values, origins)) from None
+
+
+def _read_toml(path: Path, required: bool, home: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if required:
+            raise ConfigError(f"{path}: configuration file not found") from None
+        return {}
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read configuration file ({type(exc).__name__})") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    for key in data:
+        if key not in Settings.model_fields:
+            close = difflib.get_close_matches(key, FIELDS, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise ConfigError(f"{path}: unknown key '{key}' ({hint}known keys: {', '.join(FIELDS)})")
+    return {k: _normalise_paths(k, v, home, path.parent) for k, v in data.items()}
+
+
+def _read_env(env: Mapping[str, str], home: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for field in FIELDS:
+        raw = env.get(env_name(field))
+        if raw is None or raw.strip() == "":
+            continue
+        value: Any = raw.strip()
+        if field in _LIST_FIELDS:
+            value = [item.strip() for item in raw.split(",") if item.strip()]
+        elif field == "model_aliases":
+            value = _parse_aliases(raw, env_name(field))
+        out[field] = _normalise_paths(field, value, home, Path.cwd())
+    return out
+
+
+def _parse_aliases(raw: str, source: str) -> dict[str, str]:
+    aliases: dict[str, str] = {}
+    for pair in filter(None, (p.strip() for p in raw.split(","))):
+        model_id, sep, path = pair.partition("=")
+        if not sep or not model_id.strip() or not path.strip():
+            raise ConfigError(
+                f"environment variable {source}: value {_show(pair)} is not allowed: "
+                "expected id=path pairs separated by commas (e.g. my-model=~/models/a,other=/srv/b)"
+            )
+        aliases[model_id.strip()] = path.strip()
+    return aliases
+
+
+def _expand(raw: str, home: Path, base: Path) -> Path:
+    """``~`` against the configured home, relative paths against ``base`` (the file's directory)."""
+    path = home / raw[2:] if raw == "~" or raw.startswith("~/") else Path(raw)
+    return path if path.is_absolute() else base / path
+
+
+def _normalise_paths(field: str, value: Any, home: Path, base: Path) -> Any:
+    # Only well-typed strings are touched; anything else is left for validation to reject by name.
+    if field in _PATH_FIELDS:
+        if isinstance(value, str) and value:
+            return _expand(value, home, base)
+        if isinstance(value, list):
+            return [_expand(v, home, base) if isinstance(v, str) and v else v for v in value]
+    if field == "model_aliases" and isinstance(value, dict):
+        return {k: _expand(v, home, base) if isinstance(v, str) and v else v for k, v in value.items()}
+    return value
+
+
+def _show(value: Any) -> str:
+    text = repr(str(value) if isinstance(value, Path) else value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _describe(exc: ValidationError, values: Mapping[str, Any], origins: Mapping[str, str]) -> str:
+    lines = []
+    for err in exc.errors(include_url=False):
+        loc = err["loc"]
+        field = str(loc[0]) if loc else "?"
+        sub = "".join(f"[{part!r}]" for part in loc[1:])
+        where = origins.get(field, f"default of '{field}{{sub}}'").replace("{sub}", sub)
+        shown = "'***'" if field in _SECRET_FIELDS else _show(err.get("input", values.get(field)))
+        reason = str(err["msg"]).removeprefix("Value error, ")
+        reason = reason[:1].lower() + reason[1:]
+        allowed = allowed_text(field) if field in Settings.model_fields else "see deploy/README.md"
+        lines.append(f"{where}: value {shown} is not allowed: {reason}. Allowed: {allowed}.")
+    return "\n".join(lines) if len(lines) == 1 else "invalid configuration:\n  " + "\n  ".join(lines)
