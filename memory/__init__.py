@@ -1,1 +1,73 @@
-"""The unified-memory policy. Pure arithmetic plus one ledger."""
+"""The unified-memory policy. Pure arithmetic plus one ledger.
+
+    Σ(resident weights) + KV + activations + reservations  ≤  effective cap
+
+Modules (reference/memory-policy.md is the specification):
+
+* `policy`   cap math and env resolution: `figures()` → `CapFigures` and its methods
+* `snapshot` `MemorySnapshot`, the one value everything else reads
+* `probe`    the only module that reads the machine (psutil, MLX counters, cgroup v1/v2 files):
+             `memory.probe.snapshot()` or a long-lived `Probe`
+* `ledger`   the one process-wide reservation ledger (atomic check-and-insert, typed leases)
+* `fit`      fit verdicts and `free_for_load_bytes` for register, heartbeat and doctor
+* `pressure` GREEN / YELLOW / RED / FATAL watermarks of projected utilization
+* `settle`   the settle barrier after an unload
+
+No other package does cap arithmetic; it calls these.
+"""
+
+from memory.fit import FitResult, FitVerdict, fit, free_for_load_bytes
+from memory.ledger import Lease, Ledger, LedgerSnapshot, Rejection, RejectionReason, ReservationKind
+from memory.policy import (
+    GiB,
+    MAX_BYTES,
+    MIN_KV_BYTES,
+    MIN_OS_BYTES,
+    CapFigures,
+    PolicySettings,
+    RequestKv,
+    compute_figures,
+    default_max_tokens,
+    figures,
+    gib,
+    padded_weight_bytes,
+    resolve_settings,
+)
+from memory.pressure import Pressure, PressureLevel, pressure
+from memory.probe import Probe
+from memory.settle import SettleResult, settle
+from memory.snapshot import MemorySnapshot, MlxCounters
+
+__all__ = [
+    "MAX_BYTES",
+    "MIN_KV_BYTES",
+    "MIN_OS_BYTES",
+    "CapFigures",
+    "FitResult",
+    "FitVerdict",
+    "GiB",
+    "Lease",
+    "Ledger",
+    "LedgerSnapshot",
+    "MemorySnapshot",
+    "MlxCounters",
+    "PolicySettings",
+    "Pressure",
+    "PressureLevel",
+    "Probe",
+    "Rejection",
+    "RejectionReason",
+    "RequestKv",
+    "ReservationKind",
+    "SettleResult",
+    "compute_figures",
+    "default_max_tokens",
+    "figures",
+    "fit",
+    "free_for_load_bytes",
+    "gib",
+    "padded_weight_bytes",
+    "pressure",
+    "resolve_settings",
+    "settle",
+]

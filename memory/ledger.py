@@ -1,0 +1,213 @@
+"""The one process-wide reservation ledger (memory-policy.md §4).
+
+A reservation holds back bytes that are promised but not yet visible in MLX's counters: a request's
+KV, decoded media, a model load in flight, the RAM prefix cache. The ledger admits a reservation
+iff it fits in `available = live_headroom(snapshot) − Σ outstanding`, and it does the check and the
+insert under one `threading.Lock` with no await in between, so the asyncio loop and the engine
+thread can both call it and two callers can never both take the last bytes.
+
+Where the live headroom comes from: each call that admits takes the current `MemorySnapshot`
+(`snapshot=`), or, when none is passed, calls the `sample` callable given at construction (in
+production `memory.probe.snapshot`). The snapshot is read, and the arithmetic done, inside the
+lock together with the outstanding total. Tests pass snapshots by hand.
+
+Every reservation is released exactly once by its owner, from its own cleanup path; `release` is
+idempotent and nothing ever expires by age (there is no clock in here).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Literal
+
+from memory.policy import CapFigures
+from memory.snapshot import MemorySnapshot
+
+
+class ReservationKind(StrEnum):
+    REQUEST_KV = "request_kv"  # a request's prompt + output KV, from admission to completion
+    MEDIA = "media"  # decoded images/video held while a request is prepared
+    PENDING_LOAD = "pending_load"  # a model load's allocation permit: weights_est + MIN_KV
+    PREFIX_CACHE = "prefix_cache"  # RAM prefix-cache entries (kvcache/ram)
+
+
+class RejectionReason(StrEnum):
+    INSUFFICIENT_MEMORY = "insufficient_memory"  # bytes > available
+    OVER_SINGLE_REQUEST_LIMIT = "over_single_request_limit"  # request_kv above half the hard cap
+    DUPLICATE_ID = "duplicate_id"  # an outstanding reservation already has this id
+    INVALID_SIZE = "invalid_size"  # negative byte count
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A granted reservation. `nbytes` is the amount granted; `Ledger.bytes_of(id)` is the current one."""
+
+    id: str
+    kind: ReservationKind
+    nbytes: int
+
+    @property
+    def granted(self) -> Literal[True]:
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """A refused reservation, with the figures that refused it (nothing was inserted)."""
+
+    id: str
+    kind: ReservationKind
+    nbytes: int
+    reason: RejectionReason
+    available_bytes: int
+
+    @property
+    def granted(self) -> Literal[False]:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerSnapshot:
+    """Telemetry view: outstanding count and bytes per kind (every kind present, zeros included)."""
+
+    count_by_kind: Mapping[ReservationKind, int]
+    bytes_by_kind: Mapping[ReservationKind, int]
+
+    @property
+    def count(self) -> int:
+        return sum(self.count_by_kind.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_kind.values())
+
+
+@dataclass(slots=True)
+class _Entry:
+    kind: ReservationKind
+    nbytes: int
+
+
+class Ledger:
+    """Reservations against the live headroom of `figures`. Thread-safe; every method is synchronous."""
+
+    def __init__(self, figures: CapFigures, *, sample: Callable[[], MemorySnapshot] | None = None) -> None:
+        self._figures = figures
+        self._sample = sample
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._total = 0
+
+    @property
+    def figures(self) -> CapFigures:
+        return self._figures
+
+    # -- admitting ---------------------------------------------------------------------------
+
+    def reserve(self, rid: str, kind: ReservationKind, nbytes: int, *,
+                snapshot: MemorySnapshot | None = None) -> Lease | Rejection:
+        """Atomically check `nbytes ≤ available` and insert. Never blocks beyond the lock."""
+        kind = ReservationKind(kind)
+        if nbytes < 0:
+            return Rejection(rid, kind, nbytes, RejectionReason.INVALID_SIZE, 0)
+        with self._lock:
+            snap = self._snapshot_for(snapshot)
+            available = self._figures.available_bytes(snap, self._total)
+            if rid in self._entries:
+                return Rejection(rid, kind, nbytes, RejectionReason.DUPLICATE_ID, available)
+            if kind is ReservationKind.REQUEST_KV and nbytes > self._figures.single_request_limit_bytes:
+                return Rejection(rid, kind, nbytes, RejectionReason.OVER_SINGLE_REQUEST_LIMIT, available)
+            if nbytes > available:
+                return Rejection(rid, kind, nbytes, RejectionReason.INSUFFICIENT_MEMORY, available)
+            self._entries[rid] = _Entry(kind, nbytes)
+            self._total += nbytes
+            return Lease(rid, kind, nbytes)
+
+    def claim_pending_load(self, rid: str, nbytes: int, *,
+                           snapshot: MemorySnapshot | None = None) -> Lease | Rejection:
+        """A load's allocation permit (`nbytes` = weights_est + MIN_KV), taken with its own capacity
+        check. `reduce` it as weights become resident; `release` it on install and on every failure."""
+        return self.reserve(rid, ReservationKind.PENDING_LOAD, nbytes, snapshot=snapshot)
+
+    # -- shrinking and releasing -------------------------------------------------------------
+
+    def reduce(self, rid: str, nbytes: int) -> int:
+        """Lower a reservation by `nbytes` (floored at 0; it stays outstanding until released).
+        Returns the bytes still reserved under `rid` (0 for an unknown or released id)."""
+        if nbytes < 0:
+            raise ValueError("reduce() takes a non-negative byte count")
+        with self._lock:
+            entry = self._entries.get(rid)
+            if entry is None:
+                return 0
+            cut = min(nbytes, entry.nbytes)
+            entry.nbytes -= cut
+            self._total -= cut
+            return entry.nbytes
+
+    def release(self, rid: str) -> int:
+        """Drop a reservation. Idempotent: returns the bytes freed, 0 if `rid` is not outstanding."""
+        with self._lock:
+            entry = self._entries.pop(rid, None)
+            if entry is None:
+                return 0
+            self._total -= entry.nbytes
+            return entry.nbytes
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def outstanding_bytes(self, *, excluding: str | None = None) -> int:
+        """Σ outstanding reservations, optionally leaving one id out."""
+        with self._lock:
+            entry = self._entries.get(excluding) if excluding is not None else None
+            return self._total - (entry.nbytes if entry else 0)
+
+    def available_bytes(self, snapshot: MemorySnapshot | None = None) -> int:
+        """What `reserve` would admit right now (read-only; for fast admission)."""
+        with self._lock:
+            return self._figures.available_bytes(self._snapshot_for(snapshot), self._total)
+
+    def load_is_serveable(self, snapshot: MemorySnapshot | None = None, *,
+                          pending_load_id: str | None = None) -> bool:
+        """Post-load guard: live headroom ≥ MIN_KV + outstanding reservations other than the
+        load's own claim (whose weights are now part of the snapshot's MLX usage)."""
+        with self._lock:
+            snap = self._snapshot_for(snapshot)
+            entry = self._entries.get(pending_load_id) if pending_load_id is not None else None
+            others = self._total - (entry.nbytes if entry else 0)
+            return self._figures.load_is_serveable(snap, others)
+
+    def bytes_of(self, rid: str) -> int | None:
+        """Current bytes reserved under `rid`, None when it is not outstanding."""
+        with self._lock:
+            entry = self._entries.get(rid)
+            return None if entry is None else entry.nbytes
+
+    def __contains__(self, rid: object) -> bool:
+        with self._lock:
+            return rid in self._entries
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def snapshot(self) -> LedgerSnapshot:
+        """Count and bytes outstanding per kind, read atomically."""
+        counts = dict.fromkeys(ReservationKind, 0)
+        sizes = dict.fromkeys(ReservationKind, 0)
+        with self._lock:
+            for entry in self._entries.values():
+                counts[entry.kind] += 1
+                sizes[entry.kind] += entry.nbytes
+        return LedgerSnapshot(MappingProxyType(counts), MappingProxyType(sizes))
+
+    def _snapshot_for(self, snapshot: MemorySnapshot | None) -> MemorySnapshot:
+        if snapshot is not None:
+            return snapshot
+        if self._sample is None:
+            raise TypeError("Ledger has no sample(); pass snapshot=")
+        return self._sample()

@@ -1,0 +1,292 @@
+"""The cap arithmetic: every figure of reference/memory-policy.md §2–§4, derived in one place.
+
+    Σ(resident weights) + KV + activations + other reserved bytes  ≤  effective cap
+
+Use it in two steps. `resolve_settings()` reads the `DARKBLOOM_*` environment once (and logs one
+warning per rejected variable); `compute_figures(P, settings)` turns a physical size into a frozen
+`CapFigures`, whose methods answer every question the rest of the provider asks (live headroom,
+KV budget, per-request KV bytes, post-load guard). `figures()` does both at once. Nothing here
+touches MLX, psutil or the clock; snapshots come in as arguments.
+
+Precedence: an explicit `cap_fraction` / `activation_reserve_gb` argument → env → default. For the
+operator reserve and the memory limit, a valid env value overrides the `memory_reserve_gb` /
+`memory_limit_gb` arguments (those are the config-file values); pass `env={}` to ignore the
+environment. Env values that are missing, blank, not numbers, NaN, ±inf or ≤ 0 count as unset.
+A fraction above 1 is clamped to 1. Byte figures saturate at `MAX_BYTES` instead of overflowing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import structlog
+
+from memory.snapshot import MemorySnapshot
+
+log = structlog.get_logger(__name__)
+
+GiB = 2**30
+MAX_BYTES = 2**63 - 1  # saturation ceiling: the largest int64, what JSON peers and counters can carry
+
+DEFAULT_CAP_FRACTION = 0.90
+DEFAULT_ACTIVATION_RESERVE_BYTES = 3 * GiB
+DEFAULT_MEMORY_RESERVE_GB = 4.0
+MIN_OS_BYTES = 2 * GiB  # absolute OS floor under the hard cap
+MIN_KV_BYTES = 1 * GiB  # a freshly loaded model must be able to serve at least this much KV
+WEIGHT_PADDING = 1.2  # on-disk weight bytes × 1.2 = weights estimate before load
+DEFAULT_MAX_TOKENS_CEILING = 8192  # max_tokens default: min(context_length, 8192)
+
+ENV_CAP_FRACTION = "DARKBLOOM_MEM_CAP_FRACTION"
+ENV_ACTIVATION_RESERVE_GB = "DARKBLOOM_ACTIVATION_RESERVE_GB"
+ENV_MEMORY_RESERVE_GB = "DARKBLOOM_MEMORY_RESERVE_GB"
+ENV_MEMORY_LIMIT_GB = "DARKBLOOM_MEMORY_LIMIT_GB"
+
+
+def saturate(nbytes: int | float) -> int:
+    """Clamp a byte count into [0, MAX_BYTES] (NaN → 0); never raises on huge or infinite input."""
+    if isinstance(nbytes, float):
+        if math.isnan(nbytes) or nbytes <= 0:
+            return 0
+        if nbytes >= MAX_BYTES:
+            return MAX_BYTES
+        return int(nbytes)
+    return 0 if nbytes <= 0 else min(int(nbytes), MAX_BYTES)
+
+
+def gib_to_bytes(gb: float) -> int:
+    """GiB (float) → bytes, floored, saturating at MAX_BYTES; negative or NaN → 0."""
+    if math.isnan(gb) or gb <= 0:
+        return 0
+    if gb >= MAX_BYTES / GiB:
+        return MAX_BYTES
+    return saturate(gb * GiB)
+
+
+def gib(nbytes: int) -> float:
+    """Bytes → GiB as a float, for display and the wire's `*_gb` fields."""
+    return nbytes / GiB
+
+
+def padded_weight_bytes(on_disk_weight_bytes: int) -> int:
+    """Weights estimate before load: on-disk bytes × 1.2, rounded up, saturating."""
+    n = saturate(on_disk_weight_bytes)
+    return saturate(-(-n * 6 // 5))  # exact ceil(n × 1.2) in integers
+
+
+def default_max_tokens(context_length: int) -> int:
+    """The output budget of a request that does not set `max_tokens`: min(context, 8192)."""
+    return max(0, min(context_length, DEFAULT_MAX_TOKENS_CEILING))
+
+
+# --------------------------------------------------------------------------------------------
+# Settings: explicit → env → default, resolved once
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySettings:
+    """The resolved inputs of the cap math (everything except `P`)."""
+
+    cap_fraction: float = DEFAULT_CAP_FRACTION
+    activation_reserve_bytes: int = DEFAULT_ACTIVATION_RESERVE_BYTES
+    memory_reserve_bytes: int = int(DEFAULT_MEMORY_RESERVE_GB * GiB)
+    memory_limit_bytes: int | None = None
+
+
+def _env_positive(env: Mapping[str, str], name: str) -> float | None:
+    """A finite, > 0 number from env, or None (missing/blank: silently; anything else: one warning)."""
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if math.isfinite(value) and value > 0:
+        return value
+    log.warning("memory_env_rejected", variable=name, value=raw[:64], using="default")
+    return None
+
+
+def _explicit_fraction(value: float) -> float:
+    # Programmatic values are honoured but clamped; only NaN is meaningless.
+    return DEFAULT_CAP_FRACTION if math.isnan(value) else min(1.0, max(0.0, value))
+
+
+def resolve_settings(
+    env: Mapping[str, str] | None = None,
+    *,
+    memory_reserve_gb: float = DEFAULT_MEMORY_RESERVE_GB,
+    memory_limit_gb: float | None = None,
+    cap_fraction: float | None = None,
+    activation_reserve_gb: float | None = None,
+) -> PolicySettings:
+    """Resolve the policy inputs from explicit values, env (`None` = `os.environ`) and defaults.
+
+    Logs exactly one `memory_env_rejected` warning (with `variable` and `value`) per env variable
+    that is set but unusable, and one `memory_env_clamped` warning for a fraction above 1.
+    """
+    env = os.environ if env is None else env
+
+    if cap_fraction is not None:
+        fraction = _explicit_fraction(cap_fraction)
+    else:
+        fraction = _env_positive(env, ENV_CAP_FRACTION) or DEFAULT_CAP_FRACTION
+        if fraction > 1.0:
+            log.warning("memory_env_clamped", variable=ENV_CAP_FRACTION, value=env[ENV_CAP_FRACTION][:64], using=1.0)
+            fraction = 1.0
+
+    if activation_reserve_gb is not None:
+        activation = (DEFAULT_ACTIVATION_RESERVE_BYTES if math.isnan(activation_reserve_gb)
+                      else gib_to_bytes(activation_reserve_gb))
+    else:
+        env_activation = _env_positive(env, ENV_ACTIVATION_RESERVE_GB)
+        activation = DEFAULT_ACTIVATION_RESERVE_BYTES if env_activation is None else gib_to_bytes(env_activation)
+
+    env_reserve = _env_positive(env, ENV_MEMORY_RESERVE_GB)
+    if env_reserve is not None:
+        reserve = gib_to_bytes(env_reserve)
+    elif math.isnan(memory_reserve_gb):
+        reserve = gib_to_bytes(DEFAULT_MEMORY_RESERVE_GB)
+    else:
+        reserve = gib_to_bytes(memory_reserve_gb)
+
+    env_limit = _env_positive(env, ENV_MEMORY_LIMIT_GB)
+    limit_gb = env_limit if env_limit is not None else memory_limit_gb
+    limit = memory_limit_bytes_from_gb(limit_gb)
+
+    return PolicySettings(cap_fraction=fraction, activation_reserve_bytes=activation,
+                          memory_reserve_bytes=reserve, memory_limit_bytes=limit)
+
+
+def memory_limit_bytes_from_gb(memory_limit_gb: float | None) -> int | None:
+    """Operator memory limit in bytes; None, NaN, ±inf and ≤ 0 mean "no limit"."""
+    if memory_limit_gb is None or not math.isfinite(memory_limit_gb) or memory_limit_gb <= 0:
+        return None
+    return max(1, gib_to_bytes(memory_limit_gb))
+
+
+# --------------------------------------------------------------------------------------------
+# Figures
+
+
+@dataclass(frozen=True, slots=True)
+class RequestKv:
+    """KV bytes one request reserves: `kv_bytes_per_token × tokens`, tokens clamped to the context."""
+
+    tokens: int  # prompt + output tokens, clamped to the context window
+    max_tokens: int  # output tokens budgeted after the clamp
+    nbytes: int
+    limit_bytes: int  # a single request may never claim more than half the hard cap
+
+    @property
+    def within_limit(self) -> bool:
+        return self.nbytes <= self.limit_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CapFigures:
+    """Every derived figure for one physical size `P` (all ints, bytes). Build with `figures()`."""
+
+    physical_bytes: int  # P, after the operator memory limit
+    cap_fraction: float  # f
+    activation_reserve_bytes: int  # A
+    memory_reserve_bytes: int  # R_cfg
+    memory_limit_bytes: int | None
+    hard_cap_bytes: int  # min(f·P, P − MIN_OS), 0 when P ≤ MIN_OS
+    effective_cap_bytes: int  # min(hard_cap, P − R_cfg): the live ceiling
+    load_reserve_bytes: int  # max(R_cfg, P − hard_cap): what the load gate holds back
+    load_headroom_bytes: int  # A + MIN_KV: needed above the weights for a load to be worth it
+    min_kv_bytes: int = MIN_KV_BYTES
+    min_os_bytes: int = MIN_OS_BYTES
+
+    @property
+    def single_request_limit_bytes(self) -> int:
+        """The most KV one request may ever reserve: half the hard cap."""
+        return self.hard_cap_bytes // 2
+
+    def kv_budget_bytes(self, resident_weight_bytes: int, ram_prefix_bytes: int = 0) -> int:
+        """Static planning budget: max(0, hard_cap − W − A − ram_prefix)."""
+        claimed = saturate(resident_weight_bytes) + self.activation_reserve_bytes + saturate(ram_prefix_bytes)
+        return max(0, self.hard_cap_bytes - claimed)
+
+    def load_room_bytes(self, snapshot: MemorySnapshot, outstanding_bytes: int = 0) -> int:
+        """Room under the live ceiling before the activation reserve, net of reservations:
+        max(0, min(eff_cap − mlx_used, sys_avail) − outstanding). A load fits iff
+        `weights_est + load_headroom ≤` this (the same test `Ledger.claim_pending_load` makes)."""
+        under_cap = self.effective_cap_bytes - snapshot.mlx_used_bytes
+        return max(0, min(under_cap, snapshot.available_bytes) - saturate(outstanding_bytes))
+
+    def live_headroom_bytes(self, snapshot: MemorySnapshot) -> int:
+        """live_headroom = max(0, min(eff_cap − mlx_used, sys_avail) − A)."""
+        return max(0, self.load_room_bytes(snapshot) - self.activation_reserve_bytes)
+
+    def available_bytes(self, snapshot: MemorySnapshot, outstanding_bytes: int = 0) -> int:
+        """available = max(0, live_headroom − Σ outstanding reservations)."""
+        return max(0, self.live_headroom_bytes(snapshot) - saturate(outstanding_bytes))
+
+    def required_load_bytes(self, weights_estimate_bytes: int) -> int:
+        """What a load needs free: weights_est + load_headroom (saturating)."""
+        return saturate(saturate(weights_estimate_bytes) + self.load_headroom_bytes)
+
+    def load_is_serveable(self, snapshot: MemorySnapshot, outstanding_bytes: int = 0) -> bool:
+        """Post-load guard (§5.5): measured live headroom ≥ MIN_KV + outstanding reservations."""
+        return self.live_headroom_bytes(snapshot) >= self.min_kv_bytes + saturate(outstanding_bytes)
+
+    def request_kv(self, *, kv_bytes_per_token: int, prompt_tokens: int, context_length: int,
+                   max_tokens: int | None = None) -> RequestKv:
+        """Per-request KV bytes: `kv_bytes_per_token × min(prompt + max_tokens, context)`.
+
+        `max_tokens=None` means the request did not set it: `min(context_length, 8192)`.
+        Check `.within_limit` (≤ half the hard cap) before reserving; the ledger refuses the rest.
+        """
+        context = max(0, context_length)
+        prompt = max(0, prompt_tokens)
+        output = default_max_tokens(context) if max_tokens is None else max(0, max_tokens)
+        tokens = min(prompt + output, context)
+        return RequestKv(tokens=tokens, max_tokens=max(0, tokens - prompt),
+                         nbytes=saturate(max(0, kv_bytes_per_token) * tokens),
+                         limit_bytes=self.single_request_limit_bytes)
+
+
+def compute_figures(physical_bytes: int, settings: PolicySettings | None = None) -> CapFigures:
+    """The §3 formulas for physical size `physical_bytes` under resolved `settings` (no env read)."""
+    s = settings or PolicySettings()
+    p = saturate(physical_bytes)
+    if s.memory_limit_bytes is not None:
+        p = min(p, s.memory_limit_bytes)
+    by_fraction = saturate(p * s.cap_fraction)  # float product: exact enough, floored
+    hard_cap = 0 if p <= MIN_OS_BYTES else min(by_fraction, p - MIN_OS_BYTES)
+    effective = max(0, min(hard_cap, p - s.memory_reserve_bytes))
+    return CapFigures(
+        physical_bytes=p,
+        cap_fraction=s.cap_fraction,
+        activation_reserve_bytes=s.activation_reserve_bytes,
+        memory_reserve_bytes=s.memory_reserve_bytes,
+        memory_limit_bytes=s.memory_limit_bytes,
+        hard_cap_bytes=hard_cap,
+        effective_cap_bytes=effective,
+        load_reserve_bytes=max(s.memory_reserve_bytes, p - hard_cap),
+        load_headroom_bytes=saturate(s.activation_reserve_bytes + MIN_KV_BYTES),
+    )
+
+
+def figures(
+    physical_bytes: int,
+    *,
+    env: Mapping[str, str] | None = None,
+    memory_reserve_gb: float = DEFAULT_MEMORY_RESERVE_GB,
+    memory_limit_gb: float | None = None,
+    cap_fraction: float | None = None,
+    activation_reserve_gb: float | None = None,
+) -> CapFigures:
+    """Resolve settings (env `None` = `os.environ`) and compute the figures for `physical_bytes`.
+
+    Resolving logs env warnings, so long-lived callers resolve once with `resolve_settings()` and
+    call `compute_figures()` afterwards.
+    """
+    settings = resolve_settings(env, memory_reserve_gb=memory_reserve_gb, memory_limit_gb=memory_limit_gb,
+                                cap_fraction=cap_fraction, activation_reserve_gb=activation_reserve_gb)
+    return compute_figures(physical_bytes, settings)

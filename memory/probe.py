@@ -1,0 +1,118 @@
+"""The one place that reads the machine: psutil, MLX's counters and cgroup files → `MemorySnapshot`.
+
+Cheap enough for every admission decision (see `benchmarks/memory_bench.py`): the static parts
+(machine RAM, which cgroup files bind us) are found once when a `Probe` is built; each
+`snapshot()` then costs one `psutil.virtual_memory()`, one RSS read, three MLX counter calls and,
+only when a cgroup limit binds, a few small cgroup files. Call `Probe.refresh()` after the
+container's limits change.
+
+`snapshot()` at module level keeps one cached `Probe` per argument set, so callers that don't hold a
+`Probe` still pay only the per-sample cost.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from memory import cgroup
+from memory.policy import memory_limit_bytes_from_gb
+from memory.snapshot import MemorySnapshot, MlxCounters
+
+MlxCountersFn = Callable[[], MlxCounters]
+
+
+def read_mlx_counters() -> MlxCounters:
+    """MLX active / cache / peak bytes (imports `mlx.core` on first use)."""
+    import mlx.core as mx  # deferred: the policy, ledger and tests of them never need MLX
+
+    return MlxCounters(mx.get_active_memory(), mx.get_cache_memory(), mx.get_peak_memory())
+
+
+def no_mlx_counters() -> MlxCounters:
+    """For a process that has not imported MLX (e.g. `doctor` before any load): all zeros."""
+    return MlxCounters()
+
+
+class Probe:
+    """Samples coherent `MemorySnapshot`s. Build once, call `snapshot()` as often as needed."""
+
+    def __init__(
+        self,
+        memory_limit_gb: float | None = None,
+        *,
+        cgroup_root: Path = cgroup.DEFAULT_ROOT,
+        proc_cgroup: Path = cgroup.PROC_SELF_CGROUP,
+        mlx_counters: MlxCountersFn = read_mlx_counters,
+        virtual_memory: Callable[[], Any] = psutil.virtual_memory,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._memory_limit_bytes = memory_limit_bytes_from_gb(memory_limit_gb)
+        self._cgroup_root = Path(cgroup_root)
+        self._proc_cgroup = Path(proc_cgroup)
+        self._mlx_counters = mlx_counters
+        self._virtual_memory = virtual_memory
+        self._clock = clock
+        self._process = psutil.Process()
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read the static parts: machine RAM and the cgroup levels that carry a limit."""
+        self._machine_bytes = int(self._virtual_memory().total)
+        self._cgroup_levels = cgroup.locate(self._cgroup_root, self._proc_cgroup)
+
+    @property
+    def machine_bytes(self) -> int:
+        return self._machine_bytes
+
+    @property
+    def cgroup_levels(self) -> tuple[cgroup.CgroupLevel, ...]:
+        return self._cgroup_levels
+
+    def snapshot(self) -> MemorySnapshot:
+        """Physical (after cgroup and operator limits), OS-available, MLX counters and RSS, now."""
+        counters = self._mlx_counters()
+        vm = self._virtual_memory()
+        rss = self._process.memory_info().rss
+        reading = cgroup.read(self._cgroup_levels) if self._cgroup_levels else cgroup.CgroupReading(None, None)
+
+        physical = self._machine_bytes
+        available = int(vm.available)
+        if reading.limit_bytes is not None:
+            physical = min(physical, reading.limit_bytes)
+        if reading.available_bytes is not None:
+            available = min(available, reading.available_bytes)
+        if self._memory_limit_bytes is not None:
+            physical = min(physical, self._memory_limit_bytes)
+        return MemorySnapshot(
+            physical_bytes=physical,
+            available_bytes=max(0, available),
+            mlx_active_bytes=counters.active_bytes,
+            mlx_cache_bytes=counters.cache_bytes,
+            mlx_peak_bytes=counters.peak_bytes,
+            rss_bytes=rss,
+            machine_bytes=self._machine_bytes,
+            cgroup_limit_bytes=reading.limit_bytes,
+            memory_limit_bytes=self._memory_limit_bytes,
+            taken_at=self._clock(),
+        )
+
+
+@functools.lru_cache(maxsize=16)
+def _probe_for(memory_limit_gb: float | None, cgroup_root: Path, mlx_counters: MlxCountersFn) -> Probe:
+    return Probe(memory_limit_gb, cgroup_root=cgroup_root, mlx_counters=mlx_counters)
+
+
+def snapshot(
+    memory_limit_gb: float | None = None,
+    *,
+    cgroup_root: Path = cgroup.DEFAULT_ROOT,
+    mlx_counters: MlxCountersFn = read_mlx_counters,
+) -> MemorySnapshot:
+    """One snapshot from a cached `Probe` for these arguments (static parts found on first call)."""
+    return _probe_for(memory_limit_gb, Path(cgroup_root), mlx_counters).snapshot()

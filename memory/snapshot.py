@@ -1,0 +1,51 @@
+"""One coherent reading of the machine's memory, as a plain value.
+
+`memory.probe` produces these; everything else in `memory/` only reads them, so the policy, the
+ledger, fit verdicts and pressure levels are pure functions of a snapshot and tests build snapshots
+by hand instead of faking MLX or the OS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class MlxCounters:
+    """MLX allocator counters, in bytes (`mx.get_active_memory()` / `get_cache_memory()` / `get_peak_memory()`)."""
+
+    active_bytes: int = 0
+    cache_bytes: int = 0
+    peak_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class MemorySnapshot:
+    """Memory figures sampled together at one instant (bytes, monotonic seconds).
+
+    `physical_bytes` is the policy's `P`: the machine's RAM lowered to the cgroup limit and to the
+    operator's `memory_limit_gb` when either is smaller. `available_bytes` is the policy's
+    `sys_avail`: OS-available memory, lowered to what the cgroup still allows when one binds.
+    """
+
+    physical_bytes: int
+    available_bytes: int
+    mlx_active_bytes: int = 0
+    mlx_cache_bytes: int = 0
+    mlx_peak_bytes: int = 0
+    rss_bytes: int = 0
+    machine_bytes: int | None = None  # psutil total before any limit (None: same as physical_bytes)
+    cgroup_limit_bytes: int | None = None  # effective cgroup memory limit, None when unlimited / no cgroup
+    memory_limit_bytes: int | None = None  # operator memory_limit_gb in bytes, None when unset
+    taken_at: float = 0.0  # time.monotonic() when sampled
+
+    def __post_init__(self) -> None:
+        for name in ("physical_bytes", "available_bytes", "mlx_active_bytes", "mlx_cache_bytes",
+                     "mlx_peak_bytes", "rss_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+
+    @property
+    def mlx_used_bytes(self) -> int:
+        """`mlx_used` = MLX active + cache: every resident model's weights and KV, plus freed-but-kept buffers."""
+        return self.mlx_active_bytes + self.mlx_cache_bytes
