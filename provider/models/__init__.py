@@ -1,0 +1,37 @@
+"""Model discovery and inventory: which MLX models are on disk, what they cost, what they are.
+
+* `discover()` -> `Inventory(models, skipped, disabled, missing)` (discovery.py)
+* `ModelInfo`, `SkippedModel(path, reason: SkipReason, message)` (discovery.py)
+* `kv_bytes_for_tokens(info.kv, tokens)` and `KvLayout` (kv.py)
+* `weight_hash(path)` (hashing.py)
+"""
+
+from provider.models.discovery import (
+    Inventory,
+    ModelInfo,
+    ModelSource,
+    SkippedModel,
+    SkipReason,
+    default_hf_cache,
+    discover,
+    inspect_model,
+    newest_snapshot,
+)
+from provider.models.hashing import HASHED_PATTERNS, DigestCache, weight_hash, weight_hash_sync
+from provider.models.kv import (
+    ALLOC_STEP,
+    KvAccuracy,
+    KvConfigError,
+    KvLayout,
+    SlidingGroup,
+    kv_bytes_for_tokens,
+    kv_layout,
+)
+from provider.models.metadata import DType, Quantization, QuantMode
+
+__all__ = [
+    "ALLOC_STEP", "HASHED_PATTERNS", "DType", "DigestCache", "Inventory", "KvAccuracy",
+    "KvConfigError", "KvLayout", "ModelInfo", "ModelSource", "QuantMode", "Quantization",
+    "SkipReason", "SkippedModel", "SlidingGroup", "default_hf_cache", "discover", "inspect_model",
+    "kv_bytes_for_tokens", "kv_layout", "newest_snapshot", "weight_hash", "weight_hash_sync",
+]

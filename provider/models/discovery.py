@@ -1,0 +1,341 @@
+"""Find MLX models on disk and describe them: the inventory the agent advertises and loads from.
+
+Sources, highest precedence first (a lower source's model with an id already taken is reported as
+skipped with DUPLICATE_ID):
+
+1. aliases: `id -> path`, so a local directory is served under the coordinator's catalog id. The
+   path may be a model directory or a hub-cache repo directory (`models--org--name`).
+2. model_dirs: each is a model directory itself (id = its name), or holds model directories
+   (id = `name`) or one level of organisation folders (id = `org/name`). Symlinks are followed:
+   the operator chose these folders.
+3. hf_cache: the Hugging Face hub cache (`<cache>/models--org--name/snapshots/<rev>/`, id `org/name`).
+   The snapshot served is the one `refs/main` names when that snapshot exists, otherwise the most
+   recently modified snapshot directory. Snapshot files are symlinks into `blobs/`; a link that
+   resolves outside the cache root makes the model UNSAFE_LINK and nothing of it is read.
+
+A model directory needs config.json (a JSON object with a model_type) and at least one weight file
+matching mlx-lm's `model*.safetensors`; every shard named by `model.safetensors.index.json` must
+exist and every weight file must be a complete safetensors file. Anything else is a SkippedModel
+with a closed reason and a short message. Nothing raised while inspecting one model escapes
+`discover()`.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from provider.models import metadata
+from provider.models.kv import KvConfigError, KvLayout, kv_layout
+from provider.models.metadata import DType, MetadataError, MetadataProblem, Quantization
+
+log = structlog.get_logger(__name__)
+
+_HF_REPO_PREFIX = "models--"
+
+
+class ModelSource(enum.Enum):
+    ALIAS = "alias"
+    MODEL_DIR = "model_dir"
+    HF_CACHE = "hf_cache"
+
+
+class SkipReason(enum.Enum):
+    NOT_FOUND = "not_found"  # an alias path that does not exist or is not a directory
+    NO_SNAPSHOT = "no_snapshot"  # a hub-cache repo with no snapshot directory
+    NO_CONFIG = "no_config"
+    BAD_CONFIG = "bad_config"  # config.json unreadable as a JSON object with model_type / KV fields
+    NO_WEIGHTS = "no_weights"
+    PARTIAL = "partial"  # a shard named by the index, or a linked blob, is missing
+    CORRUPT_WEIGHTS = "corrupt_weights"  # a weight file is truncated or not safetensors
+    UNSAFE_LINK = "unsafe_link"  # a hub-cache symlink resolves outside the cache root
+    DUPLICATE_ID = "duplicate_id"  # id already provided by a higher-precedence source
+    UNREADABLE = "unreadable"  # an OS error (permissions, I/O) while reading
+
+
+@dataclass(frozen=True, slots=True)
+class SkippedModel:
+    path: Path
+    reason: SkipReason
+    message: str
+    id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    id: str
+    path: Path  # the directory to hand to mlx_lm.load
+    source: ModelSource
+    revision: str | None  # hub-cache snapshot name (a commit hash); None elsewhere
+    weight_files: tuple[Path, ...]
+    weight_bytes: int  # sum of the weight files' sizes, symlinks followed
+    model_type: str
+    quantization: Quantization | None
+    dtype: DType  # activation and KV-cache dtype
+    context_length: int | None
+    kv: KvLayout
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Per-token KV growth of the full-attention layers (see KvLayout for windows)."""
+        return self.kv.bytes_per_token
+
+
+@dataclass(frozen=True, slots=True)
+class Inventory:
+    models: tuple[ModelInfo, ...]
+    skipped: tuple[SkippedModel, ...]
+    disabled: tuple[str, ...] = ()  # found, but not in enabled_ids
+    missing: tuple[str, ...] = ()  # in enabled_ids, but found nowhere
+
+    def get(self, model_id: str) -> ModelInfo | None:
+        return next((m for m in self.models if m.id == model_id), None)
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    id: str
+    path: Path
+    source: ModelSource
+    revision: str | None = None
+    link_root: Path | None = None  # symlinks must resolve inside this directory
+
+
+@dataclass(slots=True)
+class _Collector:
+    candidates: list[_Candidate] = field(default_factory=list)
+    skipped: list[SkippedModel] = field(default_factory=list)
+
+
+def default_hf_cache() -> Path:
+    """The hub cache huggingface_hub would use (HF_HUB_CACHE, HF_HOME, or ~/.cache/huggingface/hub)."""
+    if cache := os.environ.get("HF_HUB_CACHE"):
+        return Path(cache).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def discover(
+    *,
+    hf_cache: Path | None,
+    model_dirs: Sequence[Path] = (),
+    aliases: Mapping[str, Path] | None = None,
+    enabled_ids: Collection[str] | None = None,
+) -> Inventory:
+    """Scan every source and inspect each model found. Blocking file I/O: call it off the loop
+    (`await asyncio.to_thread(discover, ...)`). Only models whose id is in `enabled_ids` are
+    inspected when it is given."""
+    found = _Collector()
+    for model_id, path in (aliases or {}).items():
+        _add_alias(found, model_id, Path(path))
+    for root in model_dirs:
+        _scan_model_dir(found, Path(root))
+    if hf_cache is not None:
+        _scan_hf_cache(found, Path(hf_cache))
+
+    models: list[ModelInfo] = []
+    skipped = list(found.skipped)
+    taken: dict[str, ModelSource] = {}
+    disabled: list[str] = []
+    for cand in found.candidates:
+        if cand.id in taken:
+            skipped.append(SkippedModel(cand.path, SkipReason.DUPLICATE_ID,
+                                        f"id already provided by {taken[cand.id].value}", cand.id))
+            continue
+        # The first source to name an id owns it, even if its copy turns out broken: a broken
+        # alias must not be silently replaced by another directory.
+        taken[cand.id] = cand.source
+        if enabled_ids is not None and cand.id not in enabled_ids:
+            disabled.append(cand.id)
+            continue
+        result = inspect_candidate(cand)
+        if isinstance(result, ModelInfo):
+            models.append(result)
+        else:
+            skipped.append(result)
+    missing = sorted(set(enabled_ids or ()) - set(taken)
+                     - {s.id for s in skipped if s.id is not None})
+    return Inventory(tuple(models), tuple(skipped), tuple(sorted(set(disabled))), tuple(missing))
+
+
+def inspect_model(path: Path, model_id: str, source: ModelSource = ModelSource.MODEL_DIR) -> ModelInfo | SkippedModel:
+    """Describe one model directory, or say why it cannot be served."""
+    return inspect_candidate(_Candidate(model_id, Path(path), source))
+
+
+def inspect_candidate(cand: _Candidate) -> ModelInfo | SkippedModel:
+    def skip(reason: SkipReason, message: str) -> SkippedModel:
+        return SkippedModel(cand.path, reason, message, cand.id)
+
+    try:
+        return _inspect(cand)
+    except _Skip as exc:
+        return skip(exc.reason, exc.message)
+    except MetadataError as exc:
+        reason = (SkipReason.BAD_CONFIG if exc.kind is MetadataProblem.BAD_CONFIG
+                  else SkipReason.CORRUPT_WEIGHTS)
+        return skip(reason, exc.message)
+    except KvConfigError as exc:
+        return skip(SkipReason.BAD_CONFIG, str(exc))
+    except OSError as exc:
+        return skip(SkipReason.UNREADABLE, f"cannot read model files ({type(exc).__name__})")
+    except Exception:  # the edge: one odd model must not take discovery down
+        log.exception("model_inspection_failed", path=str(cand.path))
+        return skip(SkipReason.UNREADABLE, "unexpected error while inspecting the model")
+
+
+class _Skip(Exception):
+    def __init__(self, reason: SkipReason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def _inspect(cand: _Candidate) -> ModelInfo:
+    directory = cand.path
+    if cand.link_root is not None:
+        _check_links(directory, cand.link_root)
+    config_path = directory / metadata.CONFIG_FILE
+    if not config_path.exists():
+        if config_path.is_symlink():
+            raise _Skip(SkipReason.PARTIAL, "config.json is a link to a missing blob")
+        raise _Skip(SkipReason.NO_CONFIG, "no config.json")
+    config = metadata.read_config(directory)
+
+    weight_files = tuple(sorted(directory.glob(metadata.WEIGHT_GLOB)))
+    dangling = [p.name for p in weight_files if not p.exists()]
+    if dangling:
+        raise _Skip(SkipReason.PARTIAL, f"weight file {dangling[0]} is a link to a missing blob")
+    _check_index(directory)
+    if not weight_files:
+        raise _Skip(SkipReason.NO_WEIGHTS, "no model*.safetensors weight files")
+
+    weight_bytes = sum(p.stat().st_size for p in weight_files)
+    dtype = metadata.activation_dtype(weight_files, config)
+    return ModelInfo(
+        id=cand.id,
+        path=directory,
+        source=cand.source,
+        revision=cand.revision,
+        weight_files=weight_files,
+        weight_bytes=weight_bytes,
+        model_type=config["model_type"],
+        quantization=metadata.quantization(config),
+        dtype=dtype,
+        context_length=metadata.context_length(config),
+        kv=kv_layout(config, dtype.nbytes),
+    )
+
+
+def _check_index(directory: Path) -> None:
+    index_path = directory / metadata.INDEX_FILE
+    if not index_path.exists():
+        if index_path.is_symlink():
+            raise _Skip(SkipReason.PARTIAL, "the weight index is a link to a missing blob")
+        return
+    try:
+        index = json.loads(index_path.read_bytes())
+        weight_map = index["weight_map"]
+        shards = set(weight_map.values())
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise _Skip(SkipReason.BAD_CONFIG, "the weight index is not valid") from exc
+    for shard in sorted(shards):
+        if not isinstance(shard, str) or "/" in shard or shard.startswith("."):
+            raise _Skip(SkipReason.BAD_CONFIG, "the weight index names an invalid file")
+        if not (directory / shard).exists():
+            raise _Skip(SkipReason.PARTIAL, f"shard {shard} named by the weight index is missing")
+
+
+def _check_links(directory: Path, root: Path) -> None:
+    """Refuse a snapshot with any entry whose link target leaves `root` (checked before reading)."""
+    real_root = root.resolve()
+    for dirpath, dirnames, filenames in os.walk(directory, followlinks=False):
+        for name in dirnames + filenames:
+            entry = Path(dirpath, name)
+            if not entry.is_symlink():
+                continue
+            target = entry.resolve()  # non-strict: a dangling link still has a target path
+            if not target.is_relative_to(real_root):
+                raise _Skip(SkipReason.UNSAFE_LINK,
+                            f"{entry.relative_to(directory)} links outside the cache")
+
+
+def _add_alias(found: _Collector, model_id: str, path: Path) -> None:
+    path = path.expanduser()
+    if not path.is_dir():
+        found.skipped.append(SkippedModel(path, SkipReason.NOT_FOUND,
+                                          "alias path is not a directory", model_id))
+        return
+    if (path / "snapshots").is_dir() and not (path / metadata.CONFIG_FILE).exists():
+        _add_hf_repo(found, path, path.parent, model_id, ModelSource.ALIAS)
+        return
+    found.candidates.append(_Candidate(model_id, path, ModelSource.ALIAS))
+
+
+def _scan_model_dir(found: _Collector, root: Path) -> None:
+    root = root.expanduser()
+    if not root.is_dir():
+        found.skipped.append(SkippedModel(root, SkipReason.NOT_FOUND, "model directory not found"))
+        return
+    if _looks_like_model(root):
+        found.candidates.append(_Candidate(root.name, root, ModelSource.MODEL_DIR))
+        return
+    for child in _subdirs(root):
+        if _looks_like_model(child):
+            found.candidates.append(_Candidate(child.name, child, ModelSource.MODEL_DIR))
+            continue
+        for grandchild in _subdirs(child):
+            if _looks_like_model(grandchild):
+                found.candidates.append(_Candidate(f"{child.name}/{grandchild.name}", grandchild,
+                                                   ModelSource.MODEL_DIR))
+
+
+def _looks_like_model(path: Path) -> bool:
+    """A directory meant to be a model: config.json or weights present (either may be broken)."""
+    return (path / metadata.CONFIG_FILE).is_file() or any(path.glob("*.safetensors"))
+
+
+def _subdirs(path: Path) -> list[Path]:
+    try:
+        return sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError:
+        return []
+
+
+def _scan_hf_cache(found: _Collector, cache: Path) -> None:
+    cache = cache.expanduser()
+    for repo in _subdirs(cache) if cache.is_dir() else []:
+        if repo.name.startswith(_HF_REPO_PREFIX):
+            model_id = repo.name[len(_HF_REPO_PREFIX):].replace("--", "/")
+            _add_hf_repo(found, repo, cache, model_id, ModelSource.HF_CACHE)
+
+
+def _add_hf_repo(found: _Collector, repo: Path, link_root: Path, model_id: str,
+                 source: ModelSource) -> None:
+    snapshot = newest_snapshot(repo)
+    if snapshot is None:
+        found.skipped.append(SkippedModel(repo, SkipReason.NO_SNAPSHOT, "no snapshot", model_id))
+        return
+    found.candidates.append(_Candidate(model_id, snapshot, source, snapshot.name, link_root))
+
+
+def newest_snapshot(repo: Path) -> Path | None:
+    """`refs/main`'s snapshot when it exists, else the most recently modified snapshot directory."""
+    snapshots = repo / "snapshots"
+    try:
+        ref = (repo / "refs" / "main").read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        ref = ""
+    if ref and "/" not in ref and ref not in (".", "..") and (snapshots / ref).is_dir():
+        return snapshots / ref
+    candidates = _subdirs(snapshots) if snapshots.is_dir() else []
+    if not candidates:
+        return None
+    return max(candidates, key=lambda p: (p.stat().st_mtime_ns, p.name))

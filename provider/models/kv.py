@@ -1,0 +1,273 @@
+"""KV-cache size of a model, computed from its config the way mlx-lm 0.32 allocates it.
+
+mlx-lm builds one cache object per layer (`Model.make_cache()`, `mlx_lm/models/cache.py`):
+
+* `KVCache` (full attention) holds K and V of shape `(B, kv_heads, n, head_dim)` and grows in
+  steps of `ALLOC_STEP` = 256 tokens, so `n = ceil(tokens / 256) * 256`. Measured exactly
+  (reference/mlx-notes.md §5 and tests/test_models_kv.py).
+* `RotatingKVCache(max_size=window)` (sliding-window attention) stops growing at `window` tokens
+  once decoding. Before that it holds at most `tokens + 255`: a prefill chunk is stored unpadded,
+  and the next one-token step pads by up to 256. During a chunked prefill past the window it holds
+  `window - 1 + chunk` for a moment, which `kv_bytes_for_tokens(prefill_step=...)` can include.
+* Recurrent layers (`ArraysCache`: Mamba, gated delta nets, ...) keep a constant-size state that
+  this module does not compute; layouts that have them are marked `KvAccuracy.APPROXIMATE`.
+* KV-shared layers (gemma3n, gemma4: `num_kv_shared_layers`) have no cache of their own.
+
+How layers are classified, first rule that applies:
+1. `layer_types` (llama, ministral3, gpt_oss, olmo3, gemma3n, gemma4): "full_attention" is full,
+   "sliding_attention" is a rotating window, "chunked_attention" is counted as full (an upper
+   bound: mlx-lm's ChunkedKVCache keeps only the current chunk), anything else is recurrent.
+2. `full_attention_interval` (qwen3_next, qwen3_5): layer i is full when (i+1) % interval == 0,
+   recurrent otherwise.
+3. `sliding_window_pattern`: an int p (gemma3, cohere2) makes layer i full when i % p == p-1 and
+   sliding otherwise; a string such as "LLLG" (exaone4) makes "L" layers sliding.
+4. Otherwise every layer is full attention. That includes Mistral-style configs that carry a
+   `sliding_window` but no `layer_types`: mlx-lm maps them to llama, which allocates a plain
+   KVCache for every layer, so counting them as full is what actually happens.
+
+Multi-head latent attention (`kv_lora_rank`, DeepSeek-V3 and relatives) caches one latent vector
+and one rope key per token and layer instead of per-head K and V.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+ALLOC_STEP = 256  # KVCache.step and RotatingKVCache.step in mlx_lm.models.cache
+
+# Families whose mlx-lm implementation keeps recurrent state in some layers but whose configs do not
+# follow the rules above. We count every layer as full attention (an upper bound on the per-token
+# cost) and say so.
+_UNMODELLED_HYBRIDS = frozenset({
+    "baichuan_m1", "bailing_hybrid", "bailing_moe_linear", "falcon_h1", "granitemoehybrid", "jamba",
+    "kimi_linear", "lfm2", "lfm2_moe", "lfm2-vl", "mamba", "mamba2", "falcon_mamba", "nemotron_h",
+    "olmo_hybrid", "plamo2", "recurrent_gemma", "rwkv7",
+})
+
+# MLA families whose mlx-lm code caches the compressed latent (kv_lora_rank + rope dims, one "head").
+_LATENT_MLA = frozenset({
+    "deepseek_v3", "deepseek_v32", "kimi_k2", "joyai_llm_flash", "glm4_moe_lite", "kimi_k3",
+    "longcat_flash", "longcat_flash_ngram", "mistral4", "bailing_moe_v3", "kimi_linear",
+})
+# MLA families whose mlx-lm code caches the expanded per-head keys and values.
+_EXPANDED_MLA = frozenset({"deepseek_v2", "minicpm3", "youtu_llm"})
+
+# Defaults mlx-lm applies when a gemma config leaves a field out (the ModelArgs dataclasses of
+# gemma3.py, gemma3_text.py, gemma4.py, gemma4_text.py); published configs rely on them.
+_GEMMA4_DEFAULTS: Mapping[str, Any] = {
+    "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256, "global_head_dim": 512,
+    "num_kv_shared_layers": 20, "sliding_window": 512, "sliding_window_pattern": 5,
+}
+_FAMILY_DEFAULTS: Mapping[str, Mapping[str, Any]] = {
+    "gemma3": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+               "sliding_window": 512, "sliding_window_pattern": 6},
+    "gemma3_text": {"num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+                    "sliding_window": 512, "sliding_window_pattern": 6},
+    "gemma4": _GEMMA4_DEFAULTS,
+    "gemma4_text": _GEMMA4_DEFAULTS,
+}
+
+
+class KvConfigError(ValueError):
+    """The config lacks a field the KV layout needs, or has one of the wrong type."""
+
+
+class LayerKind(enum.Enum):
+    FULL = "full"
+    SLIDING = "sliding"
+    RECURRENT = "recurrent"
+    SHARED = "shared"  # reuses another layer's cache
+
+
+class KvAccuracy(enum.Enum):
+    EXACT = "exact"  # derived as mlx-lm's make_cache builds the caches
+    APPROXIMATE = "approximate"  # an upper bound on attention bytes; see KvLayout.note
+
+
+@dataclass(frozen=True, slots=True)
+class SlidingGroup:
+    """Rotating-window layers that share one window size."""
+
+    window: int
+    layers: int
+    bytes_per_token: int  # summed over the group's layers
+
+
+@dataclass(frozen=True, slots=True)
+class KvLayout:
+    dtype_bytes: int
+    full_layers: int
+    bytes_per_token: int  # all full-attention layers together; this part grows without bound
+    sliding: tuple[SlidingGroup, ...]
+    recurrent_layers: int  # constant-size state, not counted in any byte figure here
+    accuracy: KvAccuracy
+    note: str = ""
+
+    @property
+    def max_bytes_per_token(self) -> int:
+        """Growth rate while every window is still filling."""
+        return self.bytes_per_token + sum(g.bytes_per_token for g in self.sliding)
+
+
+def round_up_to_step(tokens: int) -> int:
+    return math.ceil(tokens / ALLOC_STEP) * ALLOC_STEP
+
+
+def kv_bytes_for_tokens(layout: KvLayout, tokens: int, *, prefill_step: int | None = None) -> int:
+    """Bytes mlx-lm allocates for one sequence's KV cache holding `tokens` tokens.
+
+    Full-attention layers: exact (256-token blocks). Sliding layers: an upper bound,
+    `min(tokens + 255, window)` per layer, or `min(tokens + 255, window - 1 + prefill_step)` to
+    cover the moment a chunked prefill of `prefill_step` tokens is appended past the window.
+    Recurrent state is not included (see `KvLayout.recurrent_layers`).
+    """
+    if tokens < 0:
+        raise ValueError("tokens must be >= 0")
+    if tokens == 0:
+        return 0
+    total = round_up_to_step(tokens) * layout.bytes_per_token
+    for group in layout.sliding:
+        cap = group.window if prefill_step is None else group.window - 1 + prefill_step
+        total += min(tokens + ALLOC_STEP - 1, cap) * group.bytes_per_token
+    return total
+
+
+def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The language-model part of a config: multimodal configs nest it under `text_config`."""
+    merged = dict(config)
+    nested = config.get("text_config")
+    if isinstance(nested, Mapping):
+        merged.update(nested)
+        merged["model_type"] = config.get("model_type", nested.get("model_type"))
+    for family in (config.get("model_type"), merged.get("model_type"),
+                   nested.get("model_type") if isinstance(nested, Mapping) else None):
+        for key, value in _FAMILY_DEFAULTS.get(family or "", {}).items():
+            merged.setdefault(key, value)
+    return merged
+
+
+
+def kv_layout(config: Mapping[str, Any], dtype_bytes: int) -> KvLayout:
+    """The per-layer KV layout of a model config (top-level config.json, nesting handled here)."""
+    cfg = text_config(config)
+    model_type = str(config.get("model_type", ""))
+    types = {model_type, str(cfg.get("model_type", ""))}
+    n_layers = _int(cfg, "num_hidden_layers")
+    kinds = _layer_kinds(cfg, n_layers)
+    notes: list[str] = []
+    accuracy = KvAccuracy.EXACT
+
+    if types & _UNMODELLED_HYBRIDS:
+        accuracy = KvAccuracy.APPROXIMATE
+        notes.append("hybrid architecture not modelled: every layer counted as full attention, "
+                     "recurrent state not counted")
+        kinds = [LayerKind.FULL] * n_layers
+    if LayerKind.RECURRENT in kinds:
+        accuracy = KvAccuracy.APPROXIMATE
+        notes.append("recurrent-state layers not counted")
+    if "chunked_attention" in (cfg.get("layer_types") or ()):
+        accuracy = KvAccuracy.APPROXIMATE
+        notes.append("chunked-attention layers counted as full attention")
+
+    full_bytes, sliding_bytes, mla_note = _per_layer_token_bytes(cfg, types, dtype_bytes)
+    if mla_note:
+        accuracy = KvAccuracy.APPROXIMATE
+        notes.append(mla_note)
+    if full_bytes == 0 and LayerKind.FULL in kinds:
+        accuracy = KvAccuracy.APPROXIMATE
+        notes.append("no attention heads in config")
+
+    n_full = kinds.count(LayerKind.FULL)
+    n_sliding = kinds.count(LayerKind.SLIDING)
+    sliding: tuple[SlidingGroup, ...] = ()
+    if n_sliding:
+        window = cfg.get("sliding_window")
+        if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+            raise KvConfigError("sliding layers without a positive integer sliding_window")
+        sliding = (SlidingGroup(window=window, layers=n_sliding,
+                                bytes_per_token=n_sliding * sliding_bytes),)
+    return KvLayout(
+        dtype_bytes=dtype_bytes,
+        full_layers=n_full,
+        bytes_per_token=n_full * full_bytes,
+        sliding=sliding,
+        recurrent_layers=kinds.count(LayerKind.RECURRENT),
+        accuracy=accuracy,
+        note="; ".join(notes),
+    )
+
+
+def _layer_kinds(cfg: Mapping[str, Any], n_layers: int) -> list[LayerKind]:
+    layer_types = cfg.get("layer_types")
+    interval = cfg.get("full_attention_interval")
+    pattern = cfg.get("sliding_window_pattern")
+    if isinstance(layer_types, list) and layer_types:
+        if len(layer_types) < n_layers:
+            raise KvConfigError("layer_types is shorter than num_hidden_layers")
+        kinds = [_kind_of_type(str(t)) for t in layer_types[:n_layers]]
+    elif isinstance(interval, int) and not isinstance(interval, bool) and interval > 0:
+        kinds = [LayerKind.FULL if (i + 1) % interval == 0 else LayerKind.RECURRENT
+                 for i in range(n_layers)]
+    elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
+        kinds = [LayerKind.FULL if i % pattern == pattern - 1 else LayerKind.SLIDING
+                 for i in range(n_layers)]
+    elif isinstance(pattern, str) and pattern:
+        kinds = [LayerKind.SLIDING if pattern[i % len(pattern)] == "L" else LayerKind.FULL
+                 for i in range(n_layers)]
+    else:
+        kinds = [LayerKind.FULL] * n_layers
+    shared = cfg.get("num_kv_shared_layers")
+    if isinstance(shared, int) and not isinstance(shared, bool) and 0 < shared <= n_layers:
+        kinds[n_layers - shared:] = [LayerKind.SHARED] * shared
+    return kinds
+
+
+def _kind_of_type(layer_type: str) -> LayerKind:
+    if layer_type in ("full_attention", "attention", "chunked_attention"):
+        return LayerKind.FULL
+    if "sliding" in layer_type:
+        return LayerKind.SLIDING
+    return LayerKind.RECURRENT
+
+
+def _per_layer_token_bytes(
+    cfg: Mapping[str, Any], types: set[str], dtype_bytes: int
+) -> tuple[int, int, str]:
+    """(full-layer bytes/token, sliding-layer bytes/token, approximation note) for one layer."""
+    if cfg.get("kv_lora_rank"):
+        rank = _int(cfg, "kv_lora_rank")
+        rope = _int(cfg, "qk_rope_head_dim")
+        if types & _LATENT_MLA:
+            per = (rank + rope) * dtype_bytes
+            return per, per, ""
+        heads = _int(cfg, "num_attention_heads")
+        per = heads * (_int(cfg, "qk_nope_head_dim") + rope + _int(cfg, "v_head_dim")) * dtype_bytes
+        note = "" if types & _EXPANDED_MLA else "MLA cache layout assumed expanded (upper bound)"
+        return per, per, note
+
+    heads = cfg.get("num_attention_heads")
+    if not heads:
+        return 0, 0, ""
+    heads = _int(cfg, "num_attention_heads")
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or _int(cfg, "hidden_size") // heads
+    if not isinstance(kv_heads, int) or not isinstance(head_dim, int):
+        raise KvConfigError("num_key_value_heads and head_dim must be integers")
+    sliding = 2 * kv_heads * head_dim * dtype_bytes
+    # gemma4: global (full) layers may use their own head size and kv-head count.
+    full_head_dim = cfg.get("global_head_dim") or head_dim
+    full_kv_heads = kv_heads
+    if cfg.get("attention_k_eq_v") and cfg.get("num_global_key_value_heads"):
+        full_kv_heads = cfg["num_global_key_value_heads"]
+    return 2 * full_kv_heads * full_head_dim * dtype_bytes, sliding, ""
+
+
+def _int(cfg: Mapping[str, Any], key: str) -> int:
+    value = cfg.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise KvConfigError(f"config field {key!r} missing or not a non-negative integer")
+    return value
