@@ -1,0 +1,39 @@
+"""provider/engine: one MLX worker thread, an mlx-lm BatchGenerator per loaded model, async streams.
+
+Public names are re-exported here; see `engine.py` for the usage sketch.
+"""
+
+from provider.engine.commands import ReleaseHook
+from provider.engine.engine import Engine, RequestStream
+from provider.engine.types import (
+    ChatRequest,
+    EngineError,
+    EngineFailure,
+    Event,
+    Failed,
+    Finished,
+    FinishReason,
+    LoadedModelInfo,
+    ModelStats,
+    SamplingParams,
+    TextDelta,
+    Usage,
+)
+
+__all__ = [
+    "ChatRequest",
+    "Engine",
+    "EngineError",
+    "EngineFailure",
+    "Event",
+    "Failed",
+    "Finished",
+    "FinishReason",
+    "LoadedModelInfo",
+    "ModelStats",
+    "ReleaseHook",
+    "RequestStream",
+    "SamplingParams",
+    "TextDelta",
+    "Usage",
+]

@@ -1,0 +1,76 @@
+"""Typed commands from the asyncio side to the MLX worker thread.
+
+Replies travel back through a `concurrent.futures.Future` that the asyncio side wraps;
+request events travel through the request's `EventSink`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from provider.engine.types import ChatRequest, Event
+
+# Called on the engine thread, exactly once per submitted request, after the request's KV cache
+# has left the batch (or the request was refused before it joined one).
+ReleaseHook = Callable[[str], None]
+
+
+class EventSink(Protocol):
+    """Where a request's events go: `push` is scheduled on `loop`."""
+
+    loop: asyncio.AbstractEventLoop
+
+    def push(self, event: Event) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    model_id: str
+    path: Path
+    eos_token_ids: frozenset[int] | None
+    reply: Future
+
+
+@dataclass(frozen=True, slots=True)
+class Unload:
+    model_id: str
+    reply: Future
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    model_id: str
+    request: ChatRequest
+    sink: EventSink
+    on_released: ReleaseHook | None
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class CountPromptTokens:
+    model_id: str
+    messages: Sequence[Mapping[str, object]]
+    reply: Future
+
+
+@dataclass(frozen=True, slots=True)
+class KvCacheBytes:
+    model_id: str
+    reply: Future
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    reply: Future
+
+
+Command = Load | Unload | Submit | Cancel | CountPromptTokens | KvCacheBytes | Stop

@@ -1,0 +1,213 @@
+"""The asyncio face of the engine: typed commands to the MLX worker thread, async streams back.
+
+Nothing here blocks the event loop: every call either puts a command on the worker's queue
+or awaits a future the worker resolves.
+
+    async with Engine() as engine:
+        info = await engine.load("tiny", path)
+        stream = engine.submit("tiny", ChatRequest("r1", messages, SamplingParams(max_tokens=64)),
+                               on_released=ledger_release)
+        async for event in stream:
+            match event:
+                case TextDelta(text): ...
+                case Finished(reason, usage): ...
+                case Failed(code): ...
+
+`stream.aclose()` (or `engine.cancel(request_id)`) cancels: the stream ends at once with no
+further event, and the worker removes the request from its batch before the next decode step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import queue
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+
+from provider.engine.commands import (
+    Cancel,
+    Command,
+    CountPromptTokens,
+    KvCacheBytes,
+    Load,
+    ReleaseHook,
+    Stop,
+    Submit,
+    Unload,
+)
+from provider.engine.types import (
+    ChatRequest,
+    EngineError,
+    EngineFailure,
+    Event,
+    Failed,
+    Finished,
+    LoadedModelInfo,
+    ModelStats,
+    TextDelta,
+)
+from provider.engine.worker import Worker
+
+
+class _End(enum.Enum):
+    """Queue marker: the consumer (or engine.cancel) closed the stream."""
+
+    CLOSED = enum.auto()
+
+
+class RequestStream:
+    """The events of one request, as an async iterator. Ends after the terminal event."""
+
+    def __init__(self, engine: Engine, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.loop = loop  # read by the worker to schedule `push`
+        self._engine = engine
+        self._queue: asyncio.Queue[Event | _End] = asyncio.Queue()
+        self._done = False  # a terminal event was queued, or the stream was closed
+        self._exhausted = False  # the consumer has read the end
+
+    # Called on the loop by the worker's delivery callback.
+    def push(self, event: Event) -> None:
+        if self._done:
+            return  # closed by the consumer: drop whatever was already on its way
+        if isinstance(event, Finished | Failed):
+            self._done = True
+            self._engine._forget(self.request_id)
+        self._queue.put_nowait(event)
+
+    def _close_local(self) -> bool:
+        if self._done:
+            return False
+        self._done = True
+        while not self._queue.empty():  # undelivered events are dropped: nothing after a cancel
+            self._queue.get_nowait()
+        self._queue.put_nowait(_End.CLOSED)
+        return True
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._exhausted:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is _End.CLOSED or isinstance(item, Finished | Failed):
+            self._exhausted = True
+        if item is _End.CLOSED:
+            raise StopAsyncIteration
+        return item
+
+    async def aclose(self) -> None:
+        """Cancel the request if it is still running; no event follows."""
+        self._engine.cancel(self.request_id)
+
+    async def collect(self) -> tuple[str, Finished | Failed | None]:
+        """Read the stream to its end: (all text, terminal event or None if cancelled)."""
+        parts: list[str] = []
+        async for event in self:
+            match event:
+                case TextDelta(text):
+                    parts.append(text)
+                case Finished() | Failed():
+                    return "".join(parts), event
+        return "".join(parts), None
+
+
+class Engine:
+    """Owns the MLX worker thread. Create it on the event loop that will consume its streams."""
+
+    def __init__(self, *, thread_name: str = "mlx-engine"):
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._worker = Worker(self._commands)
+        self._streams: dict[str, RequestStream] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._worker.run, name=thread_name, daemon=True)
+        self._thread.start()
+
+    async def __aenter__(self) -> Engine:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # -- model lifecycle (driven by the model manager) ---------------------------------------
+
+    async def load(self, model_id: str, path: str | Path, *,
+                   eos_token_ids: frozenset[int] | None = None) -> LoadedModelInfo:
+        """Load and evaluate a model's weights on the worker thread.
+
+        `eos_token_ids` replaces the tokenizer's EOS set (tests use it for deterministic stops).
+        Raises `EngineError` with LOAD_FAILED or MODEL_ALREADY_LOADED.
+        """
+        return await self._call(lambda reply: Load(model_id, Path(path), eos_token_ids, reply))
+
+    async def unload(self, model_id: str) -> None:
+        """Fail the model's requests (MODEL_UNLOADED), drop every reference, gc, clear MLX's cache."""
+        await self._call(lambda reply: Unload(model_id, reply))
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def count_prompt_tokens(self, model_id: str, messages: Sequence[Mapping[str, object]]) -> int:
+        """Length of the templated prompt, exactly as `submit` will count it."""
+        return await self._call(lambda reply: CountPromptTokens(model_id, messages, reply))
+
+    def submit(self, model_id: str, request: ChatRequest, *,
+               on_released: ReleaseHook | None = None) -> RequestStream:
+        """Start a request. `on_released(request_id)` runs on the engine thread exactly once,
+        after the request's KV cache has left the batch (or it was refused before joining)."""
+        if self._closed:
+            raise EngineError(EngineFailure.ENGINE_CLOSED)
+        if request.request_id in self._streams:
+            raise EngineError(EngineFailure.INVALID_REQUEST)
+        stream = RequestStream(self, request.request_id, asyncio.get_running_loop())
+        self._streams[request.request_id] = stream
+        self._commands.put(Submit(model_id, request, stream, on_released))
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request: its stream ends with no further event. Unknown ids are ignored."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and stream._close_local():
+            self._commands.put(Cancel(request_id))
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    # -- observation -------------------------------------------------------------------------
+
+    def stats(self, model_id: str) -> ModelStats | None:
+        """Snapshot from the last step; cheap, never blocks."""
+        return self._worker.stats.get(model_id)
+
+    async def kv_cache_bytes(self, model_id: str) -> int:
+        """Bytes held by the model's batch KV caches right now (measured on the worker)."""
+        return await self._call(lambda reply: KvCacheBytes(model_id, reply))
+
+    # -- shutdown ----------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Fail running requests (ENGINE_CLOSED), unload every model, and end the thread."""
+        if self._closed:
+            return
+        self._closed = True
+        reply: Future = Future()
+        self._commands.put(Stop(reply))
+        await asyncio.wrap_future(reply)
+        self._thread.join()  # the worker returns right after answering Stop
+
+    def close(self, timeout: float | None = None) -> None:
+        """Blocking variant of `aclose`, for code outside an event loop."""
+        if not self._closed:
+            self._closed = True
+            self._commands.put(Stop(Future()))
+        self._thread.join(timeout)
+
+    async def _call(self, make: Callable[[Future], Command]):
+        if self._closed:
+            raise EngineError(EngineFailure.ENGINE_CLOSED)
+        reply: Future = Future()
+        self._commands.put(make(reply))
+        return await asyncio.wrap_future(reply)

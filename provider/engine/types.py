@@ -1,0 +1,133 @@
+"""Values that cross the engine boundary: requests, events out, and what a load reports.
+
+Events are small frozen dataclasses; consumers `match` on them. Every request's stream ends
+with exactly one terminal event (`Finished` or `Failed`), except after a cancel asked for by
+the consumer, which ends the stream with no further event.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS token or a stop string
+    LENGTH = "length"  # max_tokens, or the context window is full
+
+
+class EngineFailure(enum.StrEnum):
+    """Why a request ended without finishing. Values match protocol failure codes where one exists."""
+
+    REQUEST_EXCEEDS_CONTEXT = "request_exceeds_context"
+    INVALID_REQUEST = "invalid_request"
+    MODEL_NOT_LOADED = "model_not_loaded"
+    MODEL_ALREADY_LOADED = "model_already_loaded"
+    LOAD_FAILED = "load_failed"
+    MODEL_UNLOADED = "model_unloaded"
+    ENGINE_CLOSED = "engine_closed"
+    INTERNAL_ERROR = "internal_error"
+
+    @property
+    def is_client_error(self) -> bool:
+        return self in (EngineFailure.REQUEST_EXCEEDS_CONTEXT, EngineFailure.INVALID_REQUEST)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request generation settings (OpenAI defaults: temperature 1, top_p 1)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    """One chat completion to run. `messages` are OpenAI-style dicts for the chat template."""
+
+    request_id: str
+    messages: Sequence[Mapping[str, object]]
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """New completion text. Never empty, never ends inside a UTF-8 character."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """Terminal: the completion ended normally.
+
+    `completion_ids` are the sampled token ids, including a final EOS token when the model
+    produced one; `usage.completion_tokens == len(completion_ids)`.
+    """
+
+    reason: FinishReason
+    usage: Usage
+    completion_ids: tuple[int, ...] = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """Terminal: the request did not complete. Carries a code, never an exception string."""
+
+    code: EngineFailure
+
+
+Event = TextDelta | Finished | Failed
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModelInfo:
+    model_id: str
+    path: Path
+    weights_bytes: int  # measured growth of MLX active memory while loading
+    context_length: int
+    eos_token_ids: frozenset[int]
+    vocab_size: int
+    load_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStats:
+    """A cheap snapshot for heartbeats, refreshed by the worker after every step."""
+
+    num_running: int  # decoding
+    num_waiting: int  # queued or in prefill
+    active_tokens: int  # prompt + generated tokens of every request in the batch
+
+
+class EngineError(Exception):
+    """A load/unload/count call failed. `code` is safe to log and put on the wire."""
+
+    def __init__(self, code: EngineFailure):
+        super().__init__(code.value)
+        self.code = code

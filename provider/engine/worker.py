@@ -1,0 +1,364 @@
+"""The MLX worker: the only code that touches MLX, run on one dedicated thread.
+
+Theory of operation. `Worker.run` blocks on the command queue while no request is active.
+While requests are active it drains whatever commands are queued without blocking, advances
+every model that has work by one `BatchGenerator.next()` call (one decode step plus at most one
+prefill chunk, round-robin across models), then hands the step's events to the asyncio loop in
+one `call_soon_threadsafe` per loop. So a command (a cancel, a new request) waits for at most
+one step, and requests join and leave the running batch between any two steps.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+import queue
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import jinja2
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.generate import BatchGenerator
+
+from provider.engine.commands import (
+    Cancel,
+    Command,
+    CountPromptTokens,
+    EventSink,
+    KvCacheBytes,
+    Load,
+    ReleaseHook,
+    Stop,
+    Submit,
+    Unload,
+)
+from provider.engine.sampling import sampler_for
+from provider.engine.textstream import CompletionText
+from provider.engine.types import (
+    EngineError,
+    EngineFailure,
+    Event,
+    Failed,
+    Finished,
+    FinishReason,
+    LoadedModelInfo,
+    ModelStats,
+    TextDelta,
+    Usage,
+)
+
+log = logging.getLogger("provider.engine")
+
+_CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_ctx")
+_TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError)
+
+
+def context_length(config: Mapping[str, object]) -> int:
+    """The context window from a model config (text_config first, for multimodal configs)."""
+    for cfg in (config.get("text_config"), config):
+        if isinstance(cfg, Mapping):
+            for key in _CONTEXT_KEYS:
+                value = cfg.get(key)
+                if isinstance(value, int) and value > 0:
+                    return value
+    raise ValueError("config has no context length")
+
+
+@dataclass(slots=True)
+class _Active:
+    """One request inside a model's batch."""
+
+    request_id: str
+    uid: int
+    sink: EventSink
+    on_released: ReleaseHook | None
+    text: CompletionText
+    prompt_tokens: int
+    completion_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Slot:
+    """One loaded model and its batch."""
+
+    info: LoadedModelInfo
+    model: object
+    tokenizer: object
+    generator: BatchGenerator
+    requests: dict[int, _Active] = field(default_factory=dict)  # by BatchGenerator uid
+
+
+def _new_generator(model, eos_token_ids: frozenset[int]) -> BatchGenerator:
+    return BatchGenerator(model, stop_tokens=[[t] for t in sorted(eos_token_ids)] or None)
+
+
+def _release_native_heap() -> None:
+    # glibc keeps freed heap pages until asked (reference/mlx-notes.md §4).
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class Worker:
+    def __init__(self, commands: queue.SimpleQueue[Command]):
+        self._commands = commands
+        self._slots: dict[str, _Slot] = {}
+        self._where: dict[str, tuple[_Slot, int]] = {}  # request_id -> (slot, uid)
+        self._outbox: list[tuple[EventSink, Event]] = []
+        self._stopped = False
+        # Read by other threads; only ever replaced item by item (atomic under the GIL).
+        self.stats: dict[str, ModelStats] = {}
+
+    # -- main loop -------------------------------------------------------------------------
+
+    def run(self) -> None:
+        while not self._stopped:
+            if self._where:
+                self._drain_commands()
+                self._step_all()
+            else:
+                self._handle(self._commands.get())
+            self._flush_outbox()
+
+    def _drain_commands(self) -> None:
+        while not self._stopped:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(command)
+
+    def _handle(self, command: Command) -> None:
+        match command:
+            case Submit():
+                self._submit(command)
+            case Cancel(request_id):
+                self._cancel(request_id)
+            case CountPromptTokens(model_id, messages, reply):
+                self._reply(reply, lambda: len(self._prompt_ids(self._slot(model_id), messages)))
+            case KvCacheBytes(model_id, reply):
+                self._reply(reply, lambda: self._slot(model_id).generator.prompt_cache_nbytes)
+            case Load():
+                self._reply(command.reply, lambda: self._load(command))
+            case Unload(model_id, reply):
+                self._reply(reply, lambda: self._unload(model_id))
+            case Stop(reply):
+                self._reply(reply, self._stop)
+
+    @staticmethod
+    def _reply(reply: Future, fn) -> None:
+        if not reply.set_running_or_notify_cancel():
+            return
+        try:
+            reply.set_result(fn())
+        except EngineError as exc:
+            reply.set_exception(exc)
+        except Exception:  # an edge: report a fixed code, keep the worker alive
+            log.exception("engine command failed")
+            reply.set_exception(EngineError(EngineFailure.INTERNAL_ERROR))
+
+    def _slot(self, model_id: str) -> _Slot:
+        slot = self._slots.get(model_id)
+        if slot is None:
+            raise EngineError(EngineFailure.MODEL_NOT_LOADED)
+        return slot
+
+    # -- load / unload -----------------------------------------------------------------------
+
+    def _load(self, cmd: Load) -> LoadedModelInfo:
+        if cmd.model_id in self._slots:
+            raise EngineError(EngineFailure.MODEL_ALREADY_LOADED)
+        before = mx.get_active_memory()
+        started = time.monotonic()
+        try:
+            model, tokenizer, config = mlx_lm.load(str(cmd.path), lazy=True, return_config=True)
+            mx.eval(model.parameters())
+            ctx = context_length(config)
+        except Exception:  # an edge: any broken model folder must not kill the worker
+            log.exception("model load failed", extra={"model_id": cmd.model_id})
+            gc.collect()
+            mx.clear_cache()
+            raise EngineError(EngineFailure.LOAD_FAILED) from None
+        if cmd.eos_token_ids is not None:
+            tokenizer.eos_token_ids = set(cmd.eos_token_ids)
+        eos = frozenset(tokenizer.eos_token_ids)
+        info = LoadedModelInfo(
+            model_id=cmd.model_id,
+            path=cmd.path,
+            weights_bytes=mx.get_active_memory() - before,
+            context_length=ctx,
+            eos_token_ids=eos,
+            vocab_size=int(config.get("vocab_size") or len(tokenizer)),
+            load_seconds=time.monotonic() - started,
+        )
+        self._slots[cmd.model_id] = _Slot(info, model, tokenizer, _new_generator(model, eos))
+        self.stats[cmd.model_id] = ModelStats(0, 0, 0)
+        return info
+
+    def _unload(self, model_id: str) -> None:
+        slot = self._slot(model_id)
+        self._fail_all(slot, EngineFailure.MODEL_UNLOADED)
+        slot.generator.close()
+        del self._slots[model_id]
+        self.stats.pop(model_id, None)
+        slot.model = slot.tokenizer = slot.generator = None
+        del slot
+        gc.collect()
+        mx.clear_cache()
+        _release_native_heap()
+
+    def _stop(self) -> None:
+        for model_id in list(self._slots):
+            slot = self._slots[model_id]
+            self._fail_all(slot, EngineFailure.ENGINE_CLOSED)
+            self._unload(model_id)
+        self._stopped = True
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _prompt_ids(self, slot: _Slot, messages: Sequence[Mapping[str, object]]) -> list[int]:
+        try:
+            ids = slot.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+        except _TEMPLATE_ERRORS:
+            raise EngineError(EngineFailure.INVALID_REQUEST) from None
+        if not ids:
+            raise EngineError(EngineFailure.INVALID_REQUEST)
+        return list(ids)
+
+    def _submit(self, cmd: Submit) -> None:
+        request = cmd.request
+        try:
+            if request.request_id in self._where:
+                raise EngineError(EngineFailure.INVALID_REQUEST)
+            slot = self._slot(cmd.model_id)
+            ids = self._prompt_ids(slot, request.messages)
+            room = slot.info.context_length - len(ids)
+            if room < 1:
+                raise EngineError(EngineFailure.REQUEST_EXCEEDS_CONTEXT)
+            (uid,) = slot.generator.insert(
+                [ids],
+                max_tokens=[min(request.params.max_tokens, room)],
+                samplers=[sampler_for(request.params)],
+            )
+        except EngineError as exc:
+            self._emit(cmd.sink, Failed(exc.code))
+            self._notify_released(cmd.on_released, request.request_id)
+            return
+        text = CompletionText(slot.tokenizer.detokenizer, request.params.stop)
+        slot.requests[uid] = _Active(request.request_id, uid, cmd.sink, cmd.on_released, text, len(ids))
+        self._where[request.request_id] = (slot, uid)
+
+    def _cancel(self, request_id: str) -> None:
+        # Unknown ids are normal: the request may have finished in the previous step.
+        found = self._where.get(request_id)
+        if found is None:
+            return
+        slot, uid = found
+        slot.generator.remove([uid])
+        self._retire(slot, uid)
+
+    def _fail_all(self, slot: _Slot, code: EngineFailure) -> None:
+        uids = list(slot.requests)
+        if uids:
+            slot.generator.remove(uids)
+        for uid in uids:
+            self._emit(slot.requests[uid].sink, Failed(code))
+            self._retire(slot, uid)
+
+    def _retire(self, slot: _Slot, uid: int) -> None:
+        """Forget a request whose cache has left the batch, and tell the ledger."""
+        active = slot.requests.pop(uid)
+        del self._where[active.request_id]
+        self._notify_released(active.on_released, active.request_id)
+
+    @staticmethod
+    def _notify_released(hook: ReleaseHook | None, request_id: str) -> None:
+        if hook is None:
+            return
+        try:
+            hook(request_id)
+        except Exception:  # an edge: a broken hook must not kill the worker
+            log.exception("on_released hook failed")
+
+    # -- stepping ----------------------------------------------------------------------------
+
+    def _step_all(self) -> None:
+        for slot in list(self._slots.values()):
+            if slot.requests:
+                self._step(slot)
+
+    def _step(self, slot: _Slot) -> None:
+        try:
+            _, responses = slot.generator.next()
+            for r in responses:
+                active = slot.requests.get(r.uid)
+                if active is not None:
+                    self._on_token(slot, active, r.token, r.finish_reason)
+        except Exception:  # an edge: fail this model's requests, keep the worker alive
+            log.exception("decode step failed", extra={"model_id": slot.info.model_id})
+            self._fail_all(slot, EngineFailure.INTERNAL_ERROR)
+            slot.generator.close()
+            slot.generator = _new_generator(slot.model, slot.info.eos_token_ids)
+        self._publish_stats(slot)
+
+    def _on_token(self, slot: _Slot, active: _Active, token: int, finish: str | None) -> None:
+        active.completion_ids.append(token)
+        if finish == "stop":  # an EOS token: never part of the text
+            out = active.text.finish()
+            self._emit_text(active, out.text)
+            self._finish(slot, active, FinishReason.STOP)
+            return
+        out = active.text.add(token)
+        if out.stopped:
+            self._emit_text(active, out.text)
+            if finish is None:
+                slot.generator.remove([active.uid])
+            self._finish(slot, active, FinishReason.STOP)
+        elif finish == "length":
+            tail = active.text.finish()
+            self._emit_text(active, out.text + tail.text)
+            self._finish(slot, active, FinishReason.STOP if tail.stopped else FinishReason.LENGTH)
+        else:
+            self._emit_text(active, out.text)
+
+    def _emit_text(self, active: _Active, text: str) -> None:
+        if text:
+            self._emit(active.sink, TextDelta(text))
+
+    def _finish(self, slot: _Slot, active: _Active, reason: FinishReason) -> None:
+        usage = Usage(active.prompt_tokens, len(active.completion_ids))
+        self._emit(active.sink, Finished(reason, usage, tuple(active.completion_ids)))
+        self._retire(slot, active.uid)
+
+    def _publish_stats(self, slot: _Slot) -> None:
+        running = sum(1 for a in slot.requests.values() if a.completion_ids)
+        tokens = sum(a.prompt_tokens + len(a.completion_ids) for a in slot.requests.values())
+        self.stats[slot.info.model_id] = ModelStats(running, len(slot.requests) - running, tokens)
+
+    # -- delivery ----------------------------------------------------------------------------
+
+    def _emit(self, sink: EventSink, event: Event) -> None:
+        self._outbox.append((sink, event))
+
+    def _flush_outbox(self) -> None:
+        if not self._outbox:
+            return
+        by_loop: dict[object, list[tuple[EventSink, Event]]] = defaultdict(list)
+        for sink, event in self._outbox:
+            by_loop[sink.loop].append((sink, event))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that loop is closed: nobody is listening any more
+                pass
+
+
+def _deliver(items: list[tuple[EventSink, Event]]) -> None:
+    for sink, event in items:
+        sink.push(event)
