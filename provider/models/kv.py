@@ -3,7 +3,8 @@
 mlx-lm builds one cache object per layer (`Model.make_cache()`, `mlx_lm/models/cache.py`):
 
 * `KVCache` (full attention) holds K and V of shape `(B, kv_heads, n, head_dim)` and grows in
-  steps of `ALLOC_STEP` = 256 tokens, so `n = ceil(tokens / 256) * 256`. Measured exactly
+  steps of `ALLOC_STEP` = 256 tokens, so `n = ceil(tokens / 256) * 256` when tokens arrive in
+  256-aligned chunks (see `kv_bytes_for_tokens` for the unaligned case). Measured exactly
   (reference/mlx-notes.md §5 and tests/test_models_kv.py).
 * `RotatingKVCache(max_size=window)` (sliding-window attention) stops growing at `window` tokens
   once decoding. Before that it holds at most `tokens + 255`: a prefill chunk is stored unpadded,
@@ -117,19 +118,29 @@ def round_up_to_step(tokens: int) -> int:
     return math.ceil(tokens / ALLOC_STEP) * ALLOC_STEP
 
 
-def kv_bytes_for_tokens(layout: KvLayout, tokens: int, *, prefill_step: int | None = None) -> int:
+def kv_bytes_for_tokens(
+    layout: KvLayout, tokens: int, *, prefill_step: int | None = None, aligned: bool = True
+) -> int:
     """Bytes mlx-lm allocates for one sequence's KV cache holding `tokens` tokens.
 
-    Full-attention layers: exact (256-token blocks). Sliding layers: an upper bound,
-    `min(tokens + 255, window)` per layer, or `min(tokens + 255, window - 1 + prefill_step)` to
-    cover the moment a chunked prefill of `prefill_step` tokens is appended past the window.
+    Full-attention layers: `ceil(tokens / 256) * 256` slots, exact when every chunk appended to
+    the cache but the last was a multiple of 256 tokens, which is what generate_step and
+    BatchGenerator do for a fresh sequence (prefill chunks of 2048, then single tokens). A chunk
+    appended at an unaligned offset (reusing a trimmed prompt cache) grows the buffer to
+    `offset + ceil(chunk / 256) * 256`; pass `aligned=False` for that bound, `tokens + 255`.
+    A trimmed cache keeps its buffer: this counts a cache grown to `tokens`, not trimmed back.
+
+    Sliding layers: an upper bound, `min(tokens + 255, window)` per layer, or
+    `min(tokens + 255, window - 1 + prefill_step)` to cover the moment a chunked prefill of
+    `prefill_step` tokens is appended past the window.
     Recurrent state is not included (see `KvLayout.recurrent_layers`).
     """
     if tokens < 0:
         raise ValueError("tokens must be >= 0")
     if tokens == 0:
         return 0
-    total = round_up_to_step(tokens) * layout.bytes_per_token
+    full_slots = round_up_to_step(tokens) if aligned else tokens + ALLOC_STEP - 1
+    total = full_slots * layout.bytes_per_token
     for group in layout.sliding:
         cap = group.window if prefill_step is None else group.window - 1 + prefill_step
         total += min(tokens + ALLOC_STEP - 1, cap) * group.bytes_per_token
