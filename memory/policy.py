@@ -8,11 +8,15 @@ warning per rejected variable); `compute_figures(P, settings)` turns a physical 
 KV budget, per-request KV bytes, post-load guard). `figures()` does both at once. Nothing here
 touches MLX, psutil or the clock; snapshots come in as arguments.
 
-Precedence: an explicit `cap_fraction` / `activation_reserve_gb` argument → env → default. For the
-operator reserve and the memory limit, a valid env value overrides the `memory_reserve_gb` /
-`memory_limit_gb` arguments (those are the config-file values); pass `env={}` to ignore the
-environment. Env values that are missing, blank, not numbers, NaN, ±inf or ≤ 0 count as unset.
-A fraction above 1 is clamped to 1. Byte figures saturate at `MAX_BYTES` instead of overflowing.
+Precedence for every input: explicit argument → env → default. `cap_fraction` /
+`activation_reserve_gb` are explicit when not None; `memory_reserve_gb` (default 4.0) and
+`memory_limit_gb` (default None) are explicit when they differ from their defaults, so values that
+provider/config resolved from TOML, env or flags win, and a bare `figures(P)` reads
+`DARKBLOOM_MEMORY_RESERVE_GB` / `DARKBLOOM_MEMORY_LIMIT_GB`. Pass `env={}` to ignore the
+environment. Env values that are missing, blank, not numbers, NaN, ±inf or ≤ 0 count as unset
+(one warning each, naming the variable and the value). A fraction above 1 is clamped to 1.
+Explicit values are clamped but honoured. Byte figures saturate at `MAX_BYTES` instead of
+overflowing.
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ import structlog
 
 from memory.snapshot import MemorySnapshot
 
-log = structlog.get_logger(__name__)
 
 GiB = 2**30
 MAX_BYTES = 2**63 - 1  # saturation ceiling: the largest int64, what JSON peers and counters can carry
@@ -95,6 +98,12 @@ class PolicySettings:
     memory_limit_bytes: int | None = None
 
 
+def _warn(event: str, **fields: object) -> None:
+    # A fresh logger per (rare) warning: it honours the structlog config current at the time, even
+    # when loggers are cached on first use elsewhere, so capture_logs() in tests always sees it.
+    structlog.get_logger(__name__).warning(event, **fields)
+
+
 def _env_positive(env: Mapping[str, str], name: str) -> float | None:
     """A finite, > 0 number from env, or None (missing/blank: silently; anything else: one warning)."""
     raw = env.get(name)
@@ -106,7 +115,7 @@ def _env_positive(env: Mapping[str, str], name: str) -> float | None:
         value = math.nan
     if math.isfinite(value) and value > 0:
         return value
-    log.warning("memory_env_rejected", variable=name, value=raw[:64], using="default")
+    _warn("memory_env_rejected", variable=name, value=raw[:64], using="default")
     return None
 
 
@@ -135,7 +144,7 @@ def resolve_settings(
     else:
         fraction = _env_positive(env, ENV_CAP_FRACTION) or DEFAULT_CAP_FRACTION
         if fraction > 1.0:
-            log.warning("memory_env_clamped", variable=ENV_CAP_FRACTION, value=env[ENV_CAP_FRACTION][:64], using=1.0)
+            _warn("memory_env_clamped", variable=ENV_CAP_FRACTION, value=env[ENV_CAP_FRACTION][:64], using=1.0)
             fraction = 1.0
 
     if activation_reserve_gb is not None:
@@ -145,16 +154,15 @@ def resolve_settings(
         env_activation = _env_positive(env, ENV_ACTIVATION_RESERVE_GB)
         activation = DEFAULT_ACTIVATION_RESERVE_BYTES if env_activation is None else gib_to_bytes(env_activation)
 
-    env_reserve = _env_positive(env, ENV_MEMORY_RESERVE_GB)
-    if env_reserve is not None:
-        reserve = gib_to_bytes(env_reserve)
-    elif math.isnan(memory_reserve_gb):
-        reserve = gib_to_bytes(DEFAULT_MEMORY_RESERVE_GB)
-    else:
-        reserve = gib_to_bytes(memory_reserve_gb)
+    # The reserve and the limit arrive from config; a value at its default counts as "not set".
+    reserve_gb = DEFAULT_MEMORY_RESERVE_GB if math.isnan(memory_reserve_gb) else memory_reserve_gb
+    if reserve_gb == DEFAULT_MEMORY_RESERVE_GB:
+        reserve_gb = _env_positive(env, ENV_MEMORY_RESERVE_GB) or DEFAULT_MEMORY_RESERVE_GB
+    reserve = gib_to_bytes(reserve_gb)
 
-    env_limit = _env_positive(env, ENV_MEMORY_LIMIT_GB)
-    limit_gb = env_limit if env_limit is not None else memory_limit_gb
+    limit_gb = memory_limit_gb
+    if limit_gb is None:
+        limit_gb = _env_positive(env, ENV_MEMORY_LIMIT_GB)
     limit = memory_limit_bytes_from_gb(limit_gb)
 
     return PolicySettings(cap_fraction=fraction, activation_reserve_bytes=activation,

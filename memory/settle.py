@@ -29,7 +29,6 @@ import structlog
 
 from memory.policy import GiB
 
-log = structlog.get_logger(__name__)
 
 TOLERANCE_FLOOR_BYTES = 2 * GiB
 TOLERANCE_FRACTION = 0.05
@@ -127,6 +126,8 @@ def settle(
             return SettleResult(True, now_freed, target, clock() - start, polls, round_no)
 
     result = SettleResult(False, now_freed, target, clock() - start, polls, rounds)
-    log.warning("memory_settle_incomplete", freed_bytes=result.freed_bytes, target_bytes=target,
-                resident_bytes=resident_bytes, seconds=round(result.seconds, 3), rounds=rounds)
+    # A fresh logger per (rare) warning, so it honours the structlog config current at the time.
+    structlog.get_logger(__name__).warning(
+        "memory_settle_incomplete", freed_bytes=result.freed_bytes, target_bytes=target,
+        resident_bytes=resident_bytes, seconds=round(result.seconds, 3), rounds=rounds)
     return result
