@@ -110,7 +110,7 @@ class LoadedModelInfo:
     model_id: str
     path: Path
     weights_bytes: int  # measured growth of MLX active memory while loading
-    context_length: int
+    context_length: int | None  # None: the config names none, so no limit is enforced
     eos_token_ids: frozenset[int]
     vocab_size: int
     load_seconds: float

@@ -52,22 +52,11 @@ from provider.engine.types import (
     TextDelta,
     Usage,
 )
+from provider.models.metadata import context_length
 
 log = logging.getLogger("provider.engine")
 
-_CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_ctx")
 _TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError)
-
-
-def context_length(config: Mapping[str, object]) -> int:
-    """The context window from a model config (text_config first, for multimodal configs)."""
-    for cfg in (config.get("text_config"), config):
-        if isinstance(cfg, Mapping):
-            for key in _CONTEXT_KEYS:
-                value = cfg.get(key)
-                if isinstance(value, int) and value > 0:
-                    return value
-    raise ValueError("config has no context length")
 
 
 @dataclass(slots=True)
@@ -237,7 +226,8 @@ class Worker:
                 raise EngineError(EngineFailure.INVALID_REQUEST)
             slot = self._slot(cmd.model_id)
             ids = self._prompt_ids(slot, request.messages)
-            room = slot.info.context_length - len(ids)
+            ctx = slot.info.context_length
+            room = request.params.max_tokens if ctx is None else ctx - len(ids)
             if room < 1:
                 raise EngineError(EngineFailure.REQUEST_EXCEEDS_CONTEXT)
             (uid,) = slot.generator.insert(
