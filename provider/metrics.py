@@ -1,0 +1,153 @@
+"""Prometheus metrics for ``/metrics``, on a registry of their own (no global state, isolated tests).
+
+Every label takes a value from a closed vocabulary. Callers pass an ``Enum`` (its ``value`` is used)
+or a short identifier; anything else becomes ``other``, so a label can neither leak user text nor
+grow without bound.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from enum import Enum, StrEnum
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+NAMESPACE = "darkbloom"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+OTHER = "other"
+_LABEL_VALUE = re.compile(r"[a-z0-9_]{1,48}")
+# Unload-to-settled times run from ~0 (nothing to free) to the 5 s barrier and its 3 retry rounds.
+SETTLE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0)
+
+
+class RequestOutcome(StrEnum):
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    REJECTED = "rejected"  # refused before inference_accepted; the reason is in rejects_total
+
+
+class TokenKind(StrEnum):
+    PROMPT = "prompt"
+    COMPLETION = "completion"
+
+
+class LoadResult(StrEnum):
+    LOADED = "loaded"
+    FAILED = "failed"
+    REFUSED = "refused"  # the load gate or the post-load guard said no
+
+
+class EvictionCause(StrEnum):
+    LRU = "lru"  # made room for another model
+    IDLE = "idle"  # idle_timeout_mins
+    PRESSURE = "pressure"  # memory watermark
+    SHUTDOWN = "shutdown"
+
+
+class CapFigure(StrEnum):
+    PHYSICAL = "physical"
+    HARD_CAP = "hard_cap"
+    EFFECTIVE_CAP = "effective_cap"
+    LOAD_RESERVE = "load_reserve"
+    ACTIVATION_RESERVE = "activation_reserve"
+
+
+def label(value: Enum | str) -> str:
+    """The label value for ``value``; ``other`` unless it is a short lower-case identifier."""
+    raw = value.value if isinstance(value, Enum) else value
+    return raw if isinstance(raw, str) and _LABEL_VALUE.fullmatch(raw) else OTHER
+
+
+class Metrics:
+    """The provider's counters, gauges and histograms, and their Prometheus text rendering."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, ns = self.registry, NAMESPACE
+        self.requests_total = Counter("requests", "Inference requests by final outcome.", ["outcome"],
+                                      namespace=ns, registry=r)
+        self.tokens_total = Counter("tokens", "Tokens processed, by kind.", ["kind"], namespace=ns, registry=r)
+        self.rejects_total = Counter("rejects", "Requests refused before acceptance, by rejection reason.",
+                                     ["reason"], namespace=ns, registry=r)
+        self.model_loads_total = Counter("model_loads", "Model load attempts by result.", ["result"],
+                                         namespace=ns, registry=r)
+        self.model_evictions_total = Counter("model_evictions", "Model unloads by cause.", ["cause"],
+                                             namespace=ns, registry=r)
+        self.settle_seconds = Histogram("settle_seconds", "Time for memory to settle after an unload.",
+                                        namespace=ns, registry=r, buckets=SETTLE_BUCKETS)
+        self.ledger_bytes = Gauge("ledger_bytes", "Bytes reserved in the memory ledger, by reservation kind.",
+                                  ["kind"], namespace=ns, registry=r)
+        self.cap_bytes = Gauge("cap_bytes", "Memory cap figures in bytes.", ["figure"], namespace=ns, registry=r)
+        self.loaded_models = Gauge("loaded_models", "Models resident now.", namespace=ns, registry=r)
+        self.in_flight_requests = Gauge("in_flight_requests", "Requests accepted and not finished.",
+                                        namespace=ns, registry=r)
+        # Known label values exist from the start at 0, so rate() and absent() behave.
+        for outcome in RequestOutcome:
+            self.requests_total.labels(outcome=outcome.value)
+        for kind in TokenKind:
+            self.tokens_total.labels(kind=kind.value)
+        for result in LoadResult:
+            self.model_loads_total.labels(result=result.value)
+        for cause in EvictionCause:
+            self.model_evictions_total.labels(cause=cause.value)
+
+    # --- requests
+    def request_finished(self, outcome: RequestOutcome) -> None:
+        self.requests_total.labels(outcome=label(outcome)).inc()
+
+    def add_tokens(self, *, prompt: int = 0, completion: int = 0) -> None:
+        if prompt:
+            self.tokens_total.labels(kind=TokenKind.PROMPT.value).inc(prompt)
+        if completion:
+            self.tokens_total.labels(kind=TokenKind.COMPLETION.value).inc(completion)
+
+    def rejected(self, reason: Enum | str) -> None:
+        """A fast reject (503 before acceptance); ``reason`` is the protocol's rejection_reason."""
+        self.rejects_total.labels(reason=label(reason)).inc()
+
+    @contextmanager
+    def in_flight(self) -> Iterator[None]:
+        """Count a request as in flight for the duration of the block, on every exit path."""
+        self.in_flight_requests.inc()
+        try:
+            yield
+        finally:
+            self.in_flight_requests.dec()
+
+    # --- models
+    def model_load(self, result: LoadResult) -> None:
+        self.model_loads_total.labels(result=label(result)).inc()
+
+    def model_evicted(self, cause: EvictionCause) -> None:
+        self.model_evictions_total.labels(cause=label(cause)).inc()
+
+    def settled(self, seconds: float) -> None:
+        """An unload's settle barrier finished (settled or gave up) after ``seconds``."""
+        self.settle_seconds.observe(seconds)
+
+    def set_loaded_models(self, count: int) -> None:
+        self.loaded_models.set(count)
+
+    # --- memory
+    def set_ledger_bytes(self, by_kind: Mapping[Enum | str, int]) -> None:
+        """Replace the ledger figures; kinds absent from ``by_kind`` drop back to 0."""
+        current = {label(kind): value for kind, value in by_kind.items()}
+        for labels in self._label_values(self.ledger_bytes):
+            current.setdefault(labels, 0)
+        for kind, value in current.items():
+            self.ledger_bytes.labels(kind=kind).set(value)
+
+    def set_cap_figures(self, figures: Mapping[CapFigure, int]) -> None:
+        for figure, value in figures.items():
+            self.cap_bytes.labels(figure=label(figure)).set(value)
+
+    def render(self) -> bytes:
+        """Prometheus text exposition format (serve with :data:`CONTENT_TYPE`)."""
+        return generate_latest(self.registry)
+
+    @staticmethod
+    def _label_values(gauge: Gauge) -> list[str]:
+        return [sample.labels["kind"] for family in gauge.collect() for sample in family.samples]
