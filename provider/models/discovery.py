@@ -141,9 +141,14 @@ def discover(
         _scan_hf_cache(found, Path(hf_cache))
 
     models: list[ModelInfo] = []
-    skipped = list(found.skipped)
+    skipped: list[SkippedModel] = []
     taken: dict[str, ModelSource] = {}
     disabled: list[str] = []
+    for early in found.skipped:
+        if enabled_ids is None or early.id is None or early.id in enabled_ids:
+            skipped.append(early)
+        else:
+            disabled.append(early.id)
     for cand in found.candidates:
         if cand.id in taken:
             skipped.append(SkippedModel(cand.path, SkipReason.DUPLICATE_ID,
