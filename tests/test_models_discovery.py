@@ -48,10 +48,10 @@ def model_files(dtype: mx.Dtype = mx.bfloat16, *, config: dict | None = None,
     names = (["model.safetensors"] if shards == 1 else
              [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)])
     with tempfile.TemporaryDirectory() as tmp:
-        for name, group in zip(names, tensors):
+        for name, group in zip(names, tensors, strict=True):
             mx.save_safetensors(str(Path(tmp, name)), group)
             files[name] = Path(tmp, name).read_bytes()
-    weight_map = {k: name for name, group in zip(names, tensors) for k in group}
+    weight_map = {k: name for name, group in zip(names, tensors, strict=True) for k in group}
     files["model.safetensors.index.json"] = json.dumps({"weight_map": weight_map}).encode()
     files["config.json"] = json.dumps(cfg).encode()
     files["tokenizer.json"] = b'{"model": {"type": "BPE"}}'

@@ -160,7 +160,7 @@ def discover(
         if enabled_ids is not None and cand.id not in enabled_ids:
             disabled.append(cand.id)
             continue
-        result = inspect_candidate(cand)
+        result = _inspect_candidate(cand)
         if isinstance(result, ModelInfo):
             models.append(result)
         else:
@@ -170,12 +170,14 @@ def discover(
     return Inventory(tuple(models), tuple(skipped), tuple(sorted(set(disabled))), tuple(missing))
 
 
-def inspect_model(path: Path, model_id: str, source: ModelSource = ModelSource.MODEL_DIR) -> ModelInfo | SkippedModel:
-    """Describe one model directory, or say why it cannot be served."""
-    return inspect_candidate(_Candidate(model_id, Path(path), source))
+def inspect_model(
+    path: Path, model_id: str, source: ModelSource = ModelSource.MODEL_DIR
+) -> ModelInfo | SkippedModel:
+    """Describe one model directory, or say why it cannot be served. Never raises."""
+    return _inspect_candidate(_Candidate(model_id, Path(path), source))
 
 
-def inspect_candidate(cand: _Candidate) -> ModelInfo | SkippedModel:
+def _inspect_candidate(cand: _Candidate) -> ModelInfo | SkippedModel:
     def skip(reason: SkipReason, message: str) -> SkippedModel:
         return SkippedModel(cand.path, reason, message, cand.id)
 

@@ -92,7 +92,7 @@ def weight_hash_sync(model_dir: Path, *, cache: DigestCache | None = None,
     for path, key in keyed:
         digest = cache.get(key)
         if digest is None:
-            digest = _file_digest(path, lambda n: progress(done + n, total) if progress else None)
+            digest = _file_digest(path, progress, done, total)
             cache.put(key, digest)
         done += key.size
         if progress is not None:
@@ -107,12 +107,13 @@ async def weight_hash(model_dir: Path, *, cache: DigestCache | None = None,
     return await asyncio.to_thread(weight_hash_sync, model_dir, cache=cache, progress=progress)
 
 
-def _file_digest(path: Path, on_bytes: Callable[[int], None]) -> str:
+def _file_digest(path: Path, progress: Progress | None, done_before: int, total: int) -> str:
     sha = hashlib.sha256()
     read = 0
     with path.open("rb") as handle:
         while chunk := handle.read(_CHUNK):
             sha.update(chunk)
             read += len(chunk)
-            on_bytes(read)
+            if progress is not None:
+                progress(done_before + read, total)
     return sha.hexdigest()

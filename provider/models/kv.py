@@ -273,7 +273,9 @@ def _per_layer_token_bytes(
     full_head_dim = cfg.get("global_head_dim") or head_dim
     full_kv_heads = kv_heads
     if cfg.get("attention_k_eq_v") and cfg.get("num_global_key_value_heads"):
-        full_kv_heads = cfg["num_global_key_value_heads"]
+        full_kv_heads = _int(cfg, "num_global_key_value_heads")
+    if not isinstance(full_head_dim, int):
+        raise KvConfigError("global_head_dim must be an integer")
     return 2 * full_kv_heads * full_head_dim * dtype_bytes, sliding, ""
 
 

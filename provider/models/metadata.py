@@ -25,18 +25,18 @@ INDEX_FILE = "model.safetensors.index.json"
 WEIGHT_GLOB = "model*.safetensors"
 
 
-class MetadataError(Exception):
-    """A model file exists but cannot be used. `kind` says which SkipReason it maps to."""
-
-    def __init__(self, kind: "MetadataProblem", message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-
-
 class MetadataProblem(enum.Enum):
     BAD_CONFIG = "bad_config"
     CORRUPT_WEIGHTS = "corrupt_weights"
+
+
+class MetadataError(Exception):
+    """A model file exists but cannot be used. `kind` says which SkipReason it maps to."""
+
+    def __init__(self, kind: MetadataProblem, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
 
 
 class DType(enum.Enum):
