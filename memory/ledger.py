@@ -13,6 +13,10 @@ lock together with the outstanding total. Tests pass snapshots by hand.
 
 Every reservation is released exactly once by its owner, from its own cleanup path; `release` is
 idempotent and nothing ever expires by age (there is no clock in here).
+
+"One process-wide": the provider builds exactly one `Ledger` at startup and hands that instance to
+everything that reserves (jobs, the model manager, the RAM prefix cache). This module keeps no
+global so tests can build as many as they like.
 """
 
 from __future__ import annotations
@@ -105,6 +109,12 @@ class Ledger:
     @property
     def figures(self) -> CapFigures:
         return self._figures
+
+    def replace_figures(self, figures: CapFigures) -> None:
+        """Swap in recomputed figures (e.g. after `Probe.refresh()` saw a new cgroup limit).
+        Outstanding reservations are kept; only later admissions see the new cap."""
+        with self._lock:
+            self._figures = figures
 
     # -- admitting ---------------------------------------------------------------------------
 

@@ -110,6 +110,16 @@ def test_guard_excludes_only_the_load_claim() -> None:
     assert not ledger.load_is_serveable(loaded)  # counting the claim too: 2 < 1 + 2
 
 
+def test_replace_figures_applies_to_later_admissions() -> None:
+    ledger = Ledger(FIG)
+    assert ledger.reserve("a", ReservationKind.MEDIA, 5 * GiB, snapshot=IDLE).granted
+    ledger.replace_figures(figures(16 * GiB, env={}, memory_limit_gb=10))  # eff_cap 6, headroom 3 GiB
+    assert ledger.figures.effective_cap_bytes == 6 * GiB
+    assert ledger.outstanding_bytes() == 5 * GiB
+    assert ledger.available_bytes(IDLE) == 0
+    assert not ledger.reserve("b", ReservationKind.MEDIA, 1, snapshot=IDLE).granted
+
+
 def test_snapshot_counts_and_bytes_by_kind() -> None:
     ledger = Ledger(FIG)
     ledger.reserve("a", ReservationKind.REQUEST_KV, 100, snapshot=IDLE)
