@@ -1,0 +1,211 @@
+"""Answering ``attestation_challenge`` (protocol.md §3.7, §10.2).
+
+* ``signature`` — base64 DER ECDSA P-256 over SHA-256(``nonce`` + ``timestamp``), the two challenge strings
+  concatenated. The coordinator verifies it only for attested providers, but it must never be empty.
+* ``status_signature`` — the same key over the canonical status JSON: sorted keys, no whitespace, built from
+  exactly the fields the response carries (the coordinator rebuilds it from the response it received).
+* ``public_key`` — our registered X25519 key string, byte-identical to ``register.public_key``.
+
+The posture booleans (``sip_enabled``, ``secure_boot_enabled``, ``rdma_disabled``, ``hypervisor_active``)
+are inputs: this module reports what the caller knows, it never assumes a macOS security state.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from protocol.crypto import b64decode_strict, b64encode
+from protocol.to_coordinator import AttestationResponse
+from protocol.to_provider import AttestationChallenge
+
+__all__ = [
+    "ChallengeSigner",
+    "RuntimeHashes",
+    "SecurityPosture",
+    "answer_challenge",
+    "build_status_canonical",
+    "challenge_message",
+    "status_canonical",
+    "verify_signature",
+]
+
+_ECDSA = ec.ECDSA(hashes.SHA256())
+# Go's encoding/json escapes these inside strings; doing the same keeps the signed bytes identical.
+_GO_ESCAPES = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+class ChallengeSigner:
+    """A P-256 signing key (the role the Secure Enclave key plays on a Mac)."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, private_key: ec.EllipticCurvePrivateKey) -> None:
+        if not isinstance(private_key.curve, ec.SECP256R1):
+            raise ValueError("challenge signing key must be P-256")
+        self._key = private_key
+
+    @classmethod
+    def generate(cls) -> ChallengeSigner:
+        return cls(ec.generate_private_key(ec.SECP256R1()))
+
+    @classmethod
+    def from_pem(cls, pem: bytes) -> ChallengeSigner:
+        key = serialization.load_pem_private_key(pem, password=None)
+        if not isinstance(key, ec.EllipticCurvePrivateKey):
+            raise ValueError("not an EC private key")
+        return cls(key)
+
+    def to_pem(self) -> bytes:
+        return self._key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+
+    @property
+    def public_key_b64(self) -> str:
+        """The public point, uncompressed X9.62 (65 bytes), base64 — the attestation blob's ``publicKey``."""
+        point = self._key.public_key().public_bytes(
+            serialization.Encoding.X962, serialization.PublicFormat.UncompressedPoint
+        )
+        return b64encode(point)
+
+    def sign(self, message: bytes) -> str:
+        """Base64 DER ECDSA signature over SHA-256(message)."""
+        return b64encode(self._key.sign(message, _ECDSA))
+
+
+def verify_signature(public_key_b64: str, message: bytes, signature_b64: str) -> bool:
+    """What the coordinator does with a signature (for tests and the coordinator double)."""
+    try:
+        point = b64decode_strict(public_key_b64)
+        key = ec.EllipticCurvePublicKey.from_encoded_point(ec.SECP256R1(), point)
+        key.verify(b64decode_strict(signature_b64), message, _ECDSA)
+    except (ValueError, InvalidSignature):
+        return False
+    return True
+
+
+def challenge_message(nonce: str, timestamp: str) -> bytes:
+    """The bytes ``signature`` covers."""
+    return (nonce + timestamp).encode("utf-8")
+
+
+def build_status_canonical(
+    nonce: str,
+    timestamp: str,
+    *,
+    hypervisor_active: bool | None = None,
+    rdma_disabled: bool | None = None,
+    sip_enabled: bool | None = None,
+    secure_boot_enabled: bool | None = None,
+    binary_hash: str = "",
+    active_model_hash: str = "",
+    python_hash: str = "",
+    runtime_hash: str = "",
+    grpc_binary_hash: str = "",
+    image_bridge_hash: str = "",
+    template_hashes: Mapping[str, str] | None = None,
+    model_hashes: Mapping[str, str] | None = None,
+) -> bytes:
+    """Go ``BuildStatusCanonical``: booleans when not None (``false`` explicit), strings and maps when
+    non-empty, keys sorted at every level, no whitespace, Go's string escaping."""
+    status: dict[str, object] = {"nonce": nonce, "timestamp": timestamp}
+    for name, flag in (
+        ("hypervisor_active", hypervisor_active),
+        ("rdma_disabled", rdma_disabled),
+        ("sip_enabled", sip_enabled),
+        ("secure_boot_enabled", secure_boot_enabled),
+    ):
+        if flag is not None:
+            status[name] = flag
+    for name, value in (
+        ("binary_hash", binary_hash),
+        ("active_model_hash", active_model_hash),
+        ("python_hash", python_hash),
+        ("runtime_hash", runtime_hash),
+        ("grpc_binary_hash", grpc_binary_hash),
+        ("image_bridge_hash", image_bridge_hash),
+    ):
+        if value:
+            status[name] = value
+    for name, mapping in (("template_hashes", template_hashes), ("model_hashes", model_hashes)):
+        if mapping:
+            status[name] = dict(mapping)
+    text = json.dumps(status, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return text.translate(_GO_ESCAPES).encode("utf-8")
+
+
+def status_canonical(response: AttestationResponse, timestamp: str) -> bytes:
+    """The canonical status bytes of exactly the fields ``response`` carries (what the coordinator rebuilds)."""
+    return build_status_canonical(
+        response.nonce,
+        timestamp,
+        hypervisor_active=response.hypervisor_active,
+        rdma_disabled=response.rdma_disabled,
+        sip_enabled=response.sip_enabled,
+        secure_boot_enabled=response.secure_boot_enabled,
+        binary_hash=response.binary_hash,
+        active_model_hash=response.active_model_hash,
+        python_hash=response.python_hash,
+        runtime_hash=response.runtime_hash,
+        template_hashes=response.template_hashes,
+        model_hashes=response.model_hashes,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class SecurityPosture:
+    """What the host reports about itself; ``None`` leaves the field out of the response."""
+
+    sip_enabled: bool | None = None
+    secure_boot_enabled: bool | None = None
+    rdma_disabled: bool | None = None
+    hypervisor_active: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeHashes:
+    """Hashes checked against the coordinator's known-good lists; empty ones are left out."""
+
+    binary_hash: str = ""
+    active_model_hash: str = ""
+    python_hash: str = ""
+    runtime_hash: str = ""
+    template_hashes: Mapping[str, str] = field(default_factory=dict)
+    model_hashes: Mapping[str, str] = field(default_factory=dict)
+
+
+def answer_challenge(
+    challenge: AttestationChallenge,
+    *,
+    public_key_b64: str,
+    signer: ChallengeSigner,
+    posture: SecurityPosture,
+    hashes: RuntimeHashes = RuntimeHashes(),
+    sign_status: bool = True,
+) -> AttestationResponse:
+    """The ``attestation_response`` to ``challenge``: nonce echoed, our X25519 key, signatures."""
+    unsigned = AttestationResponse(
+        nonce=challenge.nonce,
+        signature=signer.sign(challenge_message(challenge.nonce, challenge.timestamp)),
+        public_key=public_key_b64,
+        hypervisor_active=posture.hypervisor_active,
+        rdma_disabled=posture.rdma_disabled,
+        sip_enabled=posture.sip_enabled,
+        secure_boot_enabled=posture.secure_boot_enabled,
+        binary_hash=hashes.binary_hash,
+        active_model_hash=hashes.active_model_hash,
+        python_hash=hashes.python_hash,
+        runtime_hash=hashes.runtime_hash,
+        template_hashes=dict(hashes.template_hashes),
+        model_hashes=dict(hashes.model_hashes),
+    )
+    if not sign_status:
+        return unsigned
+    status_signature = signer.sign(status_canonical(unsigned, challenge.timestamp))
+    return unsigned.model_copy(update={"status_signature": status_signature})

@@ -1,0 +1,164 @@
+"""OpenAI chat-completion objects and their Server-Sent-Events framing (protocol.md §7.3).
+
+Each ``inference_response_chunk`` carries exactly one event: ``event(obj)`` gives ``data: {json}\\n\\n``
+for one ``ChatCompletionChunk`` (streaming delta) or one ``ChatCompletion`` (the non-streaming alternative),
+and ``DONE`` ends a stream. The coordinator parses one JSON object per chunk, so events are never batched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import model_validator
+
+from protocol._wire import NULLABLE, OMIT_EMPTY, Int64, Str, WireModel
+
+__all__ = [
+    "DONE",
+    "ChatCompletion",
+    "ChatCompletionChunk",
+    "ChatMessage",
+    "ChunkChoice",
+    "ChunkFactory",
+    "CompletionChoice",
+    "CompletionUsage",
+    "Delta",
+    "FinishReason",
+    "FunctionCall",
+    "FunctionCallDelta",
+    "ToolCall",
+    "ToolCallDelta",
+    "event",
+]
+
+DONE = b"data: [DONE]\n\n"
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    TOOL_CALLS = "tool_calls"
+    CONTENT_FILTER = "content_filter"
+
+
+class CompletionUsage(WireModel):
+    """``total_tokens`` defaults to prompt + completion."""
+
+    prompt_tokens: Int64
+    completion_tokens: Int64
+    total_tokens: Int64
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_total(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "total_tokens" not in data:
+            prompt, completion = data.get("prompt_tokens"), data.get("completion_tokens")
+            if type(prompt) is int and type(completion) is int:
+                return {**data, "total_tokens": prompt + completion}
+        return data
+
+
+class FunctionCallDelta(WireModel):
+    name: Str | None = None
+    arguments: Str | None = None
+
+
+class ToolCallDelta(WireModel):
+    index: Int64
+    id: Str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
+class Delta(WireModel):
+    """What one chunk adds. ``None`` fields are left out; ``{}`` is the empty final delta."""
+
+    role: Literal["assistant"] | None = None
+    content: Str | None = None
+    reasoning_content: Str | None = None
+    tool_calls: Annotated[tuple[ToolCallDelta, ...], OMIT_EMPTY] = ()
+
+
+class ChunkChoice(WireModel):
+    index: Int64 = 0
+    delta: Delta
+    finish_reason: Annotated[FinishReason | None, NULLABLE] = None
+
+
+class ChatCompletionChunk(WireModel):
+    id: Str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: Int64
+    model: Str
+    choices: tuple[ChunkChoice, ...]
+    usage: CompletionUsage | None = None
+
+
+class FunctionCall(WireModel):
+    name: Str
+    arguments: Str
+
+
+class ToolCall(WireModel):
+    id: Str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(WireModel):
+    role: Literal["assistant"] = "assistant"
+    content: Annotated[Str | None, NULLABLE] = None
+    reasoning_content: Str | None = None
+    tool_calls: Annotated[tuple[ToolCall, ...], OMIT_EMPTY] = ()
+
+
+class CompletionChoice(WireModel):
+    index: Int64 = 0
+    message: ChatMessage
+    finish_reason: Annotated[FinishReason | None, NULLABLE] = None
+
+
+class ChatCompletion(WireModel):
+    id: Str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: Int64
+    model: Str
+    choices: tuple[CompletionChoice, ...]
+    usage: CompletionUsage | None = None
+
+
+def event(obj: ChatCompletionChunk | ChatCompletion) -> bytes:
+    """Exactly one SSE event: ``data: {compact json}\\n\\n``."""
+    return b"data: " + obj.__pydantic_serializer__.to_json(obj, warnings="error") + b"\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkFactory:
+    """Chunks of one streamed completion: same ``id``, ``created`` and ``model`` on every one."""
+
+    id: str
+    created: int
+    model: str
+
+    def chunk(
+        self,
+        delta: Delta,
+        finish_reason: FinishReason | None = None,
+        usage: CompletionUsage | None = None,
+    ) -> ChatCompletionChunk:
+        choice = ChunkChoice(delta=delta, finish_reason=finish_reason)
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=(choice,), usage=usage)
+
+    def role(self) -> ChatCompletionChunk:
+        return self.chunk(Delta(role="assistant"))
+
+    def content(self, text: str) -> ChatCompletionChunk:
+        return self.chunk(Delta(content=text))
+
+    def reasoning(self, text: str) -> ChatCompletionChunk:
+        return self.chunk(Delta(reasoning_content=text))
+
+    def finish(self, reason: FinishReason, usage: CompletionUsage | None = None) -> ChatCompletionChunk:
+        return self.chunk(Delta(), finish_reason=reason, usage=usage)
