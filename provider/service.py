@@ -1,0 +1,347 @@
+"""Run the provider in the background: a launchd agent on macOS, a systemd user unit on Linux.
+
+The files installed are the templates in ``deploy/`` with their ``@NAME@`` placeholders filled:
+
+* launchd: ``deploy/io.darkbloom.provider.plist`` -> ``~/Library/LaunchAgents/``, loaded with
+  ``launchctl bootstrap gui/<uid>``; logs in ``~/Library/Logs/darkbloom/``.
+* systemd: ``deploy/darkbloom-provider.service`` -> ``~/.config/systemd/user/``, then
+  ``systemctl --user daemon-reload``, ``enable``, ``restart``; logs in the user journal.
+
+The ``DARKBLOOM_*`` variables of the installing shell (plus ``PATH``, ``HF_HOME``, ``HF_HUB_CACHE``)
+are written into the service's environment, so the background agent sees what the operator set.
+When that includes ``DARKBLOOM_AUTH_TOKEN`` the file is written 0600 instead of 0644.
+
+Every function takes the home directory, platform, environment and a ``runner`` (``subprocess.run``
+shape) as arguments, so tests install into a temporary home and check the exact commands.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import plistlib
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+LABEL = "io.darkbloom.provider"
+UNIT_NAME = "darkbloom-provider.service"
+DEPLOY_DIR = Path(__file__).resolve().parent.parent / "deploy"
+PLIST_TEMPLATE = DEPLOY_DIR / f"{LABEL}.plist"
+UNIT_TEMPLATE = DEPLOY_DIR / UNIT_NAME
+DRAIN_MARGIN_S = 15  # on top of drain_timeout_s: time to send terminal frames and close the socket
+CARRIED_ENV = ("PATH", "HF_HOME", "HF_HUB_CACHE")  # besides every DARKBLOOM_* variable
+SECRET_ENV = frozenset({"DARKBLOOM_AUTH_TOKEN"})
+_PLACEHOLDER = re.compile(r"@([A-Z_]+)@")
+
+Runner = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+class ServiceError(Exception):
+    """The service cannot be installed, removed or queried; the message is for the operator."""
+
+
+class ServiceKind(StrEnum):
+    LAUNCHD = "launchd"
+    SYSTEMD = "systemd"
+
+
+@dataclass(frozen=True, slots=True)
+class InstallResult:
+    kind: ServiceKind
+    path: Path  # the plist or unit file written
+    commands: tuple[tuple[str, ...], ...]  # what was run, in order (empty with load=False)
+    env_names: tuple[str, ...]  # names of the variables carried (values stay in the file)
+    log_dir: Path | None  # launchd log files; None for systemd (journal)
+
+
+@dataclass(frozen=True, slots=True)
+class UninstallResult:
+    kind: ServiceKind
+    path: Path
+    removed: bool  # a file was there and is gone
+    commands: tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceStatus:
+    kind: ServiceKind
+    path: Path
+    installed: bool  # the file exists
+    loaded: bool  # the service manager knows the job
+    running: bool
+    pid: int | None
+    detail: str  # the manager's own state words, e.g. "running" or "active/running"
+
+
+# --- where things go
+
+
+def service_kind(platform: str) -> ServiceKind:
+    if platform == "darwin":
+        return ServiceKind.LAUNCHD
+    if platform.startswith("linux"):
+        return ServiceKind.SYSTEMD
+    raise ServiceError(f"background service is supported on macOS (launchd) and Linux (systemd), not {platform!r}")
+
+
+def service_path(kind: ServiceKind, home: Path, env: Mapping[str, str]) -> Path:
+    if kind is ServiceKind.LAUNCHD:
+        return home / "Library" / "LaunchAgents" / f"{LABEL}.plist"
+    config_home = Path(env["XDG_CONFIG_HOME"]) if env.get("XDG_CONFIG_HOME") else home / ".config"
+    return config_home / "systemd" / "user" / UNIT_NAME
+
+
+def log_dir(home: Path) -> Path:
+    return home / "Library" / "Logs" / "darkbloom"
+
+
+def exit_timeout_s(drain_timeout_s: float) -> int:
+    """How long the manager waits after SIGTERM before SIGKILL: the drain plus a margin."""
+    return math.ceil(drain_timeout_s) + DRAIN_MARGIN_S
+
+
+def carried_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The installer's variables that the service gets: every DARKBLOOM_* plus PATH and HF_*."""
+    keep = {k: v for k, v in env.items() if k.startswith("DARKBLOOM_") or k in CARRIED_ENV}
+    return dict(sorted(keep.items()))
+
+
+def default_program(env: Mapping[str, str]) -> list[str]:
+    """The command that starts the agent: the console script of this very installation."""
+    beside = Path(os.path.abspath(sys.executable)).parent / "darkbloom-provider"  # no resolve(): keep the venv
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return [str(beside), "serve"]
+    found = shutil.which("darkbloom-provider", path=env.get("PATH"))
+    if found:
+        return [os.path.abspath(found), "serve"]
+    return [os.path.abspath(sys.executable), "-m", "provider.cli", "serve"]
+
+
+# --- rendering
+
+
+def render_plist(*, program: Sequence[str], env: Mapping[str, str], home: Path, drain_timeout_s: float) -> bytes:
+    """``deploy/io.darkbloom.provider.plist`` with its placeholders filled, as plist XML bytes."""
+    template = plistlib.loads(_read_template(PLIST_TEMPLATE))
+    values: dict[str, Any] = {
+        "PROGRAM_ARGUMENTS": list(program),
+        "EXIT_TIMEOUT": exit_timeout_s(drain_timeout_s),
+        "LOG_DIR": str(log_dir(home)),
+        "ENVIRONMENT": carried_env(env),
+    }
+    rendered = plistlib.dumps(_fill(template, values), sort_keys=False)
+    plistlib.loads(rendered)  # what we write must parse
+    return rendered
+
+
+def render_unit(*, program: Sequence[str], env: Mapping[str, str], drain_timeout_s: float) -> str:
+    """``deploy/darkbloom-provider.service`` with its placeholders filled."""
+    template = _read_template(UNIT_TEMPLATE).decode()
+    # One Environment= line per variable; the placeholder owns its whole line, so none leaves no gap.
+    environment = "".join(
+        f'Environment="{_systemd_quote(f"{k}={v}", k)}"\n' for k, v in carried_env(env).items()
+    )
+    template = template.replace("@ENVIRONMENT@\n", environment)
+    values = {
+        # ExecStart also expands $VAR, so a literal $ is doubled there (and only there).
+        "EXEC_START": " ".join(f'"{_systemd_quote(arg, "ExecStart").replace("$", "$$")}"' for arg in program),
+        "STOP_TIMEOUT": str(exit_timeout_s(drain_timeout_s)),
+    }
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+
+
+def _read_template(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        raise ServiceError(f"service template {path} is missing: reinstall darkbloom-provider from its source") from None
+
+
+def _fill(node: Any, values: Mapping[str, Any]) -> Any:
+    """Replace @NAME@ placeholders: a whole-string placeholder takes the value's own type."""
+    if isinstance(node, dict):
+        return {k: _fill(v, values) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_fill(v, values) for v in node]
+    if isinstance(node, str):
+        whole = _PLACEHOLDER.fullmatch(node)
+        if whole:
+            return values[whole.group(1)]
+        return _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), node)
+    return node
+
+
+def _systemd_quote(value: str, what: str) -> str:
+    """Escape for inside a double-quoted systemd value: C escapes, and % starts a specifier."""
+    if any(ord(c) < 0x20 or c == "\x7f" for c in value):
+        raise ServiceError(f"{what}: control characters (e.g. a newline) cannot go into a systemd unit")
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+
+
+# --- install / uninstall / status
+
+
+def install(
+    *,
+    home: Path,
+    platform: str = sys.platform,
+    env: Mapping[str, str],
+    runner: Runner = subprocess.run,
+    load: bool = True,
+    program: Sequence[str] | None = None,
+    config_path: Path | None = None,
+    drain_timeout_s: float = 30.0,
+    uid: int | None = None,
+) -> InstallResult:
+    """Write the service file (directories created) and, unless ``load=False``, start it."""
+    kind = service_kind(platform)
+    manager = _manager(kind, env) if load else None  # refuse before writing anything
+    argv = list(program) if program is not None else default_program(env)
+    if config_path is not None:
+        argv += ["--config", str(config_path.expanduser().absolute())]
+    path = service_path(kind, home, env)
+    carried = carried_env(env)
+    mode = 0o600 if SECRET_ENV & carried.keys() else 0o644
+
+    if kind is ServiceKind.LAUNCHD:
+        data = render_plist(program=argv, env=env, home=home, drain_timeout_s=drain_timeout_s)
+        log_dir(home).mkdir(parents=True, exist_ok=True)
+    else:
+        data = render_unit(program=argv, env=env, drain_timeout_s=drain_timeout_s).encode()
+    _write(path, data, mode)
+
+    commands: list[tuple[str, ...]] = []
+    if manager is not None:
+        if kind is ServiceKind.LAUNCHD:
+            domain = f"gui/{os.getuid() if uid is None else uid}"
+            # A loaded older copy would keep its old definition; bootout may fail if none is loaded.
+            commands.append(_run(runner, (manager, "bootout", f"{domain}/{LABEL}"), check=False))
+            commands.append(_run(runner, (manager, "bootstrap", domain, str(path))))
+        else:
+            commands.append(_run(runner, (manager, "--user", "daemon-reload")))
+            commands.append(_run(runner, (manager, "--user", "enable", UNIT_NAME)))
+            commands.append(_run(runner, (manager, "--user", "restart", UNIT_NAME)))  # picks up a changed unit
+    return InstallResult(
+        kind=kind,
+        path=path,
+        commands=tuple(commands),
+        env_names=tuple(carried),
+        log_dir=log_dir(home) if kind is ServiceKind.LAUNCHD else None,
+    )
+
+
+def uninstall(
+    *,
+    home: Path,
+    platform: str = sys.platform,
+    env: Mapping[str, str],
+    runner: Runner = subprocess.run,
+    load: bool = True,
+    uid: int | None = None,
+) -> UninstallResult:
+    """Stop the service if the manager knows it, then remove its file. Safe to repeat."""
+    kind = service_kind(platform)
+    path = service_path(kind, home, env)
+    commands: list[tuple[str, ...]] = []
+    if load:
+        manager = _manager(kind, env)
+        if kind is ServiceKind.LAUNCHD:
+            domain = f"gui/{os.getuid() if uid is None else uid}"
+            commands.append(_run(runner, (manager, "bootout", f"{domain}/{LABEL}"), check=False))
+        else:
+            commands.append(_run(runner, (manager, "--user", "disable", "--now", UNIT_NAME), check=False))
+    removed = path.exists()
+    path.unlink(missing_ok=True)
+    if load and kind is ServiceKind.SYSTEMD:
+        commands.append(_run(runner, (_manager(kind, env), "--user", "daemon-reload")))
+    return UninstallResult(kind=kind, path=path, removed=removed, commands=tuple(commands))
+
+
+def status(
+    *,
+    home: Path,
+    platform: str = sys.platform,
+    env: Mapping[str, str],
+    runner: Runner = subprocess.run,
+    uid: int | None = None,
+) -> ServiceStatus:
+    """What the service manager says about the agent."""
+    kind = service_kind(platform)
+    path = service_path(kind, home, env)
+    manager = _manager(kind, env)
+    if kind is ServiceKind.LAUNCHD:
+        domain = f"gui/{os.getuid() if uid is None else uid}"
+        proc = runner([manager, "print", f"{domain}/{LABEL}"], capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            return ServiceStatus(kind, path, path.exists(), False, False, None, "not loaded")
+        fields = _launchctl_fields(proc.stdout)
+        state = fields.get("state", "unknown")
+        pid = int(fields["pid"]) if fields.get("pid", "").isdigit() else None
+        return ServiceStatus(kind, path, path.exists(), True, state == "running", pid, state)
+
+    proc = runner(
+        [manager, "--user", "show", UNIT_NAME, "--property=LoadState,ActiveState,SubState,MainPID"],
+        capture_output=True, text=True, check=False,
+    )
+    if proc.returncode != 0:
+        raise ServiceError(f"`systemctl --user show` failed: {_first_line(proc.stderr)}")
+    props = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+    loaded = props.get("LoadState") == "loaded"
+    active, sub = props.get("ActiveState", "unknown"), props.get("SubState", "unknown")
+    pid = int(props["MainPID"]) if props.get("MainPID", "0").isdigit() and props.get("MainPID") != "0" else None
+    return ServiceStatus(kind, path, path.exists(), loaded, active == "active", pid, f"{active}/{sub}")
+
+
+# --- helpers
+
+
+def _manager(kind: ServiceKind, env: Mapping[str, str]) -> str:
+    name = "launchctl" if kind is ServiceKind.LAUNCHD else "systemctl"
+    found = shutil.which(name, path=env.get("PATH", os.defpath))
+    if found is None:
+        what = "launchd (macOS)" if kind is ServiceKind.LAUNCHD else "systemd user services"
+        raise ServiceError(
+            f"`{name}` is not on PATH, so {what} cannot run the agent here. "
+            "Use `service install --no-load` to only write the file, or run `darkbloom-provider serve` yourself."
+        )
+    return found
+
+
+def _run(runner: Runner, argv: tuple[str, ...], *, check: bool = True) -> tuple[str, ...]:
+    proc = runner(list(argv), capture_output=True, text=True, check=False)
+    if check and proc.returncode != 0:
+        shown = " ".join(Path(argv[0]).name if i == 0 else a for i, a in enumerate(argv))
+        raise ServiceError(f"`{shown}` failed (exit {proc.returncode}): {_first_line(proc.stderr)}")
+    return argv
+
+
+def _write(path: Path, data: bytes, mode: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(tmp, mode)  # O_CREAT's mode is masked by the umask, and an old tmp keeps its mode
+    os.replace(tmp, path)
+
+
+def _launchctl_fields(text: str) -> dict[str, str]:
+    """Top-level ``key = value`` lines of ``launchctl print`` (one tab deep)."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith("\t") and not line.startswith("\t\t") and " = " in line:
+            key, value = line.strip().split(" = ", 1)
+            fields.setdefault(key, value)
+    return fields
+
+
+def _first_line(text: str | None) -> str:
+    lines = (text or "").strip().splitlines()
+    return lines[0][:200] if lines else "no error output"

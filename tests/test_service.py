@@ -1,0 +1,295 @@
+"""provider/service: install into a temporary home, read back what was written, check the commands."""
+
+from __future__ import annotations
+
+import plistlib
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from provider.service import (
+    LABEL,
+    PLIST_TEMPLATE,
+    UNIT_NAME,
+    UNIT_TEMPLATE,
+    ServiceError,
+    ServiceKind,
+    default_program,
+    install,
+    status,
+    uninstall,
+)
+
+PROGRAM = ["/opt/darkbloom/venv/bin/darkbloom-provider", "serve"]
+
+
+class Recorder:
+    """A ``subprocess.run`` stand-in: records argv, answers from a script keyed by the subcommand."""
+
+    def __init__(self, answers: dict[str, tuple[int, str, str]] | None = None) -> None:
+        self.calls: list[list[str]] = []
+        self.answers = answers or {}
+
+    def __call__(self, argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        assert kwargs.get("check") is False and kwargs.get("capture_output") is True
+        self.calls.append(argv)
+        verb = next((a for a in argv[1:] if not a.startswith("-")), "")
+        code, out, err = self.answers.get(verb, (0, "", ""))
+        return subprocess.CompletedProcess(argv, code, out, err)
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    h = tmp_path / "home"
+    h.mkdir()
+    return h
+
+
+@pytest.fixture
+def bin_dir(tmp_path: Path) -> Path:
+    """A PATH directory holding (never run) launchctl and systemctl executables."""
+    d = tmp_path / "bin"
+    d.mkdir()
+    for name in ("launchctl", "systemctl"):
+        exe = d / name
+        exe.write_text("#!/bin/sh\nexit 99\n")
+        exe.chmod(0o755)
+    return d
+
+
+def operator_env(path: str) -> dict[str, str]:
+    return {
+        "PATH": path,
+        "HOME": "/ignored",
+        "HF_HOME": "/Volumes/models/hf",
+        "DARKBLOOM_MAX_MODEL_SLOTS": "2",
+        "DARKBLOOM_MEMORY_RESERVE_GB": "6",
+        "DARKBLOOM_COORDINATOR_URL": "wss://api.darkbloom.dev/ws/provider",
+        "OPENAI_API_KEY": "sk-not-ours",
+        "SHELL": "/bin/zsh",
+    }
+
+
+# --- launchd
+
+
+def test_templates_in_deploy_are_what_gets_installed() -> None:
+    template = plistlib.loads(PLIST_TEMPLATE.read_bytes())
+    assert template["Label"] == LABEL
+    assert "@EXEC_START@" in UNIT_TEMPLATE.read_text()
+
+
+def test_launchd_plist_has_every_key_and_value(home: Path) -> None:
+    env = operator_env("/usr/bin:/bin")
+    result = install(home=home, platform="darwin", env=env, load=False, program=PROGRAM, drain_timeout_s=30)
+    assert result.kind is ServiceKind.LAUNCHD
+    assert result.path == home / "Library/LaunchAgents/io.darkbloom.provider.plist"
+    assert result.commands == ()
+    logs = home / "Library/Logs/darkbloom"
+    assert result.log_dir == logs and logs.is_dir()
+
+    plist = plistlib.loads(result.path.read_bytes())
+    assert plist == {
+        "Label": "io.darkbloom.provider",
+        "ProgramArguments": PROGRAM,
+        "RunAtLoad": True,
+        "KeepAlive": {"SuccessfulExit": False},
+        "ThrottleInterval": 30,
+        "ExitTimeOut": 45,
+        "ProcessType": "Background",
+        "StandardOutPath": f"{logs}/provider.out.log",
+        "StandardErrorPath": f"{logs}/provider.log",
+        "EnvironmentVariables": {
+            "DARKBLOOM_COORDINATOR_URL": "wss://api.darkbloom.dev/ws/provider",
+            "DARKBLOOM_MAX_MODEL_SLOTS": "2",
+            "DARKBLOOM_MEMORY_RESERVE_GB": "6",
+            "HF_HOME": "/Volumes/models/hf",
+            "PATH": "/usr/bin:/bin",
+        },
+    }
+    assert result.env_names == tuple(plist["EnvironmentVariables"])
+    assert stat.S_IMODE(result.path.stat().st_mode) == 0o644
+    assert "@" not in result.path.read_text()
+
+
+def test_exit_timeout_follows_the_drain_timeout_and_config_is_passed(home: Path, tmp_path: Path) -> None:
+    cfg = tmp_path / "p.toml"
+    result = install(home=home, platform="darwin", env={"PATH": "/bin"}, load=False, program=PROGRAM,
+                     config_path=cfg, drain_timeout_s=90.5)
+    plist = plistlib.loads(result.path.read_bytes())
+    assert plist["ExitTimeOut"] == 91 + 15
+    assert plist["ProgramArguments"] == [*PROGRAM, "--config", str(cfg)]
+    assert plist["EnvironmentVariables"] == {"PATH": "/bin"}
+
+
+def test_launchd_install_boots_out_then_bootstraps(home: Path, bin_dir: Path) -> None:
+    runner = Recorder({"bootout": (3, "", "Boot-out failed: 3: No such process")})  # not loaded yet: fine
+    result = install(home=home, platform="darwin", env=operator_env(str(bin_dir)), runner=runner,
+                     program=PROGRAM, uid=501)
+    launchctl = str(bin_dir / "launchctl")
+    expected = [
+        [launchctl, "bootout", f"gui/501/{LABEL}"],
+        [launchctl, "bootstrap", "gui/501", str(result.path)],
+    ]
+    assert runner.calls == expected
+    assert [list(c) for c in result.commands] == expected
+
+
+def test_launchd_bootstrap_failure_is_a_clear_error(home: Path, bin_dir: Path) -> None:
+    runner = Recorder({"bootstrap": (5, "", "Bootstrap failed: 5: Input/output error\nmore")})
+    with pytest.raises(ServiceError, match=r"^`launchctl bootstrap gui/501 .*` failed \(exit 5\): Bootstrap failed"):
+        install(home=home, platform="darwin", env={"PATH": str(bin_dir)}, runner=runner, program=PROGRAM, uid=501)
+
+
+def test_secret_token_makes_the_file_private(home: Path) -> None:
+    env = {"PATH": "/bin", "DARKBLOOM_AUTH_TOKEN": "dbp_secret"}
+    result = install(home=home, platform="darwin", env=env, load=False, program=PROGRAM)
+    assert stat.S_IMODE(result.path.stat().st_mode) == 0o600
+    assert plistlib.loads(result.path.read_bytes())["EnvironmentVariables"]["DARKBLOOM_AUTH_TOKEN"] == "dbp_secret"
+    again = install(home=home, platform="darwin", env={"PATH": "/bin"}, load=False, program=PROGRAM)
+    assert stat.S_IMODE(again.path.stat().st_mode) == 0o644
+    assert "dbp_secret" not in again.path.read_text()
+
+
+def test_launchd_status_parses_launchctl_print(home: Path, bin_dir: Path) -> None:
+    printed = (
+        f"gui/501/{LABEL} = {{\n\tactive count = 1\n\tstate = running\n\tpid = 4242\n"
+        "\tenvironment = {\n\t\tpid = 1\n\t}\n}\n"
+    )
+    running = status(home=home, platform="darwin", env={"PATH": str(bin_dir)},
+                     runner=Recorder({"print": (0, printed, "")}), uid=501)
+    assert (running.loaded, running.running, running.pid, running.detail) == (True, True, 4242, "running")
+    assert running.installed is False
+    gone = status(home=home, platform="darwin", env={"PATH": str(bin_dir)},
+                  runner=Recorder({"print": (113, "", "Could not find service")}), uid=501)
+    assert (gone.loaded, gone.running, gone.pid, gone.detail) == (False, False, None, "not loaded")
+
+
+def test_launchd_uninstall_boots_out_and_removes(home: Path, bin_dir: Path) -> None:
+    env = {"PATH": str(bin_dir)}
+    path = install(home=home, platform="darwin", env=env, load=False, program=PROGRAM).path
+    runner = Recorder()
+    result = uninstall(home=home, platform="darwin", env=env, runner=runner, uid=501)
+    assert runner.calls == [[str(bin_dir / "launchctl"), "bootout", f"gui/501/{LABEL}"]]
+    assert result.removed and not path.exists()
+    assert uninstall(home=home, platform="darwin", env=env, runner=Recorder(), uid=501).removed is False
+
+
+# --- systemd
+
+
+def test_systemd_unit_lines(home: Path) -> None:
+    env = {**operator_env("/usr/bin:/bin"), "DARKBLOOM_MODEL_DIRS": '~/my "models",/srv/100%'}
+    program = ["/home/op/.venv/bin/darkbloom-provider", "serve", "--config", "/home/op/a $b.toml"]
+    result = install(home=home, platform="linux", env=env, load=False, program=program, drain_timeout_s=30)
+    assert result.kind is ServiceKind.SYSTEMD and result.log_dir is None
+    assert result.path == home / ".config/systemd/user/darkbloom-provider.service"
+    lines = result.path.read_text().splitlines()
+    service = lines[lines.index("[Service]") + 1 : lines.index("[Install]")]
+    assert [line for line in service if line and not line.startswith("#")] == [
+        "Type=exec",
+        'ExecStart="/home/op/.venv/bin/darkbloom-provider" "serve" "--config" "/home/op/a $$b.toml"',
+        'Environment="DARKBLOOM_COORDINATOR_URL=wss://api.darkbloom.dev/ws/provider"',
+        'Environment="DARKBLOOM_MAX_MODEL_SLOTS=2"',
+        'Environment="DARKBLOOM_MEMORY_RESERVE_GB=6"',
+        'Environment="DARKBLOOM_MODEL_DIRS=~/my \\"models\\",/srv/100%%"',
+        'Environment="HF_HOME=/Volumes/models/hf"',
+        'Environment="PATH=/usr/bin:/bin"',
+        "Restart=on-failure",
+        "RestartSec=30",
+        "RestartPreventExitStatus=78",
+        "KillSignal=SIGTERM",
+        "KillMode=mixed",
+        "TimeoutStopSec=45",
+    ]
+    assert "WantedBy=default.target" in lines
+    assert "@" not in result.path.read_text()
+
+
+def test_systemd_unit_without_environment_has_no_gap(home: Path) -> None:
+    result = install(home=home, platform="linux", env={}, load=False, program=PROGRAM)
+    text = result.path.read_text()
+    assert 'ExecStart="/opt/darkbloom/venv/bin/darkbloom-provider" "serve"\nRestart=on-failure\n' in text
+    assert "Environment=" not in text
+
+
+def test_xdg_config_home_places_the_unit(home: Path, tmp_path: Path) -> None:
+    env = {"XDG_CONFIG_HOME": str(tmp_path / "xdg")}
+    result = install(home=home, platform="linux", env=env, load=False, program=PROGRAM)
+    assert result.path == tmp_path / "xdg/systemd/user" / UNIT_NAME
+
+
+def test_newline_in_a_carried_value_is_refused_without_echoing_it(home: Path) -> None:
+    env = {"DARKBLOOM_AUTH_TOKEN": "dbp_line1\nline2"}
+    with pytest.raises(ServiceError, match="DARKBLOOM_AUTH_TOKEN: control characters") as info:
+        install(home=home, platform="linux", env=env, load=False, program=PROGRAM)
+    assert "dbp_line1" not in str(info.value)
+
+
+def test_systemd_install_commands(home: Path, bin_dir: Path) -> None:
+    runner = Recorder()
+    install(home=home, platform="linux", env={"PATH": str(bin_dir)}, runner=runner, program=PROGRAM)
+    systemctl = str(bin_dir / "systemctl")
+    assert runner.calls == [
+        [systemctl, "--user", "daemon-reload"],
+        [systemctl, "--user", "enable", UNIT_NAME],
+        [systemctl, "--user", "restart", UNIT_NAME],
+    ]
+
+
+def test_systemd_without_a_user_manager_is_a_clear_error(home: Path, bin_dir: Path) -> None:
+    runner = Recorder({"daemon-reload": (1, "", "Failed to connect to bus: No medium found")})
+    with pytest.raises(ServiceError, match=r"`systemctl --user daemon-reload` failed \(exit 1\): Failed to connect"):
+        install(home=home, platform="linux", env={"PATH": str(bin_dir)}, runner=runner, program=PROGRAM)
+
+
+def test_systemd_status_and_uninstall(home: Path, bin_dir: Path) -> None:
+    env = {"PATH": str(bin_dir)}
+    path = install(home=home, platform="linux", env=env, load=False, program=PROGRAM).path
+    shown = "LoadState=loaded\nActiveState=active\nSubState=running\nMainPID=777\n"
+    st = status(home=home, platform="linux", env=env, runner=Recorder({"show": (0, shown, "")}))
+    assert (st.installed, st.loaded, st.running, st.pid, st.detail) == (True, True, True, 777, "active/running")
+    idle = "LoadState=not-found\nActiveState=inactive\nSubState=dead\nMainPID=0\n"
+    st = status(home=home, platform="linux", env=env, runner=Recorder({"show": (0, idle, "")}))
+    assert (st.loaded, st.running, st.pid) == (False, False, None)
+
+    runner = Recorder()
+    result = uninstall(home=home, platform="linux", env=env, runner=runner)
+    systemctl = str(bin_dir / "systemctl")
+    assert runner.calls == [
+        [systemctl, "--user", "disable", "--now", UNIT_NAME],
+        [systemctl, "--user", "daemon-reload"],
+    ]
+    assert result.removed and not path.exists()
+
+
+# --- refusals
+
+
+@pytest.mark.parametrize(("platform", "tool"), [("darwin", "launchctl"), ("linux", "systemctl")])
+def test_missing_service_manager_is_refused_before_writing(
+    home: Path, tmp_path: Path, platform: str, tool: str
+) -> None:
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    runner = Recorder()
+    with pytest.raises(ServiceError, match=rf"`{tool}` is not on PATH.*--no-load"):
+        install(home=home, platform=platform, env={"PATH": str(empty)}, runner=runner, program=PROGRAM)
+    assert runner.calls == []
+    assert not (home / "Library").exists() and not (home / ".config").exists()
+    with pytest.raises(ServiceError, match=f"`{tool}` is not on PATH"):
+        status(home=home, platform=platform, env={"PATH": str(empty)}, runner=runner)
+
+
+def test_unsupported_platform() -> None:
+    with pytest.raises(ServiceError, match="not 'win32'"):
+        install(home=Path("/tmp/x"), platform="win32", env={}, load=False)
+
+
+def test_default_program_is_this_installations_console_script() -> None:
+    argv = default_program({"PATH": ""})
+    assert argv[-1] == "serve"
+    assert Path(argv[0]).is_absolute()
+    assert Path(argv[0]).name in {"darkbloom-provider", "python", "python3"} or argv[1:3] == ["-m", "provider.cli"]
