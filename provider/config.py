@@ -277,6 +277,9 @@ class Settings(BaseModel):
             return {k: p.expanduser() for k, p in value.items()}
         return value
 
+    def __hash__(self) -> int:  # frozen, but model_aliases is a dict: hash the dumped values
+        return hash(self.model_dump_json())
+
     # --- derived figures, so callers do not each redo the unit arithmetic
     @property
     def memory_reserve_bytes(self) -> int:

@@ -133,10 +133,12 @@ def test_file_paths_resolve_against_home_and_the_file(home: Path, tmp_path: Path
     assert s.model_aliases == {"org/m": home / "x"}
 
 
-def test_settings_are_frozen() -> None:
-    s = Settings()
+def test_settings_are_frozen_and_hashable() -> None:
+    s = Settings(model_aliases={"a": Path("/x")})
     with pytest.raises(ValidationError):
         s.max_model_slots = 9  # type: ignore[misc]
+    assert hash(s) == hash(Settings(model_aliases={"a": Path("/x")}))
+    assert s != Settings()
 
 
 def test_example_file_loads_and_documents_every_key(home: Path) -> None:
