@@ -56,8 +56,6 @@ SAFE_KEYS: frozenset[str] = frozenset(
         "slots", "in_flight", "queued", "pid", "port",
         # where (no user content): hosts, file paths of models/state, URL reduced to its origin
         "host", "url", "path", "platform",
-        # added by this module
-        "redacted",
     }
 )
 # Any key with one of these suffixes is allowed when its value is a number: a number cannot
@@ -103,8 +101,6 @@ class Redact:
                 out[key] = value
             else:
                 dropped += 1
-        if "event" in out and not isinstance(out["event"], str):
-            out["event"] = self._clean("event", out["event"])
         if exc_info:
             out.update(_describe_exception(exc_info))
         if dropped:
