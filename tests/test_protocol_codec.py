@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import JsonValue, ValidationError
+from pydantic.fields import FieldInfo
 
 import protocol
 from protocol import (
@@ -53,6 +54,8 @@ def raw_json(draw: st.DrawFn) -> RawJSON:
 
 
 def _bounds(metadata: tuple[Any, ...]) -> tuple[int | None, int | None]:
+    # Field(ge=..., le=...) inside a nested Annotated stays a FieldInfo: look into it.
+    metadata = tuple(m for item in metadata for m in (item.metadata if isinstance(item, FieldInfo) else [item]))
     low = next((m.ge for m in metadata if isinstance(m, annotated_types.Ge)), None)
     high = next((m.le for m in metadata if isinstance(m, annotated_types.Le)), None)
     return low, high
