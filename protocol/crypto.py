@@ -68,6 +68,8 @@ def b64decode_strict(text: str) -> bytes:
     """Decode standard padded base64; anything else (URL-safe, unpadded, whitespace) raises ValueError."""
     if not isinstance(text, str) or not text.isascii():
         raise ValueError("not ASCII base64 text")
+    if len(text) % 4:  # b64decode would accept stray padding such as "YWJj="
+        raise ValueError("base64 length is not a multiple of 4")
     try:
         return base64.b64decode(text, validate=True)
     except binascii.Error:
