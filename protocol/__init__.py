@@ -1,5 +1,6 @@
 """The coordinator wire contract. Pure: no sockets, no MLX."""
 
+from protocol import attest, crypto, errors, sse
 from protocol._wire import EncryptedPayload, RawJSON
 from protocol.codec import (
     MAX_INBOUND_FRAME_BYTES,
@@ -147,6 +148,10 @@ __all__ = [
     "TrustStatus",
     "UnknownMessage",
     "Usage",
+    "attest",
+    "crypto",
     "decode",
     "encode",
+    "errors",
+    "sse",
 ]
