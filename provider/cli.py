@@ -1,27 +1,335 @@
-"""`darkbloom-provider` command line."""
+"""`darkbloom-provider` command line.
+
+    darkbloom-provider [--config PATH] [--<setting> VALUE ...] COMMAND
+
+    serve [--local]             the agent (coordinator link); --local: only the local OpenAI server
+    doctor [--json] [--no-coordinator] [--timeout S] [--machine-gb N]
+    models [--json] [--hash]    discovered models with size, quantization, context and fit
+    status [--json]             what the running agent is doing (its local /status endpoint)
+    runtime-hash                the runtime hash sent in `register`
+    service install [--no-load] | uninstall [--no-load] | status
+
+Every setting of `provider/config.py` is also a flag (`--max-model-slots 2`), accepted before or
+after the command, overriding the environment and the file; `auth_token` is the exception (a flag
+would show the token in `ps`). Lists repeat the flag (`--model-dirs A --model-dirs B`), aliases are
+`--model-aliases id=path`.
+
+Exit codes: 0 fine, 1 a check failed (`doctor` found an error, `status` found no agent), 69 the
+service manager is missing or failed, 78 (EX_CONFIG) invalid configuration -- one line on stderr,
+no traceback; the systemd unit does not restart on 78.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, TextIO, get_args
 
 from provider import __version__
+from provider.config import FIELDS, ConfigError, Settings, flag_name, load_settings
+
+EX_OK = 0
+EX_FAILED = 1
+EX_UNAVAILABLE = 69
+EX_CONFIG = 78
+PROG = "darkbloom-provider"
+_NO_FLAG = frozenset({"auth_token"})  # secrets: environment or file only
+_LIST_FLAGS = frozenset({"model_dirs", "enabled_models"})
+
+
+# --- parser
+
+
+def _settings_parent() -> argparse.ArgumentParser:
+    """One flag per setting; SUPPRESS defaults so only flags actually given reach the namespace."""
+    parent = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    group = parent.add_argument_group("settings (override DARKBLOOM_* and the config file)")
+    group.add_argument("--config", type=Path, metavar="PATH", help="TOML configuration file")
+    for field in FIELDS:
+        if field in _NO_FLAG:
+            continue
+        info = Settings.model_fields[field]
+        dest = f"setting_{field}"
+        if field in _LIST_FLAGS:
+            group.add_argument(flag_name(field), dest=dest, action="append", metavar="VALUE",
+                               help=f"{info.description} (repeatable)")
+        elif field == "model_aliases":
+            group.add_argument(flag_name(field), dest=dest, action="append", metavar="ID=PATH",
+                               help=f"{info.description} (repeatable)")
+        else:
+            metavar = "true|false" if bool in get_args(info.annotation) or info.annotation is bool else "VALUE"
+            group.add_argument(flag_name(field), dest=dest, metavar=metavar, help=info.description)
+    return parent
 
 
 def build_parser() -> argparse.ArgumentParser:
+    common = _settings_parent()
     parser = argparse.ArgumentParser(
-        prog="darkbloom-provider",
+        prog=PROG, parents=[common],
         description="Darkbloom provider agent: serve MLX models to the Darkbloom network.",
     )
-    parser.add_argument("--version", action="version", version=f"darkbloom-provider {__version__}")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = sub.add_parser("serve", parents=[common], help="run the agent in the foreground")
+    serve.add_argument("--local", action="store_true", default=False,
+                       help="no coordinator: an OpenAI-compatible server on the loopback address only")
+
+    doctor = sub.add_parser("doctor", parents=[common], help="check this machine, its cap, models and coordinator")
+    doctor.add_argument("--json", action="store_true", default=False, help="machine-readable (stable schema)")
+    doctor.add_argument("--no-coordinator", action="store_true", default=False,
+                        help="skip the coordinator check (local-only use)")
+    doctor.add_argument("--timeout", type=float, default=5.0, metavar="S", help="coordinator check timeout")
+    doctor.add_argument("--machine-gb", type=float, default=None, metavar="N",
+                        help="what-if: figures and verdicts for an idle machine with N GiB instead of this one")
+
+    models = sub.add_parser("models", parents=[common], help="list discovered models and whether they fit")
+    models.add_argument("--json", action="store_true", default=False)
+    models.add_argument("--hash", action="store_true", default=False, help="also compute each weight hash")
+
+    status = sub.add_parser("status", parents=[common], help="what the running agent is doing")
+    status.add_argument("--json", action="store_true", default=False)
+
+    sub.add_parser("runtime-hash", parents=[common], help="print the runtime hash sent in register")
+
+    service = sub.add_parser("service", help="background service (launchd on macOS, systemd on Linux)")
+    actions = service.add_subparsers(dest="action", metavar="ACTION", required=True)
+    install = actions.add_parser("install", parents=[common], help="write the service file and start it")
+    install.add_argument("--no-load", action="store_true", default=False, help="only write the file")
+    uninstall = actions.add_parser("uninstall", parents=[common], help="stop the service and remove its file")
+    uninstall.add_argument("--no-load", action="store_true", default=False,
+                           help="only remove the file, do not ask the service manager")
+    actions.add_parser("status", parents=[common], help="ask the service manager")
     return parser
+
+
+def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given as flags, in the shapes `load_settings(overrides=...)` accepts."""
+    out: dict[str, Any] = {}
+    for key, value in vars(args).items():
+        if not key.startswith("setting_"):
+            continue
+        field = key.removeprefix("setting_")
+        if field == "model_aliases":
+            aliases: dict[str, str] = {}
+            for pair in value:
+                model_id, sep, path = pair.partition("=")
+                if not sep or not model_id.strip() or not path.strip():
+                    raise ConfigError(f"option {flag_name(field)}: value {pair!r} is not allowed: expected ID=PATH")
+                aliases[model_id.strip()] = path.strip()
+            value = aliases
+        out[field] = value
+    return out
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    return load_settings(config_path=getattr(args, "config", None), overrides=overrides_from(args))
+
+
+# --- commands
+
+
+def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
+    if args.local:
+        from provider.local.server import serve_local
+
+        return serve_local(settings)
+    try:
+        from provider.agent import main_serve
+    except ImportError:
+        print(f"{PROG}: coordinator mode is not available in this build; use `serve --local`", file=sys.stderr)
+        return EX_UNAVAILABLE
+    return main_serve(settings)
+
+
+def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
+    from provider.doctor import render_table, report_json, run_doctor
+
+    report = run_doctor(settings, check_coordinator_url=not args.no_coordinator, timeout_s=args.timeout,
+                        machine_gb=args.machine_gb)
+    if args.json:
+        print(json.dumps(report_json(report), indent=2))
+    else:
+        print(render_table(report))
+    return EX_OK if report.ok else EX_FAILED
+
+
+def cmd_models(args: argparse.Namespace, settings: Settings) -> int:
+    from provider.doctor import human_bytes, quantization_text, report_json, run_doctor
+    from provider.models import weight_hash_sync
+
+    report = run_doctor(settings, check_coordinator_url=False)
+    hashes: dict[str, str] = {}
+    if args.hash:
+        for r in report.models:
+            with Progress(f"hashing {r.model.id}") as bar:
+                hashes[r.model.id] = weight_hash_sync(r.model.path, progress=bar.update)
+    if args.json:
+        doc = report_json(report)
+        for m in doc["models"]:
+            if m["id"] in hashes:
+                m["weight_hash"] = hashes[m["id"]]
+        print(json.dumps({"models": doc["models"], "skipped": doc["skipped"]}, indent=2))
+        return EX_OK
+    if not report.models:
+        print("no models found (see `darkbloom-provider doctor`)")
+    for r in report.models:
+        m = r.model
+        line = (f"{m.id}  {human_bytes(m.weight_bytes)}  {quantization_text(m.quantization, m.dtype.value)}  "
+                f"context {m.context_length or '-'}  {r.fit.verdict.value}")
+        print(line + (f"  {hashes[m.id]}" if m.id in hashes else ""))
+        print(f"    {m.path}")
+    for s in report.inventory.skipped:
+        print(f"skipped {s.id or s.path}: {s.reason.value}")
+    return EX_OK
+
+
+def fetch_status(settings: Settings, timeout_s: float = 3.0) -> dict[str, Any]:
+    """GET the running agent's local /status (loopback only, so plain urllib is enough)."""
+    with urllib.request.urlopen(settings.local_base_url + "/status", timeout=timeout_s) as resp:
+        return json.loads(resp.read())
+
+
+def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
+    try:
+        status = fetch_status(settings)
+    except (urllib.error.URLError, OSError, ValueError):
+        print(f"{PROG}: no agent answering on {settings.local_base_url}/status (is `serve` running?)",
+              file=sys.stderr)
+        return EX_FAILED
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        print(render_status(status))
+    return EX_OK
+
+
+def render_status(status: dict[str, Any]) -> str:
+    from provider.doctor import human_bytes
+
+    lines = [f"mode {status.get('mode', '?')}, pressure {status.get('pressure', {}).get('level', '?')}, "
+             f"in flight {status.get('in_flight', '?')}"]
+    for m in status.get("models", []):
+        lines.append(f"  {m.get('id')}  {m.get('state')}  {human_bytes(m.get('resident_bytes'))}  "
+                     f"active {m.get('active_requests', 0)}")
+    ledger = status.get("ledger", {})
+    for kind, nbytes in sorted(ledger.get("bytes_by_kind", {}).items()):
+        lines.append(f"  ledger {kind}: {human_bytes(nbytes)}")
+    return "\n".join(lines)
+
+
+def cmd_runtime_hash(args: argparse.Namespace, settings: Settings) -> int:
+    from provider.doctor import runtime_hash_of
+
+    value = runtime_hash_of(settings)
+    if value is None:
+        print(f"{PROG}: the runtime hash is not available in this build", file=sys.stderr)
+        return EX_UNAVAILABLE
+    print(value)
+    return EX_OK
+
+
+def cmd_service(args: argparse.Namespace, settings: Settings) -> int:
+    from provider import service
+
+    home, env = Path.home(), dict(os.environ)
+    if args.action == "install":
+        done = service.install(home=home, env=env, load=not args.no_load, config_path=getattr(args, "config", None),
+                               drain_timeout_s=settings.drain_timeout_s)
+        print(f"wrote {done.path} ({done.kind.value})")
+        if done.env_names:
+            print(f"carried environment: {', '.join(done.env_names)}")
+        print("started" if done.commands else "not started (--no-load)")
+        if done.log_dir is not None:
+            print(f"logs: {done.log_dir}")
+    elif args.action == "uninstall":
+        gone = service.uninstall(home=home, env=env, load=not args.no_load)
+        print(f"removed {gone.path}" if gone.removed else f"nothing installed at {gone.path}")
+    else:
+        st = service.status(home=home, env=env)
+        print(f"{st.kind.value}: installed={st.installed} loaded={st.loaded} running={st.running}"
+              + (f" pid={st.pid}" if st.pid else "") + f" ({st.detail})")
+        return EX_OK if st.running else EX_FAILED
+    return EX_OK
+
+
+_COMMANDS = {
+    "serve": cmd_serve,
+    "doctor": cmd_doctor,
+    "models": cmd_models,
+    "status": cmd_status,
+    "runtime-hash": cmd_runtime_hash,
+    "service": cmd_service,
+}
+
+
+# --- progress on a terminal
+
+
+class Progress:
+    """A one-line progress bar on stderr when it is a terminal; silent otherwise (logs, services)."""
+
+    def __init__(self, label: str, stream: TextIO | None = None, min_interval_s: float = 0.1) -> None:
+        self._label = label
+        self._stream = sys.stderr if stream is None else stream
+        self._tty = bool(getattr(self._stream, "isatty", lambda: False)())
+        self._min_interval_s = min_interval_s
+        self._last = 0.0
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def update(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if not self._tty or (now - self._last < self._min_interval_s and done < total):
+            return
+        self._last = now
+        frac = done / total if total else 1.0
+        bar = "#" * int(frac * 30)
+        self._stream.write(f"\r{self._label} [{bar:<30}] {frac:4.0%}")
+        self._stream.flush()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._tty:
+            self._stream.write("\n")
+            self._stream.flush()
+
+
+# --- entry point
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    parser.parse_args(argv)
-    parser.print_help()
-    return 0
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EX_OK
+    try:
+        settings = settings_from(args)
+    except ConfigError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return EX_CONFIG
+
+    from provider.service import ServiceError
+    from provider.telemetry import configure_logging
+
+    configure_logging(settings.log_level, settings.log_format)
+    try:
+        return _COMMANDS[args.command](args, settings)
+    except ConfigError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return EX_CONFIG
+    except ServiceError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return EX_UNAVAILABLE
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,0 +1,389 @@
+"""`darkbloom-provider doctor`: what this machine would advertise, and whether anything is wrong.
+
+Every number comes from `memory/` -- the same functions the agent enforces -- so the doctor cannot
+disagree with the load gate:
+
+* cap figures: `memory.figures(P)` where `P` is the probe's physical size (machine RAM lowered to a
+  cgroup limit and to `memory_limit_gb`), with the operator's `memory_reserve_gb`;
+* pressure: `memory.pressure(snapshot)` of *this* process (it has loaded nothing, so MLX usage is 0;
+  the running agent's own pressure is in `darkbloom-provider status`);
+* per model: `memory.fit(figures, snapshot, weight_bytes, evictable_bytes=0)` -- nothing is loaded
+  in the doctor's process, so nothing is evictable and `fits_now` / `too_large` are the only answers.
+
+Problems (`Problem`) come in two severities. An ERROR makes `doctor` exit 1:
+
+* ``no_models``             nothing servable was discovered;
+* ``enabled_model_missing`` an id in `enabled_models` was found nowhere;
+* ``model_never_fits``      a model needs more than the effective cap even on an idle machine;
+* ``coordinator_unreachable`` the WebSocket handshake to `coordinator_url` did not complete
+  (skipped with `--no-coordinator`);
+* ``memory_fatal``          projected utilization is at the FATAL watermark.
+
+WARNINGs are printed but keep exit 0: ``model_skipped`` (a broken or partial model folder),
+``unrecognised_env`` (a `DARKBLOOM_*` variable nothing reads), ``runtime_hash_unavailable``.
+An invalid configuration never reaches this module: the CLI exits 78 with one line first.
+
+`report_json()` is a stable interface (keys are only ever added): ``cap`` holds every
+`CapFigures` field (bytes) plus ``*_gib`` conveniences, ``pressure`` {level, utilization},
+``runtime_hash``, ``models`` [{id, path, source, weight_bytes, quantization, context_length,
+kv_bytes_per_token, verdict, required_bytes, ever_fits}], ``skipped`` [{id, path, reason}],
+``coordinator`` {url, checked, reachable, detail}, ``machine`` {...}, ``problems`` [{code, severity,
+subject}], ``ok``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import platform
+import socket
+import ssl
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import memory
+from memory import CapFigures, FitResult, MemorySnapshot, Pressure, PressureLevel, Probe
+from memory.probe import no_mlx_counters
+from provider.config import Settings, unrecognised_env
+from provider.models import Inventory, ModelInfo, Quantization, default_hf_cache, discover
+
+GIB = 1 << 30
+DEFAULT_COORDINATOR_TIMEOUT_S = 5.0
+
+
+class Severity(StrEnum):
+    ERROR = "error"
+    WARNING = "warning"
+
+
+class ProblemCode(StrEnum):
+    NO_MODELS = "no_models"
+    ENABLED_MODEL_MISSING = "enabled_model_missing"
+    MODEL_NEVER_FITS = "model_never_fits"
+    COORDINATOR_UNREACHABLE = "coordinator_unreachable"
+    MEMORY_FATAL = "memory_fatal"
+    MODEL_SKIPPED = "model_skipped"
+    UNRECOGNISED_ENV = "unrecognised_env"
+    RUNTIME_HASH_UNAVAILABLE = "runtime_hash_unavailable"
+
+
+_SEVERITY: dict[ProblemCode, Severity] = {
+    ProblemCode.NO_MODELS: Severity.ERROR,
+    ProblemCode.ENABLED_MODEL_MISSING: Severity.ERROR,
+    ProblemCode.MODEL_NEVER_FITS: Severity.ERROR,
+    ProblemCode.COORDINATOR_UNREACHABLE: Severity.ERROR,
+    ProblemCode.MEMORY_FATAL: Severity.ERROR,
+    ProblemCode.MODEL_SKIPPED: Severity.WARNING,
+    ProblemCode.UNRECOGNISED_ENV: Severity.WARNING,
+    ProblemCode.RUNTIME_HASH_UNAVAILABLE: Severity.WARNING,
+}
+
+_EXPLAIN: dict[ProblemCode, str] = {
+    ProblemCode.NO_MODELS: "no servable model found (see 'Pointing at real models' in the README)",
+    ProblemCode.ENABLED_MODEL_MISSING: "listed in enabled_models but found nowhere",
+    ProblemCode.MODEL_NEVER_FITS: "needs more than the effective cap even on an idle machine",
+    ProblemCode.COORDINATOR_UNREACHABLE: "WebSocket handshake with the coordinator did not complete",
+    ProblemCode.MEMORY_FATAL: "memory pressure is at the FATAL watermark",
+    ProblemCode.MODEL_SKIPPED: "model folder skipped",
+    ProblemCode.UNRECOGNISED_ENV: "environment variable is not read by anything (typo?)",
+    ProblemCode.RUNTIME_HASH_UNAVAILABLE: "runtime hash could not be computed",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    code: ProblemCode
+    subject: str = ""  # a model id, variable name or URL origin; never user text
+
+    @property
+    def severity(self) -> Severity:
+        return _SEVERITY[self.code]
+
+    @property
+    def explanation(self) -> str:
+        return _EXPLAIN[self.code]
+
+
+class Reach(StrEnum):
+    """How the coordinator check ended (a closed vocabulary, not an exception string)."""
+
+    OK = "ok"
+    NOT_CHECKED = "not_checked"
+    DNS = "dns_failed"
+    REFUSED = "connection_refused"
+    TIMEOUT = "timeout"
+    TLS = "tls_failed"
+    HANDSHAKE_REJECTED = "handshake_rejected"
+    NETWORK = "network_error"
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorCheck:
+    url: str
+    checked: bool
+    reachable: bool | None  # None when not checked
+    detail: Reach
+    http_status: int | None = None  # the handshake's HTTP status when the server refused it
+
+
+@dataclass(frozen=True, slots=True)
+class ModelReport:
+    model: ModelInfo
+    fit: FitResult
+
+
+@dataclass(frozen=True, slots=True)
+class DoctorReport:
+    snapshot: MemorySnapshot
+    hypothetical: bool  # figures for `--machine-gb`, not this machine
+    cap: CapFigures
+    pressure: Pressure
+    runtime_hash: str | None
+    models: tuple[ModelReport, ...]
+    inventory: Inventory
+    coordinator: CoordinatorCheck
+    problems: tuple[Problem, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not any(p.severity is Severity.ERROR for p in self.problems)
+
+
+# --- gathering
+
+
+def machine_snapshot(settings: Settings, *, machine_gb: float | None = None) -> tuple[MemorySnapshot, bool]:
+    """This machine's snapshot (the agent's probe, without MLX), or an idle `machine_gb` machine."""
+    if machine_gb is None:
+        return Probe(settings.memory_limit_gb, mlx_counters=no_mlx_counters).snapshot(), False
+    machine = int(machine_gb * GIB)
+    limit = settings.memory_limit_bytes
+    physical = machine if limit is None else min(machine, limit)
+    return MemorySnapshot(physical_bytes=physical, available_bytes=physical, machine_bytes=machine,
+                          memory_limit_bytes=limit), True
+
+
+def cap_figures(settings: Settings, snapshot: MemorySnapshot, env: Mapping[str, str] | None = None) -> CapFigures:
+    """The figures the agent computes for this snapshot and these settings."""
+    return memory.figures(snapshot.physical_bytes, env=env, memory_reserve_gb=settings.memory_reserve_gb,
+                          memory_limit_gb=settings.memory_limit_gb)
+
+
+def discover_models(settings: Settings) -> Inventory:
+    """`provider.models.discover` with the settings' sources (the HF cache default when unset)."""
+    return discover(
+        hf_cache=settings.hf_cache_dir if settings.hf_cache_dir is not None else default_hf_cache(),
+        model_dirs=settings.model_dirs,
+        aliases=settings.model_aliases,
+        enabled_ids=settings.enabled_models or None,
+    )
+
+
+def runtime_hash_of(settings: Settings) -> str | None:
+    """The operator's override, else `provider.runtime_hash`'s value; None when neither works."""
+    if settings.runtime_hash:
+        return settings.runtime_hash
+    try:
+        from provider import runtime_hash as rh  # lands with the agent; optional until then
+    except ImportError:
+        return None
+    compute: Callable[[], str] | None = getattr(rh, "runtime_hash", None) or getattr(rh, "compute", None)
+    try:
+        return compute() if compute is not None else None
+    except (OSError, ValueError, RuntimeError):
+        return None
+
+
+async def check_coordinator(url: str, timeout_s: float = DEFAULT_COORDINATOR_TIMEOUT_S) -> CoordinatorCheck:
+    """TCP (+TLS) connect and a WebSocket handshake to `url`, closed at once; never raises."""
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import InvalidHandshake, InvalidStatus
+
+    def result(reach: Reach, status: int | None = None) -> CoordinatorCheck:
+        return CoordinatorCheck(url, True, reach is Reach.OK, reach, status)
+
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with connect(url, open_timeout=timeout_s, close_timeout=1, max_size=2**16):
+                pass
+    except InvalidStatus as exc:
+        return result(Reach.HANDSHAKE_REJECTED, exc.response.status_code)
+    except InvalidHandshake:
+        return result(Reach.HANDSHAKE_REJECTED)
+    except TimeoutError:
+        return result(Reach.TIMEOUT)
+    except socket.gaierror:
+        return result(Reach.DNS)
+    except ConnectionRefusedError:
+        return result(Reach.REFUSED)
+    except ssl.SSLError:
+        return result(Reach.TLS)
+    except OSError:
+        return result(Reach.NETWORK)
+    return result(Reach.OK)
+
+
+def run_doctor(
+    settings: Settings,
+    *,
+    check_coordinator_url: bool = True,
+    timeout_s: float = DEFAULT_COORDINATOR_TIMEOUT_S,
+    machine_gb: float | None = None,
+    env: Mapping[str, str] | None = None,
+) -> DoctorReport:
+    """Gather everything `doctor` shows. Blocking (file scans, one network check)."""
+    env = os.environ if env is None else env
+    snapshot, hypothetical = machine_snapshot(settings, machine_gb=machine_gb)
+    cap = cap_figures(settings, snapshot, env)
+    level = memory.pressure(snapshot)
+    inventory = discover_models(settings)
+    models = tuple(
+        ModelReport(m, memory.fit(cap, snapshot, m.weight_bytes, evictable_bytes=0, outstanding_bytes=0))
+        for m in inventory.models
+    )
+    if check_coordinator_url:
+        coordinator = asyncio.run(check_coordinator(settings.coordinator_url, timeout_s))
+    else:
+        coordinator = CoordinatorCheck(settings.coordinator_url, False, None, Reach.NOT_CHECKED)
+    rhash = runtime_hash_of(settings)
+    problems = _problems(models, inventory, level, coordinator, rhash, env)
+    return DoctorReport(snapshot, hypothetical, cap, level, rhash, models, inventory, coordinator, problems)
+
+
+def _problems(models: tuple[ModelReport, ...], inventory: Inventory, level: Pressure, coordinator: CoordinatorCheck,
+              rhash: str | None, env: Mapping[str, str]) -> tuple[Problem, ...]:
+    found: list[Problem] = []
+    if not models:
+        found.append(Problem(ProblemCode.NO_MODELS))
+    found += [Problem(ProblemCode.ENABLED_MODEL_MISSING, i) for i in inventory.missing]
+    found += [Problem(ProblemCode.MODEL_NEVER_FITS, r.model.id) for r in models if not r.fit.ever_fits]
+    if coordinator.checked and not coordinator.reachable:
+        found.append(Problem(ProblemCode.COORDINATOR_UNREACHABLE, coordinator.detail.value))
+    if level.level is PressureLevel.FATAL:
+        found.append(Problem(ProblemCode.MEMORY_FATAL))
+    found += [Problem(ProblemCode.MODEL_SKIPPED, s.id or s.path.name) for s in inventory.skipped]
+    found += [Problem(ProblemCode.UNRECOGNISED_ENV, name) for name in unrecognised_env(env)]
+    if rhash is None:
+        found.append(Problem(ProblemCode.RUNTIME_HASH_UNAVAILABLE))
+    return tuple(found)
+
+
+# --- rendering
+
+
+def quantization_text(q: Quantization | None, dtype: str) -> str:
+    if q is None:
+        return dtype
+    return f"{q.bits}-bit {q.mode.value} g{q.group_size}"
+
+
+def report_json(report: DoctorReport) -> dict[str, Any]:
+    """The stable `doctor --json` document (see the module docstring)."""
+    cap = dataclasses.asdict(report.cap)
+    cap.update({k.removesuffix("_bytes") + "_gib": round(v / GIB, 3)
+                for k, v in list(cap.items()) if k.endswith("_bytes") and isinstance(v, int)})
+    snap = report.snapshot
+    return {
+        "ok": report.ok,
+        "machine": {
+            "platform": sys.platform,
+            "arch": platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "hypothetical": report.hypothetical,
+            "machine_bytes": snap.machine_bytes,
+            "cgroup_limit_bytes": snap.cgroup_limit_bytes,
+            "memory_limit_bytes": snap.memory_limit_bytes,
+            "physical_bytes": snap.physical_bytes,
+            "available_bytes": snap.available_bytes,
+        },
+        "cap": cap,
+        "pressure": {"level": report.pressure.level.name.lower(), "utilization": report.pressure.utilization},
+        "runtime_hash": report.runtime_hash,
+        "models": [_model_json(r) for r in report.models],
+        "skipped": [{"id": s.id, "path": str(s.path), "reason": s.reason.value} for s in report.inventory.skipped],
+        "coordinator": {"url": report.coordinator.url, "checked": report.coordinator.checked,
+                        "reachable": report.coordinator.reachable, "detail": report.coordinator.detail.value,
+                        "http_status": report.coordinator.http_status},
+        "problems": [{"code": p.code.value, "severity": p.severity.value, "subject": p.subject}
+                     for p in report.problems],
+    }
+
+
+def _model_json(r: ModelReport) -> dict[str, Any]:
+    m = r.model
+    q = m.quantization
+    return {
+        "id": m.id,
+        "path": str(m.path),
+        "source": m.source.value,
+        "weight_bytes": m.weight_bytes,
+        "quantization": None if q is None else {"bits": q.bits, "group_size": q.group_size, "mode": q.mode.value},
+        "dtype": m.dtype.value,
+        "context_length": m.context_length,
+        "kv_bytes_per_token": m.kv_bytes_per_token,
+        "verdict": r.fit.verdict.value,
+        "required_bytes": r.fit.required_bytes,
+        "ever_fits": r.fit.ever_fits,
+    }
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _table(rows: list[tuple[str, ...]], indent: str = "  ") -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def render_table(report: DoctorReport) -> str:
+    """The human `doctor` output: aligned sections, human units."""
+    snap, cap = report.snapshot, report.cap
+    out = ["Machine" + (" (hypothetical, --machine-gb)" if report.hypothetical else "")]
+    out += _table([
+        ("platform", f"{sys.platform} {platform.machine()}, {os.cpu_count()} CPUs"),
+        ("memory", human_bytes(snap.machine_bytes or snap.physical_bytes)),
+        ("cgroup limit", human_bytes(snap.cgroup_limit_bytes) if snap.cgroup_limit_bytes else "none"),
+        ("memory_limit_gb", human_bytes(snap.memory_limit_bytes) if snap.memory_limit_bytes else "unset"),
+        ("available now", human_bytes(snap.available_bytes)),
+    ])
+    out += ["", "Memory cap (what the agent enforces)"]
+    out += _table([
+        ("physical", human_bytes(cap.physical_bytes)),
+        ("hard cap", f"{human_bytes(cap.hard_cap_bytes)}  (min({cap.cap_fraction:g} x physical, physical - 2 GiB))"),
+        ("effective cap", f"{human_bytes(cap.effective_cap_bytes)}  (min(hard cap, physical - memory_reserve))"),
+        ("load reserve", human_bytes(cap.load_reserve_bytes)),
+        ("activation reserve", human_bytes(cap.activation_reserve_bytes)),
+        ("pressure", f"{report.pressure.level.name.lower()} ({report.pressure.utilization:.0%} of physical; "
+                     "this process, nothing loaded)"),
+    ])
+    out += ["", f"Runtime hash  {report.runtime_hash or 'unavailable'}", ""]
+    out.append(f"Models ({len(report.models)}; fit with nothing loaded, so nothing evictable)")
+    if report.models:
+        rows = [("id", "size", "quantization", "context", "needs", "verdict")]
+        for r in report.models:
+            m = r.model
+            rows.append((m.id, human_bytes(m.weight_bytes), quantization_text(m.quantization, m.dtype.value),
+                         str(m.context_length or "-"), human_bytes(r.fit.required_bytes), r.fit.verdict.value))
+        out += _table(rows)
+    for s in report.inventory.skipped:
+        out.append(f"  skipped {s.id or s.path}: {s.reason.value}")
+    c = report.coordinator
+    reach = "not checked" if not c.checked else ("reachable" if c.reachable else f"UNREACHABLE ({c.detail.value}"
+                                                  + (f", HTTP {c.http_status}" if c.http_status else "") + ")")
+    out += ["", f"Coordinator  {c.url}  {reach}", ""]
+    if report.problems:
+        out.append("Problems")
+        out += _table([(p.severity.value.upper(), p.code.value, p.subject or "-", p.explanation)
+                       for p in report.problems])
+    out.append("OK" if report.ok else "NOT OK: fix the errors above")
+    return "\n".join(out)
