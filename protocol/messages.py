@@ -6,7 +6,7 @@ time, and an unknown one must be logged and skipped, never treated as an error (
 
 from __future__ import annotations
 
-from typing import Annotated, Any, TypeAlias, Union
+from typing import Annotated, Any, TypeAlias, Union, get_args
 
 from pydantic import Discriminator, Tag
 
@@ -58,67 +58,6 @@ class UnknownMessage(WireModel):
 
 _UNKNOWN_TAG = "\x00unknown"
 
-PROVIDER_FRAMES: tuple[type[WireModel], ...] = (
-    Register,
-    Heartbeat,
-    InferenceAccepted,
-    InferenceResponseChunk,
-    InferenceComplete,
-    InferenceError,
-    AttestationResponse,
-    CodeAttestationResponse,
-    LoadModelStatus,
-    PrefetchModelStatus,
-    ModelsUpdate,
-    CapacityQuote,
-    ProviderDrain,
-    PrefixCacheLookup,
-    PrefixCacheReady,
-    PrefixCacheLookupV2,
-    PrefixCacheReadyV2,
-    ModelsReplace,
-    ModelsReplaceReady,
-    AppAttestShadow,
-)
-"""Frame classes the provider sends (app_attest_shadow travels both ways)."""
-
-COORDINATOR_FRAMES: tuple[type[WireModel], ...] = (
-    InferenceRequest,
-    Cancel,
-    AttestationChallenge,
-    RuntimeStatus,
-    LoadModel,
-    PrefetchModel,
-    DesiredModels,
-    TrustStatus,
-    CapacityProbe,
-    CodeAttestationResumeChallenge,
-    ProviderDrainAck,
-    ModelsReplaceAck,
-    ModelsReplaceResumed,
-    AppAttestShadow,
-)
-"""Frame classes the coordinator sends."""
-
-
-def _type_name(cls: type[WireModel]) -> str:
-    (name,) = cls.model_fields["type"].annotation.__args__  # Literal["..."]
-    return name
-
-
-FRAME_TYPES: dict[str, type[WireModel]] = {
-    _type_name(cls): cls for cls in PROVIDER_FRAMES + COORDINATOR_FRAMES
-}
-"""Wire ``type`` string -> frame class."""
-
-
-def _tag(value: Any) -> str | None:
-    name = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    if not isinstance(name, str):
-        return None
-    return name if name in FRAME_TYPES else _UNKNOWN_TAG
-
-
 ProviderMessage: TypeAlias = Union[
     Register,
     Heartbeat,
@@ -158,6 +97,30 @@ CoordinatorMessage: TypeAlias = Union[
     AppAttestShadow,
 ]
 Message: TypeAlias = Union[ProviderMessage, CoordinatorMessage, UnknownMessage]
+
+PROVIDER_FRAMES: tuple[type[WireModel], ...] = get_args(ProviderMessage)
+"""Frame classes the provider sends (app_attest_shadow travels both ways)."""
+COORDINATOR_FRAMES: tuple[type[WireModel], ...] = get_args(CoordinatorMessage)
+"""Frame classes the coordinator sends."""
+
+
+def _type_name(cls: type[WireModel]) -> str:
+    (name,) = cls.model_fields["type"].annotation.__args__  # Literal["..."]
+    return name
+
+
+FRAME_TYPES: dict[str, type[WireModel]] = {
+    _type_name(cls): cls for cls in PROVIDER_FRAMES + COORDINATOR_FRAMES
+}
+"""Wire ``type`` string -> frame class."""
+
+
+def _tag(value: Any) -> str | None:
+    name = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    if not isinstance(name, str):
+        return None
+    return name if name in FRAME_TYPES else _UNKNOWN_TAG
+
 
 TaggedMessage = Annotated[
     Union[
