@@ -15,7 +15,6 @@ frame we build can always be decoded by Go.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from enum import Enum
 from typing import Annotated, Any, ClassVar, TypeAlias

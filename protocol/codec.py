@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from json.decoder import scanstring
 
-
 from pydantic import TypeAdapter, ValidationError
 from pydantic_core import PydanticSerializationError
 
