@@ -48,7 +48,7 @@ _LIST_FLAGS = frozenset({"model_dirs", "enabled_models"})
 
 def _settings_parent() -> argparse.ArgumentParser:
     """One flag per setting; SUPPRESS defaults so only flags actually given reach the namespace."""
-    parent = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    parent = argparse.ArgumentParser(add_help=False, allow_abbrev=False, argument_default=argparse.SUPPRESS)
     group = parent.add_argument_group("settings (override DARKBLOOM_* and the config file)")
     group.add_argument("--config", type=Path, metavar="PATH", help="TOML configuration file")
     for field in FIELDS:
@@ -71,17 +71,17 @@ def _settings_parent() -> argparse.ArgumentParser:
 def build_parser() -> argparse.ArgumentParser:
     common = _settings_parent()
     parser = argparse.ArgumentParser(
-        prog=PROG, parents=[common],
+        prog=PROG, parents=[common], allow_abbrev=False,
         description="Darkbloom provider agent: serve MLX models to the Darkbloom network.",
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    serve = sub.add_parser("serve", parents=[common], help="run the agent in the foreground")
+    serve = sub.add_parser("serve", parents=[common], allow_abbrev=False, help="run the agent in the foreground")
     serve.add_argument("--local", action="store_true", default=False,
                        help="no coordinator: an OpenAI-compatible server on the loopback address only")
 
-    doctor = sub.add_parser("doctor", parents=[common], help="check this machine, its cap, models and coordinator")
+    doctor = sub.add_parser("doctor", parents=[common], allow_abbrev=False, help="check this machine, its cap, models and coordinator")
     doctor.add_argument("--json", action="store_true", default=False, help="machine-readable (stable schema)")
     doctor.add_argument("--no-coordinator", action="store_true", default=False,
                         help="skip the coordinator check (local-only use)")
@@ -89,23 +89,23 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--machine-gb", type=float, default=None, metavar="N",
                         help="what-if: figures and verdicts for an idle machine with N GiB instead of this one")
 
-    models = sub.add_parser("models", parents=[common], help="list discovered models and whether they fit")
+    models = sub.add_parser("models", parents=[common], allow_abbrev=False, help="list discovered models and whether they fit")
     models.add_argument("--json", action="store_true", default=False)
     models.add_argument("--hash", action="store_true", default=False, help="also compute each weight hash")
 
-    status = sub.add_parser("status", parents=[common], help="what the running agent is doing")
+    status = sub.add_parser("status", parents=[common], allow_abbrev=False, help="what the running agent is doing")
     status.add_argument("--json", action="store_true", default=False)
 
-    sub.add_parser("runtime-hash", parents=[common], help="print the runtime hash sent in register")
+    sub.add_parser("runtime-hash", parents=[common], allow_abbrev=False, help="print the runtime hash sent in register")
 
     service = sub.add_parser("service", help="background service (launchd on macOS, systemd on Linux)")
     actions = service.add_subparsers(dest="action", metavar="ACTION", required=True)
-    install = actions.add_parser("install", parents=[common], help="write the service file and start it")
+    install = actions.add_parser("install", parents=[common], allow_abbrev=False, help="write the service file and start it")
     install.add_argument("--no-load", action="store_true", default=False, help="only write the file")
-    uninstall = actions.add_parser("uninstall", parents=[common], help="stop the service and remove its file")
+    uninstall = actions.add_parser("uninstall", parents=[common], allow_abbrev=False, help="stop the service and remove its file")
     uninstall.add_argument("--no-load", action="store_true", default=False,
                            help="only remove the file, do not ask the service manager")
-    actions.add_parser("status", parents=[common], help="ask the service manager")
+    actions.add_parser("status", parents=[common], allow_abbrev=False, help="ask the service manager")
     return parser
 
 

@@ -1,0 +1,200 @@
+"""The local HTTP app (FastAPI), loopback only.
+
+    POST /v1/chat/completions   OpenAI chat completions, streaming (SSE) or not   [chat=True only]
+    GET  /v1/models             the servable model ids                             [chat=True only]
+    GET  /healthz               200 {"status": "ok"} while serving, 503 while draining
+    GET  /status                JSON: mode, loaded models and states, in-flight requests, ledger bytes
+                                by kind, pressure, cap figures
+    GET  /metrics               Prometheus text (provider.metrics.Metrics.render)
+
+Errors are OpenAI-shaped (`{"error": {"message", "type", "code"}}`) with the fixed text of
+`protocol.errors.Failure.message`; a capacity refusal is a 503 with `Retry-After`. No response and
+no log line carries request text.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import Any, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from memory import CapFigures
+from protocol.errors import Failure
+from protocol.sse import DONE
+from provider.engine import EngineFailure, Failed, Finished, RequestStream, TextDelta
+from provider.engine.openai import ChatChunks, chat_completion
+from provider.local.backend import Refused
+from provider.local.body import ChatBody, InvalidBody, parse_chat_body
+from provider.metrics import CONTENT_TYPE, CapFigure, Metrics, RequestOutcome
+from provider.telemetry import get_logger
+
+log = get_logger(__name__)
+
+
+class Backend(Protocol):
+    """What the app needs from whatever holds the models (see backend.EngineBackend)."""
+
+    figures: CapFigures
+
+    def model_ids(self) -> list[str]: ...
+    def open(self, request_id: str, body: ChatBody) -> Any: ...  # async context manager -> RequestStream
+    def status(self) -> dict[str, Any]: ...
+
+
+def _failure_for(code: EngineFailure) -> Failure:
+    if code is EngineFailure.REQUEST_EXCEEDS_CONTEXT:
+        return Failure.request_exceeds_context()
+    if code is EngineFailure.INVALID_REQUEST:
+        return Failure.invalid_request()
+    return Failure.generation_failed()
+
+
+def error_body(failure: Failure) -> dict[str, Any]:
+    kind = "server_error" if failure.status_code >= 500 else "invalid_request_error"
+    return {"error": {"message": failure.message, "type": kind, "code": failure.code.value,
+                      "reason": failure.reason.value if failure.reason else None}}
+
+
+def error_response(failure: Failure, retry_after_s: int | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    return JSONResponse(error_body(failure), status_code=failure.status_code, headers=headers)
+
+
+def cap_metric_figures(cap: CapFigures) -> dict[CapFigure, int]:
+    return {
+        CapFigure.PHYSICAL: cap.physical_bytes,
+        CapFigure.HARD_CAP: cap.hard_cap_bytes,
+        CapFigure.EFFECTIVE_CAP: cap.effective_cap_bytes,
+        CapFigure.LOAD_RESERVE: cap.load_reserve_bytes,
+        CapFigure.ACTIVATION_RESERVE: cap.activation_reserve_bytes,
+    }
+
+
+class LocalState:
+    """Mutable bits of the running server: draining flag and start time."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.draining = False
+        self.started = time.monotonic()
+
+
+def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: str = "local") -> FastAPI:
+    """The app; `chat=False` serves only /healthz, /status and /metrics (the coordinator agent's case)."""
+    app = FastAPI(title="darkbloom-provider (local)", docs_url=None, redoc_url=None, openapi_url=None)
+    state = LocalState(mode)
+    app.state.local = state
+    metrics.set_cap_figures(cap_metric_figures(backend.figures))
+
+    @app.get("/healthz")
+    async def healthz() -> JSONResponse:
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/status")
+    async def status() -> JSONResponse:
+        body = {"mode": state.mode, "draining": state.draining,
+                "uptime_s": round(time.monotonic() - state.started, 3), **backend.status()}
+        body["cap"] = asdict(backend.figures)
+        return JSONResponse(body)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        backend.status()  # refreshes the ledger gauges
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    if not chat:
+        return app
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": i, "object": "model", "created": 0, "owned_by": "darkbloom-provider"} for i in backend.model_ids()
+        ]})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        request_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        try:
+            body = parse_chat_body(json.loads(await request.body()))
+        except (InvalidBody, ValueError) as exc:
+            field = exc.field if isinstance(exc, InvalidBody) else "body"
+            log.info("request_invalid", request_id=request_id, reason=field)
+            metrics.request_finished(RequestOutcome.REJECTED)
+            return error_response(Failure.invalid_request())
+        if state.draining:
+            return error_response(Failure.draining(), 5)
+        opened = backend.open(request_id, body)
+        try:
+            stream: RequestStream = await opened.__aenter__()
+        except Refused as refused:
+            failure = refused.failure
+            log.info("request_refused", request_id=request_id, model=body.model, code=failure.code,
+                     reason=failure.reason, rejection_reason=failure.rejection)
+            if failure.rejection is not None:
+                metrics.rejected(failure.rejection)
+            metrics.request_finished(RequestOutcome.REJECTED)
+            return error_response(failure, refused.retry_after_s)
+        if body.stream:
+            return StreamingResponse(_sse(opened, stream, request_id, body, metrics),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            return await _complete(stream, request_id, body, metrics)
+        finally:
+            await opened.__aexit__(None, None, None)
+
+    return app
+
+
+async def _complete(stream: RequestStream, request_id: str, body: ChatBody, metrics: Metrics) -> Response:
+    text, terminal = await stream.collect()
+    match terminal:
+        case Finished() as done:
+            metrics.add_tokens(completion=done.usage.completion_tokens)
+            metrics.request_finished(RequestOutcome.COMPLETED)
+            return JSONResponse(chat_completion(request_id, body.model, text, done))
+        case Failed(code):
+            log.info("request_failed", request_id=request_id, model=body.model, code=code)
+            metrics.request_finished(RequestOutcome.FAILED)
+            return error_response(_failure_for(code))
+        case _:
+            metrics.request_finished(RequestOutcome.CANCELLED)
+            return error_response(Failure.cancelled())
+
+
+async def _sse(opened: Any, stream: RequestStream, request_id: str, body: ChatBody,
+               metrics: Metrics) -> AsyncIterator[bytes]:
+    chunks = ChatChunks(request_id, body.model)
+    outcome = RequestOutcome.CANCELLED  # the client went away unless we reach a terminal event
+    try:
+        yield _event(chunks.role())
+        async for event in stream:
+            match event:
+                case TextDelta():
+                    yield _event(chunks.for_event(event))
+                case Finished(usage=usage):
+                    chunk = chunks.for_event(event)
+                    if not body.include_usage:
+                        chunk.pop("usage", None)
+                    metrics.add_tokens(completion=usage.completion_tokens)
+                    outcome = RequestOutcome.COMPLETED
+                    yield _event(chunk)
+                case Failed(code):
+                    log.info("request_failed", request_id=request_id, model=body.model, code=code)
+                    outcome = RequestOutcome.FAILED
+                    yield _event(error_body(_failure_for(code)))
+        yield DONE
+    finally:
+        metrics.request_finished(outcome)
+        await opened.__aexit__(None, None, None)
+
+
+def _event(obj: dict[str, Any] | None) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
