@@ -1,0 +1,240 @@
+"""The coordinator link as a sans-I/O state machine: feed a frame in, drain actions out.
+
+Theory of operation. One ``SessionCore`` exists per WebSocket connection. It never awaits and never
+touches a socket: the asyncio shell (``connection.py``) calls
+
+* ``connection_made()`` once the socket is open — the only way ``register`` is produced, so every
+  connection starts with exactly one ``register``;
+* ``receive_text(frame)`` for every inbound frame — decoding happens here, so a malformed frame
+  becomes a ``Log`` action instead of an exception in the shell;
+* ``job_finished(id)`` when a job task ends, ``start_draining()`` on SIGTERM, ``connection_lost()``
+  when the socket is gone;
+
+and carries out the returned actions in order: ``Send`` (put the frame on the connection's send
+queue), ``StartJob`` / ``CancelJob`` (start or cancel a job task), ``Log``.
+
+What the core decides (protocol.md §4, §7.4, §15.5, §15.22):
+
+* ``inference_request`` → ``StartJob``; while draining → a 503 ``draining`` fast reject instead.
+* ``cancel`` for a running job → ``CancelJob`` and nothing is sent for it (§7.4); for an unknown or
+  finished id → nothing at all (the [A] coordinator cancels every request after it completes).
+* ``attestation_challenge`` → ``Send(attestation_response)`` built by the injected answerer.
+* ``runtime_status`` → logged, naming each mismatched component; we stay connected.
+* unknown types, [N]-only types and undecodable frames → logged and ignored; the session goes on.
+
+States: CONNECTING → REGISTERED → DRAINING → CLOSED (any state → CLOSED on ``connection_lost``).
+Assigning ``state`` logs the transition; each entry point guards the states it is legal in and raises
+``InvalidState`` (an ``AssertionError``: calling it wrong is a bug in the shell).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import IntEnum
+from types import MappingProxyType
+from typing import Any
+
+from protocol import (
+    AttestationChallenge,
+    AttestationResponse,
+    Cancel,
+    InferenceRequest,
+    Message,
+    ProtocolError,
+    ProviderMessage,
+    Register,
+    RuntimeStatus,
+    UnknownMessage,
+    decode,
+)
+from protocol.errors import Failure, inference_error_frame
+from provider.config import LogLevel
+from provider.telemetry import get_logger
+
+log = get_logger("provider.session")
+
+
+class SessionState(IntEnum):
+    CONNECTING = 0  # socket open, register not yet sent
+    REGISTERED = 1  # register sent: serving
+    DRAINING = 2  # shutting down: new requests get 503 draining, running jobs finish
+    CLOSED = 3  # the socket is gone; this core is spent
+
+
+class InvalidState(AssertionError):
+    """An entry point was called in a state where it makes no sense (a bug in the caller)."""
+
+
+# --- actions ------------------------------------------------------------------------------------------
+# Frozen and slotted; the shell matches on them. Don't subclass these.
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Put one frame on this connection's send queue."""
+
+    frame: ProviderMessage
+
+
+@dataclass(frozen=True, slots=True)
+class StartJob:
+    """Start a job task for this request."""
+
+    request: InferenceRequest
+
+
+@dataclass(frozen=True, slots=True)
+class CancelJob:
+    """Cancel the job task of this request; nothing further is sent for it."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Log:
+    """A log line; ``fields`` use only keys the redaction layer allows."""
+
+    level: LogLevel
+    event: str
+    fields: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+
+Action = Send | StartJob | CancelJob | Log
+
+ChallengeAnswerer = Callable[[AttestationChallenge], AttestationResponse]
+
+
+def _log(level: LogLevel, event: str, **fields: Any) -> Log:
+    return Log(level, event, MappingProxyType(fields))
+
+
+class SessionCore:
+    """What to send, start and cancel for each event on one connection. No I/O, no awaits."""
+
+    def __init__(self, *, register: Register, answer_challenge: ChallengeAnswerer) -> None:
+        self._register = register
+        self._answer = answer_challenge
+        self._state = SessionState.CONNECTING
+        self._jobs: set[str] = set()
+
+    # --- state ----------------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> SessionState:
+        return self._state
+
+    @state.setter
+    def state(self, new: SessionState) -> None:
+        log.debug("session_state", from_state=self._state.name, to_state=new.name)
+        self._state = new
+
+    @property
+    def active_jobs(self) -> frozenset[str]:
+        """Request ids with a job task that has not finished or been cancelled."""
+        return frozenset(self._jobs)
+
+    def _guard(self, *allowed: SessionState) -> None:
+        if self._state not in allowed:
+            raise InvalidState(f"not allowed in state {self._state.name}")
+
+    # --- entry points -------------------------------------------------------------------------------
+
+    def connection_made(self) -> list[Action]:
+        """The socket is open: the one ``register`` of this connection."""
+        self._guard(SessionState.CONNECTING)
+        self.state = SessionState.REGISTERED
+        return [Send(self._register)]
+
+    def receive_text(self, data: str | bytes) -> list[Action]:
+        """One inbound frame, undecoded. A frame that does not decode is logged and dropped."""
+        self._guard(SessionState.REGISTERED, SessionState.DRAINING)
+        try:
+            message = decode(data)
+        except ProtocolError as exc:
+            # ProtocolError texts name the problem, never the frame's content.
+            return [_log(LogLevel.WARNING, "frame_rejected", reason=str(exc), size_bytes=len(data))]
+        return self.receive(message)
+
+    def receive(self, message: Message) -> list[Action]:
+        """One decoded inbound frame."""
+        self._guard(SessionState.REGISTERED, SessionState.DRAINING)
+        match message:
+            case InferenceRequest():
+                return self._on_request(message)
+            case Cancel(request_id=request_id):
+                return self._on_cancel(request_id)
+            case AttestationChallenge():
+                return [Send(self._answer(message)), _log(LogLevel.INFO, "challenge_answered")]
+            case RuntimeStatus():
+                return self._on_runtime_status(message)
+            case UnknownMessage(type=kind):
+                return [_log(LogLevel.INFO, "frame_ignored", kind=kind, reason="unknown_type")]
+            case _:
+                return [_log(LogLevel.DEBUG, "frame_ignored", kind=message.type, reason="not_handled")]
+
+    def job_finished(self, request_id: str) -> None:
+        """A job task ended (any way). Idempotent."""
+        self._jobs.discard(request_id)
+
+    def start_draining(self) -> list[Action]:
+        """From now on new requests are refused with 503 ``draining``; running jobs go on."""
+        self._guard(SessionState.REGISTERED, SessionState.DRAINING)
+        if self._state is SessionState.REGISTERED:
+            self.state = SessionState.DRAINING
+        return [_log(LogLevel.INFO, "session_draining", in_flight=len(self._jobs))]
+
+    def connection_lost(self) -> list[Action]:
+        """The socket is gone: every running job is cancelled (nothing is resumed after a reconnect)."""
+        if self._state is SessionState.CLOSED:
+            return []
+        self.state = SessionState.CLOSED
+        actions: list[Action] = [CancelJob(rid) for rid in sorted(self._jobs)]
+        self._jobs.clear()
+        return actions
+
+    # --- frame handlers -----------------------------------------------------------------------------
+
+    def _on_request(self, request: InferenceRequest) -> list[Action]:
+        rid = request.request_id
+        if not rid:
+            return [_log(LogLevel.WARNING, "frame_rejected", reason="inference_request without request_id")]
+        if rid in self._jobs:
+            # Answering would end the running job on the coordinator's side: ignore the duplicate.
+            return [_log(LogLevel.WARNING, "frame_rejected", request_id=rid, reason="duplicate request_id")]
+        if self._state is SessionState.DRAINING:
+            return [
+                Send(inference_error_frame(rid, Failure.draining())),
+                _log(LogLevel.INFO, "request_rejected", request_id=rid, reason="draining"),
+            ]
+        self._jobs.add(rid)
+        return [StartJob(request)]
+
+    def _on_cancel(self, request_id: str) -> list[Action]:
+        if request_id not in self._jobs:
+            return [_log(LogLevel.DEBUG, "cancel_ignored", request_id=request_id, reason="unknown_or_finished")]
+        self._jobs.discard(request_id)
+        return [CancelJob(request_id), _log(LogLevel.INFO, "cancel_received", request_id=request_id)]
+
+    def _on_runtime_status(self, status: RuntimeStatus) -> list[Action]:
+        if status.verified:
+            return [_log(LogLevel.INFO, "runtime_status", status="verified")]
+        if not status.mismatches:
+            return [_log(LogLevel.WARNING, "runtime_status", status="unverified")]
+        return [
+            _log(LogLevel.WARNING, "runtime_status", status="mismatch", kind=m.component)
+            for m in status.mismatches
+        ]
+
+
+__all__ = [
+    "Action",
+    "CancelJob",
+    "ChallengeAnswerer",
+    "InvalidState",
+    "Log",
+    "Send",
+    "SessionCore",
+    "SessionState",
+    "StartJob",
+]
