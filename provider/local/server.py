@@ -7,6 +7,10 @@ SIGTERM or SIGINT: uvicorn stops accepting, in-flight requests finish, the engin
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
 
 import uvicorn
 
@@ -25,6 +29,23 @@ class NotLoopback(ValueError):
     """The local server refuses any address but a loopback one."""
 
 
+class LocalServer(uvicorn.Server):
+    """uvicorn re-raises SIGTERM after its graceful stop (exit 143). Here a drained stop is a clean
+    exit 0, which launchd's `KeepAlive {SuccessfulExit: false}` and systemd's `Restart=on-failure` need."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+
+
 def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
     if not _is_loopback(settings.local_host):
         raise NotLoopback(settings.local_host)
@@ -41,7 +62,7 @@ async def run_local(settings: Settings) -> None:
     metrics = Metrics()
     backend = EngineBackend(settings, inventory, probe=probe, figures=figures, metrics=metrics)
     app = create_app(backend, metrics, chat=True, mode="local")
-    server = uvicorn.Server(uvicorn_config(app, settings))
+    server = LocalServer(uvicorn_config(app, settings))
     log.info("local_server_starting", url=settings.local_base_url, models=backend.model_ids(),
              effective_cap_bytes=figures.effective_cap_bytes)
     try:
