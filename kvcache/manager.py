@@ -1,0 +1,228 @@
+"""The prefix cache of every loaded model: RAM tier in front, SSD tier behind, one purge.
+
+Lifecycle (memory-policy.md §6): the model manager calls `attach(model, weight_hash)` after a
+load and `purge(model)` on every unload (eviction, idle timeout, shutdown) before the unload
+returns; `disk.startup_sweep(root)` runs once before the first attach. The engine worker calls
+`ModelKvCache.fetch` before inserting a request into its `BatchGenerator` and `store` when the
+request finishes, both on the engine thread.
+
+Memory: RAM entries are `prefix_cache` reservations in the ledger. When admission or a load needs
+room it calls `evict_for(nbytes)` (least recently used first, across models); under RED pressure
+or worse `relieve(level)` drops the whole RAM tier. The SSD tier is never charged to the ledger.
+
+SSD writes are write-through at `store` time: the engine thread copies the prefix to host bytes,
+and the encryption and file write run on `write_executor` when one is given (inline otherwise).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from enum import Enum
+
+from kvcache import state
+from kvcache.host import HostCache
+from kvcache.ram import PrefixCache, StoreOutcome
+from kvcache.ssd import SsdStore, WriteOutcome
+from memory.ledger import Ledger
+from memory.pressure import PressureLevel
+from memory.snapshot import MemorySnapshot
+
+log = logging.getLogger("kvcache")
+
+
+class Tier(Enum):
+    RAM = "ram"
+    SSD = "ssd"
+
+
+@dataclass(frozen=True, slots=True)
+class Reuse:
+    """What `fetch` found: `cache` holds the first `matched` prompt tokens (None on a miss)."""
+
+    cache: list | None
+    matched: int
+    tier: Tier | None
+
+    def rest(self, tokens: Sequence[int]) -> list[int]:
+        """The prompt tokens still to prefill."""
+        return list(tokens[self.matched:])
+
+
+MISS = Reuse(None, 0, None)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheStats:
+    hits: int = 0  # the whole prompt but its last token came from the cache
+    partial_hits: int = 0  # some leading tokens came from the cache
+    misses: int = 0
+    ram_bytes: int = 0
+    disk_bytes: int = 0
+    entries: int = 0  # RAM entries
+    ssd_hits: int = 0  # hits and partial hits served from the SSD tier (included above)
+
+    def __add__(self, other: PrefixCacheStats) -> PrefixCacheStats:
+        return PrefixCacheStats(*(a + b for a, b in zip(_fields(self), _fields(other), strict=True)))
+
+
+def _fields(s: PrefixCacheStats) -> tuple[int, ...]:
+    return (s.hits, s.partial_hits, s.misses, s.ram_bytes, s.disk_bytes, s.entries, s.ssd_hits)
+
+
+class ModelKvCache:
+    """One loaded model's prefix cache. `fetch`/`store` on the engine thread only."""
+
+    def __init__(self, model_id: str, weight_hash: str, ram: PrefixCache, ssd: SsdStore | None,
+                 write_executor: Executor | None) -> None:
+        self.model_id = model_id
+        self.weight_hash = weight_hash
+        self.ram = ram
+        self._ssd = ssd
+        self._executor = write_executor
+        self._lock = threading.Lock()
+        self._hits = self._partial = self._misses = self._ssd_hits = 0
+
+    def fetch(self, tokens: Sequence[int]) -> Reuse:
+        """The longest reusable prefix of `tokens` from RAM, else from SSD (promoted to RAM)."""
+        reuse = self._lookup(tokens)
+        with self._lock:
+            if reuse.cache is None:
+                self._misses += 1
+            elif reuse.matched == len(tokens) - 1:
+                self._hits += 1
+            else:
+                self._partial += 1
+            if reuse.tier is Tier.SSD:
+                self._ssd_hits += 1
+        return reuse
+
+    def _lookup(self, tokens: Sequence[int]) -> Reuse:
+        if len(tokens) < 2:
+            return MISS
+        ram_len = self.ram.longest_match(tokens)
+        if self._ssd is not None:
+            match = self._ssd.lookup(self.model_id, tokens)
+            ssd_len = 0 if match is None else min(match.common, len(tokens) - 1)
+            if ssd_len > ram_len:
+                host = self._ssd.read(self.model_id, self.weight_hash, match.key)
+                if host is not None:
+                    cache = state.from_host(host)
+                    self.ram.store(match.key, cache)  # promote; refused is fine
+                    return Reuse(state.prefix_copy(cache, ssd_len), ssd_len, Tier.SSD)
+        if ram_len:
+            hit = self.ram.fetch(tokens)
+            if hit is not None:
+                return Reuse(hit.cache, hit.matched, Tier.RAM)
+        return MISS
+
+    def store(self, tokens: Sequence[int], cache: Sequence[object]) -> StoreOutcome:
+        """Keep `cache`'s first `len(tokens)` positions under `tokens`: RAM, and write-through to SSD."""
+        outcome = self.ram.store(tokens, cache)
+        if self._ssd is None or outcome in (StoreOutcome.UNSUPPORTED, StoreOutcome.CLOSED, StoreOutcome.COVERED):
+            return outcome
+        match = self._ssd.lookup(self.model_id, tokens)
+        if match is not None and match.common == len(tokens):
+            return outcome
+        host = state.to_host(cache, len(tokens))
+        key = tuple(tokens)
+        if self._executor is None:
+            self._write(key, host)
+        else:
+            self._executor.submit(self._write, key, host)
+        return outcome
+
+    def _write(self, key: tuple[int, ...], host: HostCache) -> WriteOutcome | None:
+        try:
+            return self._ssd.write(self.model_id, self.weight_hash, key, host)
+        except OSError:  # a full or failing disk only costs the SSD tier
+            log.warning("kv cache write failed", exc_info=True)
+            return None
+
+    def stats(self) -> PrefixCacheStats:
+        with self._lock:
+            counts = (self._hits, self._partial, self._misses, self._ssd_hits)
+        disk = self._ssd.disk_bytes(self.model_id) if self._ssd is not None else 0
+        return PrefixCacheStats(counts[0], counts[1], counts[2], self.ram.nbytes, disk, len(self.ram), counts[3])
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeResult:
+    ram_bytes: int
+    disk_bytes: int
+
+
+class KvCacheManager:
+    """Every loaded model's `ModelKvCache`. Thread-safe; one per process."""
+
+    def __init__(self, ledger: Ledger, *, ssd: SsdStore | None = None,
+                 sample_snapshot: Callable[[], MemorySnapshot] | None = None,
+                 ram_max_bytes: int | None = None, write_executor: Executor | None = None) -> None:
+        self._ledger = ledger
+        self._ssd = ssd
+        self._sample = sample_snapshot
+        self._ram_max = ram_max_bytes
+        self._executor = write_executor
+        self._lock = threading.Lock()
+        self._models: dict[str, ModelKvCache] = {}
+        self._retired = PrefixCacheStats()  # counters of purged models, so totals never go back
+
+    def attach(self, model_id: str, weight_hash: str) -> ModelKvCache:
+        """A fresh, empty cache for a model that was just loaded."""
+        with self._lock:
+            if model_id in self._models:
+                raise RuntimeError("model already attached; purge it first")
+            ram = PrefixCache(model_id, self._ledger, sample_snapshot=self._sample, max_bytes=self._ram_max)
+            if self._ssd is not None:
+                self._ssd.open(model_id, weight_hash)
+            mc = ModelKvCache(model_id, weight_hash, ram, self._ssd, self._executor)
+            self._models[model_id] = mc
+            return mc
+
+    def get(self, model_id: str) -> ModelKvCache | None:
+        with self._lock:
+            return self._models.get(model_id)
+
+    def purge(self, model_id: str) -> PurgeResult:
+        """Remove the model's RAM and SSD state (the `kv_purge` hook of every unload). Idempotent."""
+        with self._lock:
+            mc = self._models.pop(model_id, None)
+        ram = mc.ram.purge() if mc is not None else 0
+        if mc is not None:
+            s = mc.stats()
+            with self._lock:
+                self._retired += PrefixCacheStats(s.hits, s.partial_hits, s.misses, ssd_hits=s.ssd_hits)
+        disk = self._ssd.purge(model_id) if self._ssd is not None else 0
+        return PurgeResult(ram, disk)
+
+    def evict_for(self, nbytes: int) -> int:
+        """Free at least `nbytes` of RAM entries, least recently used first across models."""
+        freed = 0
+        while freed < nbytes:
+            with self._lock:
+                caches = list(self._models.values())
+            candidates = [(u, mc) for mc in caches if (u := mc.ram.oldest_use()) is not None]
+            if not candidates:
+                break
+            freed += min(candidates, key=lambda c: c[0])[1].ram.evict_oldest()
+        return freed
+
+    def relieve(self, level: PressureLevel) -> int:
+        """Under RED pressure or worse, drop the whole RAM tier. Returns bytes freed."""
+        if level < PressureLevel.RED:
+            return 0
+        with self._lock:
+            caches = list(self._models.values())
+        return sum(mc.ram.evict_all() for mc in caches)
+
+    def stats(self, model_id: str | None = None) -> PrefixCacheStats:
+        with self._lock:
+            caches = list(self._models.values()) if model_id is None else [
+                mc for mc in [self._models.get(model_id)] if mc is not None]
+        total = self._retired if model_id is None else PrefixCacheStats()
+        for mc in caches:
+            total += mc.stats()
+        return total

@@ -1,0 +1,178 @@
+"""RAM tier: one model's prompt caches keyed by token prefix, every byte charged to the ledger.
+
+An entry is a list of mlx-lm `KVCache` layers cut to exactly the tokens it is keyed by. `fetch`
+returns a fresh copy cut to the longest common prefix with the new prompt, always leaving at
+least one prompt token to feed (mlx-lm's `BatchGenerator` feeds the last prompt token in the first
+decode step and refuses an empty prompt). `store` takes a cache that may hold more (a finished
+request's cache also holds its completion) and keeps only the keyed prefix.
+
+Each entry holds one `prefix_cache` lease. `_evict` is the only place that drops an entry and the
+only place that releases a lease, so bytes held and bytes charged cannot drift apart.
+
+Threads: `fetch` and `store` run MLX and must be called on the engine thread. Eviction, purge and
+the stats only drop references and touch the ledger, so any thread may call them; a lock guards
+the index. MLX work happens outside the lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from kvcache import state
+from kvcache.trie import Key, PrefixIndex
+from memory.ledger import Ledger, ReservationKind
+from memory.snapshot import MemorySnapshot
+
+# Shared by every PrefixCache in the process so "least recently used" compares across models.
+_clock = itertools.count(1)
+
+
+class StoreOutcome(Enum):
+    STORED = "stored"
+    COVERED = "covered"  # an entry already holds this prefix (or a longer one)
+    REFUSED = "refused"  # the ledger (or max_bytes) had no room
+    UNSUPPORTED = "unsupported"  # not plain KVCache layers (rotating, quantized, SSM…)
+    CLOSED = "closed"  # purged: the model is going away
+
+
+@dataclass(slots=True)
+class _Entry:
+    cache: list  # list[KVCache], exactly len(key) positions
+    nbytes: int
+    lease_id: str
+    used: int  # _clock stamp of the last fetch/store
+
+
+@dataclass(frozen=True, slots=True)
+class RamHit:
+    cache: list  # a private copy, `matched` positions
+    matched: int
+
+
+class PrefixCache:
+    """The RAM prefix cache of one loaded model."""
+
+    def __init__(self, model_id: str, ledger: Ledger, *,
+                 sample_snapshot: Callable[[], MemorySnapshot] | None = None,
+                 max_bytes: int | None = None) -> None:
+        self.model_id = model_id
+        self._ledger = ledger
+        self._sample = sample_snapshot
+        self._max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._index: PrefixIndex[_Entry] = PrefixIndex()
+        self._bytes = 0
+        self._closed = False
+        self._serial = itertools.count()
+
+    # -- engine thread -----------------------------------------------------------------------
+
+    def fetch(self, tokens: Sequence[int]) -> RamHit | None:
+        """A private copy of the longest cached prefix of `tokens` (≤ len(tokens) − 1), or None."""
+        with self._lock:
+            match = self._index.lookup(tokens)
+            if match is None:
+                return None
+            matched = min(match.common, len(tokens) - 1)
+            if matched < 1:
+                return None
+            self._index.touch(match.key)
+            match.value.used = next(_clock)
+            source = match.value.cache
+        return RamHit(state.prefix_copy(source, matched), matched)
+
+    def longest_match(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens `fetch` would reuse (no copy, no LRU update)."""
+        with self._lock:
+            match = self._index.lookup(tokens)
+        return 0 if match is None else max(0, min(match.common, len(tokens) - 1))
+
+    def store(self, tokens: Sequence[int], cache: Sequence[object]) -> StoreOutcome:
+        """Keep the first `len(tokens)` positions of `cache` under `tokens`."""
+        key: Key = tuple(tokens)
+        if not key or not state.reusable(cache) or state.cache_tokens(cache) < len(key):
+            return StoreOutcome.UNSUPPORTED
+        with self._lock:
+            if self._closed:
+                return StoreOutcome.CLOSED
+            if self._index.covers(key):
+                return StoreOutcome.COVERED
+        entry_cache = state.prefix_copy(cache, len(key))
+        nbytes = state.cache_nbytes(entry_cache)
+        if self._max_bytes is not None and nbytes > self._max_bytes:
+            return StoreOutcome.REFUSED
+        snapshot = self._sample() if self._sample is not None else None
+        with self._lock:
+            if self._closed:
+                return StoreOutcome.CLOSED
+            if self._index.covers(key):
+                return StoreOutcome.COVERED
+            if self._max_bytes is not None:
+                while self._bytes + nbytes > self._max_bytes and len(self._index):
+                    self._evict(self._index.oldest())
+            lease_id = f"prefix:{self.model_id}:{next(self._serial)}"
+            if not self._ledger.reserve(lease_id, ReservationKind.PREFIX_CACHE, nbytes, snapshot=snapshot).granted:
+                return StoreOutcome.REFUSED
+            self._index.insert(key, _Entry(entry_cache, nbytes, lease_id, next(_clock)))
+            self._bytes += nbytes
+            # Shorter entries on the same path are now redundant: the new one trims to them.
+            for shorter in self._index.prefixes_of(key):
+                self._evict(shorter)
+        return StoreOutcome.STORED
+
+    # -- any thread --------------------------------------------------------------------------
+
+    def oldest_use(self) -> int | None:
+        """The LRU stamp of the least recently used entry (comparable across models)."""
+        with self._lock:
+            key = self._index.oldest()
+            return None if key is None else self._index.get(key).used
+
+    def evict_oldest(self) -> int:
+        """Evict the least recently used entry; bytes returned to the ledger (0 when empty)."""
+        with self._lock:
+            key = self._index.oldest()
+            return 0 if key is None else self._evict(key)
+
+    def evict_for(self, nbytes: int) -> int:
+        """Evict LRU entries until at least `nbytes` went back to the ledger or none are left."""
+        freed = 0
+        with self._lock:
+            while freed < nbytes and len(self._index):
+                freed += self._evict(self._index.oldest())
+        return freed
+
+    def evict_all(self) -> int:
+        with self._lock:
+            return sum(self._evict(key) for key in list(self._index.keys_lru()))
+
+    def purge(self) -> int:
+        """Drop every entry and refuse later stores: the model is being unloaded."""
+        with self._lock:
+            self._closed = True
+            return sum(self._evict(key) for key in list(self._index.keys_lru()))
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def _evict(self, key: Key) -> int:
+        """The one way out: drop the entry and return its lease. Caller holds the lock."""
+        entry = self._index.remove(key)
+        if entry is None:
+            return 0
+        self._bytes -= entry.nbytes
+        self._ledger.release(entry.lease_id)
+        entry.cache = []
+        return entry.nbytes

@@ -1,0 +1,287 @@
+"""SSD tier: prefix caches encrypted to disk, readable only by the process that wrote them.
+
+File layout (one file per cached prefix, in the model's directory):
+
+    MAGIC(4) | header_len(u32 BE) | header (msgpack) | nonce(12) | AES-256-GCM(payload)
+
+* The header (format version, model id, weight hash, token count, per-layer dtypes and shapes) is
+  authenticated as associated data together with MAGIC and the file name, so a header edit, a
+  swapped or renamed file all fail the tag. The payload is the raw K/V bytes, encrypted.
+* The AES key and the HMAC key are random per process and kept only in memory: files from an
+  earlier process are unreadable by design, and `disk.startup_sweep` deletes them.
+* File names are HMAC-SHA256(name key, model id ‖ token ids): no token content is visible on disk.
+  Directory names are a keyed hash of the model id plus a random epoch per open.
+* Directories are 0700, files 0600, written to a temp file, fsynced, then renamed into place.
+* A corrupt, truncated or tampered file is a miss: it is deleted and `read` returns None.
+
+The closed latch (memory-policy.md §6, seed Phase 4): `purge(model)` closes the model's directory
+under the lock and then deletes it. A write checks the latch before writing and again after the
+rename; if a purge closed it in between, the write deletes its own file (and the directory it may
+have re-created), so a write racing a purge never leaves a file behind.
+
+MLX-free: callers hand in `HostCache` values (`kvcache/state` converts on the engine thread).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import shutil
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+import msgpack
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from kvcache.disk import TEMP_SUFFIX, DiskBudget, ensure_private_dir
+from kvcache.host import HostArray, HostCache
+from kvcache.trie import Key, Match, PrefixIndex
+
+MAGIC = b"DBKV"
+FORMAT_VERSION = 1
+_LEN = struct.Struct(">I")
+_NONCE_BYTES = 12
+_MAX_HEADER_BYTES = 1 << 20
+# What a damaged file can raise while being parsed; each one means "miss, delete it".
+_CORRUPT = (InvalidTag, ValueError, TypeError, KeyError, IndexError, struct.error,
+            msgpack.UnpackException, msgpack.ExtraData)
+
+
+class WriteOutcome(Enum):
+    WRITTEN = "written"
+    CLOSED = "closed"  # the model's directory is closed (purged, or never opened)
+    RACED_PURGE = "raced_purge"  # a purge closed it during the write; the file was deleted
+    OVER_BUDGET = "over_budget"  # the file alone exceeds the disk budget
+    EXISTS = "exists"
+
+
+@dataclass(slots=True)
+class _ModelDir:
+    model_id: str
+    weight_hash: str
+    path: Path
+    closed: bool = False
+    index: PrefixIndex[str] = field(default_factory=PrefixIndex)  # token key -> file name
+
+
+class SsdStore:
+    """Encrypted prefix-cache files under `root`, one directory per open model. Thread-safe."""
+
+    def __init__(self, root: Path, *, budget: DiskBudget, key: bytes | None = None) -> None:
+        if key is not None and len(key) != 64:
+            raise ValueError("key must be 64 bytes (AES-256 key ‖ HMAC key)")
+        key = key if key is not None else secrets.token_bytes(64)
+        self._aead = AESGCM(key[:32])
+        self._name_key = key[32:]
+        self.root = Path(root)
+        self._budget = budget
+        self._lock = threading.Lock()
+        self._dirs: dict[str, _ModelDir] = {}
+        # Test seam: runs after the latch check and before the file is written.
+        self._between_check_and_write: Callable[[], None] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def open(self, model_id: str, weight_hash: str) -> None:
+        """Open a fresh directory for a model that was just loaded (a new epoch every time)."""
+        tag = hmac.new(self._name_key, b"dir\0" + model_id.encode(), hashlib.sha256).hexdigest()[:32]
+        path = self.root / f"{tag}.{secrets.token_hex(8)}"
+        with self._lock:
+            old = self._dirs.get(model_id)
+            if old is not None and not old.closed:
+                raise RuntimeError("model already open in the SSD tier; purge it first")
+            self._dirs[model_id] = _ModelDir(model_id, weight_hash, path)
+
+    def purge(self, model_id: str) -> int:
+        """Close the latch, then delete the model's directory. Idempotent; returns bytes freed."""
+        with self._lock:
+            d = self._dirs.pop(model_id, None)
+            if d is None:
+                return 0
+            d.closed = True
+            d.index.clear()
+            freed = self._budget.forget_model(model_id)
+        shutil.rmtree(d.path, ignore_errors=True)
+        return freed
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def write(self, model_id: str, weight_hash: str, tokens: Sequence[int], cache: HostCache) -> WriteOutcome:
+        key: Key = tuple(tokens)
+        if cache.tokens != len(key):
+            raise ValueError("cache holds a different number of positions than tokens")
+        name = self._file_name(model_id, key)
+        blob = self._seal(self._header(model_id, weight_hash, cache), name, cache)  # outside the lock
+        with self._lock:
+            d = self._dirs.get(model_id)
+            if d is None or d.closed or d.weight_hash != weight_hash:
+                return WriteOutcome.CLOSED
+            if key in d.index:
+                return WriteOutcome.EXISTS
+            admission = self._budget.admit((model_id, name), len(blob))
+            if not admission.admitted:
+                return WriteOutcome.OVER_BUDGET
+            victims = [self._drop_locked(fid) for fid in admission.evict]
+            d.index.insert(key, name)
+        for path in victims:
+            if path is not None:
+                path.unlink(missing_ok=True)
+        if self._between_check_and_write is not None:
+            self._between_check_and_write()
+        final = d.path / name
+        try:
+            _atomic_write(final, blob)
+        except OSError:
+            self._forget(d, key, name)
+            final.unlink(missing_ok=True)
+            raise
+        # Post-write re-check: a purge that closed the latch while we wrote must not find (or
+        # leave) our file. Everything it deleted before our rename we delete here ourselves.
+        with self._lock:
+            closed = d.closed
+        if closed:
+            final.unlink(missing_ok=True)
+            _rmdir_if_empty(d.path)
+            return WriteOutcome.RACED_PURGE
+        return WriteOutcome.WRITTEN
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def lookup(self, model_id: str, tokens: Sequence[int]) -> Match[str] | None:
+        """The stored prefix sharing the most leading tokens with `tokens` (no disk access)."""
+        with self._lock:
+            d = self._dirs.get(model_id)
+            return None if d is None or d.closed else d.index.lookup(tokens)
+
+    def read(self, model_id: str, weight_hash: str, tokens: Sequence[int]) -> HostCache | None:
+        """The cache stored under exactly `tokens`, or None (absent, closed, or damaged → deleted)."""
+        key: Key = tuple(tokens)
+        with self._lock:
+            d = self._dirs.get(model_id)
+            if d is None or d.closed or d.weight_hash != weight_hash:
+                return None
+            name = d.index.get(key)
+            if name is None:
+                return None
+            d.index.touch(key)
+        self._budget.touch((model_id, name))
+        path = d.path / name
+        try:
+            blob = path.read_bytes()
+        except OSError:
+            self._forget(d, key, name)
+            return None
+        try:
+            return self._open_blob(blob, name, model_id, weight_hash, len(key))
+        except _CORRUPT:
+            self._forget(d, key, name)
+            path.unlink(missing_ok=True)
+            return None
+
+    def disk_bytes(self, model_id: str | None = None) -> int:
+        return self._budget.used_bytes(model_id)
+
+    def entries(self, model_id: str) -> int:
+        with self._lock:
+            d = self._dirs.get(model_id)
+            return 0 if d is None else len(d.index)
+
+    def directory(self, model_id: str) -> Path | None:
+        with self._lock:
+            d = self._dirs.get(model_id)
+            return None if d is None else d.path
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _file_name(self, model_id: str, key: Key) -> str:
+        msg = model_id.encode() + b"\0" + struct.pack(f"<{len(key)}I", *key)
+        return hmac.new(self._name_key, msg, hashlib.sha256).hexdigest()
+
+    @staticmethod
+    def _header(model_id: str, weight_hash: str, cache: HostCache) -> bytes:
+        layers = [[[k.dtype, list(k.shape)], [v.dtype, list(v.shape)]] for k, v in cache.layers]
+        return msgpack.packb({"v": FORMAT_VERSION, "model": model_id, "weights": weight_hash,
+                              "tokens": cache.tokens, "layers": layers})
+
+    def _seal(self, header: bytes, name: str, cache: HostCache) -> bytes:
+        prefix = MAGIC + _LEN.pack(len(header)) + header
+        nonce = secrets.token_bytes(_NONCE_BYTES)
+        payload = b"".join(a.data for pair in cache.layers for a in pair)
+        return prefix + nonce + self._aead.encrypt(nonce, payload, prefix + name.encode())
+
+    def _open_blob(self, blob: bytes, name: str, model_id: str, weight_hash: str, tokens: int) -> HostCache:
+        if blob[:4] != MAGIC:
+            raise ValueError("bad magic")
+        (hlen,) = _LEN.unpack_from(blob, 4)
+        if hlen > _MAX_HEADER_BYTES or 8 + hlen + _NONCE_BYTES > len(blob):
+            raise ValueError("truncated")
+        prefix = blob[: 8 + hlen]
+        nonce = blob[8 + hlen: 8 + hlen + _NONCE_BYTES]
+        payload = self._aead.decrypt(nonce, blob[8 + hlen + _NONCE_BYTES:], prefix + name.encode())
+        header = msgpack.unpackb(prefix[8:])
+        if (header["v"], header["model"], header["weights"], header["tokens"]) != (
+                FORMAT_VERSION, model_id, weight_hash, tokens):
+            raise ValueError("header does not match the request")
+        layers, at = [], 0
+        for pair in header["layers"]:
+            arrays = []
+            for dtype, shape in pair:
+                shape = tuple(int(x) for x in shape)
+                n = HostArray.expected_nbytes(dtype, shape)
+                arrays.append(HostArray(dtype, shape, payload[at: at + n]))
+                at += n
+            layers.append(tuple(arrays))
+        if at != len(payload):
+            raise ValueError("payload length does not match the header")
+        return HostCache(tokens, tuple(layers))
+
+    def _forget(self, d: _ModelDir, key: Key, name: str) -> None:
+        with self._lock:
+            d.index.remove(key)
+        self._budget.discharge((d.model_id, name))
+
+    def _drop_locked(self, fid: tuple[str, str]) -> Path | None:
+        """Forget an evicted file in its model's index; returns its path to delete."""
+        model_id, name = fid
+        d = self._dirs.get(model_id)
+        if d is None:
+            return None
+        for key in list(d.index.keys_lru()):
+            if d.index.get(key) == name:
+                d.index.remove(key)
+                break
+        return d.path / name
+
+
+def _atomic_write(final: Path, blob: bytes) -> None:
+    ensure_private_dir(final.parent)
+    tmp = final.with_name(final.name + f".{secrets.token_hex(4)}{TEMP_SUFFIX}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _rmdir_if_empty(path: Path) -> None:
+    try:
+        path.rmdir()
+    except OSError:
+        pass
