@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.utils import load_tokenizer
 
-from provider.engine.textstream import CompletionText, StopStringFilter
+from provider.engine.textstream import CompletionText, Filtered, StopStringFilter
 
 ALPHABET = st.sampled_from(list("ab c\n") + ["é", "日", "🚀", "𝄞", "ß", "语"])
 TEXT = st.text(ALPHABET, max_size=40)
@@ -27,7 +27,7 @@ def text_in_chunks(draw):
     return text, [text[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(text_in_chunks(), STOPS)
 def test_stop_filter_emits_exactly_the_text_before_the_first_stop(chunked, stops):
     text, chunks = chunked
@@ -42,7 +42,9 @@ def test_stop_filter_emits_exactly_the_text_before_the_first_stop(chunked, stops
         # Nothing emitted so far may be the start of a stop string that could still complete.
         assert truncated_at_first_stop(out, stops) == (out, False)
     if not stopped:
-        out += f.flush()
+        tail = f.flush()
+        out += tail.text
+        stopped = tail.stopped
     assert (out, stopped) == truncated_at_first_stop(text, stops)
 
 
@@ -80,3 +82,12 @@ def test_a_rare_character_arrives_as_byte_tokens_and_is_emitted_once_whole(token
     stream = CompletionText(tokenizer.detokenizer, ())
     deltas = [stream.add(t).text for t in ids] + [stream.finish().text]
     assert [d for d in deltas if d] == ["𝄞"]
+
+
+def test_a_longer_stop_starting_earlier_wins_over_a_shorter_one_matched_first():
+    f = StopStringFilter(["a", "\naa"])
+    assert f.feed("\na") == Filtered("", False)  # "a" matched, but "\naa" may start earlier
+    assert f.feed("a") == Filtered("", True)
+    g = StopStringFilter(["a", "\naa"])
+    assert g.feed("\na") == Filtered("", False)
+    assert g.flush() == Filtered("\n", True)  # the stream ended: the later "a" stands

@@ -23,6 +23,7 @@ import asyncio
 import enum
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -50,6 +51,23 @@ from provider.engine.types import (
     TextDelta,
 )
 from provider.engine.worker import Worker
+
+
+def _wait_for_os_thread_exit(native_id: int | None, limit: float = 2.0) -> None:
+    """Wait until the worker's OS thread is gone, not just its Python frame.
+
+    MLX registers C++ thread-local destructors that take the GIL. They run after
+    `Thread.join()` returns; if the interpreter is finalizing by then (an `Engine` closed just
+    before exit), taking the GIL ends the thread with a forced unwind and the process aborts
+    ("terminate called without an active exception"). There is no event for OS-level thread
+    exit in Python 3.11, so on Linux we watch /proc for the task to disappear (a few ms).
+    """
+    task = Path(f"/proc/self/task/{native_id}")
+    if native_id is None or not Path("/proc/self/task").is_dir():
+        return
+    deadline = time.monotonic() + limit
+    while task.exists() and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 class _End(enum.Enum):
@@ -196,14 +214,19 @@ class Engine:
         reply: Future = Future()
         self._commands.put(Stop(reply))
         await asyncio.wrap_future(reply)
-        self._thread.join()  # the worker returns right after answering Stop
+        self._join()
 
     def close(self, timeout: float | None = None) -> None:
         """Blocking variant of `aclose`, for code outside an event loop."""
         if not self._closed:
             self._closed = True
             self._commands.put(Stop(Future()))
-        self._thread.join(timeout)
+        self._join(timeout)
+
+    def _join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)  # the worker returns right after answering Stop
+        if not self._thread.is_alive():
+            _wait_for_os_thread_exit(self._thread.native_id)
 
     async def _call(self, make: Callable[[Future], Command]):
         if self._closed:

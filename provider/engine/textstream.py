@@ -19,6 +19,12 @@ class Filtered:
 
 
 class StopStringFilter:
+    """Cuts a text stream at the earliest-starting occurrence of any stop string.
+
+    A tail that could still grow into a stop string is held back; so is everything after it
+    when a shorter stop string matched later in that tail (a longer one starting earlier wins).
+    """
+
     __slots__ = ("_stops", "_held")
 
     def __init__(self, stops: Sequence[str]):
@@ -29,20 +35,26 @@ class StopStringFilter:
         if not self._stops:
             return Filtered(text, False)
         buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
-        if hits:
+        hit = self._earliest_match(buf)
+        pending = len(buf) - self._longest_open_suffix(buf)  # where an unfinished match starts
+        if hit is not None and hit <= pending:
             self._held = ""
-            return Filtered(buf[: min(hits)], True)
-        keep = self._longest_stop_prefix_suffix(buf)
-        self._held = buf[len(buf) - keep :] if keep else ""
-        return Filtered(buf[: len(buf) - keep], False)
+            return Filtered(buf[:hit], True)
+        self._held = buf[pending:]
+        return Filtered(buf[:pending], False)
 
-    def flush(self) -> str:
-        """The held-back tail, once no more text will come."""
+    def flush(self) -> Filtered:
+        """The held-back tail, once no more text will come (it may still hold a match)."""
         held, self._held = self._held, ""
-        return held
+        hit = self._earliest_match(held)
+        return Filtered(held, False) if hit is None else Filtered(held[:hit], True)
 
-    def _longest_stop_prefix_suffix(self, buf: str) -> int:
+    def _earliest_match(self, buf: str) -> int | None:
+        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def _longest_open_suffix(self, buf: str) -> int:
+        """Length of the longest tail of `buf` that is a proper prefix of some stop string."""
         best = 0
         for stop in self._stops:
             for n in range(min(len(stop) - 1, len(buf)), best, -1):
@@ -71,4 +83,5 @@ class CompletionText:
         out = self._filter.feed(self._detok.last_segment)
         if out.stopped:
             return out
-        return Filtered(out.text + self._filter.flush(), False)
+        tail = self._filter.flush()
+        return Filtered(out.text + tail.text, tail.stopped)
