@@ -40,7 +40,7 @@ import platform
 import socket
 import ssl
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -184,17 +184,12 @@ def discover_models(settings: Settings) -> Inventory:
 
 
 def runtime_hash_of(settings: Settings) -> str | None:
-    """The operator's override, else `provider.runtime_hash`'s value; None when neither works."""
-    if settings.runtime_hash:
-        return settings.runtime_hash
+    """What `register` sends: the operator's override, else this installation's hash; None on failure."""
+    from provider.runtime_hash import runtime_hash
+
     try:
-        from provider import runtime_hash as rh  # lands with the agent; optional until then
-    except ImportError:
-        return None
-    compute: Callable[[], str] | None = getattr(rh, "runtime_hash", None) or getattr(rh, "compute", None)
-    try:
-        return compute() if compute is not None else None
-    except (OSError, ValueError, RuntimeError):
+        return runtime_hash(settings.runtime_hash)
+    except (OSError, ValueError):
         return None
 
 
