@@ -1,0 +1,231 @@
+"""kvcache.ssd and kvcache.disk: encrypted files, permissions, tamper = miss, the purge race,
+the disk budget and the startup sweep. MLX-free: caches are `HostCache` byte blobs."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+from cryptography.exceptions import InvalidTag
+
+from kvcache.disk import DiskBudget, startup_sweep
+from kvcache.host import HostArray, HostCache
+from kvcache.ssd import SsdStore, WriteOutcome
+
+GiB = 2**30
+MODEL, WEIGHTS = "org/tiny-model", "sha256:abc"
+
+
+def host_cache(tokens: int, *, layers: int = 2, seed: int = 0) -> HostCache:
+    def arr(i: int) -> HostArray:
+        shape = (1, 2, tokens, 4)
+        n = HostArray.expected_nbytes("float32", shape)
+        return HostArray("float32", shape, bytes((seed * 31 + i * 7 + j) % 251 for j in range(n)))
+
+    return HostCache(tokens, tuple((arr(2 * li), arr(2 * li + 1)) for li in range(layers)))
+
+
+def make_store(root: Path, *, budget_bytes: int = GiB, free: int = 100 * GiB) -> SsdStore:
+    store = SsdStore(root, budget=DiskBudget(root, budget_bytes, free_bytes_fn=lambda _: free))
+    store.open(MODEL, WEIGHTS)
+    return store
+
+
+def files_under(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def the_file(root: Path) -> Path:
+    (path,) = files_under(root)
+    return path
+
+
+def test_round_trip_names_and_permissions(tmp_path: Path) -> None:
+    tokens = [101, 102, 103, 104, 105]
+    cache = host_cache(len(tokens))
+    store = make_store(tmp_path)
+    assert store.write(MODEL, WEIGHTS, tokens, cache) is WriteOutcome.WRITTEN
+    assert store.write(MODEL, WEIGHTS, tokens, cache) is WriteOutcome.EXISTS
+    assert store.read(MODEL, WEIGHTS, tokens) == cache
+    assert store.read(MODEL, "sha256:other", tokens) is None  # another weight hash never matches
+    path = the_file(tmp_path)
+    assert len(path.name) == 64 and all(c in "0123456789abcdef" for c in path.name)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    blob = path.read_bytes()
+    assert cache.layers[0][0].data[:64] not in blob  # the KV bytes are encrypted
+    assert store.disk_bytes(MODEL) == store.disk_bytes() == len(blob)
+    m = store.lookup(MODEL, [101, 102, 103, 9])
+    assert m is not None and (m.key, m.common) == (tuple(tokens), 3)
+
+
+def test_names_are_keyed_per_process(tmp_path: Path) -> None:
+    first, second = make_store(tmp_path / "a"), make_store(tmp_path / "b")
+    first.write(MODEL, WEIGHTS, [7, 7, 7], host_cache(3))
+    second.write(MODEL, WEIGHTS, [7, 7, 7], host_cache(3))
+    # Same model and tokens, a different per-process key: unrelated names and directories, so a
+    # name says nothing about the tokens without the in-memory key.
+    a, b = the_file(tmp_path / "a"), the_file(tmp_path / "b")
+    assert a.name != b.name and a.parent.name != b.parent.name
+
+
+@pytest.mark.parametrize("damage", ["flip_ciphertext", "flip_header", "flip_nonce", "truncate",
+                                    "empty", "garbage", "extend"])
+def test_damaged_file_is_a_miss_that_deletes_it(tmp_path: Path, damage: str) -> None:
+    tokens = [1, 2, 3, 4]
+    store = make_store(tmp_path)
+    store.write(MODEL, WEIGHTS, tokens, host_cache(4))
+    path = the_file(tmp_path)
+    blob = bytearray(path.read_bytes())
+    match damage:
+        case "flip_ciphertext":
+            blob[-5] ^= 0x01
+        case "flip_header":
+            blob[12] ^= 0x01
+        case "flip_nonce":
+            blob[len(blob) - len(blob) // 2] ^= 0x80
+        case "truncate":
+            blob = blob[: len(blob) // 3]
+        case "empty":
+            blob = bytearray()
+        case "garbage":
+            blob = bytearray(os.urandom(len(blob)))
+        case "extend":
+            blob += b"\0" * 16
+    path.write_bytes(bytes(blob))
+    assert store.read(MODEL, WEIGHTS, tokens) is None
+    assert not path.exists()
+    assert store.disk_bytes(MODEL) == 0 and store.entries(MODEL) == 0
+    assert store.lookup(MODEL, tokens) is None
+
+
+def test_swapped_files_fail_authentication(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    a, b = [1, 2, 3], [4, 5, 6]
+    store.write(MODEL, WEIGHTS, a, host_cache(3, seed=1))
+    store.write(MODEL, WEIGHTS, b, host_cache(3, seed=2))
+    pa, pb = files_under(tmp_path)
+    da, db = pa.read_bytes(), pb.read_bytes()
+    pa.write_bytes(db)
+    pb.write_bytes(da)  # same shapes, valid ciphertexts, wrong names: the name is in the AAD
+    assert store.read(MODEL, WEIGHTS, a) is None and store.read(MODEL, WEIGHTS, b) is None
+    assert files_under(tmp_path) == []
+
+
+def test_a_previous_process_files_are_unreadable_and_swept(tmp_path: Path) -> None:
+    crashed = make_store(tmp_path)  # "process 1": writes, then dies without purging (kill -9)
+    crashed.write(MODEL, WEIGHTS, [1, 2, 3], host_cache(3))
+    stale = the_file(tmp_path)
+    blob = stale.read_bytes()
+
+    fresh = SsdStore(tmp_path, budget=DiskBudget(tmp_path, GiB, free_bytes_fn=lambda _: 100 * GiB))
+    with pytest.raises(InvalidTag):  # a new random key: the old file cannot be opened
+        fresh._open_blob(blob, stale.name, MODEL, WEIGHTS, 3)
+
+    (tmp_path / "unrelated-dir").mkdir()
+    (tmp_path / "notes.txt").write_text("keep me")
+    (tmp_path / ("0" * 64 + ".ab12cd34.tmp")).write_bytes(b"half a write")
+    assert startup_sweep(tmp_path) == 2  # the model directory and the stray temp file
+    assert not stale.exists() and not stale.parent.exists()
+    assert (tmp_path / "unrelated-dir").is_dir() and (tmp_path / "notes.txt").exists()
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o700
+
+
+def test_purge_removes_directory_closes_latch_and_reopen_gets_a_fresh_dir(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    store.write(MODEL, WEIGHTS, [1, 2, 3], host_cache(3))
+    first_dir = store.directory(MODEL)
+    freed = store.purge(MODEL)
+    assert freed > 0 and not first_dir.exists() and files_under(tmp_path) == []
+    assert store.write(MODEL, WEIGHTS, [1, 2, 3], host_cache(3)) is WriteOutcome.CLOSED
+    assert store.read(MODEL, WEIGHTS, [1, 2, 3]) is None
+    assert store.purge(MODEL) == 0  # idempotent
+    store.open(MODEL, WEIGHTS)
+    assert store.directory(MODEL) != first_dir
+    assert store.write(MODEL, WEIGHTS, [1, 2, 3], host_cache(3)) is WriteOutcome.WRITTEN
+
+
+def test_write_racing_purge_leaves_no_file(tmp_path: Path) -> None:
+    """Regression (seed Phase 4): a write that passed the latch, then a purge, then the write lands.
+
+    The hook runs between the latch check and the file write. Without the post-write re-check the
+    rename re-creates the purged directory and the file survives; with it, the writer deletes it."""
+    store = make_store(tmp_path)
+    model_dir = store.directory(MODEL)
+    purged = threading.Event()
+
+    def purge_now() -> None:
+        store.purge(MODEL)
+        purged.set()
+
+    store._between_check_and_write = purge_now
+    outcome = store.write(MODEL, WEIGHTS, [9, 8, 7], host_cache(3))
+    assert purged.is_set()
+    assert outcome is WriteOutcome.RACED_PURGE
+    assert files_under(tmp_path) == [] and not model_dir.exists()
+    assert store.disk_bytes() == 0
+
+
+def test_write_racing_purge_from_another_thread(tmp_path: Path) -> None:
+    """The same race with a real second thread: the purge runs while the writer is parked in the seam."""
+    store = make_store(tmp_path)
+    at_seam, purge_done = threading.Event(), threading.Event()
+
+    def park() -> None:
+        at_seam.set()
+        assert purge_done.wait(10)
+
+    store._between_check_and_write = park
+    result: list[WriteOutcome] = []
+    writer = threading.Thread(target=lambda: result.append(store.write(MODEL, WEIGHTS, [5, 6], host_cache(2))))
+    writer.start()
+    assert at_seam.wait(10)
+    store.purge(MODEL)
+    purge_done.set()
+    writer.join(10)
+    assert result == [WriteOutcome.RACED_PURGE] and files_under(tmp_path) == []
+
+
+def test_budget_is_min_of_configured_and_half_free(tmp_path: Path) -> None:
+    assert DiskBudget(tmp_path, 10 * GiB, free_bytes_fn=lambda _: 8 * GiB).limit_bytes() == 4 * GiB
+    assert DiskBudget(tmp_path, 1 * GiB, free_bytes_fn=lambda _: 8 * GiB).limit_bytes() == 1 * GiB
+    real = DiskBudget(tmp_path, 2**62)  # the default reads the real disk
+    assert 0 < real.limit_bytes() <= 2**62
+
+
+def test_budget_evicts_least_recently_used_files(tmp_path: Path) -> None:
+    one = len(_sealed_size(tmp_path / "probe"))
+    store = make_store(tmp_path / "kv", budget_bytes=2 * one + one // 2)
+    a, b, c = [1, 1, 1], [2, 2, 2], [3, 3, 3]
+    for key in (a, b):
+        assert store.write(MODEL, WEIGHTS, key, host_cache(3)) is WriteOutcome.WRITTEN
+    assert store.read(MODEL, WEIGHTS, a) is not None  # a is now more recent than b
+    assert store.write(MODEL, WEIGHTS, c, host_cache(3)) is WriteOutcome.WRITTEN
+    assert store.entries(MODEL) == 2 and len(files_under(tmp_path / "kv")) == 2
+    assert store.read(MODEL, WEIGHTS, b) is None  # evicted: oldest
+    assert store.read(MODEL, WEIGHTS, a) is not None and store.read(MODEL, WEIGHTS, c) is not None
+    assert store.disk_bytes(MODEL) == 2 * one
+    # A file bigger than the whole budget is refused and nothing is evicted for it.
+    assert store.write(MODEL, WEIGHTS, list(range(40)), host_cache(40)) is WriteOutcome.OVER_BUDGET
+    assert store.entries(MODEL) == 2
+
+
+def test_disk_accounting_per_model(tmp_path: Path) -> None:
+    budget = DiskBudget(tmp_path, 1000, free_bytes_fn=lambda _: 10**9)
+    assert budget.admit(("m1", "f1"), 300).admitted and budget.admit(("m2", "f2"), 300).admitted
+    assert budget.admit(("m1", "f3"), 300).admitted
+    assert (budget.used_bytes("m1"), budget.used_bytes("m2"), budget.used_bytes()) == (600, 300, 900)
+    adm = budget.admit(("m2", "f4"), 300)  # 1200 > 1000: the oldest file goes
+    assert adm.admitted and adm.evict == (("m1", "f1"),)
+    assert budget.forget_model("m1") == 300 and budget.used_bytes() == 600
+    assert budget.discharge(("m2", "f2")) == 300 and budget.discharge(("m2", "f2")) == 0
+    assert not budget.admit(("m3", "huge"), 1001).admitted
+
+
+def _sealed_size(root: Path) -> bytes:
+    store = make_store(root)
+    store.write(MODEL, WEIGHTS, [0, 0, 0], host_cache(3))
+    return the_file(root).read_bytes()
