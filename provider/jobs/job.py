@@ -1,0 +1,339 @@
+"""One ``inference_request``, end to end (protocol.md §7).
+
+    open encrypted_body ─▶ parse OpenAI body ─▶ count prompt ─▶ fast admission ─▶ inference_accepted
+      ─▶ wait for the model + reserve KV (manager.serve) ─▶ stream: one sealed SSE event per chunk
+      ─▶ data: [DONE] ─▶ inference_complete (exact usage)
+
+Every frame goes out through ``_emit``, which steps the job's ``JobLifecycle`` first: a frame the
+transition table does not allow raises instead of being sent, so each request gets exactly one
+terminal frame and nothing after it.
+
+* Before the accept, any refusal is an ``inference_error`` alone (a fast reject the coordinator
+  reroutes): 400 ``invalid_request`` for a missing/undecryptable/unparsable body, 404 for a model we
+  do not serve, 503 capacity from admission.
+* The accept goes out as soon as admission says yes — before any model load.
+* The role delta is sent together with the first real output, so a request that fails before
+  producing anything is still rerouted by the coordinator (it has not committed).
+* Cancellation (``cancel`` from the coordinator, or a lost connection) cancels the job's task: the
+  engine stream is closed, the manager releases the KV reservation, and nothing more is sent (§7.4).
+
+Privacy: no prompt or completion text and no exception text is logged; ``request_id`` and ``model``
+are bound in structlog's context for the job's lifetime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Mapping
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Protocol
+
+from structlog.contextvars import bound_contextvars
+
+from protocol import InferenceAccepted, InferenceComplete, InferenceRequest, ProviderMessage, Usage, encode
+from protocol.crypto import CryptoError, ProviderIdentity, RequestBox
+from protocol.errors import Failure, inference_error_frame
+from protocol.sse import DONE, ChunkFactory, CompletionUsage, FinishReason, event
+from provider.engine import ChatRequest, EngineError, EngineFailure, Failed, Finished, RequestStream, TextDelta
+from provider.jobs.lifecycle import JobEvent, JobLifecycle, JobState
+from provider.jobs.stats import ServingStats
+from provider.jobs.tokens import PromptCounter, PromptError, UnknownModel
+from provider.local.body import ChatBody, InvalidBody, parse_chat_body
+from provider.metrics import Metrics, RequestOutcome
+from provider.telemetry import get_logger
+
+log = get_logger("provider.jobs")
+
+CHAT_ENDPOINT = "/v1/chat/completions"
+
+
+class JobOutcome(StrEnum):
+    COMPLETED = "completed"
+    FAILED = "failed"  # accepted, then ended by an inference_error
+    REJECTED = "rejected"  # inference_error without an accept
+    CANCELLED = "cancelled"
+
+
+# --- what jobs need from the model manager ------------------------------------------------------------
+
+
+class Slot(Protocol):
+    def submit(self, request: ChatRequest) -> RequestStream: ...
+
+
+class ModelManager(Protocol):
+    def admit(self, model_id: str, prompt_tokens: int, max_tokens: int) -> Any: ...
+
+    def serve(self, request_id: str, model_id: str, prompt_tokens: int,
+              max_tokens: int) -> AbstractAsyncContextManager[Slot]: ...
+
+
+def refusal_failure(decision: Any) -> Failure | None:
+    """The ``Failure`` carried by an admission refusal, None when the decision admits."""
+    failure = getattr(decision, "failure", None)
+    return failure if isinstance(failure, Failure) else None
+
+
+# --- engine failures in the protocol's vocabulary ------------------------------------------------------
+
+_ENGINE_FAILURES: Mapping[EngineFailure, Callable[[], Failure]] = {
+    EngineFailure.REQUEST_EXCEEDS_CONTEXT: Failure.request_exceeds_context,
+    EngineFailure.INVALID_REQUEST: Failure.invalid_request,
+    EngineFailure.MODEL_NOT_LOADED: Failure.model_load_failed,
+    EngineFailure.MODEL_UNLOADED: Failure.model_load_failed,
+    EngineFailure.LOAD_FAILED: Failure.model_load_failed,
+    EngineFailure.ENGINE_CLOSED: Failure.draining,
+    EngineFailure.MODEL_ALREADY_LOADED: Failure.internal,
+    EngineFailure.INTERNAL_ERROR: Failure.generation_failed,
+}
+
+
+def engine_failure(code: EngineFailure) -> Failure:
+    return _ENGINE_FAILURES.get(code, Failure.internal)()
+
+
+def exception_failure(exc: BaseException) -> Failure | None:
+    """A failure the manager or engine raised on purpose (typed), None for anything unexpected."""
+    failure = getattr(exc, "failure", None)
+    if isinstance(failure, Failure):
+        return failure
+    if isinstance(exc, EngineError):
+        return engine_failure(exc.code)
+    return None
+
+
+# --- the job ---------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class JobContext:
+    """What every job shares (one per agent)."""
+
+    identity: ProviderIdentity
+    manager: ModelManager
+    counter: PromptCounter
+    default_max_tokens: Callable[[str], int | None]  # model id -> default, None when we don't serve it
+    stats: ServingStats
+    metrics: Metrics | None = None
+    clock: Callable[[], float] = time.time
+
+
+class _Rejected(Exception):
+    """Internal: refuse before acceptance with this failure."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.code.value)
+        self.failure = failure
+
+
+class _EncryptionFailed(Exception):
+    """Internal: a chunk could not be sealed (502 ``encryption_failure``)."""
+
+    failure = Failure.encryption_failed()
+
+
+class Job:
+    """Runs one request; ``send`` puts an encoded frame on the connection's send queue."""
+
+    def __init__(self, request: InferenceRequest, ctx: JobContext, send: Callable[[str], None]) -> None:
+        self.request_id = request.request_id
+        self._request = request
+        self._ctx = ctx
+        self._send = send
+        self.lifecycle = JobLifecycle()
+        self._started = time.monotonic()
+        self._first_output: float | None = None
+
+    @property
+    def state(self) -> JobState:
+        return self.lifecycle.state
+
+    async def run(self) -> JobOutcome:
+        with bound_contextvars(request_id=self.request_id):
+            try:
+                return await self._run()
+            except asyncio.CancelledError:
+                self._cancelled()
+                raise
+
+    async def _run(self) -> JobOutcome:
+        try:
+            box, body = self._open()
+            with bound_contextvars(model=body.model):
+                return await self._admit_and_serve(box, body)
+        except _Rejected as rejected:
+            self._fail(rejected.failure)
+            return JobOutcome.REJECTED
+
+    # --- before the accept --------------------------------------------------------------------------
+
+    def _open(self) -> tuple[RequestBox, ChatBody]:
+        sealed = self._request.encrypted_body
+        if sealed is None:
+            raise _Rejected(Failure.invalid_request())
+        try:
+            box, plaintext = self._ctx.identity.open_request(sealed)
+        except CryptoError:
+            log.info("request_undecryptable")
+            raise _Rejected(Failure.invalid_request()) from None
+        try:
+            data = json.loads(plaintext)
+        except (ValueError, RecursionError):
+            raise _Rejected(Failure.invalid_request()) from None
+        if isinstance(data, dict) and data.get("endpoint", CHAT_ENDPOINT) != CHAT_ENDPOINT:
+            log.info("request_refused", reason="unsupported_endpoint")
+            raise _Rejected(Failure.invalid_request())
+        try:
+            return box, parse_chat_body(data)
+        except InvalidBody as exc:
+            log.info("request_refused", reason="invalid_body", kind=exc.field)
+            raise _Rejected(Failure.invalid_request()) from None
+
+    async def _admit_and_serve(self, box: RequestBox, body: ChatBody) -> JobOutcome:
+        default = self._ctx.default_max_tokens(body.model)
+        if default is None:
+            raise _Rejected(Failure.model_unavailable())
+        max_tokens = body.max_tokens or default
+        try:
+            prompt_tokens = await self._ctx.counter.count(body.model, body.messages)
+        except UnknownModel:
+            raise _Rejected(Failure.model_unavailable()) from None
+        except PromptError:
+            raise _Rejected(Failure.invalid_request()) from None
+        failure = refusal_failure(self._ctx.manager.admit(body.model, prompt_tokens, max_tokens))
+        if failure is not None:
+            if self._ctx.metrics is not None:
+                self._ctx.metrics.rejected(failure.rejection or failure.reason or failure.code)
+            raise _Rejected(failure)
+        self.lifecycle.step(JobEvent.ADMIT)
+        self._emit(JobEvent.ACCEPT, InferenceAccepted(request_id=self.request_id))
+        self._ctx.stats.accepted(self.request_id, body.model)
+        log.info("request_accepted", prompt_tokens=prompt_tokens, max_tokens=max_tokens)
+        try:
+            return await self._serve(box, body, prompt_tokens, max_tokens)
+        finally:
+            self._ctx.stats.ended(self.request_id)
+
+    # --- after the accept ---------------------------------------------------------------------------
+
+    async def _serve(self, box: RequestBox, body: ChatBody, prompt_tokens: int, max_tokens: int) -> JobOutcome:
+        request = ChatRequest(self.request_id, body.messages, body.sampling(max_tokens))
+        try:
+            async with self._ctx.manager.serve(self.request_id, body.model, prompt_tokens, max_tokens) as slot:
+                stream = slot.submit(request)
+                try:
+                    return await self._stream(box, body, stream)
+                finally:
+                    await stream.aclose()  # no-op after a terminal event; a cancel otherwise
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the edge of a job: every failure becomes its one error frame
+            if self.lifecycle.terminal:
+                raise  # a frame already ended the job: this is a bug, not a request failure
+            failure = exception_failure(exc)
+            if failure is None:
+                log.error("job_crashed", exc_info=exc)
+                failure = Failure.internal()
+            self._fail(failure)
+            return JobOutcome.FAILED
+
+    async def _stream(self, box: RequestBox, body: ChatBody, stream: RequestStream) -> JobOutcome:
+        chunks = ChunkFactory(id=f"chatcmpl-{self.request_id}", created=int(self._ctx.clock()), model=body.model)
+        async for item in stream:
+            match item:
+                case TextDelta(text=text):
+                    self._output(box, chunks)
+                    self._chunk(box, event(chunks.content(text)))
+                case Finished(reason=reason, usage=usage):
+                    self._output(box, chunks)
+                    wire_usage = CompletionUsage(prompt_tokens=usage.prompt_tokens,
+                                                 completion_tokens=usage.completion_tokens)
+                    self._chunk(box, event(chunks.finish(FinishReason(reason.value), wire_usage)))
+                    self._chunk(box, DONE)
+                    self._emit(JobEvent.COMPLETE, InferenceComplete(
+                        request_id=self.request_id,
+                        usage=Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)))
+                    self._completed(usage.prompt_tokens, usage.completion_tokens)
+                    return JobOutcome.COMPLETED
+                case Failed(code=code):
+                    if self.lifecycle.state is JobState.STREAMING:
+                        self._ctx.stats.generation_errors_after_output += 1
+                    self._fail(engine_failure(code))
+                    return JobOutcome.FAILED
+        # The stream ended with no terminal event: someone closed it (engine.cancel) — a cancellation.
+        raise asyncio.CancelledError
+
+    def _output(self, box: RequestBox, chunks: ChunkFactory) -> None:
+        """Before the first output: the role delta, so it is always the first chunk."""
+        if self._first_output is None:
+            self._first_output = time.monotonic()
+            self._chunk(box, event(chunks.role()))
+
+    # --- frames ---------------------------------------------------------------------------------------
+
+    def _chunk(self, box: RequestBox, sse_event: bytes) -> None:
+        try:
+            frame = box.seal_chunk(self.request_id, sse_event)
+        except CryptoError:
+            raise _EncryptionFailed() from None
+        self._emit(JobEvent.CHUNK, frame)
+
+    def _emit(self, step: JobEvent, frame: ProviderMessage) -> None:
+        """Encode, step the lifecycle (raises on an illegal frame), then send."""
+        text = encode(frame)  # before the step: an unencodable frame leaves the state unchanged
+        self.lifecycle.step(step)
+        self._send(text)
+
+    def _fail(self, failure: Failure) -> None:
+        rejected = self.lifecycle.state < JobState.ACCEPTED  # no accept went out: a fast reject
+        self._emit(JobEvent.FAIL, inference_error_frame(self.request_id, failure))
+        outcome = RequestOutcome.REJECTED if rejected else RequestOutcome.FAILED
+        if self._ctx.metrics is not None:
+            self._ctx.metrics.request_finished(outcome)
+        log.info("request_failed" if not rejected else "request_rejected", status_code=failure.status_code,
+                 failure_code=failure.code, error_reason=failure.reason, rejection_reason=failure.rejection)
+
+    def _completed(self, prompt_tokens: int, completion_tokens: int) -> None:
+        self._ctx.stats.completed(completion_tokens)
+        if self._ctx.metrics is not None:
+            self._ctx.metrics.request_finished(RequestOutcome.COMPLETED)
+            self._ctx.metrics.add_tokens(prompt=prompt_tokens, completion=completion_tokens)
+        now = time.monotonic()
+        ttft = (self._first_output or now) - self._started
+        log.info("request_completed", prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 duration_s=round(now - self._started, 4), ttft_ms=round(ttft * 1000, 2))
+
+    def _cancelled(self) -> None:
+        if self.lifecycle.terminal:
+            return  # the job had already ended; a late cancel changes nothing
+        before_output = self._first_output is None
+        self.lifecycle.step(JobEvent.CANCEL)
+        self._ctx.stats.cancellations_received += 1
+        if before_output:
+            self._ctx.stats.cancellations_before_output += 1
+        if self._ctx.metrics is not None:
+            self._ctx.metrics.request_finished(RequestOutcome.CANCELLED)
+        log.info("request_cancelled", phase="before_output" if before_output else "streaming")
+
+
+async def run_job(request: InferenceRequest, ctx: JobContext, send: Callable[[str], None]) -> JobOutcome:
+    """Run one request to its terminal frame (or its cancellation)."""
+    return await Job(request, ctx, send).run()
+
+
+__all__ = [
+    "CHAT_ENDPOINT",
+    "Job",
+    "JobContext",
+    "JobOutcome",
+    "ModelManager",
+    "Slot",
+    "engine_failure",
+    "exception_failure",
+    "refusal_failure",
+    "run_job",
+]

@@ -1,0 +1,112 @@
+"""Prompt token counts for fast admission, before the model is loaded.
+
+Admission needs the prompt length before ``inference_accepted`` goes out, and the accept must not wait
+for a model load (protocol.md §7.2). ``Engine.count_prompt_tokens`` needs the model loaded and shares
+the MLX worker thread with loads, so it cannot be used here. Decision: each model's tokenizer is loaded
+with mlx-lm's own loader (``mlx_lm.utils.load_tokenizer``, the loader ``mlx_lm.load`` uses, so the chat
+template and special tokens are the engine's) on a worker thread, once, and cached; counting renders
+the chat template and tokenizes on a worker thread too. The agent warms every advertised model's
+tokenizer at startup (``warm``), so a request only ever pays the count itself (well under a
+millisecond for ordinary prompts). A tokenizer still cold at request time is loaded then, once.
+
+The count is exact — the same ``apply_chat_template(..., add_generation_prompt=True)`` the engine runs —
+so admission neither over-reserves KV nor refuses a prompt that fits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from provider.telemetry import get_logger
+
+log = get_logger("provider.jobs.tokens")
+
+TokenizerLoader = Callable[[Path], Any]
+_TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError)
+
+
+class PromptError(ValueError):
+    """The messages cannot be rendered by the model's chat template (a client error)."""
+
+
+class UnknownModel(KeyError):
+    """No tokenizer path for this model id."""
+
+
+def _mlx_lm_loader(path: Path) -> Any:
+    from mlx_lm.utils import load_tokenizer  # deferred: importing mlx-lm costs ~1 s
+
+    return load_tokenizer(path)
+
+
+class _Entry:
+    __slots__ = ("lock", "tokenizer")
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.lock = threading.Lock()  # HF fast tokenizers are not safe for concurrent calls
+
+
+class PromptCounter:
+    """Exact prompt lengths per model, counted off the event loop."""
+
+    def __init__(self, paths: Mapping[str, Path], *, loader: TokenizerLoader = _mlx_lm_loader) -> None:
+        self._paths = dict(paths)
+        self._loader = loader
+        self._entries: dict[str, _Entry] = {}
+        self._loading: dict[str, asyncio.Future[_Entry]] = {}
+
+    async def warm(self, model_ids: Iterable[str]) -> None:
+        """Load these models' tokenizers now (startup), one after the other on a worker thread."""
+        for model_id in model_ids:
+            try:
+                await self._entry(model_id)
+            except (UnknownModel, OSError, ValueError):
+                log.warning("tokenizer_unavailable", model=model_id)
+
+    async def count(self, model_id: str, messages: Sequence[Mapping[str, object]]) -> int:
+        """Tokens of the templated prompt. Raises ``PromptError`` or ``UnknownModel``."""
+        entry = await self._entry(model_id)
+        return await asyncio.to_thread(_count, entry, list(messages))
+
+    async def _entry(self, model_id: str) -> _Entry:
+        entry = self._entries.get(model_id)
+        if entry is not None:
+            return entry
+        path = self._paths.get(model_id)
+        if path is None:
+            raise UnknownModel(model_id)
+        task = self._loading.get(model_id)
+        if task is None:
+            # A task of its own: a caller being cancelled must not cancel the load others wait for.
+            task = asyncio.ensure_future(self._load(model_id, path))
+            self._loading[model_id] = task
+        return await asyncio.shield(task)
+
+    async def _load(self, model_id: str, path: Path) -> _Entry:
+        try:
+            tokenizer = await asyncio.to_thread(self._loader, path)
+        finally:
+            self._loading.pop(model_id, None)
+        entry = self._entries[model_id] = _Entry(tokenizer)
+        return entry
+
+
+def _count(entry: _Entry, messages: list[Mapping[str, object]]) -> int:
+    with entry.lock:
+        try:
+            ids = entry.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except _TEMPLATE_ERRORS:
+            raise PromptError("chat template could not render the messages") from None
+    if not ids:
+        raise PromptError("empty prompt")
+    return len(ids)
+
+
+__all__ = ["PromptCounter", "PromptError", "TokenizerLoader", "UnknownModel"]
