@@ -1,0 +1,171 @@
+"""`serve --local` in a subprocess, driven with the openai SDK; /metrics parsed; the log canary."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from provider.demo import free_port, wait_ready
+
+CANARY = "CANARY-7f3a9c-do-not-log"
+MODEL = "demo/tiny"
+
+
+@dataclass
+class Server:
+    base_url: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key="local", max_retries=0, timeout=60)
+
+    def stop(self) -> tuple[int, str]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=30)
+        return code, self.log_path.read_text()
+
+
+def start_server(tmp: Path, model: Path, *flags: str) -> Server:
+    port = free_port()
+    (tmp / "hub").mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DARKBLOOM_")}
+    env.update(HOME=str(tmp), DARKBLOOM_LOG_FORMAT="json", DARKBLOOM_HF_CACHE_DIR=str(tmp / "hub"))
+    log_path = tmp / f"server-{port}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "provider.cli", "serve", "--local", "--local-port", str(port),
+             "--model-aliases", f"{MODEL}={model}", *flags],
+            env=env, stdout=log, stderr=subprocess.STDOUT)
+    server = Server(f"http://127.0.0.1:{port}", proc, log_path)
+    wait_ready(server.base_url, proc, timeout_s=60)
+    return server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_path) -> Iterator[Server]:
+    srv = start_server(tmp_path_factory.mktemp("local"), tiny_model_path)
+    yield srv
+    if srv.proc.poll() is None:
+        srv.stop()
+
+
+def test_non_streaming_chat_with_the_openai_sdk(server):
+    reply = server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0)
+    assert reply.object == "chat.completion" and reply.model == MODEL
+    assert reply.choices[0].message.role == "assistant" and reply.choices[0].message.content
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert 1 <= reply.usage.completion_tokens <= 8 and reply.usage.prompt_tokens > 0
+
+
+def test_streaming_chat_with_the_openai_sdk(server):
+    stream = server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert 1 <= chunks[-1].usage.completion_tokens <= 8
+    same = server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0)
+    assert same.choices[0].message.content == text  # greedy: stream and non-stream agree
+
+
+def test_models_health_and_status(server):
+    assert [m.id for m in server.client().models.list()] == [MODEL]
+    assert httpx.get(server.base_url + "/healthz").json() == {"status": "ok"}
+    status = httpx.get(server.base_url + "/status").json()
+    assert status["mode"] == "local" and status["in_flight"] == 0
+    assert set(status["ledger"]["bytes_by_kind"]) == {"request_kv", "media", "pending_load", "prefix_cache"}
+    assert status["pressure"]["level"] in ("green", "yellow", "red", "fatal")
+    assert status["cap"]["effective_cap_bytes"] > 0
+
+
+def test_unknown_model_is_404_without_retry_after(server):
+    with pytest.raises(openai.NotFoundError) as err:
+        server.client().chat.completions.create(model="no/such-model", messages=[{"role": "user", "content": "x"}])
+    assert "retry-after" not in err.value.response.headers
+    assert err.value.response.json()["error"]["code"] == "model_unavailable"
+
+
+def test_metrics_parse_with_prometheus_client(server):
+    server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    resp = httpx.get(server.base_url + "/metrics")
+    assert resp.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(resp.text)}
+    for name in ("darkbloom_requests", "darkbloom_tokens", "darkbloom_rejects", "darkbloom_model_loads",
+                 "darkbloom_model_evictions", "darkbloom_settle_seconds", "darkbloom_ledger_bytes",
+                 "darkbloom_cap_bytes", "darkbloom_loaded_models", "darkbloom_in_flight_requests"):
+        assert name in families, name
+
+    def value(family: str, sample: str, **labels: str) -> float:
+        return next(s.value for s in families[family].samples if s.name == sample and s.labels == labels)
+
+    assert value("darkbloom_requests", "darkbloom_requests_total", outcome="completed") >= 1
+    assert value("darkbloom_model_loads", "darkbloom_model_loads_total", result="loaded") == 1
+    assert value("darkbloom_loaded_models", "darkbloom_loaded_models") == 1
+    status = httpx.get(server.base_url + "/status").json()
+    assert value("darkbloom_cap_bytes", "darkbloom_cap_bytes", figure="effective_cap") == \
+        status["cap"]["effective_cap_bytes"]
+
+
+def test_over_capacity_is_503_with_retry_after_and_no_request_text_in_the_log(tmp_path, tiny_model_path):
+    # A 6 GiB machine: effective cap 2 GiB, but a load needs weights + 3 GiB activation + 1 GiB KV.
+    small = start_server(tmp_path, tiny_model_path, "--memory-limit-gb", "6")
+    try:
+        with pytest.raises(openai.APIStatusError) as err:
+            small.client().chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"tell me about {CANARY}"}], max_tokens=4)
+        assert err.value.status_code == 503
+        assert int(err.value.response.headers["retry-after"]) > 0
+        body = err.value.response.json()["error"]
+        assert body["code"] == "capacity" and body["message"] == "Provider capacity is temporarily unavailable."
+        assert CANARY not in err.value.response.text
+        metrics = httpx.get(small.base_url + "/metrics").text
+        assert 'darkbloom_rejects_total{reason="memory_cap"} 1.0' in metrics
+        assert 'darkbloom_model_loads_total{result="refused"} 1.0' in metrics
+    finally:
+        code, log = small.stop()
+    assert code == 0
+    events = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    assert any(e["event"] == "request_refused" and e["rejection_reason"] == "memory_cap" for e in events)
+    assert CANARY not in log
+
+
+def test_failing_requests_never_log_the_prompt(tmp_path, tiny_model_path):
+    srv = start_server(tmp_path, tiny_model_path, "--log-level", "debug")
+    try:
+        client = srv.client()
+        too_long = f"{CANARY} " * 1500  # longer than the model's 2048-token context
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": too_long}])
+        assert err.value.response.json()["error"]["reason"] == "request_exceeds_context"
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CANARY}],
+                                           temperature=7)
+        raw = urllib.request.Request(srv.base_url + "/v1/chat/completions", data=CANARY.encode(), method="POST")
+        with pytest.raises(urllib.error.HTTPError) as bad:
+            urllib.request.urlopen(raw, timeout=10)
+        assert bad.value.code == 400 and CANARY not in bad.value.read().decode()
+    finally:
+        code, log = srv.stop()
+    assert code == 0
+    events = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    assert {"request_refused", "request_invalid"} <= {e["event"] for e in events}
+    assert CANARY not in log
