@@ -1,0 +1,351 @@
+"""The asyncio shell around ``SessionCore``: one WebSocket to the coordinator, forever.
+
+It only moves frames, runs timers and reconnects; every decision about a frame is the core's.
+
+Per connection:
+* the ``websockets`` client with an inbound limit above ``MAX_INBOUND_FRAME_BYTES`` (32 MiB),
+  compression off, and its own keepalive: a ping every 10 s, the connection dropped when a pong is
+  30 s late;
+* one send queue and one writer task, so the frames of concurrent jobs interleave whole;
+* a reader task feeding the core, a heartbeat task, and a clock watchdog that drops the connection
+  when the wall clock jumps (the machine slept: the socket is dead even if nothing said so yet).
+
+Across connections: reconnect with ``backoff_delays()`` (1 s → 30 s, jittered), starting over only
+after a session that stayed registered ≥ 30 s. Every connection gets a fresh core, hence exactly one
+``register``. When a connection is lost every job of it is cancelled and awaited, so every
+reservation is released before the next connection starts.
+
+Drain (``stop`` set): new requests get 503 ``draining``, heartbeats say ``draining``, running jobs get
+``drain_timeout_s`` to finish and are cancelled after it, queued frames are flushed, then the socket
+is closed with 1000 and ``run`` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed
+
+from protocol import MAX_INBOUND_FRAME_BYTES, Heartbeat, InferenceRequest, Register, encode
+from provider.session.backoff import backoff_delays, clock_jumped, is_retryable, should_reset_backoff
+from provider.session.core import Action, CancelJob, ChallengeAnswerer, Log, Send, SessionCore, StartJob
+from provider.telemetry import get_logger
+
+log = get_logger("provider.session")
+
+PING_INTERVAL_S = 10.0
+PING_TIMEOUT_S = 30.0
+OPEN_TIMEOUT_S = 10.0
+CLOSE_TIMEOUT_S = 5.0
+FLUSH_TIMEOUT_S = 5.0
+MAX_FRAME_BYTES = MAX_INBOUND_FRAME_BYTES + (1 << 20)  # the largest request plus room for its envelope
+
+
+class Transport(Protocol):
+    """What the shell uses of a ``websockets`` client connection (tests may inject another)."""
+
+    def __aiter__(self) -> Any: ...
+
+    async def send(self, message: str) -> None: ...
+
+    async def close(self, code: int = 1000, reason: str = "") -> None: ...
+
+
+ConnectFactory = Callable[[str], Awaitable[Transport]]
+JobRunner = Callable[[InferenceRequest, Callable[[str], None]], Awaitable[object]]
+HeartbeatBuilder = Callable[[bool], Heartbeat]  # draining -> frame
+
+
+def websocket_connect(*, ping_interval_s: float = PING_INTERVAL_S, ping_timeout_s: float = PING_TIMEOUT_S,
+                      open_timeout_s: float = OPEN_TIMEOUT_S, max_size: int = MAX_FRAME_BYTES) -> ConnectFactory:
+    """The production connect factory: the ``websockets`` asyncio client, configured for the coordinator."""
+
+    async def connect(url: str) -> Transport:
+        return await ws_connect(
+            url,
+            max_size=max_size,
+            ping_interval=ping_interval_s,
+            ping_timeout=ping_timeout_s,
+            open_timeout=open_timeout_s,
+            close_timeout=CLOSE_TIMEOUT_S,
+            compression=None,  # the coordinator does not negotiate it; frames are mostly ciphertext anyway
+            user_agent_header=None,
+        )
+
+    return connect
+
+
+@dataclass(frozen=True, slots=True)
+class SessionConfig:
+    url: str
+    heartbeat_interval_s: float = 5.0
+    drain_timeout_s: float = 30.0
+    clock_check_interval_s: float = PING_INTERVAL_S
+    stable_after_s: float = 30.0
+    dev_posture: bool = False  # warn at every connect
+    backoff: Callable[[], Iterator[float]] = field(default=backoff_delays)
+
+
+@dataclass(slots=True)
+class SessionCounters:
+    """What happened so far, for tests and status pages."""
+
+    connects: int = 0
+    registrations: int = 0
+    connection_losses: int = 0
+
+
+class Session:
+    """Keeps one coordinator connection alive until ``stop`` is set, then drains and returns."""
+
+    def __init__(
+        self,
+        config: SessionConfig,
+        *,
+        build_register: Callable[[], Register],
+        answer_challenge: ChallengeAnswerer,
+        build_heartbeat: HeartbeatBuilder,
+        run_job: JobRunner,
+        connect: ConnectFactory | None = None,
+    ) -> None:
+        self.config = config
+        self._build_register = build_register
+        self._answer = answer_challenge
+        self._build_heartbeat = build_heartbeat
+        self._run_job = run_job
+        self._connect = connect or websocket_connect()
+        self.counters = SessionCounters()
+        self.registered = asyncio.Event()  # set while a connection is registered (tests wait on it)
+
+    # --- forever -----------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Connect, serve, reconnect with backoff; return after a drain once ``stop`` is set."""
+        delays = self.config.backoff()
+        attempt = 0
+        while not stop.is_set():
+            attempt += 1
+            log.info("coordinator_connecting", url=self.config.url, attempt=attempt)
+            try:
+                transport = await _until_stopped(self._connect(self.config.url), stop)
+            except Exception as exc:
+                if not is_retryable(exc):
+                    log.error("coordinator_unreachable", error_type=type(exc).__name__)
+                    raise
+                log.warning("coordinator_connect_failed", error_type=type(exc).__name__)
+                transport = None
+            if transport is None and stop.is_set():
+                return
+            if transport is not None:
+                self.counters.connects += 1
+                registered_for = await self._serve(transport, stop)
+                if stop.is_set():
+                    return
+                if should_reset_backoff(registered_for, stable_after_s=self.config.stable_after_s):
+                    delays, attempt = self.config.backoff(), 0
+            delay = next(delays)
+            log.info("coordinator_reconnect_scheduled", delay_s=round(delay, 3))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+
+    # --- one connection ----------------------------------------------------------------------------
+
+    async def _serve(self, transport: Transport, stop: asyncio.Event) -> float | None:
+        """Serve one open connection until it is lost or drained; returns how long it stayed registered."""
+        conn = _Connection(self, transport)
+        registered_at = time.monotonic()
+        conn.apply(conn.core.connection_made())
+        self.counters.registrations += 1
+        self.registered.set()
+        log.info("coordinator_registered")
+        if self.config.dev_posture:
+            log.warning("dev_posture_active", reason="reporting dev posture to a loopback coordinator")
+        tasks = {
+            asyncio.create_task(conn.reader(), name="session-reader"),
+            asyncio.create_task(conn.writer(), name="session-writer"),
+            asyncio.create_task(conn.heartbeats(), name="session-heartbeat"),
+            asyncio.create_task(conn.clock_watchdog(), name="session-clock"),
+        }
+        stopping = asyncio.create_task(stop.wait(), name="session-stop")
+        try:
+            done, _ = await asyncio.wait({*tasks, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if stopping in done and not done & tasks:
+                await conn.drain(tasks)
+        finally:
+            self.registered.clear()
+            stopping.cancel()
+            await conn.close(tasks)
+            if not conn.drained:
+                self.counters.connection_losses += 1
+                log.warning("coordinator_connection_lost", in_flight=len(conn.jobs))
+        return time.monotonic() - registered_at
+
+
+class _Connection:
+    """The live state of one connection: its core, send queue and job tasks."""
+
+    def __init__(self, session: Session, transport: Transport) -> None:
+        self.session = session
+        self.transport = transport
+        self.core = SessionCore(register=session._build_register(), answer_challenge=session._answer)
+        self.queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self.jobs: dict[str, asyncio.Task[object]] = {}
+        self.drained = False
+        self._closed = False
+
+    # --- actions -----------------------------------------------------------------------------------
+
+    def apply(self, actions: list[Action]) -> None:
+        for action in actions:
+            match action:
+                case Send(frame=frame):
+                    self.send(encode(frame))
+                case StartJob(request=request):
+                    self._start_job(request)
+                case CancelJob(request_id=request_id):
+                    task = self.jobs.get(request_id)
+                    if task is not None:
+                        task.cancel()
+                case Log(level=level, event=event, fields=fields):
+                    getattr(log, level.value)(event, **fields)
+
+    def send(self, text: str) -> None:
+        if not self._closed:
+            self.queue.put_nowait(text)
+
+    def _start_job(self, request: InferenceRequest) -> None:
+        rid = request.request_id
+        task = asyncio.create_task(self.session._run_job(request, self.send), name=f"job-{rid}")
+        self.jobs[rid] = task
+        task.add_done_callback(lambda t, rid=rid: self._job_done(rid, t))
+
+    def _job_done(self, rid: str, task: asyncio.Task[object]) -> None:
+        self.jobs.pop(rid, None)
+        self.core.job_finished(rid)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("job_task_failed", request_id=rid, exc_info=task.exception())
+
+    # --- tasks -------------------------------------------------------------------------------------
+
+    async def reader(self) -> None:
+        try:
+            async for frame in self.transport:
+                self.apply(self.core.receive_text(frame))
+        except ConnectionClosed:
+            pass
+
+    async def writer(self) -> None:
+        while (text := await self.queue.get()) is not None:
+            await self.transport.send(text)
+
+    async def heartbeats(self, draining: bool = False) -> None:
+        interval = self.session.config.heartbeat_interval_s
+        while True:
+            self.send(encode(self.session._build_heartbeat(draining)))
+            await asyncio.sleep(interval)
+
+    async def clock_watchdog(self) -> None:
+        interval = self.session.config.clock_check_interval_s
+        wall, mono = time.time(), time.monotonic()
+        while True:
+            await asyncio.sleep(interval)
+            now_wall, now_mono = time.time(), time.monotonic()
+            if clock_jumped(now_wall - wall, now_mono - mono, interval):
+                log.warning("clock_jump_detected", gap_s=round(now_wall - wall, 3))
+                return
+            wall, mono = now_wall, now_mono
+
+    # --- ending ------------------------------------------------------------------------------------
+
+    async def drain(self, tasks: set[asyncio.Task[None]]) -> None:
+        """Refuse new work, let running jobs finish (bounded), flush, close with 1000."""
+        self.apply(self.core.start_draining())
+        for task in tasks:
+            if task.get_name() == "session-heartbeat":
+                task.cancel()
+        heartbeat = asyncio.create_task(self.heartbeats(draining=True), name="session-heartbeat")
+        tasks.add(heartbeat)
+        link = {t for t in tasks if t.get_name() in ("session-reader", "session-writer")}
+        timeout = self.session.config.drain_timeout_s
+        if self.jobs:
+            log.info("drain_waiting", in_flight=len(self.jobs), timeout_s=timeout)
+            waiting = asyncio.create_task(_wait_all(list(self.jobs.values())))
+            done, _ = await asyncio.wait({waiting, *link}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            waiting.cancel()
+            if link & done:
+                return  # the connection died while draining: close() cancels what is left
+        if self.jobs:
+            log.warning("drain_timeout", in_flight=len(self.jobs))
+            await self._cancel_jobs()
+        heartbeat.cancel()
+        self.queue.put_nowait(None)  # the writer sends everything queued, then stops
+        writer = next(t for t in tasks if t.get_name() == "session-writer")
+        with contextlib.suppress(TimeoutError, ConnectionClosed):
+            await asyncio.wait_for(asyncio.shield(writer), FLUSH_TIMEOUT_S)
+        with contextlib.suppress(ConnectionClosed, OSError):
+            await self.transport.close(1000, "provider shutting down")
+        self.drained = True
+        log.info("drained")
+
+    async def close(self, tasks: set[asyncio.Task[None]]) -> None:
+        """Connection over (lost or drained): cancel every job and task, and wait for them."""
+        self._closed = True
+        self.apply(self.core.connection_lost())
+        await self._cancel_jobs()
+        for task in tasks:
+            if task.done() and not task.cancelled() and not isinstance(task.exception(), ConnectionClosed | None):
+                log.error("session_task_failed", kind=task.get_name(), exc_info=task.exception())
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if not self.drained:
+            with contextlib.suppress(ConnectionClosed, OSError):
+                await self.transport.close(1000, "reconnecting")
+
+    async def _cancel_jobs(self) -> None:
+        pending = list(self.jobs.values())
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def _wait_all(tasks: list[asyncio.Task[object]]) -> None:
+    await asyncio.gather(*(asyncio.shield(t) for t in tasks), return_exceptions=True)
+
+
+async def _until_stopped(awaitable: Awaitable[Transport], stop: asyncio.Event) -> Transport | None:
+    """``awaitable``'s result, or None when ``stop`` is set first (the attempt is abandoned)."""
+    attempt = asyncio.ensure_future(awaitable)
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        done, _ = await asyncio.wait({attempt, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if attempt in done:
+        return attempt.result()
+    attempt.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        transport = await attempt
+        await transport.close(1000, "provider shutting down")
+    return None
+
+
+__all__ = [
+    "CLOSE_TIMEOUT_S",
+    "MAX_FRAME_BYTES",
+    "PING_INTERVAL_S",
+    "PING_TIMEOUT_S",
+    "ConnectFactory",
+    "HeartbeatBuilder",
+    "JobRunner",
+    "Session",
+    "SessionConfig",
+    "SessionCounters",
+    "Transport",
+    "websocket_connect",
+]
