@@ -28,7 +28,7 @@ class _SeededSampler:
     __slots__ = ("_key", "_inv_temp", "_top_p")
 
     def __init__(self, temperature: float, top_p: float, seed: int):
-        self._key = mx.random.key(seed)
+        self._key = mx.random.key(seed & 0xFFFF_FFFF_FFFF_FFFF)  # OpenAI seeds may be negative
         self._inv_temp = 1.0 / temperature
         self._top_p = top_p
 
