@@ -10,9 +10,11 @@ import pytest
 from mlx_lm.generate import stream_generate
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from protocol import sse
 from provider.engine import (
     ChatRequest,
     Engine,
+    EngineFailure,
     Failed,
     Finished,
     FinishReason,
@@ -229,19 +231,22 @@ async def test_prompt_token_count_matches_usage(engine, tiny_model_path):
 async def test_openai_chunks_and_completion_validate_with_the_openai_sdk(engine, tiny_model_path):
     await engine.load("tiny", tiny_model_path, eos_token_ids=NO_EOS)
     chunks = ChatChunks("chatcmpl-1", "tiny")
-    out = [chunks.role()]
+    frames = [sse.event(chunks.role())]
     text = ""
     async for event in engine.submit("tiny", ChatRequest("o", messages(PROMPTS[0]), greedy(12))):
-        out.append(chunks.for_event(event))
+        frames.append(sse.event(chunks.for_event(event)))
         if isinstance(event, TextDelta):
             text += event.text
         fin = event
-    parsed = [ChatCompletionChunk.model_validate(c) for c in out]
+    assert all(f.startswith(b"data: ") and f.endswith(b"\n\n") for f in frames)
+    parsed = [ChatCompletionChunk.model_validate_json(f[len(b"data: "):]) for f in frames]
     assert parsed[0].choices[0].delta.role == "assistant"
     assert "".join(p.choices[0].delta.content or "" for p in parsed) == text
     assert parsed[-1].choices[0].finish_reason == "length"
     assert parsed[-1].usage.completion_tokens == 12
     assert all(p.choices[0].finish_reason is None for p in parsed[:-1])
-    full = ChatCompletion.model_validate(chat_completion("chatcmpl-1", "tiny", text, fin))
+    assert chunks.for_event(Failed(EngineFailure.INTERNAL_ERROR)) is None
+    frame = sse.event(chat_completion("chatcmpl-1", "tiny", text, fin))
+    full = ChatCompletion.model_validate_json(frame[len(b"data: "):])
     assert full.choices[0].message.content == text
     assert full.usage.total_tokens == fin.usage.total_tokens
