@@ -1,0 +1,92 @@
+"""provider/slots: the model manager — load gate, pending-load claim, post-load guard, LRU and idle
+eviction, settle, purge — and fast admission. memory-policy.md §4–§8 is the specification.
+
+Modules:
+* `state`     `ModelState` (NOT_LOADED → LOADING → LOADED → UNLOADING), `ModelSlot`, `SlotView`
+* `admission` pure decisions over a `ManagerView` + one `MemorySnapshot`: `decide`, `plan_room`,
+              `plan_kv`, `kv_need`; results `Admitted` / `Refused(failure: protocol.errors.Failure)`
+* `manager`   `ModelManager`, the async shell that performs loads and unloads
+* `capacity`  `CapacityReport` / `SlotCapacity` for heartbeats
+
+API for the jobs / session code:
+
+    manager = ModelManager(engine, inventory, ledger, ledger.figures, probe,
+                           max_model_slots=3, idle_timeout_s=3600, load_wait_timeout_s=120,
+                           settle_timeout_s=5, kv_purge=None, clock=time.monotonic,
+                           metrics=None, eos_token_ids=None, fault=None)
+    manager = ModelManager.from_settings(settings, engine, inventory, ledger, probe, **kw)
+
+    # 1. fast admission, before inference_accepted: synchronous, read-only, no allocation
+    match manager.admit(model_id, prompt_tokens, max_tokens):   # max_tokens None = default
+        case Refused() as r:
+            send(protocol.errors.inference_error_frame(request_id, r.failure))   # the only way to a frame
+        case Admitted(): send(inference_accepted)
+
+    # 2. serving: waits for / does the load, reserves the request's KV, pins the model
+    try:
+        async with manager.serve(request_id, model_id, prompt_tokens, max_tokens) as slot:
+            stream = slot.submit(ChatRequest(request_id, messages, params))
+            async for event in stream: ...
+    except SlotRefused as exc:       # exc.failure: protocol.errors.Failure
+        send(inference_error_frame(request_id, exc.failure))
+
+    `prompt_tokens` should come from `engine.count_prompt_tokens` (the count the engine uses).
+    The request's KV reservation is released exactly once: by the engine (`on_released`, engine
+    thread) once its cache has left the batch, or by the context exit if it never reached the
+    engine. Leaving the block early cancels the engine request.
+
+    # 3. lifecycle and reporting
+    await manager.ensure_loaded(model_id) -> LoadedModelInfo      # warm-up (register / load_model)
+    await manager.unload(model_id) -> bool                        # idle models only
+    await manager.reap_idle() -> list[str]; await manager.run_idle_reaper()   # idle_timeout
+    manager.start_draining(); await manager.unload_all()          # shutdown
+    manager.capacity() -> CapacityReport; manager.warm_models() -> list[str]
+    manager.verdicts() -> list[tuple[ModelInfo, FitResult]]       # register / doctor
+    manager.state(model_id) -> ModelState; manager.view() -> ManagerView
+
+Refusals (memory-policy.md §7): unknown model → 404 model_unavailable; could never fit →
+503 request_exceeds_node + memory_cap; cannot fit after evicting every idle model → 503 memory_cap;
+slot cap reached with nothing evictable → 503 slot_state; resident but KV does not fit →
+503 token_budget (in-flight requests hold it; `available_token_budget` says what fits now) or
+kv_headroom (memory itself is short); draining → 503 draining; a model that is loading is accepted
+(the request waits for that load, up to `load_wait_timeout_s`, then 503 capacity_timeout).
+"""
+
+from provider.slots.admission import (
+    Admission,
+    Admitted,
+    KvNeed,
+    ManagerView,
+    Refused,
+    RoomPlan,
+    decide,
+    kv_need,
+    plan_kv,
+    plan_room,
+)
+from provider.slots.capacity import CapacityReport, SlotCapacity
+from provider.slots.manager import LoadStep, ModelManager, ServeSlot, SlotRefused
+from provider.slots.state import InvalidTransition, ModelSlot, ModelState, SlotView
+
+__all__ = [
+    "Admission",
+    "Admitted",
+    "CapacityReport",
+    "InvalidTransition",
+    "KvNeed",
+    "LoadStep",
+    "ManagerView",
+    "ModelManager",
+    "ModelSlot",
+    "ModelState",
+    "Refused",
+    "RoomPlan",
+    "ServeSlot",
+    "SlotCapacity",
+    "SlotRefused",
+    "SlotView",
+    "decide",
+    "kv_need",
+    "plan_kv",
+    "plan_room",
+]

@@ -1,0 +1,252 @@
+"""Fast admission and room planning: synchronous, read-only decisions over a snapshot.
+
+Nothing here awaits, loads, allocates or reserves. The manager copies its state into a
+`ManagerView`, samples one `MemorySnapshot`, and calls:
+
+* `decide(...)` → `Admitted | Refused` (memory-policy.md §7), the answer before `inference_accepted`;
+* `plan_room(...)` → `RoomPlan | Refused`: which idle models to evict, least recently used first, so a
+  cold model can load (§5.2: if evicting every idle model cannot reach the target, refuse at once and
+  evict nothing);
+* `plan_kv(...)` → the same for a resident model whose request KV does not fit.
+
+Every memory figure comes from `memory/` (`fit`, `CapFigures`); this module only chooses victims and
+maps outcomes to `protocol.errors.Failure`, the one vocabulary that becomes a frame.
+
+KV sizing (one function, `kv_need`, used by admission, reservation and capacity reports): the policy
+decides *how many tokens* a request may hold (`CapFigures.request_kv`: `max_tokens` defaults to
+min(context, 8192), prompt + output clamped to the context window); the model's layout turns those
+tokens into the bytes mlx-lm really allocates (`provider.models.kv_bytes_for_tokens`: 256-token
+blocks, sliding windows capped), which is never less than `kv_bytes_per_token × tokens` for a
+full-attention model, so the reservation covers the real allocation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from memory import MIN_KV_BYTES, CapFigures, FitResult, MemorySnapshot, default_max_tokens, fit
+from protocol.errors import ErrorReason, Failure, FailureCode, RejectionReason
+from provider.models import ALLOC_STEP, ModelInfo, kv_bytes_for_tokens
+from provider.slots.state import ModelState, SlotView
+
+_NO_CONTEXT_OUTPUT = default_max_tokens(2**62)  # the 8192 default when the config names no context
+
+
+@dataclass(frozen=True, slots=True)
+class KvNeed:
+    """The KV one request reserves."""
+
+    tokens: int  # prompt + output after the context clamp
+    max_tokens: int  # output tokens budgeted
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerView:
+    """The manager's state at one instant (only models that are not NOT_LOADED are listed)."""
+
+    slots: Mapping[str, SlotView]
+    max_model_slots: int
+    draining: bool
+    outstanding_bytes: int  # Σ ledger reservations, every kind
+    request_kv_bytes: int  # the part held by in-flight requests (it frees as they finish)
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    model_id: str
+    kv: KvNeed
+    cold: bool  # the model is not resident: a load (and maybe evictions) comes first
+    evict: tuple[str, ...] = ()  # idle models the plan would evict, LRU first (advisory)
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A refusal. Turn it into a frame only with `protocol.errors.inference_error_frame(rid, r.failure)`."""
+
+    failure: Failure
+
+    @property
+    def status_code(self) -> int:
+        return self.failure.status_code
+
+    @property
+    def failure_code(self) -> FailureCode:
+        return self.failure.code
+
+    @property
+    def error_reason(self) -> ErrorReason | None:
+        return self.failure.reason
+
+    @property
+    def rejection_reason(self) -> RejectionReason | None:
+        return self.failure.rejection
+
+    @property
+    def available_token_budget(self) -> int | None:
+        return self.failure.available_token_budget
+
+
+Admission = Admitted | Refused
+
+
+@dataclass(frozen=True, slots=True)
+class RoomPlan:
+    victims: tuple[str, ...]  # evict these, in order, then the target fits
+    fit: FitResult  # the verdict for the target with those victims gone
+
+
+# --------------------------------------------------------------------------------------------
+# KV sizing
+
+
+def kv_need(figures: CapFigures, info: ModelInfo, prompt_tokens: int, max_tokens: int | None) -> KvNeed:
+    """The request's reservation: tokens from the policy, bytes from the model's real layout."""
+    prompt = max(0, prompt_tokens)
+    context = info.context_length
+    if context is None:  # no window to clamp to: the request's own span is the bound
+        context = prompt + (_NO_CONTEXT_OUTPUT if max_tokens is None else max(0, max_tokens))
+    rk = figures.request_kv(kv_bytes_per_token=info.kv.max_bytes_per_token, prompt_tokens=prompt,
+                            context_length=context, max_tokens=max_tokens)
+    return KvNeed(rk.tokens, rk.max_tokens, kv_bytes_for_tokens(info.kv, rk.tokens))
+
+
+def tokens_for_bytes(info: ModelInfo, nbytes: int) -> int:
+    """Whole 256-token blocks of KV that `nbytes` can hold (the token budget we report)."""
+    per_token = max(1, info.kv.max_bytes_per_token)
+    return max(0, nbytes) // per_token // ALLOC_STEP * ALLOC_STEP
+
+
+def exceeds_context(info: ModelInfo, prompt_tokens: int) -> bool:
+    """The prompt leaves no room for one output token: no machine can serve it."""
+    return info.context_length is not None and prompt_tokens >= info.context_length
+
+
+# --------------------------------------------------------------------------------------------
+# Room plans
+
+
+def _idle_lru(view: ManagerView, target: str) -> list[SlotView]:
+    idle = [s for s in view.slots.values() if s.model_id != target and s.idle]
+    return sorted(idle, key=lambda s: (s.last_used, s.model_id))
+
+
+def _unloading_bytes(view: ManagerView) -> int:
+    return sum(s.resident_bytes for s in view.slots.values() if s.state is ModelState.UNLOADING)
+
+
+def _occupied(view: ManagerView, target: str) -> int:
+    """Models that hold (or will hold) a slot besides the target; unloading ones are leaving."""
+    return sum(1 for s in view.slots.values()
+               if s.model_id != target and s.state in (ModelState.LOADING, ModelState.LOADED))
+
+
+def plan_room(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, *, target: str,
+              weight_bytes_on_disk: int, extra_kv_bytes: int = 0) -> RoomPlan | Refused:
+    """The shortest LRU prefix of idle models whose eviction lets `target` load (§5.2).
+
+    Needs `padded weights + A + MIN_KV (+ extra_kv_bytes)` of room under the cap and a free slot.
+    Refuses without evicting anything when even evicting every idle model would not do:
+    `exceeds_node(memory_cap)` if it could never fit on this machine, `slot_state` if only the
+    slot cap stands in the way, `memory_cap` otherwise.
+    """
+    candidates = _idle_lru(view, target)
+    leaving = _unloading_bytes(view)
+    occupied = _occupied(view, target)
+    memory_ok_somewhere = False
+    result = None
+    for k in range(len(candidates) + 1):
+        victims = candidates[:k]
+        result = fit(figures, snapshot, weight_bytes_on_disk,
+                     evictable_bytes=leaving + sum(v.resident_bytes for v in victims),
+                     outstanding_bytes=view.outstanding_bytes)
+        memory_ok = result.required_bytes + max(0, extra_kv_bytes) <= result.room_after_eviction_bytes
+        slot_ok = occupied - k < view.max_model_slots
+        if memory_ok and slot_ok:
+            return RoomPlan(tuple(v.model_id for v in victims), result)
+        memory_ok_somewhere |= memory_ok
+    assert result is not None
+    if result.required_bytes + max(0, extra_kv_bytes) > figures.effective_cap_bytes:
+        return Refused(Failure.exceeds_node(RejectionReason.MEMORY_CAP))
+    if memory_ok_somewhere:
+        return Refused(Failure.capacity(RejectionReason.SLOT_STATE))
+    return Refused(Failure.capacity(RejectionReason.MEMORY_CAP))
+
+
+def _available_after(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot,
+                     evictable_bytes: int, outstanding_bytes: int) -> int:
+    room = fit(figures, snapshot, 0, evictable_bytes=evictable_bytes,
+               outstanding_bytes=outstanding_bytes).room_after_eviction_bytes
+    return max(0, room - figures.activation_reserve_bytes)  # = CapFigures.available_bytes after eviction
+
+
+def plan_kv(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, *, target: str,
+            kv_bytes: int) -> RoomPlan | None:
+    """Idle models (LRU first) to evict so `kv_bytes` of request KV fits beside resident `target`;
+    None when evicting every idle model would not be enough."""
+    candidates = _idle_lru(view, target)
+    leaving = _unloading_bytes(view)
+    for k in range(len(candidates) + 1):
+        victims = candidates[:k]
+        evictable = leaving + sum(v.resident_bytes for v in victims)
+        if kv_bytes <= _available_after(view, figures, snapshot, evictable, view.outstanding_bytes):
+            verdict = fit(figures, snapshot, 0, evictable_bytes=evictable, outstanding_bytes=view.outstanding_bytes)
+            return RoomPlan(tuple(v.model_id for v in victims), verdict)
+    return None
+
+
+def kv_refusal(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, info: ModelInfo,
+               kv: KvNeed) -> Refused:
+    """Why a resident model cannot take this request's KV now (§7 third bullet).
+
+    `token_budget` when the in-flight requests' reservations are what stands in the way (it frees
+    as they finish); `kv_headroom` when memory itself is short even with none of them.
+    `available_token_budget` is what would fit right now.
+    """
+    now = figures.available_bytes(snapshot, view.outstanding_bytes)
+    budget = tokens_for_bytes(info, now)
+    everything_idle = _unloading_bytes(view) + sum(s.resident_bytes for s in _idle_lru(view, info.id))
+    without_requests = _available_after(view, figures, snapshot, everything_idle,
+                                        max(0, view.outstanding_bytes - view.request_kv_bytes))
+    if kv.nbytes <= without_requests:
+        return Refused(Failure.capacity(RejectionReason.TOKEN_BUDGET, reason=ErrorReason.TOKEN_BUDGET_EXHAUSTED,
+                                        available_token_budget=budget))
+    return Refused(Failure.capacity(RejectionReason.KV_HEADROOM, available_token_budget=budget))
+
+
+# --------------------------------------------------------------------------------------------
+# The decision
+
+
+def decide(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, *, model_id: str,
+           info: ModelInfo | None, prompt_tokens: int, max_tokens: int | None) -> Admission:
+    """Accept or refuse one request, per memory-policy.md §7. Pure: same inputs, same answer."""
+    if view.draining:
+        return Refused(Failure.draining())
+    if info is None:
+        return Refused(Failure.model_unavailable())
+    if exceeds_context(info, prompt_tokens):
+        return Refused(Failure.request_exceeds_context())
+    kv = kv_need(figures, info, prompt_tokens, max_tokens)
+    if kv.nbytes > figures.single_request_limit_bytes:
+        return Refused(Failure.exceeds_node(RejectionReason.TOKEN_BUDGET))
+
+    slot = view.slots.get(model_id)
+    state = slot.state if slot is not None else ModelState.NOT_LOADED
+    if state is ModelState.LOADING:
+        return Admitted(model_id, kv, cold=True)  # it waits for the load in progress
+    if state is ModelState.LOADED:
+        if kv.nbytes <= figures.available_bytes(snapshot, view.outstanding_bytes):
+            return Admitted(model_id, kv, cold=False)
+        plan = plan_kv(view, figures, snapshot, target=model_id, kv_bytes=kv.nbytes)
+        if plan is not None:
+            return Admitted(model_id, kv, cold=False, evict=plan.victims)
+        return kv_refusal(view, figures, snapshot, info, kv)
+
+    # Cold (or unloading, so cold soon): the load's MIN_KV covers the first GiB of this request's KV.
+    room = plan_room(view, figures, snapshot, target=model_id, weight_bytes_on_disk=info.weight_bytes,
+                     extra_kv_bytes=max(0, kv.nbytes - MIN_KV_BYTES))
+    if isinstance(room, Refused):
+        return room
+    return Admitted(model_id, kv, cold=True, evict=room.victims)

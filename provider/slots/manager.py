@@ -1,0 +1,610 @@
+"""The model manager: loads and unloads models without crossing the cap, and serves requests.
+
+Decide synchronously, then do I/O: every decision (admit, what to evict, whether a load may claim
+memory) is a pure function in `admission.py` over a `ManagerView` and one snapshot; this module
+performs the loads, unloads and settles that follow, on the engine thread or in `to_thread`.
+
+Load, in this order (memory-policy.md §5), inside one single-flight task per model:
+  1. sample memory; plan: `required = padded weights + A + MIN_KV`; if short, check first that
+     evicting every idle model could reach it (refuse if not), then evict the LRU idle model,
+     settle, resample, repeat (under `_room_lock`, so two loads never plan on the same bytes);
+  2. atomically claim the pending load in the ledger (same snapshot, no await in between);
+  3. load on the engine thread; `mx.clear_cache()`; every await is followed by a re-check;
+  4. post-load guard: measured headroom ≥ MIN_KV + other reservations, else unload, clear,
+     release, refuse; only then publish the model as LOADED.
+Every failure path (a refusal, an engine error, an injected fault, cancellation) undoes the
+engine load if it happened and releases the claim exactly once (`_Claim`).
+
+Unload (§6): the engine stops the model (its requests fail, their KV is released from the
+engine thread), purge its KV (`kv_purge` hook), gc + `mx.clear_cache()` + glibc `malloc_trim(0)`
+(`memory.settle.reclaim`), then the settle barrier; freed bytes and settle time are logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import enum
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+
+from memory import (
+    MIN_KV_BYTES,
+    CapFigures,
+    FitResult,
+    Ledger,
+    Probe,
+    Rejection,
+    RejectionReason as LedgerRejection,
+    ReservationKind,
+    fit,
+    free_for_load_bytes,
+    padded_weight_bytes,
+    pressure,
+    settle,
+)
+from memory.settle import reclaim
+from protocol.errors import Failure, RejectionReason
+from protocol.vocab import SlotState
+from provider.engine import ChatRequest, Engine, EngineError, EngineFailure, LoadedModelInfo, RequestStream
+from provider.metrics import EvictionCause, LoadResult, Metrics
+from provider.models import Inventory, ModelInfo
+from provider.slots.admission import (
+    Admission,
+    KvNeed,
+    ManagerView,
+    Refused,
+    decide,
+    exceeds_context,
+    kv_need,
+    kv_refusal,
+    plan_kv,
+    plan_room,
+    tokens_for_bytes,
+)
+from provider.slots.capacity import CapacityReport, SlotCapacity, max_concurrency
+from provider.slots.state import KvHold, ModelSlot, ModelState, log
+
+
+class SlotRefused(Exception):
+    """`serve()` could not give the request a slot. `failure` becomes the frame (protocol/errors)."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.code.value)
+        self.failure = failure
+
+
+class LoadStep(enum.Enum):
+    """Points in a load where a test may inject a failure (`fault=`)."""
+
+    CLAIMED = "claimed"  # pending load claimed; the engine not yet asked
+    ENGINE_LOADING = "engine_loading"  # the engine is loading; its result not yet awaited
+    LOADED = "loaded"  # weights resident; before clear_cache and the guard
+    GUARD = "guard"  # guard snapshot taken; before its verdict
+    GUARD_UNLOAD = "guard_unload"  # the guard refused; before the unload that undoes the load
+
+
+FaultHook = Callable[[LoadStep, str], Awaitable[None]]
+KvPurge = Callable[[str], Awaitable[None]]
+
+
+def _clear_mlx_cache() -> None:
+    import mlx.core as mx  # deferred, like memory.probe: importing this module must not need MLX
+
+    mx.clear_cache()
+
+
+class _Claim:
+    """The load's pending-load reservation: released exactly once, whoever gets there first."""
+
+    def __init__(self, ledger: Ledger, model_id: str) -> None:
+        self.id = f"load:{model_id}"
+        self._ledger = ledger
+        self.held = False
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self._ledger.release(self.id)
+
+
+class _KvReservation:
+    """A request's KV reservation. `release` is idempotent and thread-safe: it is both the engine's
+    `on_released` hook (engine thread) and the context manager's fallback (event loop)."""
+
+    def __init__(self, ledger: Ledger, slot: ModelSlot, request_id: str, kv: KvNeed) -> None:
+        self.ledger_id = f"kv:{request_id}"
+        self.request_id = request_id
+        self.kv = kv
+        self._ledger = ledger
+        self._slot = slot
+        self._lock = threading.Lock()
+        self._released = False
+
+    def release(self, _request_id: str | None = None) -> None:
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        self._ledger.release(self.ledger_id)
+        self._slot.drop_reservation(self.request_id)
+
+
+class ServeSlot:
+    """A request's place on a loaded model, valid inside `async with manager.serve(...)`."""
+
+    def __init__(self, engine: Engine, slot: ModelSlot, reservation: _KvReservation) -> None:
+        self._engine = engine
+        self._reservation = reservation
+        self.model_id = slot.model_id
+        self.request_id = reservation.request_id
+        self.kv = reservation.kv
+        self.loaded = slot.loaded
+        self._submitted = False
+
+    def submit(self, request: ChatRequest) -> RequestStream:
+        """Start the request. `max_tokens` is capped at what was reserved; from here on the engine
+        releases the KV reservation (from its thread) once the request's cache has left the batch."""
+        if self._submitted:
+            raise RuntimeError("a slot serves one request")
+        if request.request_id != self.request_id:
+            raise ValueError("request_id differs from the one reserved")
+        if request.params.max_tokens > self.kv.max_tokens > 0:
+            params = dataclasses.replace(request.params, max_tokens=self.kv.max_tokens)
+            request = dataclasses.replace(request, params=params)
+        stream = self._engine.submit(self.model_id, request, on_released=self._reservation.release)
+        self._submitted = True
+        return stream
+
+    def _close(self) -> None:
+        if self._submitted:
+            self._engine.cancel(self.request_id)  # a no-op once finished; the engine releases
+        else:
+            self._reservation.release()  # never reached the engine
+
+
+class ModelManager:
+    """See the package docstring for the API; the module docstring for the load/unload order."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        inventory: Inventory,
+        ledger: Ledger,
+        figures: CapFigures,
+        probe: Probe,
+        *,
+        max_model_slots: int = 3,
+        idle_timeout_s: float | None = 3600.0,
+        load_wait_timeout_s: float = 120.0,
+        settle_timeout_s: float = 5.0,
+        kv_purge: KvPurge | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: Metrics | None = None,
+        eos_token_ids: Mapping[str, frozenset[int]] | None = None,
+        fault: FaultHook | None = None,
+    ) -> None:
+        if figures != ledger.figures:
+            raise ValueError("figures must be the ledger's own (one cap, one source)")
+        if max_model_slots < 1:
+            raise ValueError("max_model_slots must be >= 1")
+        self._engine = engine
+        self._inventory = inventory
+        self._ledger = ledger
+        self._probe = probe
+        self._max_slots = max_model_slots
+        self._idle_timeout_s = idle_timeout_s if idle_timeout_s else None  # 0 / None = never
+        self._load_wait_s = load_wait_timeout_s
+        self._settle_s = settle_timeout_s
+        self._kv_purge = kv_purge
+        self._clock = clock
+        self._metrics = metrics
+        self._eos = dict(eos_token_ids or {})
+        self._fault = fault
+        self._slots: dict[str, ModelSlot] = {m.id: ModelSlot(m) for m in inventory.models}
+        self._room_lock = asyncio.Lock()
+        self._draining = False
+
+    @classmethod
+    def from_settings(cls, settings, engine: Engine, inventory: Inventory, ledger: Ledger, probe: Probe,
+                      **kwargs) -> ModelManager:
+        """Build from `provider.config.Settings` (slots, idle timeout, load wait, settle timeout)."""
+        return cls(engine, inventory, ledger, ledger.figures, probe,
+                   max_model_slots=settings.max_model_slots, idle_timeout_s=settings.idle_timeout_s,
+                   load_wait_timeout_s=settings.load_wait_timeout_s,
+                   settle_timeout_s=settings.settle_timeout_s, **kwargs)
+
+    @property
+    def figures(self) -> CapFigures:
+        return self._ledger.figures
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def state(self, model_id: str) -> ModelState:
+        slot = self._slots.get(model_id)
+        return slot.state if slot is not None else ModelState.NOT_LOADED
+
+    # -- fast admission (synchronous, read-only) ------------------------------------------------
+
+    def view(self) -> ManagerView:
+        """The state the pure decisions read, copied now."""
+        by_kind = self._ledger.snapshot().bytes_by_kind
+        slots = {s.model_id: s.view(self._engine.stats(s.model_id))
+                 for s in self._slots.values() if s.state is not ModelState.NOT_LOADED}
+        return ManagerView(slots, self._max_slots, self._draining, sum(by_kind.values()),
+                           by_kind[ReservationKind.REQUEST_KV])
+
+    def admit(self, model_id: str, prompt_tokens: int, max_tokens: int | None = None) -> Admission:
+        """Accept or refuse before `inference_accepted`: no load, no reservation, no allocation."""
+        slot = self._slots.get(model_id)
+        return decide(self.view(), self.figures, self._probe.snapshot(), model_id=model_id,
+                      info=slot.info if slot is not None else None, prompt_tokens=prompt_tokens,
+                      max_tokens=max_tokens)
+
+    # -- serving ------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def serve(self, request_id: str, model_id: str, prompt_tokens: int,
+                    max_tokens: int | None = None) -> AsyncIterator[ServeSlot]:
+        """Wait for (or do) the load, reserve the request's KV, pin the model; yield a `ServeSlot`.
+
+        Raises `SlotRefused` (before yielding) when it cannot. The model is never evicted while a
+        request is inside. On exit (cancellation included) a submitted request is cancelled in the
+        engine, whose release hook frees its KV; an unsubmitted one's KV is released here.
+        """
+        if self._draining:
+            raise SlotRefused(Failure.draining())
+        slot = self._slots.get(model_id)
+        if slot is None:
+            raise SlotRefused(Failure.model_unavailable())
+        if exceeds_context(slot.info, prompt_tokens):
+            raise SlotRefused(Failure.request_exceeds_context())
+        slot.pins += 1
+        reservation: _KvReservation | None = None
+        handle: ServeSlot | None = None
+        try:
+            await self._ensure_loaded(slot)
+            reservation = await self._reserve_kv(slot, request_id, prompt_tokens, max_tokens)
+            handle = ServeSlot(self._engine, slot, reservation)
+            yield handle
+        finally:
+            if handle is not None:
+                handle._close()
+            elif reservation is not None:
+                reservation.release()
+            slot.pins -= 1
+            slot.last_used = self._clock()
+
+    async def ensure_loaded(self, model_id: str) -> LoadedModelInfo:
+        """Load a model (or wait for its load) without serving anything; raises `SlotRefused`."""
+        slot = self._slots.get(model_id)
+        if slot is None:
+            raise SlotRefused(Failure.model_unavailable())
+        slot.pins += 1
+        try:
+            await self._ensure_loaded(slot)
+            assert slot.loaded is not None
+            return slot.loaded
+        finally:
+            slot.pins -= 1
+            slot.last_used = self._clock()
+
+    async def _ensure_loaded(self, slot: ModelSlot) -> None:
+        deadline = asyncio.get_running_loop().time() + self._load_wait_s
+        while True:
+            match slot.state:
+                case ModelState.LOADED:
+                    return
+                case ModelState.UNLOADING:
+                    assert slot.unload_task is not None
+                    await self._wait(slot.unload_task, deadline)
+                case ModelState.LOADING:
+                    assert slot.load_task is not None
+                    failure = await self._wait(slot.load_task, deadline)
+                    if failure is not None:
+                        raise SlotRefused(failure)
+                case ModelState.NOT_LOADED:
+                    if self._draining:
+                        raise SlotRefused(Failure.draining())
+                    slot.state = ModelState.LOADING
+                    slot.load_task = asyncio.create_task(self._load(slot), name=f"load:{slot.model_id}")
+
+    async def _wait(self, task: asyncio.Task, deadline: float):
+        """Await a shared load/unload task without cancelling it for the others, up to `deadline`."""
+        remaining = deadline - asyncio.get_running_loop().time()
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), max(0.0, remaining))
+        except TimeoutError:
+            raise SlotRefused(Failure.admission_timeout()) from None
+
+    async def _reserve_kv(self, slot: ModelSlot, request_id: str, prompt_tokens: int,
+                          max_tokens: int | None) -> _KvReservation:
+        kv = kv_need(self.figures, slot.info, prompt_tokens, max_tokens)
+        reservation = _KvReservation(self._ledger, slot, request_id, kv)
+        while True:
+            if self._draining:
+                raise SlotRefused(Failure.draining())
+            snap = self._probe.snapshot()
+            result = self._ledger.reserve(reservation.ledger_id, ReservationKind.REQUEST_KV, kv.nbytes,
+                                          snapshot=snap)
+            if not isinstance(result, Rejection):
+                slot.add_reservation(request_id, KvHold(kv.tokens, kv.max_tokens))
+                return reservation
+            if result.reason is LedgerRejection.DUPLICATE_ID:
+                raise SlotRefused(Failure.invalid_request())
+            if result.reason is LedgerRejection.OVER_SINGLE_REQUEST_LIMIT:
+                raise SlotRefused(Failure.exceeds_node(RejectionReason.TOKEN_BUDGET))
+            view = self.view()
+            plan = plan_kv(view, self.figures, snap, target=slot.model_id, kv_bytes=kv.nbytes)
+            if plan is None or not plan.victims:
+                raise SlotRefused(kv_refusal(view, self.figures, snap, slot.info, kv).failure)
+            async with self._room_lock:
+                await self._evict_if_idle(plan.victims[0], EvictionCause.LRU)
+
+    # -- loading ------------------------------------------------------------------------------
+
+    async def _load(self, slot: ModelSlot) -> Failure | None:
+        """The single-flight load task. Returns None when published, else the failure to report."""
+        model_id = slot.model_id
+        claim = _Claim(self._ledger, model_id)
+        load_fut: asyncio.Future[LoadedModelInfo] | None = None
+        started = self._clock()
+        try:
+            async with self._room_lock:
+                refusal = await self._make_room_and_claim(slot, claim)
+            if refusal is not None:
+                self._count_load(LoadResult.REFUSED)
+                log.info("model_load_refused", model=model_id, reason=refusal.rejection or refusal.reason)
+                return refusal
+            await self._step(LoadStep.CLAIMED, model_id)
+            load_fut = asyncio.ensure_future(
+                self._engine.load(model_id, slot.info.path, eos_token_ids=self._eos.get(model_id)))
+            await self._step(LoadStep.ENGINE_LOADING, model_id)
+            loaded = await asyncio.shield(load_fut)
+            await self._step(LoadStep.LOADED, model_id)
+            await asyncio.to_thread(_clear_mlx_cache)
+            snap = self._probe.snapshot()
+            await self._step(LoadStep.GUARD, model_id)
+            if self._draining:
+                return Failure.draining()
+            if not self._ledger.load_is_serveable(snap, pending_load_id=claim.id):
+                log.warning("post_load_guard_refused", model=model_id, weights_bytes=loaded.weights_bytes,
+                            headroom_bytes=self.figures.live_headroom_bytes(snap),
+                            required_bytes=MIN_KV_BYTES + self._ledger.outstanding_bytes(excluding=claim.id))
+                self._count_load(LoadResult.REFUSED)
+                await self._step(LoadStep.GUARD_UNLOAD, model_id)
+                return Failure.capacity(RejectionReason.MEMORY_CAP)
+            claim.release()
+            slot.loaded = loaded
+            slot.last_used = self._clock()
+            slot.state = ModelState.LOADED
+            self._count_load(LoadResult.LOADED)
+            self._set_loaded_gauge()
+            log.info("model_loaded", model=model_id, weights_bytes=loaded.weights_bytes,
+                     estimate_bytes=padded_weight_bytes(slot.info.weight_bytes),
+                     load_s=round(loaded.load_seconds, 3), total_s=round(self._clock() - started, 3))
+            return None
+        except EngineError as exc:
+            log.warning("model_load_failed", model=model_id, code=exc.code)
+            self._count_load(LoadResult.FAILED)
+            return Failure.model_load_failed()
+        except Exception as exc:  # an edge: a load must always end in a typed failure and a clean slate
+            log.error("model_load_failed", model=model_id, exc_type=type(exc).__name__)
+            self._count_load(LoadResult.FAILED)
+            return Failure.model_load_failed()
+        finally:
+            if slot.state is ModelState.LOADING:  # anything but a publish: undo, release, forget
+                await self._undo_engine_load(model_id, load_fut)
+                claim.release()
+                slot.state = ModelState.NOT_LOADED
+
+    async def _make_room_and_claim(self, slot: ModelSlot, claim: _Claim) -> Failure | None:
+        """Steps 1–3 of a load, under `_room_lock`. Returns a failure, or None with the claim held."""
+        estimate = padded_weight_bytes(slot.info.weight_bytes)
+        while True:
+            leaving = [s.unload_task for s in self._slots.values()
+                       if s.state is ModelState.UNLOADING and s.unload_task is not None]
+            if leaving:  # their memory is about to be free: plan on the settled figures
+                await asyncio.gather(*(asyncio.shield(t) for t in leaving), return_exceptions=True)
+                continue
+            if self._draining:
+                return Failure.draining()
+            snap = self._probe.snapshot()
+            plan = plan_room(self.view(), self.figures, snap, target=slot.model_id,
+                             weight_bytes_on_disk=slot.info.weight_bytes)
+            if isinstance(plan, Refused):
+                return plan.failure
+            if plan.victims:
+                await self._evict_if_idle(plan.victims[0], EvictionCause.LRU)
+                continue  # settled inside; resample and replan
+            # Same snapshot, no await since planning: the claim checks exactly what the plan saw.
+            result = self._ledger.claim_pending_load(claim.id, estimate + MIN_KV_BYTES, snapshot=snap)
+            if isinstance(result, Rejection):
+                return Failure.capacity(RejectionReason.MEMORY_CAP)
+            claim.held = True
+            return None
+
+    async def _undo_engine_load(self, model_id: str, load_fut: asyncio.Future | None) -> None:
+        """Make sure nothing of a failed load stays resident. A load the engine already started
+        cannot be stopped, so wait for it, then unload what it produced."""
+        if load_fut is None:
+            return
+        if not load_fut.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(load_fut)
+        if load_fut.cancelled() or load_fut.exception() is not None:
+            return  # the engine cleaned up its own failed load
+        try:
+            await self._engine.unload(model_id)
+        except EngineError as exc:
+            if exc.code is not EngineFailure.MODEL_NOT_LOADED:
+                log.error("model_unload_failed", model=model_id, code=exc.code)
+        await asyncio.to_thread(reclaim)
+
+    async def _step(self, step: LoadStep, model_id: str) -> None:
+        if self._fault is not None:
+            await self._fault(step, model_id)
+
+    # -- unloading ----------------------------------------------------------------------------
+
+    async def _evict_if_idle(self, model_id: str, cause: EvictionCause) -> bool:
+        """Unload `model_id` if it is still idle now (the plan may be stale after an await)."""
+        slot = self._slots[model_id]
+        if not slot.view(self._engine.stats(model_id)).idle:
+            return False
+        await self._unload_slot(slot, cause)
+        return True
+
+    async def _unload_slot(self, slot: ModelSlot, cause: EvictionCause) -> None:
+        slot.state = ModelState.UNLOADING
+        slot.unload_task = asyncio.create_task(self._unload(slot, cause), name=f"unload:{slot.model_id}")
+        await asyncio.shield(slot.unload_task)
+
+    async def _unload(self, slot: ModelSlot, cause: EvictionCause) -> None:
+        model_id = slot.model_id
+        resident = slot.resident_bytes
+        started = self._clock()
+        active_before = self._probe.snapshot().mlx_active_bytes
+        try:
+            try:
+                await self._engine.unload(model_id)  # fails its requests; their KV is released
+            except EngineError as exc:
+                if exc.code is not EngineFailure.MODEL_NOT_LOADED:
+                    log.error("model_unload_failed", model=model_id, code=exc.code)
+            if self._kv_purge is not None:
+                try:
+                    await self._kv_purge(model_id)
+                except Exception as exc:  # an edge: the unload must finish; the startup sweep cleans up
+                    log.error("kv_purge_failed", model=model_id, exc_type=type(exc).__name__)
+            await asyncio.to_thread(reclaim)  # gc + mx.clear_cache() + malloc_trim(0)
+            result = await asyncio.to_thread(settle, resident_bytes=resident, active_before_bytes=active_before,
+                                             timeout_s=self._settle_s)
+        finally:
+            slot.loaded = None
+            slot.state = ModelState.NOT_LOADED
+            self._set_loaded_gauge()
+        if self._metrics is not None:
+            self._metrics.model_evicted(cause)
+            self._metrics.settled(result.seconds)
+        log.info("model_unloaded", model=model_id, cause=cause, resident_bytes=resident,
+                 freed_bytes=result.freed_bytes, settle_s=round(result.seconds, 3),
+                 outcome="settled" if result.settled else "unsettled", total_s=round(self._clock() - started, 3))
+
+    async def unload(self, model_id: str, *, cause: EvictionCause = EvictionCause.IDLE) -> bool:
+        """Unload an idle model now. False if it is not loaded or is busy (never evicted then)."""
+        async with self._room_lock:
+            if model_id not in self._slots or self.state(model_id) is not ModelState.LOADED:
+                return False
+            return await self._evict_if_idle(model_id, cause)
+
+    async def reap_idle(self) -> list[str]:
+        """Unload every model idle for `idle_timeout_s` or more; returns their ids."""
+        if self._idle_timeout_s is None:
+            return []
+        now = self._clock()
+        stale = [s.model_id for s in self._slots.values()
+                 if s.view(self._engine.stats(s.model_id)).idle and now - s.last_used >= self._idle_timeout_s]
+        reaped = []
+        async with self._room_lock:
+            for model_id in stale:
+                slot = self._slots[model_id]
+                if self._clock() - slot.last_used >= self._idle_timeout_s and \
+                        await self._evict_if_idle(model_id, EvictionCause.IDLE):
+                    reaped.append(model_id)
+        return reaped
+
+    async def run_idle_reaper(self, interval_s: float | None = None) -> None:
+        """Call `reap_idle` periodically until cancelled (a session task). No-op loop when idle
+        unloading is off."""
+        if self._idle_timeout_s is None:
+            return
+        period = interval_s if interval_s is not None else min(60.0, max(1.0, self._idle_timeout_s / 4))
+        while True:
+            await asyncio.sleep(period)  # a real period, not synchronisation
+            await self.reap_idle()
+
+    def start_draining(self) -> None:
+        """Refuse every new request (503 draining) and every new load; in-flight ones continue."""
+        if not self._draining:
+            self._draining = True
+            log.info("slots_draining")
+
+    async def unload_all(self) -> None:
+        """Shutdown: drain, let loads in progress finish (and be undone), unload every model.
+        Requests still running fail with MODEL_UNLOADED; the engine releases their KV."""
+        self.start_draining()
+        loading = [s.load_task for s in self._slots.values() if s.load_task is not None and not s.load_task.done()]
+        await asyncio.gather(*(asyncio.shield(t) for t in loading), return_exceptions=True)
+        async with self._room_lock:
+            for slot in self._slots.values():
+                if slot.state is ModelState.UNLOADING and slot.unload_task is not None:
+                    await asyncio.shield(slot.unload_task)
+                if slot.state is ModelState.LOADED:
+                    await self._unload_slot(slot, EvictionCause.SHUTDOWN)
+
+    # -- reporting ----------------------------------------------------------------------------
+
+    def warm_models(self) -> list[str]:
+        return [s.model_id for s in self._slots.values() if s.state is ModelState.LOADED]
+
+    def _evictable_bytes(self, *, also: str | None = None) -> int:
+        return sum(s.resident_bytes for s in self._slots.values()
+                   if s.view(self._engine.stats(s.model_id)).idle or (also == s.model_id and s.loaded))
+
+    def verdicts(self) -> list[tuple[ModelInfo, FitResult]]:
+        """Fit verdict per inventory model (register, doctor): could it load here now, or after
+        evicting idle models? A resident model is judged as if it were reloaded."""
+        snap = self._probe.snapshot()
+        outstanding = self._ledger.outstanding_bytes()
+        return [(s.info, fit(self.figures, snap, s.info.weight_bytes,
+                             evictable_bytes=self._evictable_bytes(also=s.model_id),
+                             outstanding_bytes=outstanding))
+                for s in self._slots.values()]
+
+    def capacity(self) -> CapacityReport:
+        """The heartbeat's `backend_capacity` figures, from one snapshot."""
+        snap = self._probe.snapshot()
+        figures = self.figures
+        ledger = self._ledger.snapshot()
+        available = figures.available_bytes(snap, ledger.total_bytes)
+        slots = []
+        for slot in self._slots.values():
+            if slot.state not in (ModelState.LOADED, ModelState.LOADING):
+                continue
+            stats = self._engine.stats(slot.model_id)
+            holds = slot.reservations()
+            used = sum(h.tokens for h in holds)
+            budget_max = used + tokens_for_bytes(slot.info, available)
+            slots.append(SlotCapacity(
+                model=slot.model_id,
+                state=SlotState.RUNNING if slot.state is ModelState.LOADED else SlotState.RELOADING,
+                num_running=stats.num_running if stats else 0,
+                num_waiting=stats.num_waiting if stats else 0,
+                active_tokens=stats.active_tokens if stats else 0,
+                max_tokens_potential=sum(h.max_tokens for h in holds),
+                max_concurrency=max_concurrency(budget_max, slot.info.context_length),
+                kv_bytes_per_token=slot.info.kv_bytes_per_token,
+                active_token_budget_used=used,
+                active_token_budget_max=budget_max,
+                model_load_time_ms=round(slot.loaded.load_seconds * 1000) if slot.loaded else None,
+            ))
+        return CapacityReport(
+            slots=tuple(slots), mlx_active_bytes=snap.mlx_active_bytes, mlx_peak_bytes=snap.mlx_peak_bytes,
+            mlx_cache_bytes=snap.mlx_cache_bytes, total_memory_bytes=snap.physical_bytes,
+            free_for_load_bytes=free_for_load_bytes(figures, snap, evictable_bytes=self._evictable_bytes(),
+                                                    outstanding_bytes=ledger.total_bytes),
+            available_bytes=available, pressure=pressure(snap), ledger=ledger)
+
+    # -- metrics ------------------------------------------------------------------------------
+
+    def _count_load(self, result: LoadResult) -> None:
+        if self._metrics is not None:
+            self._metrics.model_load(result)
+
+    def _set_loaded_gauge(self) -> None:
+        if self._metrics is not None:
+            self._metrics.set_loaded_models(len(self.warm_models()))

@@ -1,0 +1,126 @@
+"""Per-model lifecycle state: NOT_LOADED → LOADING → LOADED → UNLOADING → NOT_LOADED.
+
+`ModelSlot` is the manager's mutable record of one model; `SlotView` is a frozen copy of what the
+pure decisions (`admission.py`) read. Assigning `ModelSlot.state` logs the transition (the
+websockets `State` setter pattern), and an illegal step raises `InvalidTransition` naming both
+states, so the lifecycle can be read as the table `_ALLOWED` below.
+
+Threads: everything here runs on the event loop, except `drop_reservation`, which the engine
+thread calls through a request's release hook; `_kv` is guarded by its own lock for that reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import threading
+from dataclasses import dataclass
+
+from provider.engine import LoadedModelInfo, ModelStats
+from provider.models import ModelInfo
+from provider.telemetry import get_logger
+
+log = get_logger("provider.slots")
+
+
+class ModelState(enum.IntEnum):
+    NOT_LOADED = 0
+    LOADING = 1  # a single-flight load task owns the model; later requests wait for it
+    LOADED = 2  # published: idle or serving (see SlotView.busy)
+    UNLOADING = 3  # the engine is dropping it; memory is settling
+
+
+_ALLOWED: dict[ModelState, frozenset[ModelState]] = {
+    ModelState.NOT_LOADED: frozenset({ModelState.LOADING}),
+    ModelState.LOADING: frozenset({ModelState.LOADED, ModelState.NOT_LOADED}),
+    ModelState.LOADED: frozenset({ModelState.UNLOADING}),
+    ModelState.UNLOADING: frozenset({ModelState.NOT_LOADED}),
+}
+
+
+class InvalidTransition(AssertionError):
+    """A lifecycle step the table does not allow: a bug in the manager, never an input error."""
+
+
+@dataclass(frozen=True, slots=True)
+class KvHold:
+    """Tokens one in-flight request has reserved on a model (for capacity reports)."""
+
+    tokens: int  # prompt + output, clamped to the context window
+    max_tokens: int  # the output part
+
+
+@dataclass(frozen=True, slots=True)
+class SlotView:
+    """What the pure decisions need to know about one model, copied at one instant."""
+
+    model_id: str
+    state: ModelState
+    busy: bool  # a request is waiting for it, reserved on it, or in its batch
+    last_used: float  # clock() of the last request to leave it (LRU order)
+    resident_bytes: int  # measured weights (0 unless LOADED / UNLOADING)
+
+    @property
+    def idle(self) -> bool:
+        """Evictable: loaded, and nothing in flight or queued."""
+        return self.state is ModelState.LOADED and not self.busy
+
+
+class ModelSlot:
+    """The manager's record of one inventory model."""
+
+    def __init__(self, info: ModelInfo) -> None:
+        self.info = info
+        self._state = ModelState.NOT_LOADED
+        self.loaded: LoadedModelInfo | None = None
+        self.pins = 0  # serve() contexts inside (waiting for the load, or serving)
+        self.last_used = 0.0
+        self.load_task: asyncio.Task | None = None
+        self.unload_task: asyncio.Task | None = None
+        self._kv_lock = threading.Lock()
+        self._kv: dict[str, KvHold] = {}
+
+    @property
+    def model_id(self) -> str:
+        return self.info.id
+
+    @property
+    def state(self) -> ModelState:
+        return self._state
+
+    @state.setter
+    def state(self, new: ModelState) -> None:
+        old = self._state
+        if new not in _ALLOWED[old]:
+            raise InvalidTransition(f"model state {old.name} -> {new.name} is not allowed")
+        self._state = new
+        log.debug("model_state", model=self.model_id, from_state=old.name.lower(), to_state=new.name.lower())
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.loaded.weights_bytes if self.loaded is not None else 0
+
+    # -- KV holds (written by the loop on reserve, by the engine thread on release) -----------
+
+    def add_reservation(self, request_id: str, hold: KvHold) -> None:
+        with self._kv_lock:
+            self._kv[request_id] = hold
+
+    def drop_reservation(self, request_id: str) -> None:
+        with self._kv_lock:
+            self._kv.pop(request_id, None)
+
+    def reservations(self) -> list[KvHold]:
+        with self._kv_lock:
+            return list(self._kv.values())
+
+    # -- views ------------------------------------------------------------------------------
+
+    def busy(self, stats: ModelStats | None) -> bool:
+        in_batch = stats is not None and (stats.num_running + stats.num_waiting) > 0
+        with self._kv_lock:
+            reserved = bool(self._kv)
+        return self.pins > 0 or reserved or in_batch
+
+    def view(self, stats: ModelStats | None) -> SlotView:
+        return SlotView(self.model_id, self._state, self.busy(stats), self.last_used, self.resident_bytes)
