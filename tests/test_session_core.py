@@ -1,0 +1,252 @@
+"""SessionCore (sans-I/O) and the pure reconnect policy."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol import (
+    AttestationChallenge,
+    AttestationResponse,
+    CpuCores,
+    Hardware,
+    InferenceError,
+    Register,
+    decode,
+    encode,
+)
+from provider.config import LogLevel
+from provider.session.backoff import (
+    INITIAL_DELAY_S,
+    JITTER,
+    MAX_DELAY_S,
+    backoff_delays,
+    clock_jumped,
+    is_retryable,
+    should_reset_backoff,
+)
+from provider.session.core import CancelJob, InvalidState, Log, Send, SessionCore, SessionState, StartJob
+
+KEY = "tHFZkLURE4Ne6qGImKWQ5P0vHEfBq17lkLkV/Wm2rSU="
+SESSION_KEY = "X6IvWt6JfUs/rZfjNb0jxCJZa33vVeIwJZnkd3fyskg="
+HW = Hardware(machine_model="m", chip_name="c", chip_family="Unknown", chip_tier="Unknown", memory_gb=16,
+              memory_available_gb=8.0, cpu_cores=CpuCores(total=2, performance=2, efficiency=0), gpu_cores=0,
+              memory_bandwidth_gbs=0.0)
+REGISTER = Register(hardware=HW, models=(), backend="inprocess-mlx", public_key=KEY, encrypted_response_chunks=True)
+
+
+def answer(challenge: AttestationChallenge) -> AttestationResponse:
+    return AttestationResponse(nonce=challenge.nonce, signature="c2ln", public_key=KEY, sip_enabled=False)
+
+
+def open_core() -> SessionCore:
+    core = SessionCore(register=REGISTER, answer_challenge=answer)
+    assert core.connection_made() == [Send(REGISTER)]
+    return core
+
+
+def request_frame(rid: str) -> str:
+    return json.dumps({"type": "inference_request", "request_id": rid,
+                       "encrypted_body": {"ephemeral_public_key": SESSION_KEY, "ciphertext": "AAAA"}})
+
+
+def sends(actions) -> list:
+    return [a.frame for a in actions if isinstance(a, Send)]
+
+
+# --- register and states -------------------------------------------------------------------------------
+
+
+def test_register_is_sent_exactly_once_per_core():
+    core = SessionCore(register=REGISTER, answer_challenge=answer)
+    assert core.state is SessionState.CONNECTING
+    with pytest.raises(InvalidState):
+        core.receive_text(request_frame("r1"))  # nothing may be received before register went out
+    assert core.connection_made() == [Send(REGISTER)]
+    assert core.state is SessionState.REGISTERED
+    with pytest.raises(InvalidState):
+        core.connection_made()
+
+
+def test_closed_core_refuses_frames():
+    core = open_core()
+    core.connection_lost()
+    assert core.state is SessionState.CLOSED
+    with pytest.raises(InvalidState):
+        core.receive_text(request_frame("r1"))
+    assert core.connection_lost() == []
+
+
+# --- requests and cancels ------------------------------------------------------------------------------
+
+
+def test_request_starts_a_job_and_cancel_cancels_it_once():
+    core = open_core()
+    (start,) = core.receive_text(request_frame("r1"))
+    assert isinstance(start, StartJob) and start.request.request_id == "r1"
+    assert core.active_jobs == {"r1"}
+    actions = core.receive_text('{"type":"cancel","request_id":"r1"}')
+    assert CancelJob("r1") in actions and not sends(actions)  # nothing is sent for a cancelled job
+    assert core.active_jobs == frozenset()
+    again = core.receive_text('{"type":"cancel","request_id":"r1"}')
+    assert not any(isinstance(a, CancelJob | Send) for a in again)
+
+
+def test_cancel_for_unknown_or_finished_ids_is_ignored():
+    core = open_core()
+    core.receive_text(request_frame("r1"))
+    core.job_finished("r1")
+    for rid in ("r1", "never-seen", ""):
+        actions = core.receive_text(json.dumps({"type": "cancel", "request_id": rid}))
+        assert all(isinstance(a, Log) for a in actions)
+
+
+def test_duplicate_request_id_is_not_answered():
+    core = open_core()
+    core.receive_text(request_frame("r1"))
+    actions = core.receive_text(request_frame("r1"))
+    assert all(isinstance(a, Log) for a in actions) and core.active_jobs == {"r1"}
+
+
+def test_draining_refuses_new_requests_with_503_draining():
+    core = open_core()
+    core.receive_text(request_frame("running"))
+    core.start_draining()
+    assert core.state is SessionState.DRAINING
+    (frame,) = sends(core.receive_text(request_frame("late")))
+    wire = json.loads(encode(frame))
+    assert wire["type"] == "inference_error" and wire["request_id"] == "late"
+    assert wire["status_code"] == 503 and wire["error_reason"] == "draining" and wire["failure_code"] == "capacity"
+    assert core.active_jobs == {"running"}  # running work goes on
+    assert CancelJob("running") in core.receive_text('{"type":"cancel","request_id":"running"}')
+
+
+def test_connection_lost_cancels_every_running_job():
+    core = open_core()
+    for rid in ("a", "b", "c"):
+        core.receive_text(request_frame(rid))
+    core.job_finished("b")
+    assert core.connection_lost() == [CancelJob("a"), CancelJob("c")]
+    assert core.active_jobs == frozenset()
+
+
+def test_request_without_encrypted_body_still_starts_a_job_to_answer_400():
+    core = open_core()
+    (start,) = core.receive_text('{"type":"inference_request","request_id":"r9"}')
+    assert isinstance(start, StartJob) and start.request.encrypted_body is None
+
+
+# --- challenges, runtime status, unknown and malformed frames ----------------------------------------------
+
+
+def test_challenge_is_answered_with_the_nonce():
+    core = open_core()
+    actions = core.receive_text('{"type":"attestation_challenge","nonce":"bm9uY2U=","timestamp":"2026-04-30T10:41:07Z"}')
+    (frame,) = sends(actions)
+    assert isinstance(frame, AttestationResponse) and frame.nonce == "bm9uY2U=" and frame.public_key == KEY
+
+
+def test_runtime_status_mismatches_are_logged_by_component():
+    core = open_core()
+    actions = core.receive_text(json.dumps({"type": "runtime_status", "verified": False, "mismatches": [
+        {"component": "runtime", "expected": "good", "got": "bad"},
+        {"component": "template:chatml", "expected": "x", "got": "y"}]}))
+    assert [a.fields["kind"] for a in actions] == ["runtime", "template:chatml"]
+    assert all(a.level is LogLevel.WARNING for a in actions)
+    assert core.state is SessionState.REGISTERED
+
+
+@pytest.mark.parametrize("frame", [
+    "", "not json", "[1,2]", "null", '{"no_type":1}', '{"type":5}', '{"type":"cancel","request_id":7}',
+    '{"type":"inference_request","request_id":"x","encrypted_body":"oops"}', b"\xff\xfe", "{" * 5000,
+])
+def test_malformed_frames_are_logged_never_raised(frame):
+    core = open_core()
+    actions = core.receive_text(frame)
+    assert actions and all(isinstance(a, Log) for a in actions)
+    assert core.state is SessionState.REGISTERED
+
+
+@pytest.mark.parametrize("frame", [
+    '{"type":"brand_new_type","x":1}',
+    '{"type":"load_model","model_id":"model-a"}',
+    '{"type":"desired_models","models":[{"model_name":"public-a","desired_build":"model-a"}]}',
+    '{"type":"trust_status","trust_level":"hardware","status":"online","reason":"verified"}',
+    '{"type":"register","hardware":{},"models":[],"backend":"x"}',
+])
+def test_unknown_and_unhandled_types_are_ignored(frame):
+    core = open_core()
+    actions = core.receive_text(frame)
+    assert all(isinstance(a, Log) for a in actions) and core.active_jobs == frozenset()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(st.text(max_size=300), st.binary(max_size=300),
+                 st.dictionaries(st.sampled_from(["type", "request_id", "nonce", "encrypted_body", "verified"]),
+                                 st.one_of(st.none(), st.integers(), st.text(max_size=20),
+                                           st.sampled_from(["inference_request", "cancel", "runtime_status",
+                                                            "attestation_challenge"])), max_size=5)
+                 .map(json.dumps)))
+def test_any_frame_yields_actions_not_exceptions(frame):
+    core = open_core()
+    for action in core.receive_text(frame):
+        assert isinstance(action, Send | StartJob | CancelJob | Log)
+        if isinstance(action, Send):
+            decode(encode(action.frame))  # whatever we send is a valid frame
+            assert isinstance(action.frame, AttestationResponse | InferenceError)
+
+
+# --- backoff ---------------------------------------------------------------------------------------------
+
+
+def test_backoff_doubles_to_the_cap_without_jitter():
+    delays = backoff_delays(jitter=0.0)
+    assert [next(delays) for _ in range(8)] == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
+
+
+@given(st.integers(min_value=0, max_value=2**32 - 1))
+def test_backoff_jitter_stays_within_bounds(seed):
+    rng = random.Random(seed)
+    delays = backoff_delays(rand=rng.random)
+    base = INITIAL_DELAY_S
+    for _ in range(12):
+        delay = next(delays)
+        assert base * (1 - JITTER) <= delay <= base * (1 + JITTER)
+        base = min(MAX_DELAY_S, base * 2)
+
+
+def test_backoff_rejects_nonsense():
+    with pytest.raises(ValueError):
+        next(backoff_delays(initial=0))
+    with pytest.raises(ValueError):
+        next(backoff_delays(initial=5, maximum=1))
+
+
+def test_backoff_resets_only_after_a_stable_session():
+    assert not should_reset_backoff(None)
+    assert not should_reset_backoff(29.9)
+    assert should_reset_backoff(30.0)
+    assert should_reset_backoff(3.0, stable_after_s=2.0)
+
+
+def test_clock_jump_detection():
+    assert not clock_jumped(10.0, 10.0, 10.0)
+    assert not clock_jumped(12.0, 10.0, 10.0)  # scheduling noise
+    assert clock_jumped(3600.0, 10.0, 10.0)  # slept for an hour
+    assert clock_jumped(-100.0, 10.0, 10.0)  # wall clock set back
+
+
+def test_retryable_errors():
+    from websockets.exceptions import InvalidStatus, InvalidURI
+
+    assert is_retryable(OSError("refused"))
+    assert is_retryable(TimeoutError())
+    assert is_retryable(InvalidStatus.__new__(InvalidStatus))
+    assert not is_retryable(InvalidURI("ws//bad", "no scheme"))
+    import asyncio
+
+    assert not is_retryable(asyncio.CancelledError())
