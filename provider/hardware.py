@@ -74,11 +74,16 @@ def detect_hardware(snapshot: MemorySnapshot, *, platform: str = sys.platform, r
         chip_family=chip.family,
         chip_tier=chip.tier,
         memory_gb=int(round(snapshot.physical_bytes / GiB)),
-        memory_available_gb=round(snapshot.available_bytes / GiB, 2),
+        memory_available_gb=available_gb(snapshot),
         cpu_cores=cores,
         gpu_cores=gpu,
         memory_bandwidth_gbs=memory_bandwidth_gbs(chip),
     )
+
+
+def available_gb(snapshot: MemorySnapshot) -> float:
+    """``memory_available_gb``: what the OS has free, never more than the memory we say we have."""
+    return round(min(snapshot.available_bytes, snapshot.physical_bytes) / GiB, 2)
 
 
 def _int(text: str | None, default: int = 0) -> int:
@@ -117,4 +122,4 @@ def _generic(sys_root: Path) -> tuple[str, str, CpuCores, int]:
         CpuCores(total=total, performance=total, efficiency=0), 0
 
 
-__all__ = ["UNKNOWN", "Chip", "detect_hardware", "memory_bandwidth_gbs", "parse_chip"]
+__all__ = ["UNKNOWN", "Chip", "available_gb", "detect_hardware", "memory_bandwidth_gbs", "parse_chip"]

@@ -15,7 +15,6 @@ from provider.jobs.job import (
     Slot,
     engine_failure,
     exception_failure,
-    refusal_failure,
     run_job,
 )
 from provider.jobs.lifecycle import TRANSITIONS, JobEvent, JobLifecycle, JobState, JobStateError
@@ -40,6 +39,5 @@ __all__ = [
     "UnknownModel",
     "engine_failure",
     "exception_failure",
-    "refusal_failure",
     "run_job",
 ]

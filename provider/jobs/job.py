@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Protocol
 
 from structlog.contextvars import bound_contextvars
 
@@ -43,6 +43,7 @@ from provider.jobs.lifecycle import JobEvent, JobLifecycle, JobState
 from provider.jobs.stats import ServingStats
 from provider.jobs.tokens import PromptCounter, PromptError, UnknownModel
 from provider.local.body import ChatBody, InvalidBody, parse_chat_body
+from provider.slots import Admission, Admitted, Refused
 from provider.metrics import Metrics, RequestOutcome
 from provider.telemetry import get_logger
 
@@ -58,7 +59,7 @@ class JobOutcome(StrEnum):
     CANCELLED = "cancelled"
 
 
-# --- what jobs need from the model manager ------------------------------------------------------------
+# --- what jobs need from the model manager (provider.slots.ModelManager) ---------------------------------
 
 
 class Slot(Protocol):
@@ -66,16 +67,10 @@ class Slot(Protocol):
 
 
 class ModelManager(Protocol):
-    def admit(self, model_id: str, prompt_tokens: int, max_tokens: int) -> Any: ...
+    def admit(self, model_id: str, prompt_tokens: int, max_tokens: int | None = None) -> Admission: ...
 
     def serve(self, request_id: str, model_id: str, prompt_tokens: int,
-              max_tokens: int) -> AbstractAsyncContextManager[Slot]: ...
-
-
-def refusal_failure(decision: Any) -> Failure | None:
-    """The ``Failure`` carried by an admission refusal, None when the decision admits."""
-    failure = getattr(decision, "failure", None)
-    return failure if isinstance(failure, Failure) else None
+              max_tokens: int | None = None) -> AbstractAsyncContextManager[Slot]: ...
 
 
 # --- engine failures in the protocol's vocabulary ------------------------------------------------------
@@ -116,7 +111,6 @@ class JobContext:
     identity: ProviderIdentity
     manager: ModelManager
     counter: PromptCounter
-    default_max_tokens: Callable[[str], int | None]  # model id -> default, None when we don't serve it
     stats: ServingStats
     metrics: Metrics | None = None
     clock: Callable[[], float] = time.time
@@ -194,21 +188,19 @@ class Job:
             raise _Rejected(Failure.invalid_request()) from None
 
     async def _admit_and_serve(self, box: RequestBox, body: ChatBody) -> JobOutcome:
-        default = self._ctx.default_max_tokens(body.model)
-        if default is None:
-            raise _Rejected(Failure.model_unavailable())
-        max_tokens = body.max_tokens or default
         try:
             prompt_tokens = await self._ctx.counter.count(body.model, body.messages)
         except UnknownModel:
             raise _Rejected(Failure.model_unavailable()) from None
         except PromptError:
             raise _Rejected(Failure.invalid_request()) from None
-        failure = refusal_failure(self._ctx.manager.admit(body.model, prompt_tokens, max_tokens))
-        if failure is not None:
-            if self._ctx.metrics is not None:
-                self._ctx.metrics.rejected(failure.rejection or failure.reason or failure.code)
-            raise _Rejected(failure)
+        match self._ctx.manager.admit(body.model, prompt_tokens, body.max_tokens):
+            case Refused(failure=failure):
+                if self._ctx.metrics is not None:
+                    self._ctx.metrics.rejected(failure.rejection or failure.reason or failure.code)
+                raise _Rejected(failure)
+            case Admitted(kv=kv):
+                max_tokens = kv.max_tokens  # the request's own, or the model's default, clamped to context
         self.lifecycle.step(JobEvent.ADMIT)
         self._emit(JobEvent.ACCEPT, InferenceAccepted(request_id=self.request_id))
         self._ctx.stats.accepted(self.request_id, body.model)
@@ -223,7 +215,7 @@ class Job:
     async def _serve(self, box: RequestBox, body: ChatBody, prompt_tokens: int, max_tokens: int) -> JobOutcome:
         request = ChatRequest(self.request_id, body.messages, body.sampling(max_tokens))
         try:
-            async with self._ctx.manager.serve(self.request_id, body.model, prompt_tokens, max_tokens) as slot:
+            async with self._ctx.manager.serve(self.request_id, body.model, prompt_tokens, body.max_tokens) as slot:
                 stream = slot.submit(request)
                 try:
                     return await self._stream(box, body, stream)
@@ -334,6 +326,5 @@ __all__ = [
     "Slot",
     "engine_failure",
     "exception_failure",
-    "refusal_failure",
     "run_job",
 ]

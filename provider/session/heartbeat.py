@@ -5,7 +5,7 @@
 * ``active_model`` — the model of the most recently accepted request in flight, else null.
 * ``stats`` — cumulative for the process (``ServingStats``), ints.
 * ``warm_models`` — loaded models (from the model manager).
-* ``system_metrics`` — ``memory_pressure`` = ``memory.pressure(snapshot).wire_value``; ``cpu_usage`` =
+* ``system_metrics`` — ``memory_pressure`` = ``memory.pressure(snapshot).wire_value`` (the report's); ``cpu_usage`` =
   psutil's system-wide ``cpu_percent(None)`` / 100 (non-blocking: the share since the previous call);
   ``thermal_state`` from ``ThermalSampler``.
 * ``backend_capacity`` — from the model manager (slots, token budgets, MLX memory, ``free_for_load_gb``).
@@ -21,16 +21,18 @@ import asyncio
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import psutil
 
-from memory import MemorySnapshot, pressure
-from protocol import BackendCapacity, Heartbeat, HeartbeatStatus, SystemMetrics, ThermalState
+from memory.policy import GiB
+from protocol import BackendCapacity, BackendSlotCapacity, Heartbeat, HeartbeatStatus, SystemMetrics, ThermalState
 from provider.jobs.stats import ServingStats
+from provider.slots import CapacityReport
 from provider.session.posture import Runner, run_command
 
 THERMAL_TTL_S = 30.0
+MAX_TOKENS_POTENTIAL = 1_000_000  # the coordinator clamps to this; we never send more
 
 
 def parse_pmset_therm(output: str | None) -> ThermalState:
@@ -66,6 +68,39 @@ class ThermalSampler:
         return self.state
 
 
+def backend_capacity(report: CapacityReport) -> BackendCapacity:
+    """The manager's report in wire units: GB floats, token and request counts as ints. Loaded models
+    are ``running`` (what [A] counts as warm), loading ones ``reloading``. ``capacity_seq`` stays absent:
+    we do not answer ``capacity_probe``."""
+    return BackendCapacity(
+        slots=tuple(
+            BackendSlotCapacity(
+                model=s.model,
+                state=s.state.value,
+                num_running=s.num_running,
+                num_waiting=s.num_waiting,
+                active_tokens=s.active_tokens,
+                max_tokens_potential=min(s.max_tokens_potential, MAX_TOKENS_POTENTIAL),
+                max_concurrency=s.max_concurrency,
+                kv_bytes_per_token=s.kv_bytes_per_token,
+                active_token_budget_used=s.active_token_budget_used,
+                active_token_budget_max=s.active_token_budget_max,
+                model_load_time_ms=s.model_load_time_ms or 0,
+            )
+            for s in report.slots
+        ),
+        gpu_memory_active_gb=_gb(report.mlx_active_bytes),
+        gpu_memory_peak_gb=_gb(report.mlx_peak_bytes),
+        gpu_memory_cache_gb=_gb(report.mlx_cache_bytes),
+        total_memory_gb=_gb(report.total_memory_bytes),
+        free_for_load_gb=_gb(report.free_for_load_bytes),
+    )
+
+
+def _gb(nbytes: int) -> float:
+    return round(nbytes / GiB, 4)
+
+
 def _clamp01(value: float) -> float:
     return min(1.0, max(0.0, value))
 
@@ -77,16 +112,12 @@ class HeartbeatSource:
         self,
         *,
         stats: ServingStats,
-        snapshot: Callable[[], MemorySnapshot],
-        capacity: Callable[[], BackendCapacity | None],
-        warm_models: Callable[[], Sequence[str]],
+        capacity: Callable[[], CapacityReport],
         thermal: ThermalSampler | None = None,
         cpu_percent: Callable[[], float] = lambda: psutil.cpu_percent(None),
     ) -> None:
         self._stats = stats
-        self._snapshot = snapshot
         self._capacity = capacity
-        self._warm = warm_models
         self.thermal = thermal or ThermalSampler()
         self._cpu = cpu_percent
         self._cpu()  # psutil's first non-blocking reading is meaningless: prime it
@@ -96,22 +127,21 @@ class HeartbeatSource:
             return HeartbeatStatus.DRAINING
         return HeartbeatStatus.SERVING if self._stats.serving else HeartbeatStatus.IDLE
 
-    def system_metrics(self) -> SystemMetrics:
-        return SystemMetrics(
-            memory_pressure=pressure(self._snapshot()).wire_value,
-            cpu_usage=_clamp01(float(self._cpu()) / 100.0),
-            thermal_state=self.thermal.state.value,
-        )
-
     def __call__(self, draining: bool = False) -> Heartbeat:
+        report = self._capacity()
         return Heartbeat(
             status=self.status(draining).value,
             active_model=self._stats.active_model,
             stats=self._stats.wire(),
-            warm_models=tuple(self._warm()),
-            system_metrics=self.system_metrics(),
-            backend_capacity=self._capacity(),
+            warm_models=report.warm_models,
+            system_metrics=SystemMetrics(
+                memory_pressure=report.pressure.wire_value,
+                cpu_usage=_clamp01(float(self._cpu()) / 100.0),
+                thermal_state=self.thermal.state.value,
+            ),
+            backend_capacity=backend_capacity(report),
         )
 
 
-__all__ = ["THERMAL_TTL_S", "HeartbeatSource", "ThermalSampler", "parse_pmset_therm"]
+__all__ = ["MAX_TOKENS_POTENTIAL", "THERMAL_TTL_S", "HeartbeatSource", "ThermalSampler", "backend_capacity",
+           "parse_pmset_therm"]

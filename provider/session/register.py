@@ -16,7 +16,7 @@ a ``runtime_hash`` on its manifest; ``version`` is the installed package version
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 
 from memory import FitResult
 from memory.policy import GiB
@@ -46,16 +46,14 @@ def quantization_label(model: LocalModel) -> str:
 
 
 def advertised_models(
-    models: Sequence[LocalModel],
-    verdicts: Mapping[str, FitResult],
+    verdicts: Iterable[tuple[LocalModel, FitResult]],
     weight_hashes: Mapping[str, str] | None = None,
 ) -> tuple[AdvertisedModel, ...]:
-    """The models that can ever load here, in inventory order, each with its verdict."""
+    """The models that can ever load here (``ModelManager.verdicts()`` order), each with its verdict."""
     hashes = weight_hashes or {}
     out = []
-    for model in models:
-        verdict = verdicts.get(model.id)
-        if verdict is None or not verdict.ever_fits:
+    for model, verdict in verdicts:
+        if not verdict.ever_fits:
             continue
         out.append(AdvertisedModel(
             id=model.id,

@@ -1,0 +1,241 @@
+"""The provider agent: settings → inventory → engine → ledger → model manager → session, until a signal.
+
+    agent = await Agent.start(settings)          # everything blocking runs off the event loop
+    code = await agent.run(stop)                 # until `stop` is set: drain, unload, 0
+
+``run_agent(settings)`` does both and installs SIGTERM/SIGINT handlers that set ``stop``;
+``main_serve(settings)`` is the synchronous entry for ``darkbloom-provider serve`` and returns the exit
+code. ``python -m provider.agent`` runs it with the settings from the usual sources.
+
+Startup order (each blocking step in a worker thread): refuse ``dev_posture`` unless the coordinator is
+on loopback; harden the process; read the host posture; load or create the identity keys; compute the
+runtime hash; discover models; detect the hardware; hash the weights of every model that can ever load;
+warm their tokenizers (so admission counts prompts exactly without waiting, see ``provider.jobs.tokens``).
+
+Shutdown: the session drains (new requests 503 ``draining``, running ones get ``drain_timeout_s``, then
+are cancelled) and closes the socket with 1000; then every model is unloaded and the engine stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from memory import Ledger, Probe
+from protocol import AttestationChallenge, AttestationResponse
+from protocol.attest import RuntimeHashes, answer_challenge
+from provider import __version__
+from provider.config import ConfigError, Settings, load_settings
+from provider.doctor import cap_figures, discover_models
+from provider.engine import Engine
+from provider.hardware import available_gb, detect_hardware
+from provider.jobs import JobContext, PromptCounter, ServingStats, run_job
+from provider.metrics import Metrics
+from provider.models import Inventory, weight_hash
+from provider.runtime_hash import runtime_hash
+from provider.session.connection import ConnectFactory, Session, SessionConfig
+from provider.session.core import ChallengeAnswerer
+from provider.session.heartbeat import HeartbeatSource, ThermalSampler
+from provider.session.identity import Keys, load_or_create_keys
+from provider.session.posture import (
+    NO_HARDENING,
+    DevPostureRefused,
+    Posture,
+    check_dev_posture,
+    harden_process,
+    read_host_posture,
+)
+from provider.session.register import RegisterFrame, advertised_models, build_register
+from provider.slots import ModelManager
+from provider.telemetry import configure_logging, get_logger
+
+log = get_logger("provider.agent")
+
+EXIT_OK = 0
+EXIT_CONFIG = 78  # EX_CONFIG, as the CLI uses for configuration errors
+
+
+@dataclass(slots=True)
+class Agent:
+    """Every long-lived part of a running provider, wired together."""
+
+    settings: Settings
+    keys: Keys
+    posture: Posture
+    runtime_hash: str
+    inventory: Inventory
+    probe: Probe
+    ledger: Ledger
+    engine: Engine
+    owns_engine: bool
+    manager: ModelManager
+    stats: ServingStats
+    counter: PromptCounter
+    heartbeat: HeartbeatSource
+    session: Session
+    weight_hashes: Mapping[str, str]
+    metrics: Metrics
+
+    @classmethod
+    async def start(cls, settings: Settings, *, engine: Engine | None = None, harden: bool = True,
+                    connect: ConnectFactory | None = None, metrics: Metrics | None = None,
+                    eos_token_ids: Mapping[str, frozenset[int]] | None = None) -> Agent:
+        """Build everything; nothing connects yet. ``harden=False`` leaves this process as it is
+        (for running an agent inside a test process); the posture then reports no hardening."""
+        check_dev_posture(settings.coordinator_url, settings.dev_posture)
+        hardening = harden_process() if harden else NO_HARDENING
+        host = await asyncio.to_thread(read_host_posture)
+        posture = Posture(host, hardening, dev=settings.dev_posture)
+        keys = await asyncio.to_thread(load_or_create_keys, settings.state_dir)
+        rhash = await asyncio.to_thread(runtime_hash, settings.runtime_hash)
+        inventory = await asyncio.to_thread(discover_models, settings)
+        probe = Probe(settings.memory_limit_gb)
+        hardware = await asyncio.to_thread(detect_hardware, probe.snapshot())
+        ledger = Ledger(cap_figures(settings, probe.snapshot()), sample=probe.snapshot)
+        metrics = metrics or Metrics()
+        owns_engine = engine is None
+        engine = engine or Engine()
+        manager = ModelManager.from_settings(settings, engine, inventory, ledger, probe, metrics=metrics,
+                                             eos_token_ids=eos_token_ids)
+        servable = [model for model, verdict in manager.verdicts() if verdict.ever_fits]
+        weight_hashes = {m.id: await weight_hash(m.path) for m in servable}
+        counter = PromptCounter({m.id: m.path for m in inventory.models})
+        await counter.warm(m.id for m in servable)
+        stats = ServingStats()
+        heartbeat = HeartbeatSource(stats=stats, capacity=manager.capacity, thermal=ThermalSampler())
+        ctx = JobContext(identity=keys.encryption, manager=manager, counter=counter, stats=stats, metrics=metrics)
+
+        def make_register() -> RegisterFrame:
+            snapshot = probe.snapshot()
+            return build_register(
+                hardware=hardware.model_copy(update={"memory_available_gb": available_gb(snapshot)}),
+                models=advertised_models(manager.verdicts(), weight_hashes),
+                backend=settings.backend,
+                public_key=keys.encryption.public_key_b64,
+                version=__version__,
+                runtime_hash=rhash,
+                privacy=posture.privacy_capabilities(),
+                auth_token=settings.auth_token.get_secret_value() if settings.auth_token else None,
+            )
+
+        session = Session(
+            SessionConfig(url=settings.coordinator_url, heartbeat_interval_s=settings.heartbeat_interval_s,
+                          drain_timeout_s=settings.drain_timeout_s, dev_posture=settings.dev_posture),
+            build_register=make_register,
+            answer_challenge=challenge_answerer(keys, posture, rhash),
+            build_heartbeat=heartbeat,
+            run_job=lambda request, send: run_job(request, ctx, send),
+            connect=connect,
+        )
+        log.info("agent_ready", models=[m.id for m in servable], version=__version__, backend=settings.backend,
+                 url=settings.coordinator_url, state="dev_posture" if settings.dev_posture else "honest_posture",
+                 hardening_count=sum((hardening.core_dumps_disabled, hardening.anti_debug_enabled,
+                                      hardening.env_scrubbed)))
+        return cls(settings, keys, posture, rhash, inventory, probe, ledger, engine, owns_engine, manager, stats,
+                   counter, heartbeat, session, weight_hashes, metrics)
+
+    async def run(self, stop: asyncio.Event) -> int:
+        """Serve until ``stop`` is set, then drain, unload every model and return the exit code."""
+        background = [asyncio.create_task(self._refresh_thermal(), name="agent-thermal")]
+        if self.settings.idle_timeout_s is not None:
+            background.append(asyncio.create_task(self.manager.run_idle_reaper(), name="agent-idle-reaper"))
+        try:
+            await self.session.run(stop)
+        finally:
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            await self.close()
+        log.info("agent_stopped", count=self.stats.requests_served, tokens_total=self.stats.tokens_generated)
+        return EXIT_OK
+
+    async def close(self) -> None:
+        self.manager.start_draining()
+        await self.manager.unload_all()
+        if self.owns_engine:
+            await self.engine.aclose()
+
+    async def _refresh_thermal(self) -> None:
+        while True:
+            await self.heartbeat.thermal.refresh()
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+
+def challenge_answerer(keys: Keys, posture: Posture, rhash: str) -> ChallengeAnswerer:
+    """Signs every challenge with our P-256 key; posture and runtime hash as read at startup."""
+    security = posture.security()
+    hashes = RuntimeHashes(runtime_hash=rhash)
+
+    def answer(challenge: AttestationChallenge) -> AttestationResponse:
+        return answer_challenge(challenge, public_key_b64=keys.encryption.public_key_b64, signer=keys.signer,
+                                posture=security, hashes=hashes)
+
+    return answer
+
+
+def install_stop_signals(stop: asyncio.Event) -> Callable[[], None]:
+    """SIGTERM and SIGINT set ``stop`` (drain); returns a function that removes the handlers."""
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT)
+
+    def on_signal(signum: int) -> None:
+        log.info("stop_signal", signal=signal.Signals(signum).name)
+        stop.set()
+
+    for signum in signals:
+        loop.add_signal_handler(signum, on_signal, signum)
+
+    def remove() -> None:
+        for signum in signals:
+            loop.remove_signal_handler(signum)
+
+    return remove
+
+
+async def run_agent(settings: Settings, *, stop: asyncio.Event | None = None, engine: Engine | None = None,
+                    harden: bool = True, connect: ConnectFactory | None = None,
+                    install_signals: bool = True) -> int:
+    """Start the agent and serve until SIGTERM/SIGINT (or ``stop``); 0 after a clean drain."""
+    stop = stop or asyncio.Event()
+    remove = install_stop_signals(stop) if install_signals else None
+    try:
+        agent = await Agent.start(settings, engine=engine, harden=harden, connect=connect)
+        return await agent.run(stop)
+    finally:
+        if remove is not None:
+            remove()
+
+
+def main_serve(settings: Settings) -> int:
+    """Synchronous entry point: run the agent to completion and return the process exit code."""
+    try:
+        return asyncio.run(run_agent(settings))
+    except DevPostureRefused as exc:
+        log.error("dev_posture_refused", reason=str(exc))
+        print(f"darkbloom-provider: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m provider.agent``: settings from the file, ``DARKBLOOM_*`` env; no flags."""
+    del argv
+    try:
+        settings = load_settings()
+    except ConfigError as exc:
+        print(f"darkbloom-provider: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    configure_logging(settings.log_level, settings.log_format)
+    return main_serve(settings)
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
+
+
+__all__ = ["EXIT_CONFIG", "EXIT_OK", "Agent", "challenge_answerer", "install_stop_signals", "main", "main_serve",
+           "run_agent"]
