@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from memory import CapFigures
 from protocol.errors import Failure
+from protocol import sse
 from protocol.sse import DONE
 from provider.engine import EngineFailure, Failed, Finished, RequestStream, TextDelta
 from provider.engine.openai import ChatChunks, chat_completion
@@ -159,7 +160,8 @@ async def _complete(stream: RequestStream, request_id: str, body: ChatBody, metr
         case Finished() as done:
             metrics.add_tokens(completion=done.usage.completion_tokens)
             metrics.request_finished(RequestOutcome.COMPLETED)
-            return JSONResponse(chat_completion(request_id, body.model, text, done))
+            completion = chat_completion(request_id, body.model, text, done)
+            return Response(completion.__pydantic_serializer__.to_json(completion), media_type="application/json")
         case Failed(code):
             log.info("request_failed", request_id=request_id, model=body.model, code=code)
             metrics.request_finished(RequestOutcome.FAILED)
@@ -182,7 +184,7 @@ async def _sse(opened: Any, stream: RequestStream, request_id: str, body: ChatBo
                 case Finished(usage=usage):
                     chunk = chunks.for_event(event)
                     if not body.include_usage:
-                        chunk.pop("usage", None)
+                        chunk = chunk.model_copy(update={"usage": None})
                     metrics.add_tokens(completion=usage.completion_tokens)
                     outcome = RequestOutcome.COMPLETED
                     yield _event(chunk)
@@ -196,5 +198,7 @@ async def _sse(opened: Any, stream: RequestStream, request_id: str, body: ChatBo
         await opened.__aexit__(None, None, None)
 
 
-def _event(obj: dict[str, Any] | None) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+def _event(obj: sse.ChatCompletionChunk | dict[str, Any]) -> bytes:
+    if isinstance(obj, dict):  # an OpenAI-style error object
+        return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return sse.event(obj)
