@@ -264,6 +264,7 @@ class Worker:
         """Forget a request whose cache has left the batch, and tell the ledger."""
         active = slot.requests.pop(uid)
         del self._where[active.request_id]
+        self._publish_stats(slot)  # a cancel leaves no later step to refresh them
         self._notify_released(active.on_released, active.request_id)
 
     @staticmethod
