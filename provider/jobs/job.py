@@ -157,7 +157,8 @@ class Job:
     async def _run(self) -> JobOutcome:
         try:
             box, body = self._open()
-            with bound_contextvars(model=body.model):
+            # The model string is the consumer's: it reaches the logs only once it names one of ours.
+            with bound_contextvars(**({"model": body.model} if self._ctx.counter.knows(body.model) else {})):
                 return await self._admit_and_serve(box, body)
         except _Rejected as rejected:
             self._fail(rejected.failure)

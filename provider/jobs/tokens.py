@@ -62,6 +62,10 @@ class PromptCounter:
         self._entries: dict[str, _Entry] = {}
         self._loading: dict[str, asyncio.Future[_Entry]] = {}
 
+    def knows(self, model_id: str) -> bool:
+        """Whether ``model_id`` is one of ours (a consumer-chosen string otherwise: not for logs)."""
+        return model_id in self._paths
+
     async def warm(self, model_ids: Iterable[str]) -> None:
         """Load these models' tokenizers now (startup), one after the other on a worker thread."""
         for model_id in model_ids:

@@ -1,0 +1,255 @@
+"""One inference_request end to end through a real engine and model manager (no socket).
+
+The coordinator side is played by a session key pair: it seals the request and opens each chunk, as
+the Go coordinator does (protocol.md §11).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from pathlib import Path
+
+import pytest
+from nacl.public import Box, PrivateKey, PublicKey
+
+from memory import Ledger, Probe, ReservationKind
+from protocol import EncryptedPayload, InferenceRequest
+from protocol.crypto import ProviderIdentity
+from provider.config import Settings
+from provider.doctor import cap_figures
+from provider.engine import ChatRequest, Engine, SamplingParams
+from provider.jobs import JobContext, JobOutcome, JobState, PromptCounter, ServingStats, run_job
+from provider.jobs.job import Job
+from provider.models import discover
+from provider.slots import ModelManager
+from provider.telemetry import capture_redacted_logs
+
+NO_EOS = frozenset({10**9})  # the tiny model never stops early: completions have exactly max_tokens
+
+
+class Coordinator:
+    """The coordinator's half of the crypto for one provider identity."""
+
+    def __init__(self, provider_key_b64: str) -> None:
+        self.provider_key = provider_key_b64
+        self.session = PrivateKey.generate()
+        self.box = Box(self.session, PublicKey(base64.b64decode(provider_key_b64)))
+
+    def request(self, rid: str, body: dict | bytes) -> InferenceRequest:
+        plaintext = body if isinstance(body, bytes) else json.dumps(body).encode()
+        sealed = base64.b64encode(self.box.encrypt(plaintext)).decode()
+        return InferenceRequest(request_id=rid, encrypted_body=EncryptedPayload(
+            ephemeral_public_key=base64.b64encode(bytes(self.session.public_key)).decode(), ciphertext=sealed))
+
+    def open_chunk(self, frame: dict) -> bytes:
+        assert "data" not in frame  # never plaintext
+        assert frame["encrypted_data"]["ephemeral_public_key"] == self.provider_key
+        return self.box.decrypt(base64.b64decode(frame["encrypted_data"]["ciphertext"]))
+
+
+class Harness:
+    def __init__(self, settings: Settings, engine: Engine) -> None:
+        self.identity = ProviderIdentity.generate()
+        self.coordinator = Coordinator(self.identity.public_key_b64)
+        inventory = discover(hf_cache=None, aliases=settings.model_aliases)
+        self.probe = Probe(settings.memory_limit_gb)
+        self.ledger = Ledger(cap_figures(settings, self.probe.snapshot()), sample=self.probe.snapshot)
+        self.engine = engine
+        self.manager = ModelManager.from_settings(settings, engine, inventory, self.ledger, self.probe,
+                                                  eos_token_ids={"tiny": NO_EOS})
+        self.stats = ServingStats()
+        self.ctx = JobContext(identity=self.identity, manager=self.manager,
+                              counter=PromptCounter({m.id: m.path for m in inventory.models}), stats=self.stats)
+        self.frames: list[dict] = []
+
+    def send(self, text: str) -> None:
+        self.frames.append(json.loads(text))
+
+    async def run(self, request: InferenceRequest) -> JobOutcome:
+        return await run_job(request, self.ctx, self.send)
+
+    def of(self, rid: str) -> list[dict]:
+        return [f for f in self.frames if f.get("request_id") == rid]
+
+    def events(self, rid: str) -> list[bytes]:
+        return [self.coordinator.open_chunk(f) for f in self.of(rid) if f["type"] == "inference_response_chunk"]
+
+
+def settings_for(tiny_model_path: Path, tmp_path: Path, **kw) -> Settings:
+    base = dict(coordinator_url="ws://127.0.0.1:1/ws/provider", state_dir=tmp_path, hf_cache_dir=tmp_path / "hf",
+                model_aliases={"tiny": tiny_model_path}, memory_limit_gb=8.0, memory_reserve_gb=0.5)
+    return Settings(**{**base, **kw})
+
+
+@pytest.fixture
+async def harness(tiny_model_path, tmp_path):
+    engine = Engine()
+    h = Harness(settings_for(tiny_model_path, tmp_path), engine)
+    yield h
+    await h.manager.unload_all()
+    await engine.aclose()
+    assert len(h.ledger) == 0  # every reservation released, on every path
+
+
+def chat(content: str = "hello there", max_tokens: int = 6, **extra) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, **extra}
+
+
+def sse_json(event: bytes) -> dict:
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n") and event.count(b"data: ") == 1
+    return json.loads(event[len(b"data: "):-2])
+
+
+async def test_stream_matches_the_engine_and_usage_is_exact(harness):
+    assert await harness.run(harness.coordinator.request("r1", chat(max_tokens=6))) is JobOutcome.COMPLETED
+    frames = harness.of("r1")
+    kinds = [f["type"] for f in frames]
+    assert kinds[0] == "inference_accepted" and kinds[-1] == "inference_complete"
+    assert set(kinds[1:-1]) == {"inference_response_chunk"}
+    events = harness.events("r1")
+    assert events[-1] == b"data: [DONE]\n\n"
+    chunks = [sse_json(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == "tiny" for c in chunks)
+    final = chunks[-1]
+    assert final["choices"][0]["finish_reason"] == "length" and final["choices"][0]["delta"] == {}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    usage = frames[-1]["usage"]
+    assert usage["completion_tokens"] == 6 and final["usage"]["prompt_tokens"] == usage["prompt_tokens"]
+    assert final["usage"]["completion_tokens"] == 6
+
+    # The engine alone, same request: same text, same prompt count.
+    stream = harness.engine.submit("tiny", ChatRequest("direct", chat()["messages"], SamplingParams(max_tokens=6,
+                                                                                                   temperature=0)))
+    direct, finished = await stream.collect()
+    assert text == direct and finished.usage.prompt_tokens == usage["prompt_tokens"]
+    assert harness.stats.requests_served == 1 and harness.stats.tokens_generated == 6
+    assert not harness.stats.serving
+
+
+async def test_accept_goes_out_before_the_model_loads(harness):
+    sent_before_load: list[str] = []
+    original = harness.engine.load
+
+    async def watching_load(*args, **kwargs):
+        sent_before_load.extend(f["type"] for f in harness.frames)
+        return await original(*args, **kwargs)
+
+    harness.engine.load = watching_load
+    assert await harness.run(harness.coordinator.request("cold", chat())) is JobOutcome.COMPLETED
+    assert sent_before_load == ["inference_accepted"]
+
+
+@pytest.mark.parametrize("mutate, status, code", [
+    (lambda c, r: r.model_copy(update={"encrypted_body": None}), 400, "invalid_request"),
+    (lambda c, r: r.model_copy(update={"encrypted_body": r.encrypted_body.model_copy(
+        update={"ciphertext": _flip(r.encrypted_body.ciphertext)})}), 400, "invalid_request"),
+    (lambda c, r: r.model_copy(update={"encrypted_body": r.encrypted_body.model_copy(
+        update={"ephemeral_public_key": "not-a-key"})}), 400, "invalid_request"),
+    (lambda c, r: c.request("bad", b"{not json"), 400, "invalid_request"),
+    (lambda c, r: c.request("bad", {"messages": []}), 400, "invalid_request"),
+    (lambda c, r: c.request("bad", {**chat(), "endpoint": "/v1/completions"}), 400, "invalid_request"),
+    (lambda c, r: c.request("bad", chat(model="someone-elses-model") | {"model": "other"}), 404, "model_unavailable"),
+    (lambda c, r: c.request("bad", chat(content="word " * 3000)), 400, "invalid_request"),  # > context 2048
+])
+async def test_fast_rejects_have_no_accept(harness, mutate, status, code):
+    request = mutate(harness.coordinator, harness.coordinator.request("bad", chat()))
+    assert await harness.run(request) is JobOutcome.REJECTED
+    (frame,) = harness.of("bad")
+    assert frame["type"] == "inference_error" and frame["status_code"] == status and frame["failure_code"] == code
+
+
+def _flip(ciphertext: str) -> str:
+    raw = bytearray(base64.b64decode(ciphertext))
+    raw[-1] ^= 1
+    return base64.b64encode(bytes(raw)).decode()
+
+
+async def test_endpoint_chat_completions_and_unknown_keys_are_fine(harness):
+    body = {**chat(), "endpoint": "/v1/chat/completions", "provider_serial": "x", "tool_schema_metadata_protocol": 1}
+    assert await harness.run(harness.coordinator.request("ok", body)) is JobOutcome.COMPLETED
+
+
+async def test_a_model_that_can_never_fit_is_refused_with_503_and_no_accept(tiny_model_path, tmp_path):
+    engine = Engine()
+    try:
+        h = Harness(settings_for(tiny_model_path, tmp_path, memory_limit_gb=3.0), engine)
+        assert await h.run(h.coordinator.request("full", chat())) is JobOutcome.REJECTED
+        (frame,) = h.of("full")
+        assert frame["status_code"] == 503 and frame["failure_code"] == "capacity"
+        assert frame["rejection_reason"] == "memory_cap"
+    finally:
+        await engine.aclose()
+
+
+async def test_draining_manager_refuses_with_503_draining(harness):
+    harness.manager.start_draining()
+    assert await harness.run(harness.coordinator.request("late", chat())) is JobOutcome.REJECTED
+    (frame,) = harness.of("late")
+    assert (frame["status_code"], frame["error_reason"]) == (503, "draining")
+
+
+async def test_cancel_mid_stream_sends_nothing_more_and_releases_the_reservation(harness):
+    first_content = asyncio.Event()
+
+    def send(text: str) -> None:
+        harness.send(text)
+        if len(harness.of("c1")) >= 3:  # accepted, role, one content chunk
+            first_content.set()
+
+    job = Job(harness.coordinator.request("c1", chat(max_tokens=400)), harness.ctx, send)
+    task = asyncio.create_task(job.run())
+    await first_content.wait()
+    assert harness.ledger.snapshot().count_by_kind[ReservationKind.REQUEST_KV] == 1  # c1's KV is reserved
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert job.state is JobState.CANCELLED
+    count = len(harness.of("c1"))
+    assert all(f["type"] != "inference_complete" and f["type"] != "inference_error" for f in harness.of("c1"))
+    assert harness.stats.cancellations_received == 1 and not harness.stats.serving
+    # The engine stopped this request: a later request runs alone and nothing more arrives for c1.
+    assert await harness.run(harness.coordinator.request("after", chat())) is JobOutcome.COMPLETED
+    assert len(harness.of("c1")) == count
+    await asyncio.sleep(0)
+    assert len(harness.ledger) == 0
+
+
+async def test_cancel_while_waiting_for_the_load(harness):
+    accepted = asyncio.Event()
+
+    def send(text: str) -> None:
+        harness.send(text)
+        accepted.set()
+
+    task = asyncio.create_task(run_job(harness.coordinator.request("w1", chat()), harness.ctx, send))
+    await accepted.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert [f["type"] for f in harness.of("w1")] == ["inference_accepted"]
+    assert harness.stats.cancellations_before_output == 1
+
+
+async def test_concurrent_jobs_each_get_their_own_box_and_stream(harness):
+    outcomes = await asyncio.gather(*(harness.run(harness.coordinator.request(f"p{i}", chat(f"prompt {i}", 5)))
+                                      for i in range(4)))
+    assert outcomes == [JobOutcome.COMPLETED] * 4
+    for i in range(4):
+        frames = harness.of(f"p{i}")
+        assert frames[-1]["type"] == "inference_complete" and frames[-1]["usage"]["completion_tokens"] == 5
+        assert harness.events(f"p{i}")[-1] == b"data: [DONE]\n\n"
+
+
+async def test_no_prompt_text_or_consumer_strings_in_logs(harness):
+    canary = "CANARY-7f3a9-SECRET"
+    with capture_redacted_logs() as logs:
+        await harness.run(harness.coordinator.request("k1", chat(content=f"{canary} " * 3000)))  # exceeds context
+        await harness.run(harness.coordinator.request("k2", {**chat(content=canary), "model": canary}))
+        await harness.run(harness.coordinator.request("k3", chat(content=canary, max_tokens=3)))
+    assert [f["type"] for f in harness.of("k1")] == ["inference_error"]
+    assert harness.of("k3")[-1]["type"] == "inference_complete"
+    assert logs and canary not in json.dumps(logs, default=str)
