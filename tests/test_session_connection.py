@@ -1,0 +1,245 @@
+"""The session's asyncio shell with an injected in-memory transport: register per connection, send
+queue, heartbeats, drain, connection loss, reconnect with backoff. (End to end over a real WebSocket:
+tests/test_e2e*.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from protocol import (
+    AttestationResponse,
+    CpuCores,
+    Hardware,
+    Heartbeat,
+    HeartbeatStats,
+    InferenceAccepted,
+    InferenceComplete,
+    InferenceRequest,
+    Register,
+    SystemMetrics,
+    Usage,
+    encode,
+)
+from provider.session.connection import Session, SessionConfig
+
+KEY = "tHFZkLURE4Ne6qGImKWQ5P0vHEfBq17lkLkV/Wm2rSU="
+HW = Hardware(machine_model="m", chip_name="c", chip_family="Unknown", chip_tier="Unknown", memory_gb=16,
+              memory_available_gb=8.0, cpu_cores=CpuCores(total=2, performance=2, efficiency=0), gpu_cores=0,
+              memory_bandwidth_gbs=0.0)
+_CLOSE = object()
+
+
+class MemoryTransport:
+    """One connection: the test pushes inbound frames; the session's sends are recorded."""
+
+    def __init__(self) -> None:
+        self.inbound: asyncio.Queue = asyncio.Queue()
+        self.sent: list[dict] = []
+        self.sent_changed = asyncio.Condition()
+        self.close_code: int | None = None
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        item = await self.inbound.get()
+        if item is _CLOSE:
+            raise StopAsyncIteration
+        return item
+
+    async def send(self, message: str) -> None:
+        if self.close_code is not None:
+            from websockets.exceptions import ConnectionClosedOK
+
+            raise ConnectionClosedOK(None, None)
+        self.sent.append(json.loads(message))
+        async with self.sent_changed:
+            self.sent_changed.notify_all()
+
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        if self.close_code is None:
+            self.close_code = code
+        self.inbound.put_nowait(_CLOSE)
+
+    def drop(self) -> None:
+        """The peer went away."""
+        self.inbound.put_nowait(_CLOSE)
+
+    async def wait_for(self, predicate) -> None:
+        async with self.sent_changed:
+            await self.sent_changed.wait_for(lambda: predicate(self.sent))
+
+    def types(self) -> list[str]:
+        return [f["type"] for f in self.sent]
+
+
+class Harness:
+    def __init__(self, *, fail_first: int = 0, drain_timeout_s: float = 5.0) -> None:
+        self.transports: list[MemoryTransport] = []
+        self.connected = asyncio.Condition()
+        self.fail_first = fail_first
+        self.attempts = 0
+        self.retried = asyncio.Event()  # set at the second connect attempt
+        self.delays_used: list[float] = []
+        self.jobs_started: list[str] = []
+        self.jobs_cancelled: list[str] = []
+        self.release = asyncio.Event()
+        self.session = Session(
+            SessionConfig(url="ws://127.0.0.1:1/ws/provider", heartbeat_interval_s=0.05,
+                          drain_timeout_s=drain_timeout_s, backoff=self._backoff),
+            build_register=lambda: Register(hardware=HW, models=(), backend="inprocess-mlx", public_key=KEY,
+                                            encrypted_response_chunks=True),
+            answer_challenge=lambda c: AttestationResponse(nonce=c.nonce, signature="c2ln", public_key=KEY),
+            build_heartbeat=lambda draining: Heartbeat(
+                status="draining" if draining else "idle", stats=HeartbeatStats(requests_served=0, tokens_generated=0),
+                system_metrics=SystemMetrics(memory_pressure=0.1, cpu_usage=0.1, thermal_state="nominal")),
+            run_job=self._job,
+            connect=self._connect,
+        )
+
+    def _backoff(self) -> Iterator[float]:
+        while True:
+            self.delays_used.append(0.01)
+            yield 0.01
+
+    async def _connect(self, url: str) -> MemoryTransport:
+        self.attempts += 1
+        if self.attempts >= 2:
+            self.retried.set()
+        if self.attempts <= self.fail_first:
+            raise OSError("connection refused")
+        transport = MemoryTransport()
+        self.transports.append(transport)
+        async with self.connected:
+            self.connected.notify_all()
+        return transport
+
+    async def _job(self, request: InferenceRequest, send) -> None:
+        rid = request.request_id
+        self.jobs_started.append(rid)
+        send(encode(InferenceAccepted(request_id=rid)))
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.jobs_cancelled.append(rid)
+            raise
+        send(encode(InferenceComplete(request_id=rid, usage=Usage(prompt_tokens=1, completion_tokens=1))))
+
+    async def connection(self, n: int) -> MemoryTransport:
+        async with self.connected:
+            await self.connected.wait_for(lambda: len(self.transports) >= n)
+        transport = self.transports[n - 1]
+        await transport.wait_for(lambda sent: sent)  # register is out
+        return transport
+
+
+def request(rid: str) -> str:
+    return json.dumps({"type": "inference_request", "request_id": rid,
+                       "encrypted_body": {"ephemeral_public_key": KEY, "ciphertext": "AAAA"}})
+
+
+async def test_register_first_then_heartbeats_and_challenge_answers():
+    h = Harness()
+    stop = asyncio.Event()
+    task = asyncio.create_task(h.session.run(stop))
+    conn = await h.connection(1)
+    assert conn.types()[0] == "register"
+    conn.inbound.put_nowait('{"type":"attestation_challenge","nonce":"bm9uY2U=","timestamp":"2026-04-30T10:41:07Z"}')
+    await conn.wait_for(lambda sent: sum(f["type"] == "heartbeat" for f in sent) >= 3
+                        and any(f["type"] == "attestation_response" for f in sent))
+    assert conn.types().count("register") == 1
+    stop.set()
+    await task
+    assert conn.close_code == 1000
+
+
+async def test_drain_lets_the_running_job_finish_and_refuses_new_ones():
+    h = Harness()
+    stop = asyncio.Event()
+    task = asyncio.create_task(h.session.run(stop))
+    conn = await h.connection(1)
+    conn.inbound.put_nowait(request("running"))
+    await conn.wait_for(lambda sent: any(f["type"] == "inference_accepted" for f in sent))
+    stop.set()
+    await conn.wait_for(lambda sent: any(f.get("status") == "draining" for f in sent))
+    conn.inbound.put_nowait(request("late"))
+    await conn.wait_for(lambda sent: any(f.get("request_id") == "late" for f in sent))
+    assert not task.done()
+    h.release.set()
+    await task
+    late = [f for f in conn.sent if f.get("request_id") == "late"]
+    assert [(f["type"], f["status_code"], f["error_reason"]) for f in late] == [("inference_error", 503, "draining")]
+    assert [f["type"] for f in conn.sent if f.get("request_id") == "running"] == \
+        ["inference_accepted", "inference_complete"]
+    assert conn.close_code == 1000 and h.jobs_cancelled == [] and h.jobs_started == ["running"]
+
+
+async def test_drain_timeout_cancels_jobs_then_closes_1000():
+    h = Harness(drain_timeout_s=0.05)
+    stop = asyncio.Event()
+    task = asyncio.create_task(h.session.run(stop))
+    conn = await h.connection(1)
+    conn.inbound.put_nowait(request("slow"))
+    await conn.wait_for(lambda sent: any(f["type"] == "inference_accepted" for f in sent))
+    stop.set()
+    await task
+    assert h.jobs_cancelled == ["slow"] and conn.close_code == 1000
+    assert [f["type"] for f in conn.sent if f.get("request_id") == "slow"] == ["inference_accepted"]
+
+
+async def test_lost_connection_cancels_jobs_and_reconnects_with_a_fresh_register():
+    h = Harness()
+    stop = asyncio.Event()
+    task = asyncio.create_task(h.session.run(stop))
+    first = await h.connection(1)
+    first.inbound.put_nowait(request("r1"))
+    await first.wait_for(lambda sent: any(f["type"] == "inference_accepted" for f in sent))
+    first.drop()
+    second = await h.connection(2)
+    assert h.jobs_cancelled == ["r1"]
+    assert second.types()[0] == "register" and second.types().count("register") == 1
+    assert h.session.counters.connection_losses == 1 and h.session.counters.registrations == 2
+    second.inbound.put_nowait('{"type":"cancel","request_id":"r1"}')  # old id: ignored
+    second.inbound.put_nowait(request("r2"))
+    await second.wait_for(lambda sent: any(f.get("request_id") == "r2" for f in sent))
+    h.release.set()
+    await second.wait_for(lambda sent: any(f["type"] == "inference_complete" for f in sent))
+    stop.set()
+    await task
+
+
+async def test_connect_failures_back_off_then_succeed():
+    h = Harness(fail_first=3)
+    stop = asyncio.Event()
+    task = asyncio.create_task(h.session.run(stop))
+    await h.connection(1)
+    assert h.attempts == 4 and len(h.delays_used) >= 3
+    stop.set()
+    await task
+
+
+async def test_stop_while_disconnected_returns_at_once():
+    h = Harness(fail_first=10**6)
+    stop = asyncio.Event()
+    task = asyncio.create_task(h.session.run(stop))
+    await h.retried.wait()
+    stop.set()
+    await asyncio.wait_for(task, 2)
+
+
+@pytest.mark.parametrize("frame", ["garbage", '{"type":"nope"}', b"\x00\x01", '{"type":"cancel","request_id":"x"}'])
+async def test_bad_frames_do_not_end_the_connection(frame):
+    h = Harness()
+    stop = asyncio.Event()
+    task = asyncio.create_task(h.session.run(stop))
+    conn = await h.connection(1)
+    conn.inbound.put_nowait(frame)
+    conn.inbound.put_nowait('{"type":"attestation_challenge","nonce":"bm9uY2U=","timestamp":"t"}')
+    await conn.wait_for(lambda sent: any(f["type"] == "attestation_response" for f in sent))
+    assert len(h.transports) == 1 and h.session.counters.connection_losses == 0
+    stop.set()
+    await task
