@@ -475,12 +475,14 @@ class ModelManager:
             except EngineError as exc:
                 if exc.code is not EngineFailure.MODEL_NOT_LOADED:
                     log.error("model_unload_failed", model=model_id, code=exc.code)
+            # engine.unload ran gc + mx.clear_cache() + malloc_trim(0) on its thread; a purge drops
+            # more buffers (the model's prefix cache), so it is followed by one more round.
             if self._kv_purge is not None:
                 try:
                     await self._kv_purge(model_id)
                 except Exception as exc:  # an edge: the unload must finish; the startup sweep cleans up
                     log.error("kv_purge_failed", model=model_id, exc_type=type(exc).__name__)
-            await asyncio.to_thread(reclaim)  # gc + mx.clear_cache() + malloc_trim(0)
+                await asyncio.to_thread(reclaim)
             result = await asyncio.to_thread(settle, resident_bytes=resident, active_before_bytes=active_before,
                                              timeout_s=self._settle_s)
         finally:
