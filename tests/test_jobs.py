@@ -253,3 +253,53 @@ async def test_no_prompt_text_or_consumer_strings_in_logs(harness):
     assert [f["type"] for f in harness.of("k1")] == ["inference_error"]
     assert harness.of("k3")[-1]["type"] == "inference_complete"
     assert logs and canary not in json.dumps(logs, default=str)
+
+
+# --- heartbeat and register built from the same manager -------------------------------------------------
+
+
+async def test_heartbeat_reflects_the_manager_and_jobs(harness):
+    from protocol import decode, encode
+    from provider.session.heartbeat import HeartbeatSource
+
+    source = HeartbeatSource(stats=harness.stats, capacity=harness.manager.capacity, cpu_percent=lambda: 250.0)
+    idle = json.loads(encode(source()))
+    assert idle["status"] == "idle" and idle["active_model"] is None and idle["backend_capacity"]["slots"] == []
+    assert idle["system_metrics"]["cpu_usage"] == 1.0 and 0 <= idle["system_metrics"]["memory_pressure"] <= 1
+    assert idle["backend_capacity"]["total_memory_gb"] == 8.0
+
+    seen: list[dict] = []
+
+    def send(text: str) -> None:
+        harness.send(text)
+        if harness.of("hb")[-1]["type"] == "inference_response_chunk" and not seen:
+            seen.append(json.loads(encode(source())))  # mid-stream
+
+    await run_job(harness.coordinator.request("hb", chat(max_tokens=4)), harness.ctx, send)
+    serving = seen[0]
+    assert serving["status"] == "serving" and serving["active_model"] == "tiny"
+    (slot,) = serving["backend_capacity"]["slots"]
+    assert slot["model"] == "tiny" and slot["state"] == "running" and slot["kv_bytes_per_token"] > 0
+    assert slot["active_token_budget_used"] > 0 and slot["max_concurrency"] >= 1
+    after = json.loads(encode(source()))
+    assert after["status"] == "idle" and after["warm_models"] == ["tiny"]
+    assert after["stats"] == {"requests_served": 1, "tokens_generated": 4}
+    for key in ("gpu_memory_active_gb", "gpu_memory_peak_gb", "gpu_memory_cache_gb", "total_memory_gb",
+                "free_for_load_gb"):
+        assert isinstance(after["backend_capacity"][key], float)
+    assert after["backend_capacity"]["gpu_memory_active_gb"] > 0
+    decode(encode(source()))  # what we send decodes as a heartbeat
+
+
+async def test_register_advertises_only_models_that_can_ever_load(harness, tiny_model_path, tmp_path):
+    from provider.session.register import advertised_models
+
+    (model,) = advertised_models(harness.manager.verdicts(), {"tiny": "ab" * 32})
+    assert model.id == "tiny" and model.fit_verdict == "fits_now" and model.weight_hash == "ab" * 32
+    assert type(model.size_bytes) is int and model.size_bytes > 0 and model.required_memory_gb > 0
+    engine = Engine()
+    try:
+        small = Harness(settings_for(tiny_model_path, tmp_path / "small", memory_limit_gb=3.0), engine)
+        assert advertised_models(small.manager.verdicts()) == ()
+    finally:
+        await engine.aclose()
