@@ -303,3 +303,37 @@ async def test_register_advertises_only_models_that_can_ever_load(harness, tiny_
         assert advertised_models(small.manager.verdicts()) == ()
     finally:
         await engine.aclose()
+
+
+
+# --- the official coordinator -> provider fixtures through the core and the jobs ------------------------------
+
+VECTORS = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "vectors"
+
+
+async def test_every_official_coordinator_fixture_is_survived(harness):
+    """protocol.md §15.5/§15.13: each [N] fixture plus an invented type goes through a session core; the
+    requests it starts (plaintext fixture, placeholder keys) are answered with one 400 and no accept."""
+    from protocol import CpuCores, Hardware, Register
+    from provider.session.core import CancelJob, Log, Send, SessionCore, StartJob
+
+    cases = json.loads((VECTORS / "coordinator_to_provider.json").read_text())["cases"]
+    hw = Hardware(machine_model="", chip_name="", chip_family="", chip_tier="", memory_gb=0, memory_available_gb=0.0,
+                  cpu_cores=CpuCores(total=0, performance=0, efficiency=0), gpu_cores=0, memory_bandwidth_gbs=0.0)
+    core = SessionCore(register=Register(hardware=hw, models=(), backend="inprocess-mlx"),
+                       answer_challenge=lambda c: __import__("protocol").AttestationResponse(
+                           nonce=c.nonce, signature="c2ln", public_key=harness.identity.public_key_b64))
+    core.connection_made()
+    started = []
+    for wire in [case["wire"] for case in cases] + ['{"type":"from_the_future","x":[1,2,3]}']:
+        for action in core.receive_text(wire):
+            assert isinstance(action, Send | StartJob | CancelJob | Log)
+            if isinstance(action, StartJob):
+                started.append(action.request)
+    assert len(started) == sum(case["message_type"] == "inference_request" for case in cases)
+    for n, request in enumerate(started):
+        request = request.model_copy(update={"request_id": f"fixture-{n}"})
+        assert await harness.run(request) is JobOutcome.REJECTED
+        (frame,) = harness.of(f"fixture-{n}")
+        assert (frame["type"], frame["status_code"], frame["failure_code"]) == ("inference_error", 400,
+                                                                                "invalid_request")
