@@ -50,7 +50,7 @@ from provider.engine.types import (
     ModelStats,
     TextDelta,
 )
-from provider.engine.worker import Worker
+from provider.engine.worker import PrefixCacheLookup, Worker
 
 
 def _wait_for_os_thread_exit(native_id: int | None, limit: float = 2.0) -> None:
@@ -137,9 +137,11 @@ class RequestStream:
 class Engine:
     """Owns the MLX worker thread. Create it on the event loop that will consume its streams."""
 
-    def __init__(self, *, thread_name: str = "mlx-engine"):
+    def __init__(self, *, thread_name: str = "mlx-engine", prefix_cache: PrefixCacheLookup | None = None):
+        """`prefix_cache`: model id -> its `kvcache.ModelKvCache` (e.g. `KvCacheManager.get`); the
+        worker reuses cached prompt prefixes on submit and stores them when a request ends."""
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._worker = Worker(self._commands)
+        self._worker = Worker(self._commands, prefix_cache=prefix_cache)
         self._streams: dict[str, RequestStream] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._worker.run, name=thread_name, daemon=True)

@@ -17,7 +17,7 @@ import queue
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.generate import BatchGenerator
 
+from kvcache.manager import MISS, ModelKvCache, Reuse
 from provider.engine.commands import (
     Cancel,
     Command,
@@ -58,6 +59,9 @@ log = logging.getLogger("provider.engine")
 
 _TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError)
 
+# model id -> that model's prefix cache (kvcache.KvCacheManager.get), or None when reuse is off.
+PrefixCacheLookup = Callable[[str], ModelKvCache | None]
+
 
 @dataclass(slots=True)
 class _Active:
@@ -70,6 +74,7 @@ class _Active:
     text: CompletionText
     prompt_tokens: int
     completion_ids: list[int] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)  # the key its KV is stored under when it ends
 
 
 @dataclass(slots=True)
@@ -94,8 +99,9 @@ def _release_native_heap() -> None:
 
 
 class Worker:
-    def __init__(self, commands: queue.SimpleQueue[Command]):
+    def __init__(self, commands: queue.SimpleQueue[Command], *, prefix_cache: PrefixCacheLookup | None = None):
         self._commands = commands
+        self._prefix_cache = prefix_cache
         self._slots: dict[str, _Slot] = {}
         self._where: dict[str, tuple[_Slot, int]] = {}  # request_id -> (slot, uid)
         self._outbox: list[tuple[EventSink, Event]] = []
@@ -230,9 +236,12 @@ class Worker:
             room = request.params.max_tokens if ctx is None else ctx - len(ids)
             if room < 1:
                 raise EngineError(EngineFailure.REQUEST_EXCEEDS_CONTEXT)
+            reuse = self._reuse(cmd.model_id, ids)
             (uid,) = slot.generator.insert(
-                [ids],
+                [reuse.rest(ids)],
                 max_tokens=[min(request.params.max_tokens, room)],
+                caches=None if reuse.cache is None else [reuse.cache],
+                all_tokens=None if reuse.cache is None else [ids[: reuse.matched]],
                 samplers=[sampler_for(request.params)],
             )
         except EngineError as exc:
@@ -240,8 +249,31 @@ class Worker:
             self._notify_released(cmd.on_released, request.request_id)
             return
         text = CompletionText(slot.tokenizer.detokenizer, request.params.stop)
-        slot.requests[uid] = _Active(request.request_id, uid, cmd.sink, cmd.on_released, text, len(ids))
+        slot.requests[uid] = _Active(request.request_id, uid, cmd.sink, cmd.on_released, text, len(ids),
+                                     prompt_ids=ids)
         self._where[request.request_id] = (slot, uid)
+
+    # -- prefix cache (kvcache/) -------------------------------------------------------------
+
+    def _reuse(self, model_id: str, ids: list[int]) -> Reuse:
+        """The longest cached prefix of the prompt (a private copy), or MISS."""
+        kv = self._prefix_cache(model_id) if self._prefix_cache is not None else None
+        if kv is None:
+            return MISS
+        try:
+            return kv.fetch(ids)
+        except Exception:  # an edge: the cache is an optimisation, never a reason to fail
+            log.exception("prefix cache fetch failed")
+            return MISS
+
+    def _keep_prefix(self, slot: _Slot, active: _Active, cache: list | None) -> None:
+        kv = self._prefix_cache(slot.info.model_id) if self._prefix_cache is not None else None
+        if kv is None or not cache:
+            return
+        try:
+            kv.store(active.prompt_ids, cache)
+        except Exception:  # an edge: see _reuse
+            log.exception("prefix cache store failed")
 
     def _cancel(self, request_id: str) -> None:
         # Unknown ids are normal: the request may have finished in the previous step.
@@ -289,7 +321,7 @@ class Worker:
             for r in responses:
                 active = slot.requests.get(r.uid)
                 if active is not None:
-                    self._on_token(slot, active, r.token, r.finish_reason)
+                    self._on_token(slot, active, r.token, r.finish_reason, r.prompt_cache)
         except Exception:  # an edge: fail this model's requests, keep the worker alive
             log.exception("decode step failed", extra={"model_id": slot.info.model_id})
             self._fail_all(slot, EngineFailure.INTERNAL_ERROR)
@@ -297,8 +329,11 @@ class Worker:
             slot.generator = _new_generator(slot.model, slot.info.eos_token_ids)
         self._publish_stats(slot)
 
-    def _on_token(self, slot: _Slot, active: _Active, token: int, finish: str | None) -> None:
+    def _on_token(self, slot: _Slot, active: _Active, token: int, finish: str | None,
+                  cache: list | None = None) -> None:
         active.completion_ids.append(token)
+        if finish is not None:  # the batch handed back this request's cache: keep its prompt prefix
+            self._keep_prefix(slot, active, cache)
         if finish == "stop":  # an EOS token: never part of the text
             out = active.text.finish()
             self._emit_text(active, out.text)
@@ -308,7 +343,9 @@ class Worker:
         if out.stopped:
             self._emit_text(active, out.text)
             if finish is None:
-                slot.generator.remove([active.uid])
+                removed = slot.generator.remove([active.uid], return_prompt_caches=self._prefix_cache is not None)
+                if active.uid in removed:
+                    self._keep_prefix(slot, active, removed[active.uid][0])
             self._finish(slot, active, FinishReason.STOP)
         elif finish == "length":
             tail = active.text.finish()
