@@ -247,8 +247,15 @@ class _Connection:
     async def heartbeats(self, draining: bool = False) -> None:
         interval = self.session.config.heartbeat_interval_s
         while True:
-            self.send(encode(self.session._build_heartbeat(draining)))
+            self.send_heartbeat(draining)
             await asyncio.sleep(interval)
+
+    def send_heartbeat(self, draining: bool) -> None:
+        self.send(encode(self.session._build_heartbeat(draining)))
+
+    async def _later_heartbeats(self) -> None:
+        await asyncio.sleep(self.session.config.heartbeat_interval_s)
+        await self.heartbeats(draining=True)
 
     async def clock_watchdog(self) -> None:
         interval = self.session.config.clock_check_interval_s
@@ -269,7 +276,8 @@ class _Connection:
         for task in tasks:
             if task.get_name() == "session-heartbeat":
                 task.cancel()
-        heartbeat = asyncio.create_task(self.heartbeats(draining=True), name="session-heartbeat")
+        self.send_heartbeat(draining=True)  # at once: [N] stops routing to us on this status
+        heartbeat = asyncio.create_task(self._later_heartbeats(), name="session-heartbeat")
         tasks.add(heartbeat)
         link = {t for t in tasks if t.get_name() in ("session-reader", "session-writer")}
         timeout = self.session.config.drain_timeout_s
