@@ -494,6 +494,8 @@ async def test_twenty_switches_return_to_baseline(rigs, tiny_model_path, small_m
         await serve_once(m, f"r{i}", model, 1)
         size = weights_bytes(tiny_model_path if model == "tiny" else small_model_path)
         assert await m.unload(model) is True
+        report = m.last_unload
+        assert report.model_id == model and report.settled and report.resident_bytes >= size * 0.99
         assert abs(mx.get_active_memory() - baseline) <= size // 100, i
         assert mx.get_cache_memory() == 0
         assert len(rig.ledger) == 0

@@ -43,6 +43,7 @@ API for the jobs / session code:
     manager.capacity() -> CapacityReport; manager.warm_models() -> list[str]
     manager.verdicts() -> list[tuple[ModelInfo, FitResult]]       # register / doctor
     manager.state(model_id) -> ModelState; manager.view() -> ManagerView
+    manager.last_unload -> UnloadReport | None                    # freed bytes, settle time
 
 Refusals (memory-policy.md §7): unknown model → 404 model_unavailable; could never fit →
 503 request_exceeds_node + memory_cap; cannot fit after evicting every idle model → 503 memory_cap;
@@ -65,7 +66,7 @@ from provider.slots.admission import (
     plan_room,
 )
 from provider.slots.capacity import CapacityReport, SlotCapacity
-from provider.slots.manager import LoadStep, ModelManager, ServeSlot, SlotRefused
+from provider.slots.manager import LoadStep, ModelManager, ServeSlot, SlotRefused, UnloadReport
 from provider.slots.state import InvalidTransition, ModelSlot, ModelState, SlotView
 
 __all__ = [
@@ -85,6 +86,7 @@ __all__ = [
     "SlotCapacity",
     "SlotRefused",
     "SlotView",
+    "UnloadReport",
     "decide",
     "kv_need",
     "plan_kv",

@@ -76,6 +76,19 @@ class SlotRefused(Exception):
         self.failure = failure
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class UnloadReport:
+    """What one unload freed and how long memory took to settle (also logged as `model_unloaded`)."""
+
+    model_id: str
+    cause: EvictionCause
+    resident_bytes: int
+    freed_bytes: int
+    settled: bool
+    settle_seconds: float
+    total_seconds: float
+
+
 class LoadStep(enum.Enum):
     """Points in a load where a test may inject a failure (`fault=`)."""
 
@@ -206,6 +219,7 @@ class ModelManager:
         self._slots: dict[str, ModelSlot] = {m.id: ModelSlot(m) for m in inventory.models}
         self._room_lock = asyncio.Lock()
         self._draining = False
+        self.last_unload: UnloadReport | None = None  # the most recent unload's figures
 
     @classmethod
     def from_settings(cls, settings, engine: Engine, inventory: Inventory, ledger: Ledger, probe: Probe,
@@ -489,12 +503,15 @@ class ModelManager:
             slot.loaded = None
             slot.state = ModelState.NOT_LOADED
             self._set_loaded_gauge()
+        report = UnloadReport(model_id, cause, resident, result.freed_bytes, result.settled, result.seconds,
+                              self._clock() - started)
+        self.last_unload = report
         if self._metrics is not None:
             self._metrics.model_evicted(cause)
             self._metrics.settled(result.seconds)
         log.info("model_unloaded", model=model_id, cause=cause, resident_bytes=resident,
                  freed_bytes=result.freed_bytes, settle_s=round(result.seconds, 3),
-                 outcome="settled" if result.settled else "unsettled", total_s=round(self._clock() - started, 3))
+                 outcome="settled" if result.settled else "unsettled", total_s=round(report.total_seconds, 3))
 
     async def unload(self, model_id: str, *, cause: EvictionCause = EvictionCause.IDLE) -> bool:
         """Unload an idle model now. False if it is not loaded or is busy (never evicted then)."""
