@@ -248,3 +248,15 @@ def test_kv_reservation_is_released_exactly_once_across_threads():
         reservation.release()
         assert ledger.bytes_of("kv:r") == MiB
         ledger.release("kv:r")
+
+
+def test_pressure_names_the_lru_idle_model_only_at_yellow_or_worse():
+    """P = 16 GiB; YELLOW from 65 %: 8 GiB resident + 2 GiB incoming = 62.5 % (GREEN), + 3 GiB = 68.75 %."""
+    from provider.slots import pressure_victim
+
+    old, new, busy = (slot("old", last_used=1.0, resident=4 * GiB), slot("new", last_used=2.0, resident=2 * GiB),
+                      slot("busy", busy=True, resident=2 * GiB))
+    v, s = view(old, new, busy), snap(old, new, busy)
+    assert pressure_victim(v, s, target="x", incoming_bytes=2 * GiB) is None
+    assert pressure_victim(v, s, target="x", incoming_bytes=3 * GiB) == "old"
+    assert pressure_victim(view(busy), snap(busy, extra_active=8 * GiB), target="x", incoming_bytes=3 * GiB) is None

@@ -64,6 +64,7 @@ from provider.slots.admission import (
     kv_need,
     plan_kv,
     plan_room,
+    pressure_victim,
 )
 from provider.slots.capacity import CapacityReport, SlotCapacity
 from provider.slots.manager import LoadStep, ModelManager, ServeSlot, SlotRefused, UnloadReport
@@ -91,4 +92,5 @@ __all__ = [
     "kv_need",
     "plan_kv",
     "plan_room",
+    "pressure_victim",
 ]

@@ -7,7 +7,9 @@ Nothing here awaits, loads, allocates or reserves. The manager copies its state 
 * `plan_room(...)` → `RoomPlan | Refused`: which idle models to evict, least recently used first, so a
   cold model can load (§5.2: if evicting every idle model cannot reach the target, refuse at once and
   evict nothing);
-* `plan_kv(...)` → the same for a resident model whose request KV does not fit.
+* `plan_kv(...)` → the same for a resident model whose request KV does not fit;
+* `pressure_victim(...)` → the §8 watermark: an idle model to evict before a load that would run
+  at YELLOW or worse, even though the cap allows it.
 
 Every memory figure comes from `memory/` (`fit`, `CapFigures`); this module only chooses victims and
 maps outcomes to `protocol.errors.Failure`, the one vocabulary that becomes a frame.
@@ -25,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from memory import MIN_KV_BYTES, CapFigures, FitResult, MemorySnapshot, default_max_tokens, fit
+from memory import MIN_KV_BYTES, CapFigures, FitResult, MemorySnapshot, default_max_tokens, fit, pressure
 from protocol.errors import ErrorReason, Failure, FailureCode, RejectionReason
 from provider.models import ALLOC_STEP, ModelInfo, kv_bytes_for_tokens
 from provider.slots.state import ModelState, SlotView
@@ -172,6 +174,16 @@ def plan_room(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, 
     if memory_ok_somewhere:
         return Refused(Failure.capacity(RejectionReason.SLOT_STATE))
     return Refused(Failure.capacity(RejectionReason.MEMORY_CAP))
+
+
+def pressure_victim(view: ManagerView, snapshot: MemorySnapshot, *, target: str, incoming_bytes: int) -> str | None:
+    """The second signal (§8): when the load would put projected utilization at YELLOW or worse,
+    the least recently used idle model to evict first (one at a time, re-checking after each);
+    None when pressure is GREEN or nothing is idle. The cap plan alone decides refusals."""
+    if not pressure(snapshot, incoming_bytes=incoming_bytes).evict_before_load:
+        return None
+    idle = _idle_lru(view, target)
+    return idle[0].model_id if idle else None
 
 
 def _available_after(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot,

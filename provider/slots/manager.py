@@ -8,6 +8,7 @@ Load, in this order (memory-policy.md §5), inside one single-flight task per mo
   1. sample memory; plan: `required = padded weights + A + MIN_KV`; if short, check first that
      evicting every idle model could reach it (refuse if not), then evict the LRU idle model,
      settle, resample, repeat (under `_room_lock`, so two loads never plan on the same bytes);
+     then, while the load would run at pressure YELLOW or worse (§8), evict idle models the same way;
   2. atomically claim the pending load in the ledger (same snapshot, no await in between);
   3. load on the engine thread; `mx.clear_cache()`; every await is followed by a re-check;
   4. post-load guard: measured headroom ≥ MIN_KV + other reservations, else unload, clear,
@@ -62,6 +63,7 @@ from provider.slots.admission import (
     kv_refusal,
     plan_kv,
     plan_room,
+    pressure_victim,
     tokens_for_bytes,
 )
 from provider.slots.capacity import CapacityReport, SlotCapacity, max_concurrency
@@ -435,6 +437,10 @@ class ModelManager:
             if plan.victims:
                 await self._evict_if_idle(plan.victims[0], EvictionCause.LRU)
                 continue  # settled inside; resample and replan
+            victim = pressure_victim(self.view(), snap, target=slot.model_id, incoming_bytes=estimate)
+            if victim is not None:
+                await self._evict_if_idle(victim, EvictionCause.PRESSURE)
+                continue
             # Same snapshot, no await since planning: the claim checks exactly what the plan saw.
             result = self._ledger.claim_pending_load(claim.id, estimate + MIN_KV_BYTES, snapshot=snap)
             if isinstance(result, Rejection):
