@@ -17,7 +17,7 @@ from memory import GiB, Ledger, MemorySnapshot, ReservationKind, figures, fit, p
 from protocol.errors import ErrorReason, FailureCode, RejectionReason
 from provider.models import DType, KvAccuracy, KvLayout, ModelInfo, ModelSource
 from provider.slots import Admitted, ManagerView, ModelState, Refused, RoomPlan, SlotView, decide, plan_room
-from provider.slots.manager import _KvReservation
+from provider.slots.leases import KvReservation
 from provider.slots.state import InvalidTransition, ModelSlot
 
 MiB = 2**20
@@ -230,7 +230,7 @@ def test_kv_reservation_is_released_exactly_once_across_threads():
     slot_ = ModelSlot(model("m", GiB))
     for round_no in range(20):
         assert ledger.reserve("kv:r", ReservationKind.REQUEST_KV, MiB, snapshot=s).granted
-        reservation = _KvReservation(ledger, slot_, "r", None)
+        reservation = KvReservation(ledger, slot_, "r", None)
         barrier = threading.Barrier(8)
 
         def release() -> None:

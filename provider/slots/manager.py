@@ -14,7 +14,7 @@ Load, in this order (memory-policy.md §5), inside one single-flight task per mo
   4. post-load guard: measured headroom ≥ MIN_KV + other reservations, else unload, clear,
      release, refuse; only then publish the model as LOADED.
 Every failure path (a refusal, an engine error, an injected fault, cancellation) undoes the
-engine load if it happened and releases the claim exactly once (`_Claim`).
+engine load if it happened and releases the claim exactly once (`Claim`).
 
 Unload (§6): the engine stops the model (its requests fail, their KV is released from the
 engine thread), purge its KV (`kv_purge` hook), gc + `mx.clear_cache()` + glibc `malloc_trim(0)`
@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
@@ -49,12 +48,11 @@ from memory import (
 from memory.settle import reclaim
 from protocol.errors import Failure, RejectionReason
 from protocol.vocab import SlotState
-from provider.engine import ChatRequest, Engine, EngineError, EngineFailure, LoadedModelInfo, RequestStream
+from provider.engine import Engine, EngineError, EngineFailure, LoadedModelInfo
 from provider.metrics import EvictionCause, LoadResult, Metrics
 from provider.models import Inventory, ModelInfo
 from provider.slots.admission import (
     Admission,
-    KvNeed,
     ManagerView,
     Refused,
     decide,
@@ -67,6 +65,7 @@ from provider.slots.admission import (
     tokens_for_bytes,
 )
 from provider.slots.capacity import CapacityReport, SlotCapacity, max_concurrency
+from provider.slots.leases import Claim, KvReservation, ServeSlot
 from provider.slots.state import KvHold, ModelSlot, ModelState, log
 
 
@@ -109,75 +108,6 @@ def _clear_mlx_cache() -> None:
     import mlx.core as mx  # deferred, like memory.probe: importing this module must not need MLX
 
     mx.clear_cache()
-
-
-class _Claim:
-    """The load's pending-load reservation: released exactly once, whoever gets there first."""
-
-    def __init__(self, ledger: Ledger, model_id: str) -> None:
-        self.id = f"load:{model_id}"
-        self._ledger = ledger
-        self.held = False
-
-    def release(self) -> None:
-        if self.held:
-            self.held = False
-            self._ledger.release(self.id)
-
-
-class _KvReservation:
-    """A request's KV reservation. `release` is idempotent and thread-safe: it is both the engine's
-    `on_released` hook (engine thread) and the context manager's fallback (event loop)."""
-
-    def __init__(self, ledger: Ledger, slot: ModelSlot, request_id: str, kv: KvNeed) -> None:
-        self.ledger_id = f"kv:{request_id}"
-        self.request_id = request_id
-        self.kv = kv
-        self._ledger = ledger
-        self._slot = slot
-        self._lock = threading.Lock()
-        self._released = False
-
-    def release(self, _request_id: str | None = None) -> None:
-        with self._lock:
-            if self._released:
-                return
-            self._released = True
-        self._ledger.release(self.ledger_id)
-        self._slot.drop_reservation(self.request_id)
-
-
-class ServeSlot:
-    """A request's place on a loaded model, valid inside `async with manager.serve(...)`."""
-
-    def __init__(self, engine: Engine, slot: ModelSlot, reservation: _KvReservation) -> None:
-        self._engine = engine
-        self._reservation = reservation
-        self.model_id = slot.model_id
-        self.request_id = reservation.request_id
-        self.kv = reservation.kv
-        self.loaded = slot.loaded
-        self._submitted = False
-
-    def submit(self, request: ChatRequest) -> RequestStream:
-        """Start the request. `max_tokens` is capped at what was reserved; from here on the engine
-        releases the KV reservation (from its thread) once the request's cache has left the batch."""
-        if self._submitted:
-            raise RuntimeError("a slot serves one request")
-        if request.request_id != self.request_id:
-            raise ValueError("request_id differs from the one reserved")
-        if request.params.max_tokens > self.kv.max_tokens > 0:
-            params = dataclasses.replace(request.params, max_tokens=self.kv.max_tokens)
-            request = dataclasses.replace(request, params=params)
-        stream = self._engine.submit(self.model_id, request, on_released=self._reservation.release)
-        self._submitted = True
-        return stream
-
-    def _close(self) -> None:
-        if self._submitted:
-            self._engine.cancel(self.request_id)  # a no-op once finished; the engine releases
-        else:
-            self._reservation.release()  # never reached the engine
 
 
 class ModelManager:
@@ -280,7 +210,7 @@ class ModelManager:
         if exceeds_context(slot.info, prompt_tokens):
             raise SlotRefused(Failure.request_exceeds_context())
         slot.pins += 1
-        reservation: _KvReservation | None = None
+        reservation: KvReservation | None = None
         handle: ServeSlot | None = None
         try:
             await self._ensure_loaded(slot)
@@ -338,9 +268,9 @@ class ModelManager:
             raise SlotRefused(Failure.admission_timeout()) from None
 
     async def _reserve_kv(self, slot: ModelSlot, request_id: str, prompt_tokens: int,
-                          max_tokens: int | None) -> _KvReservation:
+                          max_tokens: int | None) -> KvReservation:
         kv = kv_need(self.figures, slot.info, prompt_tokens, max_tokens)
-        reservation = _KvReservation(self._ledger, slot, request_id, kv)
+        reservation = KvReservation(self._ledger, slot, request_id, kv)
         while True:
             if self._draining:
                 raise SlotRefused(Failure.draining())
@@ -366,7 +296,7 @@ class ModelManager:
     async def _load(self, slot: ModelSlot) -> Failure | None:
         """The single-flight load task. Returns None when published, else the failure to report."""
         model_id = slot.model_id
-        claim = _Claim(self._ledger, model_id)
+        claim = Claim(self._ledger, model_id)
         load_fut: asyncio.Future[LoadedModelInfo] | None = None
         started = self._clock()
         try:
@@ -418,7 +348,7 @@ class ModelManager:
                 claim.release()
                 slot.state = ModelState.NOT_LOADED
 
-    async def _make_room_and_claim(self, slot: ModelSlot, claim: _Claim) -> Failure | None:
+    async def _make_room_and_claim(self, slot: ModelSlot, claim: Claim) -> Failure | None:
         """Steps 1–3 of a load, under `_room_lock`. Returns a failure, or None with the claim held."""
         estimate = padded_weight_bytes(slot.info.weight_bytes)
         while True:
