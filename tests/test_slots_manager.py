@@ -514,3 +514,24 @@ async def test_unload_purges_the_models_kv_after_the_engine_dropped_it(rigs, tin
     assert purged == []
     assert await rig.manager.unload("tiny") is True
     assert purged == [("tiny", True)]
+
+
+async def test_a_waiter_gives_up_after_load_wait_timeout_but_the_load_goes_on(rigs, tiny_model_path):
+    make, _ = rigs
+    at_claim, go = asyncio.Event(), asyncio.Event()
+
+    async def pause(step: LoadStep, model_id: str) -> None:
+        if step is LoadStep.CLAIMED:
+            at_claim.set()
+            await go.wait()
+
+    rig = make({"tiny": tiny_model_path}, 100 * 10**6, fault=pause, load_wait_timeout_s=0.2)
+    m = rig.manager
+    with pytest.raises(SlotRefused) as exc:
+        await serve_once(m, "r1", "tiny")
+    assert at_claim.is_set()
+    assert exc.value.failure.reason is ErrorReason.CAPACITY_TIMEOUT and exc.value.failure.status_code == 503
+    assert m.state("tiny") is ModelState.LOADING and "kv:r1" not in rig.ledger
+    go.set()
+    await serve_once(m, "r2", "tiny")
+    assert m.state("tiny") is ModelState.LOADED
