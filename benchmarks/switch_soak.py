@@ -104,7 +104,7 @@ async def run(switches: int) -> None:
     print(f"{'settle time per switch, median / max':40} {statistics.median(settle) * 1e3:>8.2f} / "
           f"{max(settle) * 1e3:.2f} ms")
     print(f"{'manager switch (load+serve+unload) p50':40} {statistics.median(switch) * 1e3:>12.1f} ms")
-    print(f"{'baseline: bare engine load+serve+unload':40} {statistics.median(bare) * 1e3:>12.1f} ms")
+    print(f"{'baseline: bare engine, same work, p50':40} {statistics.median(bare) * 1e3:>12.1f} ms")
     print(f"{'ratio manager / bare':40} {statistics.median(switch) / statistics.median(bare):>14.2f}")
     print(f"{'manager switch p90':40} {pct(switch, 0.9) * 1e3:>12.1f} ms")
 
