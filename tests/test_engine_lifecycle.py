@@ -110,3 +110,28 @@ async def test_close_fails_running_requests_and_ends_the_thread(tiny_model_path)
     with pytest.raises(EngineError):
         engine.submit("tiny", long_request("after"))
     engine.close()  # idempotent, also from sync code
+
+
+async def test_reclaim_runs_on_the_engine_thread_and_empties_the_mlx_cache(tiny_model_path):
+    import threading
+
+    import provider.engine.worker as worker_module
+
+    seen: list[str] = []
+    original = worker_module.reclaim
+
+    def spy() -> None:
+        seen.append(threading.current_thread().name)
+        original()
+
+    async with Engine(thread_name="mlx-reclaim-test") as engine:
+        worker_module.reclaim, saved = spy, worker_module.reclaim
+        try:
+            await engine.load("tiny", tiny_model_path)
+            await engine.unload("tiny")
+            await engine.reclaim()
+            await asyncio.to_thread(engine.reclaim_blocking)
+        finally:
+            worker_module.reclaim = saved
+    assert seen == ["mlx-reclaim-test", "mlx-reclaim-test"]
+    assert mx.get_cache_memory() == 0

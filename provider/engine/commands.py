@@ -69,8 +69,15 @@ class KvCacheBytes:
 
 
 @dataclass(frozen=True, slots=True)
+class Reclaim:
+    """gc + `mx.clear_cache()` + glibc `malloc_trim(0)`, on the thread that owns MLX."""
+
+    reply: Future
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     reply: Future
 
 
-Command = Load | Unload | Submit | Cancel | CountPromptTokens | KvCacheBytes | Stop
+Command = Load | Unload | Submit | Cancel | CountPromptTokens | KvCacheBytes | Reclaim | Stop

@@ -34,6 +34,7 @@ from provider.engine.commands import (
     CountPromptTokens,
     KvCacheBytes,
     Load,
+    Reclaim,
     ReleaseHook,
     Stop,
     Submit,
@@ -167,6 +168,18 @@ class Engine:
     async def unload(self, model_id: str) -> None:
         """Fail the model's requests (MODEL_UNLOADED), drop every reference, gc, clear MLX's cache."""
         await self._call(lambda reply: Unload(model_id, reply))
+
+    async def reclaim(self) -> None:
+        """gc + `mx.clear_cache()` + `malloc_trim(0)` on the engine thread, between decode steps."""
+        await self._call(Reclaim)
+
+    def reclaim_blocking(self) -> None:
+        """`reclaim` for a blocking caller off the loop (e.g. the settle barrier in a worker thread)."""
+        if self._closed:
+            raise EngineError(EngineFailure.ENGINE_CLOSED)
+        reply: Future = Future()
+        self._commands.put(Reclaim(reply))
+        reply.result()
 
     # -- requests ----------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ import mlx_lm
 from mlx_lm.generate import BatchGenerator
 
 from kvcache.manager import MISS, ModelKvCache, Reuse
+from memory.settle import reclaim
 from provider.engine.commands import (
     Cancel,
     Command,
@@ -34,6 +35,7 @@ from provider.engine.commands import (
     EventSink,
     KvCacheBytes,
     Load,
+    Reclaim,
     ReleaseHook,
     Stop,
     Submit,
@@ -142,6 +144,8 @@ class Worker:
                 self._reply(command.reply, lambda: self._load(command))
             case Unload(model_id, reply):
                 self._reply(reply, lambda: self._unload(model_id))
+            case Reclaim(reply):
+                self._reply(reply, reclaim)
             case Stop(reply):
                 self._reply(reply, self._stop)
 

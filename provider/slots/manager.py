@@ -45,7 +45,6 @@ from memory import (
     pressure,
     settle,
 )
-from memory.settle import reclaim
 from protocol.errors import Failure, RejectionReason
 from protocol.vocab import SlotState
 from provider.engine import Engine, EngineError, EngineFailure, LoadedModelInfo
@@ -102,12 +101,6 @@ class LoadStep(enum.Enum):
 
 FaultHook = Callable[[LoadStep, str], Awaitable[None]]
 KvPurge = Callable[[str], Awaitable[None]]
-
-
-def _clear_mlx_cache() -> None:
-    import mlx.core as mx  # deferred, like memory.probe: importing this module must not need MLX
-
-    mx.clear_cache()
 
 
 class ModelManager:
@@ -312,7 +305,7 @@ class ModelManager:
             await self._step(LoadStep.ENGINE_LOADING, model_id)
             loaded = await asyncio.shield(load_fut)
             await self._step(LoadStep.LOADED, model_id)
-            await asyncio.to_thread(_clear_mlx_cache)
+            await self._engine.reclaim()  # mx.clear_cache() on the thread that owns MLX
             snap = self._probe.snapshot()
             await self._step(LoadStep.GUARD, model_id)
             if self._draining:
@@ -393,7 +386,7 @@ class ModelManager:
         except EngineError as exc:
             if exc.code is not EngineFailure.MODEL_NOT_LOADED:
                 log.error("model_unload_failed", model=model_id, code=exc.code)
-        await asyncio.to_thread(reclaim)
+        await self._engine.reclaim()
 
     async def _step(self, step: LoadStep, model_id: str) -> None:
         if self._fault is not None:
@@ -432,9 +425,9 @@ class ModelManager:
                     await self._kv_purge(model_id)
                 except Exception as exc:  # an edge: the unload must finish; the startup sweep cleans up
                     log.error("kv_purge_failed", model=model_id, exc_type=type(exc).__name__)
-                await asyncio.to_thread(reclaim)
+                await self._engine.reclaim()
             result = await asyncio.to_thread(settle, resident_bytes=resident, active_before_bytes=active_before,
-                                             timeout_s=self._settle_s)
+                                             timeout_s=self._settle_s, reclaim=self._engine.reclaim_blocking)
         finally:
             slot.loaded = None
             slot.state = ModelState.NOT_LOADED
