@@ -131,7 +131,7 @@ async def test_reclaim_runs_on_the_engine_thread_and_empties_the_mlx_cache(tiny_
             await engine.unload("tiny")
             await engine.reclaim()
             await asyncio.to_thread(engine.reclaim_blocking)
+            assert mx.get_cache_memory() == 0
         finally:
             worker_module.reclaim = saved
     assert seen == ["mlx-reclaim-test", "mlx-reclaim-test"]
-    assert mx.get_cache_memory() == 0
