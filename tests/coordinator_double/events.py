@@ -1,0 +1,424 @@
+"""What the double saw and did, as an append-only log of typed records, plus waiters on it.
+
+Tests synchronise on events instead of sleeping::
+
+    mark = double.events.mark()
+    ...
+    await double.wait_for(lambda e: isinstance(e, ChallengeResult) and e.ok, since=mark, timeout=5)
+
+Records are frozen dataclasses; closed vocabularies are enums. Decrypted chunk text is kept (``ChunkReceived``)
+because tests compare it with the engine's output; the double is test-only and never logs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, TypeVar
+
+from protocol import Message, Usage
+
+
+class InvalidKind(Enum):
+    """Why a provider frame was dropped by the read loop ([A] providerReadLoop ``continue``)."""
+
+    NOT_JSON = "not_json"
+    NOT_AN_OBJECT = "not_an_object"
+    SCHEMA = "schema"  # a field of the wrong type (a float in an int field, …) or a missing field
+    UNKNOWN_TYPE = "unknown_type"  # not one of the seven [A] provider types
+
+
+class DropReason(Enum):
+    """A well-formed frame the coordinator ignores."""
+
+    NOT_REGISTERED = "not_registered"  # before register on this socket
+    EVICTED = "evicted"  # "heartbeat from unknown provider" after eviction
+    UNKNOWN_REQUEST = "unknown_request"  # request id never dispatched on this socket
+    REMOVED_REQUEST = "removed_request"  # request id the coordinator already dropped (cancel, timeout)
+    UNSOLICITED_ATTESTATION = "unsolicited_attestation"  # nonce of no outstanding challenge
+
+
+class Violation(Enum):
+    """Contract breaches that do not drop the frame (protocol.md §15)."""
+
+    BINARY_FRAME = "binary_frame"
+    DUPLICATE_REGISTER = "duplicate_register"
+    ACCEPT_AFTER_CHUNK = "accept_after_chunk"
+    DUPLICATE_ACCEPT = "duplicate_accept"
+    SSE_NOT_DATA = "sse_not_data"  # chunk plaintext does not start with "data: "
+    SSE_MULTIPLE_EVENTS = "sse_multiple_events"  # more than one SSE event in one chunk
+    SSE_NOT_JSON = "sse_not_json"  # payload neither [DONE] nor a JSON object
+
+
+class ChunkFault(Enum):
+    """[A] decryptTextResponseChunk failures: each marks the provider untrusted and fails the request (502)."""
+
+    PLAINTEXT = "plaintext"  # data set, no encrypted_data
+    BOTH = "both"  # data and encrypted_data
+    MISSING = "missing"  # neither
+    WRONG_KEY = "wrong_key"  # ephemeral_public_key is not the registered public_key
+    UNDECRYPTABLE = "undecryptable"  # bad base64, tampered, or sealed to another key
+
+
+class ChallengeFailure(Enum):
+    TIMEOUT = "timeout"
+    PUBLIC_KEY_MISMATCH = "public_key_mismatch"
+    EMPTY_SIGNATURE = "empty_signature"
+    BAD_SIGNATURE = "bad_signature"  # attested provider, signature does not verify
+    BAD_STATUS_SIGNATURE = "bad_status_signature"
+    SIP_MISSING = "sip_missing"
+    SIP_DISABLED = "sip_disabled"  # untrusted at once
+    SECURE_BOOT_MISSING = "secure_boot_missing"
+    SECURE_BOOT_DISABLED = "secure_boot_disabled"  # untrusted at once
+    RDMA_MISSING = "rdma_missing"
+    RDMA_ENABLED = "rdma_enabled"  # rdma_disabled false without hypervisor_active: untrusted at once
+
+
+class SignatureCheck(Enum):
+    VERIFIED = "verified"  # checked against the attestation blob's P-256 key
+    PRESENT_UNVERIFIED = "present_unverified"  # unattested provider: [A] only requires it non-empty
+    NOT_CHECKED = "not_checked"  # the answer failed before the signature step
+
+
+class Window(Enum):
+    FIRST_RESPONSE = "first_response"  # 10 s for accept or first chunk
+    ACCEPTED = "accepted"  # 600 s for the first chunk after accept
+    STREAM_IDLE = "stream_idle"  # 600 s between chunks once committed
+
+
+class CancelCause(Enum):
+    TIMEOUT = "timeout"
+    CONSUMER_GONE = "consumer_gone"
+    FINISHED = "finished"  # [A] deferred sendProviderCancel after every committed request
+
+
+class RerouteCause(Enum):
+    ERROR = "error"  # pre-first-chunk inference_error (any status) or an internal 502
+    TIMEOUT = "timeout"
+    WRITE_FAILED = "write_failed"
+
+
+class Untrusted(Enum):
+    CHUNK = "chunk"
+    CHALLENGE = "challenge"
+
+
+# --- records ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DoubleStarted:
+    ws_url: str
+    http_url: str
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class DoubleKilled:
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderConnected:
+    provider_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Disconnected:
+    provider_id: str
+    close_code: int | None  # None: no close frame (abrupt)
+
+
+@dataclass(frozen=True, slots=True)
+class FrameReceived:
+    provider_id: str
+    message: Message
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class InvalidFrame:
+    provider_id: str
+    kind: InvalidKind
+    detail: str  # field locations and error kinds only, never frame content
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    provider_id: str
+    reason: DropReason
+    frame_type: str
+    request_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ProtocolViolation:
+    provider_id: str
+    kind: Violation
+    request_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Registered:
+    provider_id: str
+    models: tuple[str, ...]
+    public_key_valid: bool
+    attested: bool  # the attestation blob verified (trust self_signed)
+    reregister: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ChallengeSent:
+    provider_id: str
+    nonce: str
+    timestamp: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChallengeResult:
+    provider_id: str
+    nonce: str
+    ok: bool
+    failure: ChallengeFailure | None
+    signature: SignatureCheck
+
+
+@dataclass(frozen=True, slots=True)
+class MarkedUntrusted:
+    provider_id: str
+    cause: Untrusted
+
+
+@dataclass(frozen=True, slots=True)
+class Evicted:
+    provider_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatched:
+    consumer_id: int
+    request_id: str
+    provider_id: str
+    attempt: int
+    session_public_key: str
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    request_id: str
+    provider_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkReceived:
+    request_id: str
+    provider_id: str
+    event: bytes  # the decrypted SSE event, exactly as sealed
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRejected:
+    request_id: str
+    provider_id: str
+    fault: ChunkFault
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    consumer_id: int
+    request_id: str
+    provider_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Completed:
+    request_id: str
+    provider_id: str
+    usage: Usage
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """A pre-first-chunk failure: the provider's inference_error, or the double's internal 502."""
+
+    consumer_id: int
+    request_id: str
+    provider_id: str
+    status_code: int
+    failure_code: str | None
+    error_reason: str | None
+    internal: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StreamFailed:
+    """A failure after commit: surfaced to the consumer, never rerouted."""
+
+    consumer_id: int
+    request_id: str
+    provider_id: str
+    status_code: int
+    internal: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TimedOut:
+    consumer_id: int
+    request_id: str
+    provider_id: str
+    window: Window
+
+
+@dataclass(frozen=True, slots=True)
+class Rerouted:
+    consumer_id: int
+    request_id: str
+    provider_id: str
+    cause: RerouteCause
+
+
+@dataclass(frozen=True, slots=True)
+class CancelSent:
+    provider_id: str
+    request_id: str
+    cause: CancelCause
+    delivered: bool
+
+
+@dataclass(frozen=True, slots=True)
+class AfterTerminal:
+    provider_id: str
+    request_id: str
+    frame_type: str
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerFinished:
+    consumer_id: int
+    status_code: int
+    request_id: str | None  # the committed request, if any
+    stream: bool
+    consumer_gone: bool = False
+
+
+__all__ = [
+    "Accepted",
+    "AfterTerminal",
+    "CancelCause",
+    "CancelSent",
+    "ChallengeFailure",
+    "ChallengeResult",
+    "ChallengeSent",
+    "ChunkFault",
+    "ChunkReceived",
+    "ChunkRejected",
+    "Committed",
+    "Completed",
+    "ConsumerFinished",
+    "Disconnected",
+    "Dispatched",
+    "DoubleKilled",
+    "DoubleStarted",
+    "DropReason",
+    "Dropped",
+    "EventLog",
+    "Evicted",
+    "FrameReceived",
+    "InvalidFrame",
+    "InvalidKind",
+    "MarkedUntrusted",
+    "ProtocolViolation",
+    "ProviderConnected",
+    "Registered",
+    "Rejected",
+    "RerouteCause",
+    "Rerouted",
+    "SignatureCheck",
+    "StreamFailed",
+    "TimedOut",
+    "Untrusted",
+    "Violation",
+    "Window",
+]
+
+Event = Any  # one of the records above
+E = TypeVar("E")
+
+
+class EventLog:
+    """Append-only list of records with waiters. Single event loop, no locks needed."""
+
+    def __init__(self) -> None:
+        self._events: list[Event] = []
+        self._waiters: list[tuple[Callable[[Event], bool], asyncio.Future[Event]]] = []
+        self._changed: list[asyncio.Future[None]] = []
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def __iter__(self) -> Iterator[Event]:
+        return iter(list(self._events))
+
+    def __getitem__(self, index: int) -> Event:
+        return self._events[index]
+
+    def mark(self) -> int:
+        """Position to pass as ``since`` so a wait only sees later records."""
+        return len(self._events)
+
+    def of(self, cls: type[E], since: int = 0) -> list[E]:
+        return [e for e in self._events[since:] if isinstance(e, cls)]
+
+    def append(self, event: Event) -> None:
+        self._events.append(event)
+        still: list[tuple[Callable[[Event], bool], asyncio.Future[Event]]] = []
+        for predicate, future in self._waiters:
+            if future.done():
+                continue
+            try:
+                matched = predicate(event)
+            except Exception as exc:  # a broken predicate fails its waiter, never the double
+                future.set_exception(exc)
+                continue
+            if matched:
+                future.set_result(event)
+            else:
+                still.append((predicate, future))
+        self._waiters = still
+        for future in self._changed:
+            if not future.done():
+                future.set_result(None)
+        self._changed = []
+
+    async def wait_for(self, predicate: Callable[[Event], bool], *, timeout: float, since: int = 0) -> Event:
+        """The first record at or after ``since`` matching ``predicate``, waiting up to ``timeout`` s."""
+        for event in self._events[since:]:
+            if predicate(event):
+                return event
+        future: asyncio.Future[Event] = asyncio.get_running_loop().create_future()
+        self._waiters.append((predicate, future))
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            raise TimeoutError(f"no matching event within {timeout} s; last events: {self._tail()}") from None
+
+    async def wait_until(self, condition: Callable[[], bool], *, timeout: float) -> None:
+        """Wait until ``condition()`` holds, re-checking after every new record."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not condition():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError(f"condition not met within {timeout} s; last events: {self._tail()}")
+            future: asyncio.Future[None] = loop.create_future()
+            self._changed.append(future)
+            try:
+                await asyncio.wait_for(future, remaining)
+            except TimeoutError:
+                pass
+
+    def _tail(self, n: int = 8) -> list[str]:
+        return [type(e).__name__ for e in self._events[-n:]]
