@@ -1,0 +1,822 @@
+"""Tests of the coordinator double itself, driven by a scripted fake provider (websockets + protocol + PyNaCl)
+and consumers on the real ``openai`` SDK. Timers are shrunk so every test takes well under a few seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from coordinator_double import (
+    JOB_HEADER,
+    Accepted,
+    CancelCause,
+    CancelSent,
+    ChallengeFailure,
+    ChallengeResult,
+    ChunkFault,
+    ChunkRejected,
+    Committed,
+    CoordinatorDouble,
+    Dispatched,
+    DoubleConfig,
+    Dropped,
+    DropReason,
+    Evicted,
+    InvalidFrame,
+    InvalidKind,
+    MarkedUntrusted,
+    ProtocolViolation,
+    Registered,
+    Rejected,
+    SignatureCheck,
+    TimedOut,
+    Unroutable,
+    Violation,
+    Window,
+)
+from coordinator_double.events import AfterTerminal, Disconnected
+from double_fixtures import consumer_for, coordinator_double, double_config, openai_consumer, quick_config  # noqa: F401
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
+from protocol import (
+    AttestationChallenge,
+    BackendCapacity,
+    Cancel,
+    CpuCores,
+    EncryptedPayload,
+    Hardware,
+    Heartbeat,
+    HeartbeatStats,
+    InferenceAccepted,
+    InferenceComplete,
+    InferenceError,
+    InferenceRequest,
+    InferenceResponseChunk,
+    ModelInfo,
+    PrivacyCapabilities,
+    RawJSON,
+    Register,
+    SystemMetrics,
+    Usage,
+    decode,
+    encode,
+)
+from protocol.attest import ChallengeSigner, SecurityPosture, answer_challenge
+from protocol.crypto import ProviderIdentity, RequestBox
+from protocol.sse import DONE, ChunkFactory, CompletionUsage, FinishReason, event
+
+MODEL = "tiny/test-model"
+FAST = {"first_response_timeout": 2.0, "accepted_timeout": 3.0, "stream_idle_timeout": 3.0, "queue_timeout": 1.0}
+GOOD_POSTURE = SecurityPosture(sip_enabled=True, secure_boot_enabled=True, rdma_disabled=True, hypervisor_active=False)
+
+
+@pytest.fixture
+def double_config() -> DoubleConfig:  # noqa: F811 - this module's shrunk timers
+    return quick_config(**FAST)
+
+
+# --- the scripted fake provider ----------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    request_id: str
+    box: RequestBox
+    body: dict[str, Any]
+    session_key: str
+
+
+class FakeProvider:
+    """Registers, answers challenges (per ``answer``), queues decrypted requests and records cancels."""
+
+    def __init__(self, url: str, *, answer: Callable[[AttestationChallenge, FakeProvider], Any] | None = None) -> None:
+        self.url = url
+        self.identity = ProviderIdentity.generate()
+        self.signer = ChallengeSigner.generate()
+        self.answer = answer or FakeProvider.valid_answer
+        self.jobs: asyncio.Queue[Job] = asyncio.Queue()
+        self.cancels: list[str] = []
+        self.raw_frames: list[str | bytes] = []
+        self.ws: ClientConnection | None = None
+        self._reader: asyncio.Task[None] | None = None
+
+    def valid_answer(self, challenge: AttestationChallenge) -> Any:
+        return answer_challenge(challenge, public_key_b64=self.identity.public_key_b64, signer=self.signer, posture=GOOD_POSTURE)
+
+    def register_frame(self, *, attested: bool = False, total_memory_gb: float | None = None, **overrides: Any) -> Register:
+        fields: dict[str, Any] = {
+            "hardware": Hardware(
+                machine_model="Linux",
+                chip_name="test",
+                chip_family="Unknown",
+                chip_tier="Unknown",
+                memory_gb=64,
+                memory_available_gb=58.0,
+                cpu_cores=CpuCores(total=2, performance=2, efficiency=0),
+                gpu_cores=0,
+                memory_bandwidth_gbs=50.0,
+            ),
+            "models": (ModelInfo(id=MODEL, size_bytes=1000, model_type="llama", quantization="f32"),),
+            "backend": "inprocess-mlx",
+            "version": "0.1.0",
+            "public_key": self.identity.public_key_b64,
+            "encrypted_response_chunks": True,
+            "privacy_capabilities": PrivacyCapabilities(
+                text_backend_inprocess=True,
+                text_proxy_disabled=True,
+                python_runtime_locked=True,
+                dangerous_modules_blocked=True,
+                sip_enabled=True,
+                anti_debug_enabled=True,
+                core_dumps_disabled=True,
+                env_scrubbed=True,
+                hypervisor_active=False,
+            ),
+        }
+        if attested:
+            blob = json.dumps(
+                {
+                    "encryptionPublicKey": self.identity.public_key_b64,
+                    "publicKey": self.signer.public_key_b64,
+                    "secureBootEnabled": True,
+                    "secureEnclaveAvailable": True,
+                    "sipEnabled": True,
+                },
+                sort_keys=True,
+                separators=(",", ":"),
+            )
+            signature = self.signer.sign(blob.encode())
+            fields["attestation"] = RawJSON(f'{{"attestation":{blob},"signature":"{signature}"}}')
+        fields.update(overrides)
+        return Register(**fields)
+
+    async def connect(self, register: Register | None = None) -> FakeProvider:
+        self.ws = await connect(self.url, max_size=64 * 1024 * 1024, compression=None)
+        self._reader = asyncio.create_task(self._read(self.ws))
+        await self.send(encode(register or self.register_frame()))
+        return self
+
+    async def close(self) -> None:
+        if self.ws is not None:
+            await self.ws.close()
+        if self._reader is not None:
+            await asyncio.gather(self._reader, return_exceptions=True)
+
+    async def _read(self, ws: ClientConnection) -> None:
+        try:
+            async for frame in ws:
+                self.raw_frames.append(frame)
+                try:
+                    message = decode(frame)
+                except Exception:
+                    continue
+                if isinstance(message, AttestationChallenge):
+                    reply = self.answer(self, message)
+                    if reply is not None:
+                        await ws.send(reply if isinstance(reply, str) else encode(reply))
+                elif isinstance(message, InferenceRequest):
+                    assert message.encrypted_body is not None
+                    box, plaintext = self.identity.open_request(message.encrypted_body)
+                    job = Job(message.request_id, box, json.loads(plaintext), message.encrypted_body.ephemeral_public_key)
+                    self.jobs.put_nowait(job)
+                elif isinstance(message, Cancel):
+                    self.cancels.append(message.request_id)
+        except ConnectionClosed:
+            pass
+
+    async def send(self, text: str) -> None:
+        assert self.ws is not None
+        await self.ws.send(text)
+
+    async def next_job(self, timeout: float = 5.0) -> Job:
+        return await asyncio.wait_for(self.jobs.get(), timeout)
+
+    async def heartbeat(self, **overrides: Any) -> None:
+        fields: dict[str, Any] = {
+            "status": "idle",
+            "stats": HeartbeatStats(requests_served=0, tokens_generated=0),
+            "system_metrics": SystemMetrics(memory_pressure=0.1, cpu_usage=0.1, thermal_state="nominal"),
+        }
+        fields.update(overrides)
+        await self.send(encode(Heartbeat(**fields)))
+
+    # job scripting
+
+    async def accept(self, job: Job) -> None:
+        await self.send(encode(InferenceAccepted(request_id=job.request_id)))
+
+    async def event(self, job: Job, sse: bytes) -> None:
+        await self.send(encode(job.box.seal_chunk(job.request_id, sse)))
+
+    async def stream(self, job: Job, pieces: list[str], *, prompt_tokens: int = 5, usage_chunk: bool = False) -> None:
+        """Role, one chunk per piece, finish, optional usage chunk, [DONE], then inference_complete."""
+        factory = ChunkFactory(id="chatcmpl-fake", created=1777777777, model=job.body["model"])
+        usage = CompletionUsage(prompt_tokens=prompt_tokens, completion_tokens=len(pieces))
+        await self.event(job, event(factory.role()))
+        for piece in pieces:
+            await self.event(job, event(factory.content(piece)))
+        await self.event(job, event(factory.finish(FinishReason.STOP)))
+        if usage_chunk:
+            usage_only = factory.chunk(factory.role().choices[0].delta, usage=usage).model_copy(update={"choices": ()})
+            await self.event(job, event(usage_only))
+        await self.event(job, DONE)
+        await self.complete(job, prompt_tokens, len(pieces))
+
+    async def complete(self, job: Job, prompt_tokens: int, completion_tokens: int) -> None:
+        usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+        await self.send(encode(InferenceComplete(request_id=job.request_id, usage=usage)))
+
+    async def reject(self, job: Job, status: int = 503) -> None:
+        frame = InferenceError(request_id=job.request_id, error="Provider capacity is temporarily unavailable.", status_code=status)
+        await self.send(encode(frame))
+
+
+@pytest.fixture
+async def providers(coordinator_double: CoordinatorDouble) -> AsyncIterator[list[FakeProvider]]:  # noqa: F811
+    made: list[FakeProvider] = []
+    yield made
+    for provider in made:
+        await provider.close()
+
+
+async def routable_provider(double: CoordinatorDouble, made: list[FakeProvider], **register: Any) -> FakeProvider:
+    provider = FakeProvider(double.ws_url)
+    made.append(provider)
+    await provider.connect(provider.register_frame(**register) if register else None)
+    await double.wait_routable(len(made), timeout=5)
+    return provider
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi <there> & you"}], **extra}
+
+
+# --- consumers through the openai SDK ------------------------------------------------------------------------
+
+
+async def test_streaming_consumer_gets_events_verbatim_with_usage_and_job_id(
+    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]  # noqa: F811
+) -> None:
+    double = coordinator_double
+    provider = await routable_provider(double, providers)
+
+    async def consume() -> tuple[str, list[Any], str]:
+        raw = await openai_consumer.chat.completions.with_raw_response.create(
+            stream=True, stream_options={"include_usage": True}, **chat()
+        )
+        chunks = [chunk async for chunk in raw.parse()]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return text, chunks, raw.headers[JOB_HEADER]
+
+    consumer = asyncio.create_task(consume())
+    job = await provider.next_job()
+    # §7.1: the body is forwarded with max_tokens injected, re-marshalled like a Go map.
+    assert job.body["max_tokens"] == 8192 and job.body["stream"] is True
+    assert job.body["messages"][0]["content"] == "hi <there> & you"
+    await provider.accept(job)
+    await provider.stream(job, ["Hello", ",", " world"], usage_chunk=True)
+    text, chunks, job_id = await asyncio.wait_for(consumer, 5)
+
+    assert text == "Hello, world"
+    assert job_id == job.request_id
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+    # [A] deferred cancel after every committed request, even a successful one.
+    sent = await double.wait_for(lambda e: isinstance(e, CancelSent) and e.request_id == job.request_id, timeout=5)
+    assert sent.cause is CancelCause.FINISHED and sent.delivered
+    await double.wait_until(lambda: job.request_id in provider.cancels, timeout=5)
+    assert double.anomalies() == []
+
+
+async def test_non_streaming_consumer_gets_reassembled_completion_with_usage_from_complete(
+    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]  # noqa: F811
+) -> None:
+    double = coordinator_double
+    provider = await routable_provider(double, providers)
+    consumer = asyncio.create_task(openai_consumer.chat.completions.create(max_tokens=16, **chat()))
+    job = await provider.next_job()
+    assert job.body["max_tokens"] == 16  # an explicit bound is kept
+    await provider.stream(job, ["Hel", "lo"], prompt_tokens=7)
+    completion = await asyncio.wait_for(consumer, 5)
+
+    assert completion.choices[0].message.content == "Hello"
+    assert completion.choices[0].finish_reason == "stop"
+    assert completion.model == MODEL
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens, completion.usage.total_tokens) == (7, 2, 9)
+    await double.wait_for(lambda e: isinstance(e, CancelSent) and e.request_id == job.request_id, timeout=5)
+
+
+async def test_single_chat_completion_chunk_is_passed_through(
+    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]  # noqa: F811
+) -> None:
+    provider = await routable_provider(coordinator_double, providers)
+    consumer = asyncio.create_task(openai_consumer.chat.completions.create(**chat()))
+    job = await provider.next_job()
+    whole = {
+        "id": "chatcmpl-whole",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "other-name",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "all at once"}, "finish_reason": "length"}],
+    }
+    await provider.event(job, b"data: " + json.dumps(whole).encode() + b"\n\n")
+    await provider.complete(job, 3, 4)
+    completion = await asyncio.wait_for(consumer, 5)
+    assert completion.id == "chatcmpl-whole" and completion.model == MODEL
+    assert completion.choices[0].message.content == "all at once" and completion.choices[0].finish_reason == "length"
+    assert completion.usage.completion_tokens == 4
+
+
+async def test_models_endpoint_lists_registered_models(
+    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]  # noqa: F811
+) -> None:
+    await routable_provider(coordinator_double, providers)
+    models = await openai_consumer.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+# --- challenges -----------------------------------------------------------------------------------------------
+
+
+def _answer_with(**update: Any) -> Callable[[FakeProvider, AttestationChallenge], Any]:
+    def answer(provider: FakeProvider, challenge: AttestationChallenge) -> Any:
+        return provider.valid_answer(challenge).model_copy(update=update)
+
+    return answer
+
+
+@pytest.mark.parametrize(
+    ("answer", "failure", "untrusted"),
+    [
+        (_answer_with(public_key=ProviderIdentity.generate().public_key_b64), ChallengeFailure.PUBLIC_KEY_MISMATCH, False),
+        (_answer_with(signature=""), ChallengeFailure.EMPTY_SIGNATURE, False),
+        (_answer_with(sip_enabled=None), ChallengeFailure.SIP_MISSING, False),
+        (_answer_with(sip_enabled=False), ChallengeFailure.SIP_DISABLED, True),
+        (_answer_with(secure_boot_enabled=None), ChallengeFailure.SECURE_BOOT_MISSING, False),
+        (_answer_with(rdma_disabled=False), ChallengeFailure.RDMA_ENABLED, True),
+    ],
+    ids=["wrong-key", "empty-signature", "no-sip", "sip-off", "no-secure-boot", "rdma-on"],
+)
+async def test_failed_challenge_leaves_provider_unroutable(
+    coordinator_double: CoordinatorDouble,  # noqa: F811
+    providers: list[FakeProvider],
+    answer: Callable[..., Any],
+    failure: ChallengeFailure,
+    untrusted: bool,
+) -> None:
+    double = coordinator_double
+    provider = FakeProvider(double.ws_url, answer=answer)
+    providers.append(provider)
+    await provider.connect()
+    result = await double.wait_for(lambda e: isinstance(e, ChallengeResult), timeout=5)
+    assert not result.ok and result.failure is failure
+    view = double.provider(0)
+    assert view.registered and not view.routable
+    assert Unroutable.CHALLENGE_NOT_PASSED in view.unroutable
+    assert view.untrusted is untrusted
+
+
+async def test_unanswered_challenge_times_out(providers: list[FakeProvider]) -> None:
+    async with CoordinatorDouble(DoubleConfig(challenge_response_timeout=0.3)) as double:
+        provider = FakeProvider(double.ws_url, answer=lambda p, c: None)
+        providers.append(provider)
+        await provider.connect()
+        result = await double.wait_for(lambda e: isinstance(e, ChallengeResult), timeout=5)
+        assert result.failure is ChallengeFailure.TIMEOUT and not double.provider(0).routable
+        await provider.close()
+
+
+async def test_signatures_verified_only_for_attested_providers(
+    coordinator_double: CoordinatorDouble, providers: list[FakeProvider]  # noqa: F811
+) -> None:
+    double = coordinator_double
+    plain = FakeProvider(double.ws_url)
+    attested = FakeProvider(double.ws_url)
+    forged = FakeProvider(double.ws_url, answer=_answer_with(signature=ChallengeSigner.generate().sign(b"x")))
+    providers.extend([plain, attested, forged])
+    await plain.connect()
+    await attested.connect(attested.register_frame(attested=True))
+    await forged.connect(forged.register_frame(attested=True))
+    await double.wait_until(lambda: len(double.events.of(ChallengeResult)) == 3, timeout=5)
+    by_provider = {r.provider_id: r for r in double.events.of(ChallengeResult)}
+    registered = {r.provider_id: r for r in double.events.of(Registered)}
+    views = double.providers
+    assert [registered[v.provider_id].attested for v in views] == [False, True, True]
+    results = [by_provider[v.provider_id] for v in views]
+    assert [(r.ok, r.signature) for r in results[:2]] == [
+        (True, SignatureCheck.PRESENT_UNVERIFIED),
+        (True, SignatureCheck.VERIFIED),
+    ]
+    assert results[2].failure is ChallengeFailure.BAD_SIGNATURE
+    # an extra challenge on demand, answered again
+    again = await double.send_challenge(views[1])
+    assert again.ok and again.signature is SignatureCheck.VERIFIED
+
+
+@pytest.mark.parametrize(
+    ("register", "reason"),
+    [
+        ({"backend": "mlx-swift"}, Unroutable.WRONG_BACKEND),
+        ({"public_key": "tHFZkLURE4Ne6qGImKWQ5P0vHEfBq17lkLkV_Wm2rSU"}, Unroutable.NO_PUBLIC_KEY),
+        ({"encrypted_response_chunks": False}, Unroutable.PLAINTEXT_RESPONSES),
+        ({"privacy_capabilities": None}, Unroutable.PRIVACY_CAPABILITIES),
+    ],
+    ids=["backend", "urlsafe-key", "plaintext", "no-privacy"],
+)
+async def test_registration_requirements(
+    coordinator_double: CoordinatorDouble,  # noqa: F811
+    providers: list[FakeProvider],
+    register: dict[str, Any],
+    reason: Unroutable,
+) -> None:
+    provider = FakeProvider(coordinator_double.ws_url)
+    providers.append(provider)
+    await provider.connect(provider.register_frame(**register))
+    await coordinator_double.wait_for(lambda e: isinstance(e, ChallengeResult), timeout=5)
+    assert reason in coordinator_double.provider(0).unroutable
+
+
+# --- dispatch: reroute, timeouts, chunk faults ------------------------------------------------------------------
+
+
+async def test_pre_chunk_error_reroutes_with_new_request_id_and_session_key(
+    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]  # noqa: F811
+) -> None:
+    double = coordinator_double
+    full = await routable_provider(double, providers)  # registered first: tried first
+    spare = await routable_provider(double, providers)
+    consumer = asyncio.create_task(openai_consumer.chat.completions.with_raw_response.create(**chat()))
+    first = await full.next_job()
+    await full.reject(first, 503)
+    second = await spare.next_job()
+    await spare.stream(second, ["ok"])
+    raw = await asyncio.wait_for(consumer, 5)
+
+    assert raw.parse().choices[0].message.content == "ok"
+    assert raw.headers[JOB_HEADER] == second.request_id != first.request_id
+    assert second.session_key != first.session_key
+    dispatched = double.events.of(Dispatched)
+    assert [(d.attempt, d.request_id) for d in dispatched] == [(0, first.request_id), (1, second.request_id)]
+    rejected = double.events.of(Rejected)
+    assert [(r.request_id, r.status_code, r.internal) for r in rejected] == [(first.request_id, 503, False)]
+    await double.wait_for(lambda e: isinstance(e, CancelSent) and e.request_id == second.request_id, timeout=5)
+    assert first.request_id not in full.cancels  # [A]: no cancel for a rejected attempt
+    assert all(c.request_id != first.request_id for c in double.events.of(CancelSent))
+
+
+async def test_single_provider_reject_exhausts_with_provider_status(
+    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]  # noqa: F811
+) -> None:
+    provider = await routable_provider(coordinator_double, providers)
+    consumer = asyncio.create_task(openai_consumer.chat.completions.create(**chat()))
+    await provider.reject(await provider.next_job(), 503)
+    with pytest.raises(openai.APIStatusError) as caught:
+        await asyncio.wait_for(consumer, 5)
+    assert caught.value.status_code == 503
+    assert caught.value.body == {
+        "type": "provider_error",
+        "message": "inference failed after 3 attempt(s): Provider capacity is temporarily unavailable.",
+    }
+
+
+async def test_first_response_timeout_cancels_reroutes_and_ends_in_504(providers: list[FakeProvider]) -> None:
+    config = quick_config(first_response_timeout=0.3, queue_timeout=1.0)
+    async with CoordinatorDouble(config) as double:
+        silent = [await routable_provider(double, providers) for _ in range(2)]
+        async with consumer_for(double) as client:
+            with pytest.raises(openai.APIStatusError) as caught:
+                await client.chat.completions.create(**chat())
+        assert caught.value.status_code == 504
+        timed_out = double.events.of(TimedOut)
+        assert len(timed_out) == 2 and {t.window for t in timed_out} == {Window.FIRST_RESPONSE}
+        await double.wait_until(lambda: len(double.events.of(CancelSent)) == 2, timeout=5)
+        assert {c.cause for c in double.events.of(CancelSent)} == {CancelCause.TIMEOUT}
+        for provider, timeout in zip(silent, sorted(timed_out, key=lambda t: t.provider_id), strict=False):
+            await double.wait_until(lambda p=provider: len(p.cancels) == 1, timeout=5)
+        assert {p.cancels[0] for p in silent} == {t.request_id for t in timed_out}
+        assert not double.errors
+
+
+async def test_accept_moves_to_the_long_window(providers: list[FakeProvider]) -> None:
+    async with CoordinatorDouble(quick_config(first_response_timeout=0.3, accepted_timeout=5.0)) as double:
+        provider = await routable_provider(double, providers)
+        async with consumer_for(double) as client:
+            consumer = asyncio.create_task(client.chat.completions.create(**chat()))
+            job = await provider.next_job()
+            await provider.accept(job)
+            await double.wait_for(lambda e: isinstance(e, Accepted), timeout=5)
+            await asyncio.sleep(0.6)  # a slow model load: twice the first-response window
+            await provider.stream(job, ["late"])
+            completion = await asyncio.wait_for(consumer, 5)
+        assert completion.choices[0].message.content == "late"
+        assert double.events.of(TimedOut) == []
+
+
+async def test_accepted_window_timeout(providers: list[FakeProvider]) -> None:
+    async with CoordinatorDouble(quick_config(first_response_timeout=0.3, accepted_timeout=0.4)) as double:
+        provider = await routable_provider(double, providers)
+        async with consumer_for(double) as client:
+            consumer = asyncio.create_task(client.chat.completions.create(**chat()))
+            await provider.accept(await provider.next_job())
+            with pytest.raises(openai.APIStatusError) as caught:
+                await asyncio.wait_for(consumer, 5)
+        assert caught.value.status_code == 504
+        assert [t.window for t in double.events.of(TimedOut)] == [Window.ACCEPTED]
+
+
+def _tamper(provider: FakeProvider, job: Job, sse: bytes) -> str:
+    sealed = job.box.seal_chunk(job.request_id, sse)
+    assert sealed.encrypted_data is not None
+    cipher = bytearray(__import__("base64").b64decode(sealed.encrypted_data.ciphertext))
+    cipher[-1] ^= 1
+    payload = EncryptedPayload(
+        ephemeral_public_key=provider.identity.public_key_b64,
+        ciphertext=__import__("base64").b64encode(bytes(cipher)).decode(),
+    )
+    return encode(InferenceResponseChunk(request_id=job.request_id, encrypted_data=payload))
+
+
+CHUNK_FAULTS: dict[ChunkFault, Callable[[FakeProvider, Job, bytes], str]] = {
+    ChunkFault.PLAINTEXT: lambda p, j, sse: encode(InferenceResponseChunk(request_id=j.request_id, data=sse.decode())),
+    ChunkFault.BOTH: lambda p, j, sse: encode(
+        j.box.seal_chunk(j.request_id, sse).model_copy(update={"data": sse.decode()})
+    ),
+    ChunkFault.WRONG_KEY: lambda p, j, sse: encode(
+        InferenceResponseChunk(
+            request_id=j.request_id,
+            encrypted_data=j.box.seal(sse).model_copy(
+                update={"ephemeral_public_key": ProviderIdentity.generate().public_key_b64}
+            ),
+        )
+    ),
+    ChunkFault.UNDECRYPTABLE: _tamper,
+}
+
+
+@pytest.mark.parametrize("fault", list(CHUNK_FAULTS), ids=lambda f: f.value)
+async def test_unverifiable_chunk_marks_provider_untrusted_and_fails_502(
+    coordinator_double: CoordinatorDouble,  # noqa: F811
+    openai_consumer: openai.AsyncOpenAI,  # noqa: F811
+    providers: list[FakeProvider],
+    fault: ChunkFault,
+) -> None:
+    double = coordinator_double
+    provider = await routable_provider(double, providers)
+    consumer = asyncio.create_task(openai_consumer.chat.completions.create(**chat()))
+    job = await provider.next_job()
+    sse = event(ChunkFactory(id="c", created=1, model=MODEL).content("secret"))
+    await provider.send(CHUNK_FAULTS[fault](provider, job, sse))
+    with pytest.raises(openai.APIStatusError) as caught:
+        await asyncio.wait_for(consumer, 5)
+    assert caught.value.status_code == 502
+    assert [(r.fault, r.request_id) for r in double.events.of(ChunkRejected)] == [(fault, job.request_id)]
+    assert len(double.events.of(MarkedUntrusted)) == 1
+    view = double.provider(0)
+    assert view.untrusted and Unroutable.UNTRUSTED in view.unroutable
+
+
+async def test_mid_stream_error_is_surfaced_not_rerouted(
+    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]  # noqa: F811
+) -> None:
+    double = coordinator_double
+    first = await routable_provider(double, providers)
+    await routable_provider(double, providers)
+
+    async def consume() -> list[str]:
+        got: list[str] = []
+        stream = await openai_consumer.chat.completions.create(stream=True, **chat())
+        async for chunk in stream:
+            got.append(chunk.choices[0].delta.content or "")
+        return got
+
+    consumer = asyncio.create_task(consume())
+    job = await first.next_job()
+    await first.event(job, event(ChunkFactory(id="c", created=1, model=MODEL).content("par")))
+    await double.wait_for(lambda e: isinstance(e, Committed), timeout=5)
+    await first.reject(job, 500)
+    with pytest.raises(openai.APIError):
+        await asyncio.wait_for(consumer, 5)
+    assert len(double.events.of(Dispatched)) == 1
+
+
+async def test_consumer_disconnect_mid_stream_sends_cancel(
+    coordinator_double: CoordinatorDouble, providers: list[FakeProvider]  # noqa: F811
+) -> None:
+    double = coordinator_double
+    provider = await routable_provider(double, providers)
+
+    async def serve_one_chunk() -> Job:
+        job = await provider.next_job()
+        await provider.event(job, event(ChunkFactory(id="c", created=1, model=MODEL).content("a")))
+        return job
+
+    serving = asyncio.create_task(serve_one_chunk())
+    async with httpx.AsyncClient(base_url=double.http_url) as client:
+        async with client.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as response:
+            lines = response.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")
+            # leave mid-stream
+    job = await serving
+    sent = await double.wait_for(lambda e: isinstance(e, CancelSent) and e.request_id == job.request_id, timeout=5)
+    assert sent.cause is CancelCause.CONSUMER_GONE
+    await double.wait_until(lambda: job.request_id in provider.cancels, timeout=5)
+    assert double.provider(0).in_flight == 0
+
+
+async def test_concurrency_cap_queues_extra_requests(providers: list[FakeProvider]) -> None:
+    async with CoordinatorDouble(quick_config(queue_timeout=5.0)) as double:
+        provider = await routable_provider(double, providers)
+        capacity = BackendCapacity(
+            slots=(), gpu_memory_active_gb=0.0, gpu_memory_peak_gb=0.0, gpu_memory_cache_gb=0.0, total_memory_gb=16.0
+        )
+        await provider.heartbeat(backend_capacity=capacity)
+        await double.wait_until(lambda: double.provider(0).max_concurrency == 2, timeout=5)
+        async with consumer_for(double) as client:
+            consumers = [asyncio.create_task(client.chat.completions.create(**chat())) for _ in range(3)]
+            jobs = [await provider.next_job(), await provider.next_job()]
+            with pytest.raises(TimeoutError):
+                await provider.next_job(timeout=0.3)  # the third waits in the model's queue
+            await provider.stream(jobs[0], ["a"])
+            jobs.append(await provider.next_job())
+            for job in jobs[1:]:
+                await provider.stream(job, ["b"])
+            results = await asyncio.wait_for(asyncio.gather(*consumers), 5)
+        assert sorted(r.choices[0].message.content for r in results) == ["a", "b", "b"]
+
+
+# --- liveness ---------------------------------------------------------------------------------------------------
+
+
+async def test_eviction_after_heartbeat_silence_fails_pending_and_keeps_socket(providers: list[FakeProvider]) -> None:
+    config = quick_config(eviction_timeout=0.6, eviction_sweep_interval=0.1, queue_timeout=0.5)
+    async with CoordinatorDouble(config) as double:
+        silent = await routable_provider(double, providers)
+        alive = await routable_provider(double, providers)
+        beating = asyncio.Event()
+
+        async def keep_alive() -> None:
+            while True:
+                await alive.heartbeat()
+                beating.set()
+                await asyncio.sleep(0.1)  # the heartbeat interval, a real period
+
+        beats = asyncio.create_task(keep_alive())
+        try:
+            await beating.wait()
+            async with consumer_for(double) as client:
+                consumer = asyncio.create_task(client.chat.completions.create(**chat()))
+                job = await silent.next_job()
+                await silent.accept(job)
+                evicted = await double.wait_for(lambda e: isinstance(e, Evicted), timeout=5)
+                assert evicted.provider_id == double.providers[0].provider_id
+                # [A]: the uncommitted request fails with 502 "provider disconnected" and is rerouted
+                rerouted = await alive.next_job()
+                await alive.stream(rerouted, ["saved"])
+                completion = await asyncio.wait_for(consumer, 5)
+            assert completion.choices[0].message.content == "saved"
+            rejected = double.events.of(Rejected)
+            assert [(r.request_id, r.status_code, r.internal) for r in rejected] == [(job.request_id, 502, True)]
+            view = double.providers[0]
+            assert view.evicted and not view.routable and view.connected
+            assert not double.providers[1].evicted
+            await silent.heartbeat()  # too late: ignored, as [A] "heartbeat from unknown provider"
+            dropped = await double.wait_for(lambda e: isinstance(e, Dropped), timeout=5)
+            assert dropped.reason is DropReason.EVICTED
+            assert silent.ws is not None and silent.ws.close_code is None  # the socket was not closed
+        finally:
+            beats.cancel()
+
+
+# --- Go-strict frame validation and injection -----------------------------------------------------------------
+
+
+async def test_invalid_frames_are_dropped_and_recorded(
+    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]  # noqa: F811
+) -> None:
+    double = coordinator_double
+    provider = await routable_provider(double, providers)
+    consumer = asyncio.create_task(openai_consumer.chat.completions.create(**chat()))
+    job = await provider.next_job()
+    mark = double.mark()
+    # Go: "cannot unmarshal number 503.0 into ... status_code of type int" -> the frame is skipped
+    await provider.send(f'{{"type":"inference_error","request_id":"{job.request_id}","error":"x","status_code":503.0}}')
+    await provider.send('{"type":"load_model_status","model_id":"m","status":"started"}')  # [N] only
+    await provider.send('{"type":"from_the_future"}')
+    await provider.send("not json")
+    await provider.send("[1,2]")
+    await double.wait_until(lambda: len(double.events.of(InvalidFrame, mark)) == 5, timeout=5)
+    kinds = [e.kind for e in double.events.of(InvalidFrame, mark)]
+    assert kinds == [
+        InvalidKind.SCHEMA,
+        InvalidKind.UNKNOWN_TYPE,
+        InvalidKind.UNKNOWN_TYPE,
+        InvalidKind.NOT_JSON,
+        InvalidKind.NOT_AN_OBJECT,
+    ]
+    assert "status_code" in double.events.of(InvalidFrame, mark)[0].detail
+    # the dropped error did not end the request: it is still served
+    await provider.stream(job, ["fine"])
+    assert (await asyncio.wait_for(consumer, 5)).choices[0].message.content == "fine"
+
+
+async def test_float_in_register_means_never_registered(
+    coordinator_double: CoordinatorDouble, providers: list[FakeProvider]  # noqa: F811
+) -> None:
+    double = coordinator_double
+    provider = FakeProvider(double.ws_url)
+    providers.append(provider)
+    frame = json.loads(encode(provider.register_frame()))
+    frame["hardware"]["memory_gb"] = 64.0
+    assert provider.ws is None
+    provider.ws = await connect(double.ws_url)
+    await provider.send(json.dumps(frame))
+    await provider.heartbeat()
+    dropped = await double.wait_for(lambda e: isinstance(e, Dropped), timeout=5)
+    assert dropped.reason is DropReason.NOT_REGISTERED
+    assert double.events.of(InvalidFrame)[0].kind is InvalidKind.SCHEMA
+    assert not double.provider(0).registered
+
+
+async def test_frames_after_terminal_and_sse_violations_are_recorded(
+    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]  # noqa: F811
+) -> None:
+    double = coordinator_double
+    provider = await routable_provider(double, providers)
+    consumer = asyncio.create_task(openai_consumer.chat.completions.create(**chat()))
+    job = await provider.next_job()
+    factory = ChunkFactory(id="c", created=1, model=MODEL)
+    await provider.event(job, event(factory.content("one")) + event(factory.content("two")))
+    await provider.complete(job, 1, 2)
+    await provider.event(job, event(factory.content("late")))
+    await provider.send(encode(InferenceAccepted(request_id="never-dispatched")))
+    after = await double.wait_for(lambda e: isinstance(e, AfterTerminal), timeout=5)
+    assert (after.request_id, after.frame_type) == (job.request_id, "inference_response_chunk")
+    unknown = await double.wait_for(lambda e: isinstance(e, Dropped), timeout=5)
+    assert unknown.reason is DropReason.UNKNOWN_REQUEST
+    violations = double.events.of(ProtocolViolation)
+    assert [v.kind for v in violations] == [Violation.SSE_MULTIPLE_EVENTS]
+    await asyncio.wait_for(consumer, 5)
+
+
+async def test_send_raw_injects_text_binary_and_33_mib_frames(
+    coordinator_double: CoordinatorDouble, providers: list[FakeProvider]  # noqa: F811
+) -> None:
+    double = coordinator_double
+    provider = await routable_provider(double, providers)
+    big = '{"type":"x","pad":"' + "a" * (33 * 1024 * 1024) + '"}'
+    await double.send_raw(0, "{not json")
+    await double.send_raw(double.providers[0], b"\x00\xff")
+    await double.send_raw(double.providers[0].provider_id, big)
+    await double.wait_until(lambda: len(provider.raw_frames) >= 4, timeout=10)  # challenge + three
+    assert provider.raw_frames[1:4] == ["{not json", b"\x00\xff", big]
+
+
+# --- kill and restart -------------------------------------------------------------------------------------------
+
+
+async def test_kill_mid_stream_then_restart_on_same_port(providers: list[FakeProvider]) -> None:
+    async with CoordinatorDouble(quick_config(**FAST)) as double:
+        ws_url, http_url = double.ws_url, double.http_url
+        provider = await routable_provider(double, providers)
+        first_id = double.providers[0].provider_id
+        async with consumer_for(double) as client:
+
+            async def consume() -> None:
+                stream = await client.chat.completions.create(stream=True, **chat())
+                async for _ in stream:
+                    pass
+
+            consumer = asyncio.create_task(consume())
+            job = await provider.next_job()
+            await provider.event(job, event(ChunkFactory(id="c", created=1, model=MODEL).content("a")))
+            await double.wait_for(lambda e: isinstance(e, Committed), timeout=5)
+            await double.kill()
+            with pytest.raises((openai.APIError, httpx.HTTPError)):
+                await asyncio.wait_for(consumer, 5)
+        assert provider._reader is not None
+        await asyncio.wait_for(provider._reader, 5)
+        assert provider.ws is not None and provider.ws.close_code == 1006  # no close handshake
+        gone = await double.wait_for(lambda e: isinstance(e, Disconnected), timeout=5)
+        assert gone.close_code is None
+
+        mark = double.mark()
+        await double.restart()
+        assert (double.ws_url, double.http_url) == (ws_url, http_url)
+        assert double.providers == []
+        again = FakeProvider(ws_url)
+        again.identity = provider.identity  # the same provider process reconnecting
+        providers.append(again)
+        await again.connect()
+        await double.wait_for(lambda e: isinstance(e, ChallengeResult) and e.ok, since=mark, timeout=5)
+        assert double.providers[0].provider_id != first_id  # a fresh provider id per socket, as [A]
+        async with consumer_for(double) as client:
+            consumer = asyncio.create_task(client.chat.completions.create(**chat()))
+            await again.stream(await again.next_job(), ["back"])
+            assert (await asyncio.wait_for(consumer, 5)).choices[0].message.content == "back"
+        assert not double.errors
