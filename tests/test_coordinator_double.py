@@ -106,6 +106,7 @@ class FakeProvider:
         self.raw_frames: list[str | bytes] = []
         self.ws: ClientConnection | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._received = asyncio.Condition()
 
     def valid_answer(self, challenge: AttestationChallenge) -> Any:
         return answer_challenge(challenge, public_key_b64=self.identity.public_key_b64, signer=self.signer, posture=GOOD_POSTURE)
@@ -173,23 +174,33 @@ class FakeProvider:
         try:
             async for frame in ws:
                 self.raw_frames.append(frame)
-                try:
-                    message = decode(frame)
-                except Exception:
-                    continue
-                if isinstance(message, AttestationChallenge):
-                    reply = self.answer(self, message)
-                    if reply is not None:
-                        await ws.send(reply if isinstance(reply, str) else encode(reply))
-                elif isinstance(message, InferenceRequest):
-                    assert message.encrypted_body is not None
-                    box, plaintext = self.identity.open_request(message.encrypted_body)
-                    job = Job(message.request_id, box, json.loads(plaintext), message.encrypted_body.ephemeral_public_key)
-                    self.jobs.put_nowait(job)
-                elif isinstance(message, Cancel):
-                    self.cancels.append(message.request_id)
+                await self._handle(ws, frame)
+                async with self._received:
+                    self._received.notify_all()
         except ConnectionClosed:
             pass
+
+    async def _handle(self, ws: ClientConnection, frame: str | bytes) -> None:
+        try:
+            message = decode(frame)
+        except Exception:
+            return  # injected garbage: kept in raw_frames only
+        if isinstance(message, AttestationChallenge):
+            reply = self.answer(self, message)
+            if reply is not None:
+                await ws.send(reply if isinstance(reply, str) else encode(reply))
+        elif isinstance(message, InferenceRequest):
+            assert message.encrypted_body is not None
+            box, plaintext = self.identity.open_request(message.encrypted_body)
+            job = Job(message.request_id, box, json.loads(plaintext), message.encrypted_body.ephemeral_public_key)
+            self.jobs.put_nowait(job)
+        elif isinstance(message, Cancel):
+            self.cancels.append(message.request_id)
+
+    async def received(self, condition: Callable[[], bool], timeout: float = 5.0) -> None:
+        """Wait until ``condition()`` holds, re-checked after every frame this provider receives."""
+        async with self._received:
+            await asyncio.wait_for(self._received.wait_for(condition), timeout)
 
     async def send(self, text: str) -> None:
         assert self.ws is not None
@@ -290,7 +301,7 @@ async def test_streaming_consumer_gets_events_verbatim_with_usage_and_job_id(
     # [A] deferred cancel after every committed request, even a successful one.
     sent = await double.wait_for(lambda e: isinstance(e, CancelSent) and e.request_id == job.request_id, timeout=5)
     assert sent.cause is CancelCause.FINISHED and sent.delivered
-    await double.wait_until(lambda: job.request_id in provider.cancels, timeout=5)
+    await provider.received(lambda: job.request_id in provider.cancels)
     assert double.anomalies() == []
 
 
@@ -497,8 +508,8 @@ async def test_first_response_timeout_cancels_reroutes_and_ends_in_504(providers
         assert len(timed_out) == 2 and {t.window for t in timed_out} == {Window.FIRST_RESPONSE}
         await double.wait_until(lambda: len(double.events.of(CancelSent)) == 2, timeout=5)
         assert {c.cause for c in double.events.of(CancelSent)} == {CancelCause.TIMEOUT}
-        for provider, timeout in zip(silent, sorted(timed_out, key=lambda t: t.provider_id), strict=False):
-            await double.wait_until(lambda p=provider: len(p.cancels) == 1, timeout=5)
+        for provider in silent:
+            await provider.received(lambda p=provider: len(p.cancels) == 1)
         assert {p.cancels[0] for p in silent} == {t.request_id for t in timed_out}
         assert not double.errors
 
@@ -625,7 +636,7 @@ async def test_consumer_disconnect_mid_stream_sends_cancel(
     job = await serving
     sent = await double.wait_for(lambda e: isinstance(e, CancelSent) and e.request_id == job.request_id, timeout=5)
     assert sent.cause is CancelCause.CONSUMER_GONE
-    await double.wait_until(lambda: job.request_id in provider.cancels, timeout=5)
+    await provider.received(lambda: job.request_id in provider.cancels)
     assert double.provider(0).in_flight == 0
 
 
@@ -773,7 +784,7 @@ async def test_send_raw_injects_text_binary_and_33_mib_frames(
     await double.send_raw(0, "{not json")
     await double.send_raw(double.providers[0], b"\x00\xff")
     await double.send_raw(double.providers[0].provider_id, big)
-    await double.wait_until(lambda: len(provider.raw_frames) >= 4, timeout=10)  # challenge + three
+    await provider.received(lambda: len(provider.raw_frames) >= 4, timeout=10)  # challenge + three
     assert provider.raw_frames[1:4] == ["{not json", b"\x00\xff", big]
 
 
@@ -820,3 +831,55 @@ async def test_kill_mid_stream_then_restart_on_same_port(providers: list[FakePro
             await again.stream(await again.next_job(), ["back"])
             assert (await asyncio.wait_for(consumer, 5)).choices[0].message.content == "back"
         assert not double.errors
+
+
+# --- smaller behaviours ---------------------------------------------------------------------------------------
+
+
+async def test_no_provider_for_model_waits_in_queue_then_503(providers: list[FakeProvider]) -> None:
+    async with CoordinatorDouble(quick_config(queue_timeout=0.2)) as double:
+        await routable_provider(double, providers)
+        async with consumer_for(double) as client:
+            with pytest.raises(openai.APIStatusError) as caught:
+                await client.chat.completions.create(**{**chat(), "model": "nobody/serves-this"})
+        assert caught.value.status_code == 503
+        assert caught.value.body["type"] == "model_not_available"
+        assert double.events.of(Dispatched) == []
+
+
+async def test_consumer_leaving_before_commit_sends_cancel(
+    coordinator_double: CoordinatorDouble, providers: list[FakeProvider]  # noqa: F811
+) -> None:
+    double = coordinator_double
+    provider = await routable_provider(double, providers)
+    async with httpx.AsyncClient(base_url=double.http_url) as client:
+        request = asyncio.create_task(client.post("/v1/chat/completions", json=chat()))
+        job = await provider.next_job()
+        await provider.accept(job)
+        await double.wait_for(lambda e: isinstance(e, Accepted), timeout=5)
+        request.cancel()  # the consumer gives up while the provider is still loading
+        await asyncio.gather(request, return_exceptions=True)
+    sent = await double.wait_for(lambda e: isinstance(e, CancelSent), timeout=5)
+    assert (sent.request_id, sent.cause) == (job.request_id, CancelCause.CONSUMER_GONE)
+    await provider.received(lambda: job.request_id in provider.cancels)
+
+
+def test_forwarded_body_is_go_marshalled_only_when_modified() -> None:
+    from coordinator_double.chat_wire import forwarded_body
+
+    raw = b'{"model": "m", "max_tokens": 5, "messages": []}'
+    assert forwarded_body(json.loads(raw), raw, 8192) is raw  # untouched: the consumer's own bytes
+    raw = b'{"provider_serial": "s", "model": "m", "messages": [{"role": "user", "content": "<a&b>"}]}'
+    assert forwarded_body(json.loads(raw), raw, 8192) == (
+        b'{"max_tokens":8192,"messages":[{"content":"\\u003ca\\u0026b\\u003e","role":"user"}],"model":"m"}'
+    )
+
+
+async def test_records_carry_the_loop_clock(
+    coordinator_double: CoordinatorDouble, providers: list[FakeProvider]  # noqa: F811
+) -> None:
+    before = asyncio.get_running_loop().time()
+    await routable_provider(coordinator_double, providers)
+    registered = coordinator_double.events.of(Registered)[0]
+    result = coordinator_double.events.of(ChallengeResult)[0]
+    assert before <= registered.at <= result.at <= asyncio.get_running_loop().time()

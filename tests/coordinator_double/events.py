@@ -13,8 +13,9 @@ because tests compare it with the engine's output; the double is test-only and n
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -109,37 +110,44 @@ class Untrusted(Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class DoubleStarted:
+class Record:
+    """Base of every record. ``at`` is ``time.monotonic()`` (the asyncio loop clock) when it was made."""
+
+    at: float = field(default_factory=time.monotonic, compare=False, repr=False, kw_only=True)
+
+
+@dataclass(frozen=True, slots=True)
+class DoubleStarted(Record):
     ws_url: str
     http_url: str
     generation: int
 
 
 @dataclass(frozen=True, slots=True)
-class DoubleKilled:
+class DoubleKilled(Record):
     generation: int
 
 
 @dataclass(frozen=True, slots=True)
-class ProviderConnected:
+class ProviderConnected(Record):
     provider_id: str
 
 
 @dataclass(frozen=True, slots=True)
-class Disconnected:
+class Disconnected(Record):
     provider_id: str
     close_code: int | None  # None: no close frame (abrupt)
 
 
 @dataclass(frozen=True, slots=True)
-class FrameReceived:
+class FrameReceived(Record):
     provider_id: str
     message: Message
     size: int
 
 
 @dataclass(frozen=True, slots=True)
-class InvalidFrame:
+class InvalidFrame(Record):
     provider_id: str
     kind: InvalidKind
     detail: str  # field locations and error kinds only, never frame content
@@ -147,7 +155,7 @@ class InvalidFrame:
 
 
 @dataclass(frozen=True, slots=True)
-class Dropped:
+class Dropped(Record):
     provider_id: str
     reason: DropReason
     frame_type: str
@@ -155,14 +163,14 @@ class Dropped:
 
 
 @dataclass(frozen=True, slots=True)
-class ProtocolViolation:
+class ProtocolViolation(Record):
     provider_id: str
     kind: Violation
     request_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class Registered:
+class Registered(Record):
     provider_id: str
     models: tuple[str, ...]
     public_key_valid: bool
@@ -171,14 +179,14 @@ class Registered:
 
 
 @dataclass(frozen=True, slots=True)
-class ChallengeSent:
+class ChallengeSent(Record):
     provider_id: str
     nonce: str
     timestamp: str
 
 
 @dataclass(frozen=True, slots=True)
-class ChallengeResult:
+class ChallengeResult(Record):
     provider_id: str
     nonce: str
     ok: bool
@@ -187,18 +195,18 @@ class ChallengeResult:
 
 
 @dataclass(frozen=True, slots=True)
-class MarkedUntrusted:
+class MarkedUntrusted(Record):
     provider_id: str
     cause: Untrusted
 
 
 @dataclass(frozen=True, slots=True)
-class Evicted:
+class Evicted(Record):
     provider_id: str
 
 
 @dataclass(frozen=True, slots=True)
-class Dispatched:
+class Dispatched(Record):
     consumer_id: int
     request_id: str
     provider_id: str
@@ -207,41 +215,41 @@ class Dispatched:
 
 
 @dataclass(frozen=True, slots=True)
-class Accepted:
+class Accepted(Record):
     request_id: str
     provider_id: str
 
 
 @dataclass(frozen=True, slots=True)
-class ChunkReceived:
+class ChunkReceived(Record):
     request_id: str
     provider_id: str
     event: bytes  # the decrypted SSE event, exactly as sealed
 
 
 @dataclass(frozen=True, slots=True)
-class ChunkRejected:
+class ChunkRejected(Record):
     request_id: str
     provider_id: str
     fault: ChunkFault
 
 
 @dataclass(frozen=True, slots=True)
-class Committed:
+class Committed(Record):
     consumer_id: int
     request_id: str
     provider_id: str
 
 
 @dataclass(frozen=True, slots=True)
-class Completed:
+class Completed(Record):
     request_id: str
     provider_id: str
     usage: Usage
 
 
 @dataclass(frozen=True, slots=True)
-class Rejected:
+class Rejected(Record):
     """A pre-first-chunk failure: the provider's inference_error, or the double's internal 502."""
 
     consumer_id: int
@@ -254,7 +262,7 @@ class Rejected:
 
 
 @dataclass(frozen=True, slots=True)
-class StreamFailed:
+class StreamFailed(Record):
     """A failure after commit: surfaced to the consumer, never rerouted."""
 
     consumer_id: int
@@ -265,7 +273,7 @@ class StreamFailed:
 
 
 @dataclass(frozen=True, slots=True)
-class TimedOut:
+class TimedOut(Record):
     consumer_id: int
     request_id: str
     provider_id: str
@@ -273,7 +281,7 @@ class TimedOut:
 
 
 @dataclass(frozen=True, slots=True)
-class Rerouted:
+class Rerouted(Record):
     consumer_id: int
     request_id: str
     provider_id: str
@@ -281,7 +289,7 @@ class Rerouted:
 
 
 @dataclass(frozen=True, slots=True)
-class CancelSent:
+class CancelSent(Record):
     provider_id: str
     request_id: str
     cause: CancelCause
@@ -289,14 +297,14 @@ class CancelSent:
 
 
 @dataclass(frozen=True, slots=True)
-class AfterTerminal:
+class AfterTerminal(Record):
     provider_id: str
     request_id: str
     frame_type: str
 
 
 @dataclass(frozen=True, slots=True)
-class ConsumerFinished:
+class ConsumerFinished(Record):
     consumer_id: int
     status_code: int
     request_id: str | None  # the committed request, if any
@@ -333,6 +341,7 @@ __all__ = [
     "ProtocolViolation",
     "ProviderConnected",
     "Registered",
+    "Record",
     "Rejected",
     "RerouteCause",
     "Rerouted",
@@ -406,7 +415,9 @@ class EventLog:
             raise TimeoutError(f"no matching event within {timeout} s; last events: {self._tail()}") from None
 
     async def wait_until(self, condition: Callable[[], bool], *, timeout: float) -> None:
-        """Wait until ``condition()`` holds, re-checking after every new record."""
+        """Wait until ``condition()`` holds, re-checked after every new record. The double's own state only
+        changes together with a record; a condition on anything else (a fake provider's inbox) is only
+        re-checked when some record arrives, so wait on that thing's own signal instead."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while not condition():

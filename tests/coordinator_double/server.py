@@ -287,26 +287,30 @@ class CoordinatorDouble:
         if self._queued[model] >= self.config.queue_limit_per_model:
             return FailedRequest(503, error_body("request queue is full", "model_not_available"))
         self._queued[model] += 1
-        found: list[ProviderSession] = []
-
-        def ready() -> bool:
-            session = self.registry.pick(model, excluded, self.now())
-            if session is not None:
-                found.append(session)
-            return session is not None or gone.is_set()
-
-        waiter = asyncio.ensure_future(self.wait_until(ready, timeout=self.config.queue_timeout))
-        leaver = asyncio.ensure_future(gone.wait())
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.queue_timeout
         try:
-            await asyncio.wait({waiter, leaver}, return_when=asyncio.FIRST_COMPLETED)
+            while not gone.is_set():
+                session = self.registry.pick(model, excluded, self.now())
+                if session is not None:
+                    return session
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                # Any record may free a slot or add a provider; a consumer leaving records nothing, so race it.
+                mark = self.events.mark()
+                waiter = asyncio.ensure_future(self.events.wait_for(lambda e: True, since=mark, timeout=remaining))
+                leaver = asyncio.ensure_future(gone.wait())
+                try:
+                    await asyncio.wait({waiter, leaver}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+                    leaver.cancel()
+                    await asyncio.gather(waiter, leaver, return_exceptions=True)
         finally:
             self._queued[model] -= 1
-            waiter.cancel()
-            leaver.cancel()
         if gone.is_set():
             return ConsumerGone()
-        if found:
-            return found[-1]
         return FailedRequest(503, error_body(f"no provider available for model {model}", "model_not_available"))
 
     # --- provider sockets ----------------------------------------------------------------------------------
