@@ -1,0 +1,343 @@
+"""End to end: the provider agent (real engine on the tiny MLX model, real model manager and ledger) against
+the coordinator double over a real WebSocket on 127.0.0.1, consumers on the `openai` SDK.
+
+Agents run in this process (``Agent.start(harden=False)``: hardening would change the test process) with
+``dev_posture`` (the double, like a self-hosted coordinator, routes only to providers reporting SIP and the
+privacy capabilities). The SIGTERM drain test runs ``python -m provider.agent`` as a real subprocess, with
+real hardening.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from coordinator_double import (
+    JOB_HEADER,
+    Accepted,
+    ChunkReceived,
+    Completed,
+    CoordinatorDouble,
+    Dispatched,
+    FrameReceived,
+    Rejected,
+    Rerouted,
+)
+from coordinator_double.events import Disconnected
+from double_fixtures import consumer_for, coordinator_double, double_config, openai_consumer, quick_config  # noqa: F401
+
+from provider.agent import Agent
+from provider.config import Settings
+from provider.engine import ChatRequest, Engine, SamplingParams
+from provider.telemetry import capture_redacted_logs
+
+NO_EOS = frozenset({10**9})  # the tiny models never stop early: completions have exactly max_tokens
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class RunningAgent:
+    agent: Agent
+    stop: asyncio.Event
+    task: asyncio.Task[int]
+
+    async def shutdown(self) -> int:
+        self.stop.set()
+        return await asyncio.wait_for(self.task, 30)
+
+
+@pytest.fixture
+async def start_agent(tiny_model_path: Path, tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
+    running: list[RunningAgent] = []
+
+    async def start(url: str, name: str = "p1", models: dict[str, Path] | None = None, **overrides) -> RunningAgent:
+        aliases = models or {"tiny": tiny_model_path}
+        settings = Settings(**{
+            "coordinator_url": url, "dev_posture": True, "state_dir": tmp_path / name,
+            "hf_cache_dir": tmp_path / "empty-hf-cache", "model_aliases": aliases, "memory_limit_gb": 8.0,
+            "memory_reserve_gb": 0.5, "heartbeat_interval_s": 0.5, "drain_timeout_s": 5.0, "idle_timeout_mins": 0,
+            **overrides})
+        agent = await Agent.start(settings, harden=False, eos_token_ids=dict.fromkeys(aliases, NO_EOS))
+        stop = asyncio.Event()
+        handle = RunningAgent(agent, stop, asyncio.create_task(agent.run(stop)))
+        running.append(handle)
+        return handle
+
+    yield start
+    for handle in running:
+        if not handle.task.done():
+            assert await handle.shutdown() == 0
+        assert len(handle.agent.ledger) == 0, "every reservation must be released"
+
+
+def chat_messages(content: str = "hello") -> list[dict[str, str]]:
+    return [{"role": "user", "content": content}]
+
+
+async def engine_alone(model_path: Path, content: str, max_tokens: int) -> tuple[str, int, int]:
+    """The reference: the engine by itself on the same model, greedy."""
+    async with Engine() as engine:
+        await engine.load("ref", model_path, eos_token_ids=NO_EOS)
+        stream = engine.submit("ref", ChatRequest("ref-1", chat_messages(content),
+                                                  SamplingParams(max_tokens=max_tokens, temperature=0)))
+        text, finished = await stream.collect()
+    return text, finished.usage.prompt_tokens, finished.usage.completion_tokens
+
+
+async def frames_for(double: CoordinatorDouble, request_id: str) -> list[str]:
+    return [e.message.type for e in double.events.of(FrameReceived)
+            if getattr(e.message, "request_id", None) == request_id]
+
+
+# --- answers --------------------------------------------------------------------------------------------
+
+
+async def test_openai_stream_and_non_stream_equal_the_engine(coordinator_double, openai_consumer, start_agent,
+                                                             tiny_model_path):
+    double = coordinator_double
+    provider = await start_agent(double.ws_url)
+    await double.wait_routable(model="tiny", timeout=15)
+    expected_text, prompt_tokens, completion_tokens = await engine_alone(tiny_model_path, "hello there", 12)
+
+    stream = await openai_consumer.chat.completions.create(
+        model="tiny", messages=chat_messages("hello there"), max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    parts, usage = [], None
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+        usage = chunk.usage or usage
+    assert "".join(parts) == expected_text
+    assert (usage.prompt_tokens, usage.completion_tokens) == (prompt_tokens, completion_tokens)
+
+    raw = await openai_consumer.chat.completions.with_raw_response.create(
+        model="tiny", messages=chat_messages("hello there"), max_tokens=12, temperature=0)
+    completion = raw.parse()
+    assert completion.choices[0].message.content == expected_text
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (prompt_tokens, 12)
+    request_id = raw.headers[JOB_HEADER]
+    done = await double.wait_for(lambda e: isinstance(e, Completed) and e.request_id == request_id, timeout=5)
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (prompt_tokens, 12)
+    types = await frames_for(double, request_id)
+    assert types[0] == "inference_accepted" and types[-1] == "inference_complete"
+    assert types.count("inference_complete") == 1 and "inference_error" not in types
+    assert double.anomalies() == []
+    assert provider.agent.stats.requests_served == 2 and provider.agent.stats.tokens_generated == 24
+
+
+async def test_two_providers_one_full_the_request_is_rerouted(coordinator_double, start_agent, tiny_model_path,
+                                                              quantized_model_path):
+    """P1 holds one model slot, busy with a long request for another model: a request for the tiny model cannot
+    load there (503 slot_state, no accept) and is rerouted to P2."""
+    double = coordinator_double
+    full = await start_agent(double.ws_url, "full", models={"tiny": tiny_model_path, "other": quantized_model_path},
+                             max_model_slots=1)
+    await double.wait_routable(1, model="other", timeout=15)
+    spare = await start_agent(double.ws_url, "spare")
+    await double.wait_routable(2, model="tiny", timeout=15)
+    p1, p2 = (p.provider_id for p in double.providers)
+    async with consumer_for(double) as client:
+        # Both providers get one long request, so the tie on in-flight count sends the next one to P1 first.
+        busy = []
+        for model, provider_id in (("other", p1), ("tiny", p2)):
+            busy.append(await client.chat.completions.create(
+                model=model, messages=chat_messages("keep busy"), max_tokens=1900, temperature=0, stream=True))
+            await double.wait_for(lambda e, p=provider_id: isinstance(e, ChunkReceived) and e.provider_id == p,
+                                  timeout=10)
+        assert double.provider(p1).in_flight == 1 and double.provider(p2).in_flight == 1
+        # A heartbeat sent while P2 was loading says "reloading" ([A]: unroutable); wait for the next one.
+        await double.wait_until(lambda: "tiny" in double.provider(p2).warm_models, timeout=10)
+        mark = double.mark()
+        raw = await client.chat.completions.with_raw_response.create(
+            model="tiny", messages=chat_messages("rerouted"), max_tokens=5, temperature=0)
+        assert raw.parse().usage.completion_tokens == 5
+        for stream in busy:
+            await stream.close()  # the consumers leave: the double cancels both long jobs
+    reject = next(e for e in double.events[mark:] if isinstance(e, Rejected))
+    assert reject.provider_id == p1 and reject.status_code == 503 and reject.failure_code == "capacity"
+    assert reject.error_reason == "capacity_busy" and not reject.internal
+    assert not any(isinstance(e, Accepted) and e.request_id == reject.request_id for e in double.events)
+    assert await frames_for(double, reject.request_id) == ["inference_error"]
+    assert any(isinstance(e, Rerouted) and e.request_id == reject.request_id for e in double.events[mark:])
+    served = raw.headers[JOB_HEADER]
+    assert served != reject.request_id
+    assert next(e for e in double.events[mark:] if isinstance(e, Completed)).provider_id == p2
+    assert double.anomalies() == []
+    assert full.agent.stats.requests_served == 0 and spare.agent.stats.requests_served == 1
+
+
+async def test_a_cold_model_is_accepted_within_one_second(coordinator_double, openai_consumer, start_agent,
+                                                          small_model_path):
+    double = coordinator_double
+    provider = await start_agent(double.ws_url, models={"small": small_model_path})
+    await double.wait_routable(model="small", timeout=15)
+    assert provider.agent.manager.warm_models() == []
+    loop = asyncio.get_running_loop()
+    consumer = asyncio.create_task(openai_consumer.chat.completions.create(
+        model="small", messages=chat_messages("cold start"), max_tokens=4, temperature=0))
+    dispatched = await double.wait_for(lambda e: isinstance(e, Dispatched), timeout=10)
+    sent_at = loop.time()
+    await double.wait_for(lambda e: isinstance(e, Accepted) and e.request_id == dispatched.request_id, timeout=1)
+    accepted_after = loop.time() - sent_at
+    completion = await consumer
+    assert accepted_after < 1.0 and completion.usage.completion_tokens == 4
+    assert (await frames_for(double, dispatched.request_id))[:2] == ["inference_accepted", "inference_response_chunk"]
+
+
+# --- cancels, disconnects, restarts -------------------------------------------------------------------------
+
+
+async def test_cancel_on_consumer_disconnect_stops_the_job(coordinator_double, start_agent):
+    double = coordinator_double
+    provider = await start_agent(double.ws_url)
+    await double.wait_routable(model="tiny", timeout=15)
+    async with httpx.AsyncClient(base_url=double.http_url, timeout=30) as client:
+        body = {"model": "tiny", "messages": chat_messages("a long answer"), "max_tokens": 1900, "stream": True}
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            request_id = response.headers[JOB_HEADER]
+            events = [line async for line in _take_data_lines(response, 3)]
+            assert all(json.loads(line[len("data: "):])["object"] == "chat.completion.chunk" for line in events)
+            # the consumer leaves mid-stream
+    await double.wait_until(lambda: provider.agent.stats.cancellations_received == 1, timeout=10)
+    await double.wait_until(lambda: len(provider.agent.ledger) == 0, timeout=10)
+    types = await frames_for(double, request_id)
+    assert "inference_complete" not in types and "inference_error" not in types
+    assert provider.agent.stats.requests_served == 0 and not provider.agent.stats.serving
+    # The provider keeps serving.
+    async with consumer_for(double) as consumer:
+        completion = await consumer.chat.completions.create(model="tiny", messages=chat_messages(), max_tokens=3)
+    assert completion.usage.completion_tokens == 3
+
+
+async def _take_data_lines(response: httpx.Response, n: int) -> AsyncIterator[str]:
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            yield line
+            n -= 1
+            if n == 0:
+                return
+
+
+async def test_double_killed_mid_stream_then_restarted(coordinator_double, start_agent):
+    double = coordinator_double
+    provider = await start_agent(double.ws_url)
+    await double.wait_routable(model="tiny", timeout=15)
+    async with consumer_for(double) as consumer:
+        streaming = asyncio.create_task(consumer.chat.completions.create(
+            model="tiny", messages=chat_messages("mid stream"), max_tokens=1900, stream=True))
+        await double.wait_for(lambda e: isinstance(e, ChunkReceived), timeout=10)
+        assert provider.agent.stats.serving
+        await double.kill()
+        with pytest.raises((openai.APIError, httpx.HTTPError)):
+            stream = await streaming
+            async for _ in stream:
+                pass
+    await double.wait_until(lambda: not provider.agent.stats.serving and len(provider.agent.ledger) == 0, timeout=10)
+    assert provider.agent.stats.cancellations_received == 1
+    mark = double.mark()
+    await double.restart()
+    (view,) = await double.wait_routable(model="tiny", timeout=15)  # re-registered, challenge answered
+    assert view.challenge_passed and provider.agent.session.counters.registrations == 2
+    async with consumer_for(double) as consumer:
+        completion = await consumer.chat.completions.create(model="tiny", messages=chat_messages(), max_tokens=4)
+    assert completion.usage.completion_tokens == 4
+    assert double.anomalies(since=mark) == []
+    assert len(provider.agent.ledger) == 0
+
+
+# --- hostile frames ----------------------------------------------------------------------------------------
+
+
+async def test_malformed_oversized_tampered_and_unknown_frames_never_crash_the_session(coordinator_double,
+                                                                                      start_agent):
+    double = coordinator_double
+    provider = await start_agent(double.ws_url)
+    (view,) = await double.wait_routable(model="tiny", timeout=15)
+    key = view.public_key
+    tampered = json.dumps({"type": "inference_request", "request_id": "tampered-1", "encrypted_body": {
+        "ephemeral_public_key": key, "ciphertext": "A" * 200}})
+    big = json.dumps({"type": "inference_request", "request_id": "big-1", "encrypted_body": {
+        "ephemeral_public_key": key, "ciphertext": "QUJD" * (6 * 1024 * 1024)}})  # 24 MiB: within our limit
+    for frame in ("not json", b"\x00\xff binary", '{"type":"from_the_future","x":1}', "[]", '{"type":42}',
+                  '{"type":"cancel","request_id":"nobody"}', '{"type":"inference_request"}', tampered, big,
+                  '{"type":"runtime_status","verified":false,"mismatches":[{"component":"runtime"}]}'):
+        await double.send_raw(view, frame)
+    await double.wait_for(lambda e: isinstance(e, FrameReceived) and getattr(e.message, "request_id", "") == "big-1",
+                          timeout=20)
+    errors = {e.message.request_id: e.message for e in double.events.of(FrameReceived)
+              if e.message.type == "inference_error"}
+    assert errors["tampered-1"].status_code == 400 and errors["big-1"].status_code == 400
+    assert errors["tampered-1"].failure_code == "invalid_request"
+    assert provider.agent.session.counters.connection_losses == 0 and double.provider(view).connected
+
+    # Over the 32 MiB inbound limit: the socket closes (1009) and the provider comes back by itself.
+    await double.send_raw(view, "x" * (34 * 1024 * 1024))
+    await double.wait_for(lambda e: isinstance(e, Disconnected), timeout=10)
+    await double.wait_routable(model="tiny", timeout=15)
+    assert provider.agent.session.counters.registrations == 2
+    async with consumer_for(double) as consumer:
+        completion = await consumer.chat.completions.create(model="tiny", messages=chat_messages(), max_tokens=2)
+    assert completion.usage.completion_tokens == 2
+    assert len(provider.agent.ledger) == 0
+
+
+async def test_prompt_text_never_reaches_the_logs(coordinator_double, openai_consumer, start_agent):
+    double = coordinator_double
+    await start_agent(double.ws_url)
+    await double.wait_routable(model="tiny", timeout=15)
+    canary = "CANARY-e2e-91c4-PRIVATE"
+    with capture_redacted_logs() as logs:
+        with pytest.raises(openai.BadRequestError):  # longer than the context: 400, not retried
+            await openai_consumer.chat.completions.create(
+                model="tiny", messages=chat_messages(f"{canary} " * 2500), max_tokens=4)
+        completion = await openai_consumer.chat.completions.create(
+            model="tiny", messages=chat_messages(canary), max_tokens=4, stop=[canary])
+    assert completion.usage.completion_tokens >= 1
+    assert logs and canary not in json.dumps(logs, default=str)
+
+
+# --- drain on SIGTERM, as a real process -------------------------------------------------------------------
+
+
+async def test_sigterm_drains_the_job_in_flight_then_exits_0(coordinator_double, tiny_model_path, tmp_path):
+    double = coordinator_double
+    env = {**os.environ, "HF_HUB_OFFLINE": "1",
+           "DARKBLOOM_COORDINATOR_URL": double.ws_url, "DARKBLOOM_DEV_POSTURE": "true",
+           "DARKBLOOM_STATE_DIR": str(tmp_path / "state"), "DARKBLOOM_HF_CACHE_DIR": str(tmp_path / "hf"),
+           "DARKBLOOM_MODEL_ALIASES": f"tiny={tiny_model_path}", "DARKBLOOM_MEMORY_LIMIT_GB": "8",
+           "DARKBLOOM_MEMORY_RESERVE_GB": "0.5", "DARKBLOOM_DRAIN_TIMEOUT_S": "30",
+           "DARKBLOOM_LOG_FORMAT": "json", "DARKBLOOM_HEARTBEAT_INTERVAL_S": "0.5"}
+    process = await asyncio.create_subprocess_exec(sys.executable, "-m", "provider.agent", env=env, cwd=REPO,
+                                                   stdout=asyncio.subprocess.DEVNULL,
+                                                   stderr=asyncio.subprocess.PIPE)
+    try:
+        await double.wait_routable(model="tiny", timeout=60)
+        async with consumer_for(double) as consumer:
+            stream = await consumer.chat.completions.create(
+                model="tiny", messages=chat_messages("drain test"), max_tokens=1200, temperature=0, stream=True)
+            await double.wait_for(lambda e: isinstance(e, ChunkReceived), timeout=10)
+            process.send_signal(signal.SIGTERM)
+            parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        code = await asyncio.wait_for(process.wait(), 60)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    log_lines = (await process.stderr.read()).decode(errors="replace").splitlines()
+    events = [json.loads(line).get("event") for line in log_lines if line.startswith("{")]
+    assert code == 0, log_lines[-20:]
+    assert "stop_signal" in events and "drained" in events and "drain_timeout" not in events
+    completed = double.events.of(Completed)
+    assert len(completed) == 1 and completed[0].usage.completion_tokens == 1200 and "".join(parts)
+    disconnected = await double.wait_for(lambda e: isinstance(e, Disconnected), timeout=10)
+    assert disconnected.close_code == 1000
+    assert double.anomalies() == []
