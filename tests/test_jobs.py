@@ -338,3 +338,58 @@ async def test_every_official_coordinator_fixture_is_survived(harness):
         (frame,) = harness.of(f"fixture-{n}")
         assert (frame["type"], frame["status_code"], frame["failure_code"]) == ("inference_error", 400,
                                                                                 "invalid_request")
+
+
+# --- first_content_budget_ms and mid-stream failures -------------------------------------------------------
+
+
+async def test_first_content_budget_spent_before_admission_refuses_without_accept(harness):
+    readings = iter([100.0])  # frame receipt at t=100 s, every later reading at t=105 s
+
+    harness.ctx.monotonic = lambda: next(readings, 105.0)
+    request = harness.coordinator.request("late", chat()).model_copy(update={"first_content_budget_ms": 1000})
+    assert await harness.run(request) is JobOutcome.REJECTED
+    (frame,) = harness.of("late")
+    assert (frame["status_code"], frame["error_reason"], frame["rejection_reason"]) == \
+        (503, "deadline_unreachable", "deadline")
+
+
+async def test_no_content_within_the_budget_fails_before_output(harness):
+    loading = asyncio.Event()
+    original = harness.engine.load
+
+    async def slow_load(*args, **kwargs):
+        loading.set()
+        await asyncio.sleep(0.5)  # a real delay: the model takes longer to load than the budget allows
+        return await original(*args, **kwargs)
+
+    harness.engine.load = slow_load
+    request = harness.coordinator.request("slow", chat()).model_copy(update={"first_content_budget_ms": 100})
+    assert await harness.run(request) is JobOutcome.FAILED
+    assert [f["type"] for f in harness.of("slow")] == ["inference_accepted", "inference_error"]
+    assert harness.of("slow")[-1]["error_reason"] == "deadline_unreachable"
+    ok = harness.coordinator.request("fast", chat()).model_copy(update={"first_content_budget_ms": 60_000})
+    assert await harness.run(ok) is JobOutcome.COMPLETED  # a met budget changes nothing
+
+
+async def test_an_error_after_the_first_chunk_ends_the_stream_with_one_error(tiny_model_path, tmp_path):
+    engine = Engine()
+    h = Harness(settings_for(tiny_model_path, tmp_path), engine)
+    streaming = asyncio.Event()
+
+    def send(text: str) -> None:
+        h.send(text)
+        if len(h.of("mid")) >= 3:
+            streaming.set()
+
+    task = asyncio.create_task(run_job(h.coordinator.request("mid", chat(max_tokens=1900)), h.ctx, send))
+    await streaming.wait()
+    await engine.unload("tiny")  # the model goes away under the running request
+    assert await task is JobOutcome.FAILED
+    types = [f["type"] for f in h.of("mid")]
+    assert types[0] == "inference_accepted" and types[-1] == "inference_error"
+    assert types.count("inference_error") == 1 and "inference_complete" not in types
+    assert set(types[1:-1]) == {"inference_response_chunk"} and len(types) >= 4
+    assert h.stats.generation_errors_after_output == 1
+    assert len(h.ledger) == 0  # the engine released the KV reservation with the failed request
+    await engine.aclose()

@@ -14,6 +14,9 @@ terminal frame and nothing after it.
 * The accept goes out as soon as admission says yes — before any model load.
 * The role delta is sent together with the first real output, so a request that fails before
   producing anything is still rerouted by the coordinator (it has not committed).
+* ``first_content_budget_ms`` ([N]), anchored at frame receipt: already spent at admission → 503
+  ``deadline_unreachable`` without an accept; no content by then → the same error instead of content
+  (before any output, so the coordinator reroutes without counting it against us).
 * Cancellation (``cancel`` from the coordinator, or a lost connection) cancels the job's task: the
   engine stream is closed, the manager releases the KV reservation, and nothing more is sent (§7.4).
 
@@ -113,7 +116,8 @@ class JobContext:
     counter: PromptCounter
     stats: ServingStats
     metrics: Metrics | None = None
-    clock: Callable[[], float] = time.time
+    clock: Callable[[], float] = time.time  # the chunks' `created`
+    monotonic: Callable[[], float] = time.monotonic  # budgets and durations
 
 
 class _Rejected(Exception):
@@ -139,8 +143,11 @@ class Job:
         self._ctx = ctx
         self._send = send
         self.lifecycle = JobLifecycle()
-        self._started = time.monotonic()
+        self._started = ctx.monotonic()  # frame receipt: the anchor of first_content_budget_ms
         self._first_output: float | None = None
+        budget_ms = request.first_content_budget_ms
+        self._content_deadline = self._started + budget_ms / 1000 if budget_ms > 0 else None
+        self._deadline_guard: asyncio.Timeout | None = None
 
     @property
     def state(self) -> JobState:
@@ -202,6 +209,8 @@ class Job:
                 raise _Rejected(failure)
             case Admitted(kv=kv):
                 max_tokens = kv.max_tokens  # the request's own, or the model's default, clamped to context
+        if self._content_deadline is not None and self._ctx.monotonic() >= self._content_deadline:
+            raise _Rejected(Failure.deadline_unreachable())
         self.lifecycle.step(JobEvent.ADMIT)
         self._emit(JobEvent.ACCEPT, InferenceAccepted(request_id=self.request_id))
         self._ctx.stats.accepted(self.request_id, body.model)
@@ -215,15 +224,25 @@ class Job:
 
     async def _serve(self, box: RequestBox, body: ChatBody, prompt_tokens: int, max_tokens: int) -> JobOutcome:
         request = ChatRequest(self.request_id, body.messages, body.sampling(max_tokens))
+        remaining = None if self._content_deadline is None else self._content_deadline - self._ctx.monotonic()
         try:
-            async with self._ctx.manager.serve(self.request_id, body.model, prompt_tokens, body.max_tokens) as slot:
-                stream = slot.submit(request)
-                try:
-                    return await self._stream(box, body, stream)
-                finally:
-                    await stream.aclose()  # no-op after a terminal event; a cancel otherwise
+            # [N] first_content_budget_ms: no content by then → give up before any output (rerouted, neutral).
+            async with asyncio.timeout(remaining) as self._deadline_guard:
+                async with self._ctx.manager.serve(self.request_id, body.model, prompt_tokens,
+                                                   body.max_tokens) as slot:
+                    stream = slot.submit(request)
+                    try:
+                        return await self._stream(box, body, stream)
+                    finally:
+                        await stream.aclose()  # no-op after a terminal event; a cancel otherwise
         except asyncio.CancelledError:
             raise
+        except TimeoutError:
+            if self.lifecycle.terminal or self._first_output is not None:
+                raise
+            log.info("request_deadline_missed", budget_ms=self._request.first_content_budget_ms)
+            self._fail(Failure.deadline_unreachable())
+            return JobOutcome.FAILED
         except Exception as exc:  # the edge of a job: every failure becomes its one error frame
             if self.lifecycle.terminal:
                 raise  # a frame already ended the job: this is a bug, not a request failure
@@ -263,7 +282,9 @@ class Job:
     def _output(self, box: RequestBox, chunks: ChunkFactory) -> None:
         """Before the first output: the role delta, so it is always the first chunk."""
         if self._first_output is None:
-            self._first_output = time.monotonic()
+            self._first_output = self._ctx.monotonic()
+            if self._deadline_guard is not None:
+                self._deadline_guard.reschedule(None)  # content is here: the budget is met
             self._chunk(box, event(chunks.role()))
 
     # --- frames ---------------------------------------------------------------------------------------
@@ -295,7 +316,7 @@ class Job:
         if self._ctx.metrics is not None:
             self._ctx.metrics.request_finished(RequestOutcome.COMPLETED)
             self._ctx.metrics.add_tokens(prompt=prompt_tokens, completion=completion_tokens)
-        now = time.monotonic()
+        now = self._ctx.monotonic()
         ttft = (self._first_output or now) - self._started
         log.info("request_completed", prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                  duration_s=round(now - self._started, 4), ttft_ms=round(ttft * 1000, 2))

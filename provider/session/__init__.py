@@ -1,0 +1,64 @@
+"""provider/session: the coordinator WebSocket — one connection, forever.
+
+* ``core``       ``SessionCore``: sans-I/O state machine (frame in → ``Send`` / ``StartJob`` / ``CancelJob`` /
+                 ``Log`` actions out), ``SessionState``
+* ``connection`` ``Session``: the asyncio shell (websockets client, send queue, keepalive, clock watchdog,
+                 heartbeats, reconnect with backoff, drain), ``SessionConfig``, ``websocket_connect``
+* ``backoff``    pure reconnect policy: ``backoff_delays``, ``should_reset_backoff``, ``clock_jumped``,
+                 ``is_retryable``
+* ``register``   the ``register`` frame (``build_register``, ``advertised_models``)
+* ``heartbeat``  ``HeartbeatSource`` (frames from the manager's ``CapacityReport`` and ``ServingStats``)
+* ``identity``   key files under ``state_dir/identity`` (``load_or_create_keys``)
+* ``posture``    host posture, process hardening, ``dev_posture`` rules (``Posture``)
+"""
+
+from provider.session.backoff import backoff_delays, clock_jumped, is_retryable, should_reset_backoff
+from provider.session.connection import Session, SessionConfig, SessionCounters, websocket_connect
+from provider.session.core import Action, CancelJob, InvalidState, Log, Send, SessionCore, SessionState, StartJob
+from provider.session.heartbeat import HeartbeatSource, ThermalSampler, backend_capacity
+from provider.session.identity import Keys, load_or_create_keys
+from provider.session.posture import (
+    DevPostureRefused,
+    Hardening,
+    HostPosture,
+    Posture,
+    check_dev_posture,
+    harden_process,
+    read_host_posture,
+)
+from provider.session.register import AdvertisedModel, RegisterFrame, advertised_models, build_register
+
+__all__ = [
+    "Action",
+    "AdvertisedModel",
+    "CancelJob",
+    "DevPostureRefused",
+    "Hardening",
+    "HeartbeatSource",
+    "HostPosture",
+    "InvalidState",
+    "Keys",
+    "Log",
+    "Posture",
+    "RegisterFrame",
+    "Send",
+    "Session",
+    "SessionConfig",
+    "SessionCore",
+    "SessionCounters",
+    "SessionState",
+    "StartJob",
+    "ThermalSampler",
+    "advertised_models",
+    "backend_capacity",
+    "backoff_delays",
+    "build_register",
+    "check_dev_posture",
+    "clock_jumped",
+    "harden_process",
+    "is_retryable",
+    "load_or_create_keys",
+    "read_host_posture",
+    "should_reset_backoff",
+    "websocket_connect",
+]
