@@ -11,8 +11,12 @@ import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from enum import Enum, StrEnum
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from kvcache.manager import PrefixCacheStats
 
 NAMESPACE = "darkbloom"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -45,6 +49,17 @@ class EvictionCause(StrEnum):
     IDLE = "idle"  # idle_timeout_mins
     PRESSURE = "pressure"  # memory watermark
     SHUTDOWN = "shutdown"
+
+
+class PrefixLookup(StrEnum):
+    HIT = "hit"  # the whole prompt but its last token came from the prefix cache
+    PARTIAL_HIT = "partial_hit"
+    MISS = "miss"
+
+
+class CacheTier(StrEnum):
+    RAM = "ram"
+    DISK = "disk"
 
 
 class CapFigure(StrEnum):
@@ -84,6 +99,11 @@ class Metrics:
         self.loaded_models = Gauge("loaded_models", "Models resident now.", namespace=ns, registry=r)
         self.in_flight_requests = Gauge("in_flight_requests", "Requests accepted and not finished.",
                                         namespace=ns, registry=r)
+        self.prefix_cache_lookups_total = Counter("prefix_cache_lookups", "Prefix KV cache lookups by result.",
+                                                  ["result"], namespace=ns, registry=r)
+        self.prefix_cache_bytes = Gauge("prefix_cache_bytes", "Bytes held by the prefix KV cache, by tier.",
+                                        ["tier"], namespace=ns, registry=r)
+        self._prefix_seen = dict.fromkeys(PrefixLookup, 0)
         # Known label values exist from the start at 0, so rate() and absent() behave.
         for outcome in RequestOutcome:
             self.requests_total.labels(outcome=outcome.value)
@@ -93,6 +113,10 @@ class Metrics:
             self.model_loads_total.labels(result=result.value)
         for cause in EvictionCause:
             self.model_evictions_total.labels(cause=cause.value)
+        for result in PrefixLookup:
+            self.prefix_cache_lookups_total.labels(result=result.value)
+        for tier in CacheTier:
+            self.prefix_cache_bytes.labels(tier=tier.value).set(0)
 
     # --- requests
     def request_finished(self, outcome: RequestOutcome) -> None:
@@ -143,6 +167,19 @@ class Metrics:
     def set_cap_figures(self, figures: Mapping[CapFigure, int]) -> None:
         for figure, value in figures.items():
             self.cap_bytes.labels(figure=label(figure)).set(value)
+
+    def set_prefix_cache(self, stats: PrefixCacheStats) -> None:
+        """Feed `kvcache.manager.PrefixCacheStats` (cumulative lookups, current bytes): the counters
+        advance by what is new since the previous call, the gauges are replaced."""
+        totals = {PrefixLookup.HIT: stats.hits, PrefixLookup.PARTIAL_HIT: stats.partial_hits,
+                  PrefixLookup.MISS: stats.misses}
+        for result, total in totals.items():
+            delta = total - self._prefix_seen[result]
+            if delta > 0:
+                self.prefix_cache_lookups_total.labels(result=result.value).inc(delta)
+                self._prefix_seen[result] = total
+        self.prefix_cache_bytes.labels(tier=CacheTier.RAM.value).set(stats.ram_bytes)
+        self.prefix_cache_bytes.labels(tier=CacheTier.DISK.value).set(stats.disk_bytes)
 
     def render(self) -> bytes:
         """Prometheus text exposition format (serve with :data:`CONTENT_TYPE`)."""

@@ -1,4 +1,8 @@
-"""`serve --local` in a subprocess, driven with the openai SDK; /metrics parsed; the log canary."""
+"""`serve --local` in a subprocess, driven with the openai SDK; /metrics parsed; the log canary.
+
+The server runs the shared runtime (the agent's model manager, prompt counter and prefix cache), so
+its refusals are the manager's: a model that can never fit is refused at admission, before any load.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from protocol.errors import Failure, RejectionReason
 from provider.demo import free_port, wait_ready
 
 CANARY = "CANARY-7f3a9c-do-not-log"
@@ -92,9 +97,30 @@ def test_models_health_and_status(server):
     assert httpx.get(server.base_url + "/healthz").json() == {"status": "ok"}
     status = httpx.get(server.base_url + "/status").json()
     assert status["mode"] == "local" and status["in_flight"] == 0
+    assert [(m["id"], m["state"]) for m in status["models"]] in ([(MODEL, "loaded")], [(MODEL, "not_loaded")])
     assert set(status["ledger"]["bytes_by_kind"]) == {"request_kv", "media", "pending_load", "prefix_cache"}
     assert status["pressure"]["level"] in ("green", "yellow", "red", "fatal")
     assert status["cap"]["effective_cap_bytes"] > 0
+    assert set(status["prefix_cache"]) >= {"hits", "partial_hits", "misses", "ram_bytes", "disk_bytes"}
+
+
+def test_a_repeated_prompt_hits_the_prefix_cache(server):
+    before = httpx.get(server.base_url + "/status").json()["prefix_cache"]
+    for _ in range(2):
+        server.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "the same words twice over"}], max_tokens=2,
+            temperature=0)
+    status = httpx.get(server.base_url + "/status").json()
+    after = status["prefix_cache"]
+    lookups = ("hits", "partial_hits", "misses")
+    assert sum(after[k] for k in lookups) == sum(before[k] for k in lookups) + 2  # one lookup each
+    assert after["hits"] == before["hits"] + 1  # the repeat found its whole prompt but the last token
+    assert after["ram_bytes"] > 0 and after["ram_bytes"] == status["ledger"]["bytes_by_kind"]["prefix_cache"]
+    assert after["disk_bytes"] > 0  # write-through to the encrypted SSD tier
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(server.base_url + "/metrics").text)}
+    hits = next(s.value for s in families["darkbloom_prefix_cache_lookups"].samples
+                if s.name == "darkbloom_prefix_cache_lookups_total" and s.labels == {"result": "hit"})
+    assert hits == after["hits"]
 
 
 def test_unknown_model_is_404_without_retry_after(server):
@@ -111,7 +137,8 @@ def test_metrics_parse_with_prometheus_client(server):
     families = {f.name: f for f in text_string_to_metric_families(resp.text)}
     for name in ("darkbloom_requests", "darkbloom_tokens", "darkbloom_rejects", "darkbloom_model_loads",
                  "darkbloom_model_evictions", "darkbloom_settle_seconds", "darkbloom_ledger_bytes",
-                 "darkbloom_cap_bytes", "darkbloom_loaded_models", "darkbloom_in_flight_requests"):
+                 "darkbloom_cap_bytes", "darkbloom_loaded_models", "darkbloom_in_flight_requests",
+                 "darkbloom_prefix_cache_lookups", "darkbloom_prefix_cache_bytes"):
         assert name in families, name
 
     def value(family: str, sample: str, **labels: str) -> float:
@@ -126,7 +153,8 @@ def test_metrics_parse_with_prometheus_client(server):
 
 
 def test_over_capacity_is_503_with_retry_after_and_no_request_text_in_the_log(tmp_path, tiny_model_path):
-    # A 6 GiB machine: effective cap 2 GiB, but a load needs weights + 3 GiB activation + 1 GiB KV.
+    # A 6 GiB machine: effective cap 2 GiB, but a load needs weights + 3 GiB activation + 1 GiB KV,
+    # so fast admission refuses it as bigger than this node (503, rerouteable) and nothing loads.
     small = start_server(tmp_path, tiny_model_path, "--memory-limit-gb", "6")
     try:
         with pytest.raises(openai.APIStatusError) as err:
@@ -135,11 +163,15 @@ def test_over_capacity_is_503_with_retry_after_and_no_request_text_in_the_log(tm
         assert err.value.status_code == 503
         assert int(err.value.response.headers["retry-after"]) > 0
         body = err.value.response.json()["error"]
-        assert body["code"] == "capacity" and body["message"] == "Provider capacity is temporarily unavailable."
+        expected = Failure.exceeds_node(RejectionReason.MEMORY_CAP)
+        assert body["code"] == "capacity" and body["reason"] == "request_exceeds_node"
+        assert body["message"] == expected.message
         assert CANARY not in err.value.response.text
         metrics = httpx.get(small.base_url + "/metrics").text
         assert 'darkbloom_rejects_total{reason="memory_cap"} 1.0' in metrics
-        assert 'darkbloom_model_loads_total{result="refused"} 1.0' in metrics
+        assert 'darkbloom_model_loads_total{result="loaded"} 0.0' in metrics
+        assert 'darkbloom_loaded_models 0.0' in metrics
+        assert small.client().models.list().data == []  # it can never load here: not offered
     finally:
         code, log = small.stop()
     assert code == 0

@@ -54,11 +54,15 @@ def test_fresh_metrics_expose_every_family_with_known_labels_at_zero() -> None:
         "darkbloom_cap_bytes": "gauge",
         "darkbloom_loaded_models": "gauge",
         "darkbloom_in_flight_requests": "gauge",
+        "darkbloom_prefix_cache_lookups": "counter",
+        "darkbloom_prefix_cache_bytes": "gauge",
     }
     for outcome in RequestOutcome:
         assert value(m, "darkbloom_requests_total", outcome=outcome.value) == 0
     assert value(m, "darkbloom_tokens_total", kind="completion") == 0
     assert value(m, "darkbloom_model_evictions_total", cause="idle") == 0
+    assert value(m, "darkbloom_prefix_cache_lookups_total", result="miss") == 0
+    assert value(m, "darkbloom_prefix_cache_bytes", tier="disk") == 0
     assert CONTENT_TYPE.startswith("text/plain; version=")
 
 
@@ -137,3 +141,16 @@ def test_instances_do_not_share_a_registry() -> None:
     a.request_finished(RequestOutcome.CANCELLED)
     assert value(a, "darkbloom_requests_total", outcome="cancelled") == 1
     assert value(b, "darkbloom_requests_total", outcome="cancelled") == 0
+
+
+def test_prefix_cache_stats_feed_counters_by_delta_and_gauges_by_value() -> None:
+    from kvcache.manager import PrefixCacheStats
+
+    m = Metrics()
+    m.set_prefix_cache(PrefixCacheStats(hits=2, partial_hits=1, misses=3, ram_bytes=4096, disk_bytes=8192))
+    m.set_prefix_cache(PrefixCacheStats(hits=5, partial_hits=1, misses=3, ram_bytes=1024, disk_bytes=0))
+    assert value(m, "darkbloom_prefix_cache_lookups_total", result="hit") == 5  # cumulative, not summed
+    assert value(m, "darkbloom_prefix_cache_lookups_total", result="partial_hit") == 1
+    assert value(m, "darkbloom_prefix_cache_lookups_total", result="miss") == 3
+    assert value(m, "darkbloom_prefix_cache_bytes", tier="ram") == 1024
+    assert value(m, "darkbloom_prefix_cache_bytes", tier="disk") == 0

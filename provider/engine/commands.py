@@ -69,6 +69,14 @@ class KvCacheBytes:
 
 
 @dataclass(frozen=True, slots=True)
+class KvBytesPerToken:
+    """Measure a loaded model's real KV growth: a one-token prefill into a fresh prompt cache."""
+
+    model_id: str
+    reply: Future
+
+
+@dataclass(frozen=True, slots=True)
 class Reclaim:
     """gc + `mx.clear_cache()` + glibc `malloc_trim(0)`, on the thread that owns MLX."""
 
@@ -80,4 +88,4 @@ class Stop:
     reply: Future
 
 
-Command = Load | Unload | Submit | Cancel | CountPromptTokens | KvCacheBytes | Reclaim | Stop
+Command = Load | Unload | Submit | Cancel | CountPromptTokens | KvCacheBytes | KvBytesPerToken | Reclaim | Stop

@@ -32,6 +32,7 @@ from provider.engine.commands import (
     Cancel,
     Command,
     CountPromptTokens,
+    KvBytesPerToken,
     KvCacheBytes,
     Load,
     Reclaim,
@@ -218,6 +219,11 @@ class Engine:
     async def kv_cache_bytes(self, model_id: str) -> int:
         """Bytes held by the model's batch KV caches right now (measured on the worker)."""
         return await self._call(lambda reply: KvCacheBytes(model_id, reply))
+
+    async def kv_bytes_per_token(self, model_id: str) -> int:
+        """The loaded model's real KV cost per token, measured on its own cache classes (cheap: one
+        token). The post-load check compares it with the config estimate. Only while it serves nothing."""
+        return await self._call(lambda reply: KvBytesPerToken(model_id, reply))
 
     # -- shutdown ----------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ import jinja2
 import mlx.core as mx
 import mlx_lm
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
 from kvcache.manager import MISS, ModelKvCache, Reuse
 from memory.settle import reclaim
@@ -33,6 +34,7 @@ from provider.engine.commands import (
     Command,
     CountPromptTokens,
     EventSink,
+    KvBytesPerToken,
     KvCacheBytes,
     Load,
     Reclaim,
@@ -55,11 +57,14 @@ from provider.engine.types import (
     TextDelta,
     Usage,
 )
+from provider.models.kv import ALLOC_STEP
 from provider.models.metadata import context_length
 
 log = logging.getLogger("provider.engine")
 
 _TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError)
+# Caches that grow with the sequence (recurrent state has a constant size and is not per token).
+_GROWING_CACHES = (KVCache, RotatingKVCache, QuantizedKVCache)
 
 # model id -> that model's prefix cache (kvcache.KvCacheManager.get), or None when reuse is off.
 PrefixCacheLookup = Callable[[str], ModelKvCache | None]
@@ -140,6 +145,8 @@ class Worker:
                 self._reply(reply, lambda: len(self._prompt_ids(self._slot(model_id), messages)))
             case KvCacheBytes(model_id, reply):
                 self._reply(reply, lambda: self._slot(model_id).generator.prompt_cache_nbytes)
+            case KvBytesPerToken(model_id, reply):
+                self._reply(reply, lambda: self._kv_bytes_per_token(model_id))
             case Load():
                 self._reply(command.reply, lambda: self._load(command))
             case Unload(model_id, reply):
@@ -198,6 +205,19 @@ class Worker:
         self._slots[cmd.model_id] = _Slot(info, model, tokenizer, _new_generator(model, eos))
         self.stats[cmd.model_id] = ModelStats(0, 0, 0)
         return info
+
+    def _kv_bytes_per_token(self, model_id: str) -> int:
+        """Bytes per token the model's own caches allocate: one token into a fresh prompt cache makes
+        every growing layer allocate its first ALLOC_STEP-token block; that block's bytes / ALLOC_STEP."""
+        slot = self._slot(model_id)
+        if slot.requests:
+            raise EngineError(EngineFailure.INVALID_REQUEST)  # a load-time check, never beside a batch
+        cache = make_prompt_cache(slot.model)
+        logits = slot.model(mx.array([[0]]), cache=cache)
+        mx.eval(logits, [c.state for c in cache if not c.empty()])
+        nbytes = sum(c.nbytes for c in cache if isinstance(c, _GROWING_CACHES))
+        del cache, logits
+        return nbytes // ALLOC_STEP
 
     def _unload(self, model_id: str) -> None:
         slot = self._slot(model_id)

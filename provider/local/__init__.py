@@ -2,7 +2,8 @@
 
 * `app.create_app(backend, metrics, chat=...)` -- the FastAPI app (chat=False: status endpoints only,
   for the coordinator agent to run beside its WebSocket);
-* `backend.EngineBackend` -- models on the engine, admitted through the memory ledger;
+* `backend.RuntimeBackend` -- the shared `provider.runtime.Runtime` (manager admission, prompt counter);
 * `body.parse_chat_body` -- the one OpenAI request-body parser;
-* `server.serve_local(settings)` -- `darkbloom-provider serve --local`.
+* `server.serve_local(settings)` -- `darkbloom-provider serve --local`;
+* `server.StatusEndpoint.start(runtime, settings)` -- the status endpoints beside the agent's session.
 """

@@ -3,8 +3,8 @@
     POST /v1/chat/completions   OpenAI chat completions, streaming (SSE) or not   [chat=True only]
     GET  /v1/models             the servable model ids                             [chat=True only]
     GET  /healthz               200 {"status": "ok"} while serving, 503 while draining
-    GET  /status                JSON: mode, loaded models and states, in-flight requests, ledger bytes
-                                by kind, pressure, cap figures
+    GET  /status                JSON: mode, models and their states, in-flight requests, ledger bytes
+                                by kind, pressure, cap figures, prefix-cache stats
     GET  /metrics               Prometheus text (provider.metrics.Metrics.render)
 
 Errors are OpenAI-shaped (`{"error": {"message", "type", "code"}}`) with the fixed text of
@@ -39,13 +39,15 @@ log = get_logger(__name__)
 
 
 class Backend(Protocol):
-    """What the app needs from whatever holds the models (see backend.EngineBackend)."""
+    """What the app needs from whatever holds the models (see backend.RuntimeBackend)."""
 
-    figures: CapFigures
+    @property
+    def figures(self) -> CapFigures: ...
 
     def model_ids(self) -> list[str]: ...
     def open(self, request_id: str, body: ChatBody) -> Any: ...  # async context manager -> RequestStream
     def status(self) -> dict[str, Any]: ...
+    def refresh_metrics(self) -> None: ...
 
 
 def _failure_for(code: EngineFailure) -> Failure:
@@ -108,7 +110,7 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        backend.status()  # refreshes the ledger gauges
+        backend.refresh_metrics()  # the sampled gauges: ledger bytes, prefix cache
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     if not chat:

@@ -53,6 +53,13 @@ class ManagerView:
     draining: bool
     outstanding_bytes: int  # Σ ledger reservations, every kind
     request_kv_bytes: int  # the part held by in-flight requests (it frees as they finish)
+    prefix_cache_bytes: int = 0  # the part held by the RAM prefix cache, evicted before a refusal
+
+    @property
+    def firm_outstanding_bytes(self) -> int:
+        """Reservations that stay put: the prefix cache gives way to requests and loads, so every
+        decision here counts its bytes as available (the manager evicts them before it refuses)."""
+        return max(0, self.outstanding_bytes - self.prefix_cache_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +169,7 @@ def plan_room(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, 
         victims = candidates[:k]
         result = fit(figures, snapshot, weight_bytes_on_disk,
                      evictable_bytes=leaving + sum(v.resident_bytes for v in victims),
-                     outstanding_bytes=view.outstanding_bytes)
+                     outstanding_bytes=view.firm_outstanding_bytes)
         memory_ok = result.required_bytes + max(0, extra_kv_bytes) <= result.room_after_eviction_bytes
         slot_ok = occupied - k < view.max_model_slots
         if memory_ok and slot_ok:
@@ -202,8 +209,8 @@ def plan_kv(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, *,
     for k in range(len(candidates) + 1):
         victims = candidates[:k]
         evictable = leaving + sum(v.resident_bytes for v in victims)
-        if kv_bytes <= _available_after(view, figures, snapshot, evictable, view.outstanding_bytes):
-            verdict = fit(figures, snapshot, 0, evictable_bytes=evictable, outstanding_bytes=view.outstanding_bytes)
+        if kv_bytes <= _available_after(view, figures, snapshot, evictable, view.firm_outstanding_bytes):
+            verdict = fit(figures, snapshot, 0, evictable_bytes=evictable, outstanding_bytes=view.firm_outstanding_bytes)
             return RoomPlan(tuple(v.model_id for v in victims), verdict)
     return None
 
@@ -216,11 +223,11 @@ def kv_refusal(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot,
     as they finish); `kv_headroom` when memory itself is short even with none of them.
     `available_token_budget` is what would fit right now.
     """
-    now = figures.available_bytes(snapshot, view.outstanding_bytes)
+    now = figures.available_bytes(snapshot, view.firm_outstanding_bytes)
     budget = tokens_for_bytes(info, now)
     everything_idle = _unloading_bytes(view) + sum(s.resident_bytes for s in _idle_lru(view, info.id))
     without_requests = _available_after(view, figures, snapshot, everything_idle,
-                                        max(0, view.outstanding_bytes - view.request_kv_bytes))
+                                        max(0, view.firm_outstanding_bytes - view.request_kv_bytes))
     if kv.nbytes <= without_requests:
         return Refused(Failure.capacity(RejectionReason.TOKEN_BUDGET, reason=ErrorReason.TOKEN_BUDGET_EXHAUSTED,
                                         available_token_budget=budget))
@@ -249,7 +256,7 @@ def decide(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, *, 
     if state is ModelState.LOADING:
         return Admitted(model_id, kv, cold=True)  # it waits for the load in progress
     if state is ModelState.LOADED:
-        if kv.nbytes <= figures.available_bytes(snapshot, view.outstanding_bytes):
+        if kv.nbytes <= figures.available_bytes(snapshot, view.firm_outstanding_bytes):
             return Admitted(model_id, kv, cold=False)
         plan = plan_kv(view, figures, snapshot, target=model_id, kv_bytes=kv.nbytes)
         if plan is not None:

@@ -12,12 +12,18 @@ Load, in this order (memory-policy.md §5), inside one single-flight task per mo
   2. atomically claim the pending load in the ledger (same snapshot, no await in between);
   3. load on the engine thread; `mx.clear_cache()`; every await is followed by a re-check;
   4. post-load guard: measured headroom ≥ MIN_KV + other reservations, else unload, clear,
-     release, refuse; only then publish the model as LOADED.
+     release, refuse; check the config's KV bytes per token against the engine's real cache and
+     keep the larger (§4); only then publish the model as LOADED and attach its prefix cache.
 Every failure path (a refusal, an engine error, an injected fault, cancellation) undoes the
 engine load if it happened and releases the claim exactly once (`Claim`).
 
+Prefix cache (`prefix_cache=`, kvcache/): its RAM entries are ledger reservations that give way:
+when the ledger refuses a request's KV or a load's claim, entries are evicted (LRU) and the
+reservation retried once before any refusal; under RED pressure the RAM tier is dropped (before a
+load and on each idle-reaper tick). Admission counts those bytes as available (`ManagerView`).
+
 Unload (§6): the engine stops the model (its requests fail, their KV is released from the
-engine thread), purge its KV (`kv_purge` hook), gc + `mx.clear_cache()` + glibc `malloc_trim(0)`
+engine thread), purge its KV (`kv_purge` hook, the prefix cache's purge by default), gc + `mx.clear_cache()` + glibc `malloc_trim(0)`
 (`memory.settle.reclaim`), then the settle barrier; freed bytes and settle time are logged.
 """
 
@@ -30,6 +36,7 @@ import enum
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
+from kvcache.manager import KvCacheManager
 from memory import (
     MIN_KV_BYTES,
     CapFigures,
@@ -65,6 +72,7 @@ from provider.slots.admission import (
 )
 from provider.slots.capacity import CapacityReport, SlotCapacity, max_concurrency
 from provider.slots.leases import Claim, KvReservation, ServeSlot
+from provider.slots.prefix import PrefixRoom, WeightHashes, with_measured_kv
 from provider.slots.state import KvHold, ModelSlot, ModelState, log
 
 
@@ -119,6 +127,8 @@ class ModelManager:
         load_wait_timeout_s: float = 120.0,
         settle_timeout_s: float = 5.0,
         kv_purge: KvPurge | None = None,
+        prefix_cache: KvCacheManager | None = None,
+        weight_hash: WeightHashes | None = None,
         clock: Callable[[], float] = time.monotonic,
         metrics: Metrics | None = None,
         eos_token_ids: Mapping[str, frozenset[int]] | None = None,
@@ -136,7 +146,8 @@ class ModelManager:
         self._idle_timeout_s = idle_timeout_s if idle_timeout_s else None  # 0 / None = never
         self._load_wait_s = load_wait_timeout_s
         self._settle_s = settle_timeout_s
-        self._kv_purge = kv_purge
+        self._prefix = PrefixRoom(prefix_cache, weight_hash)
+        self._kv_purge = kv_purge if kv_purge is not None or prefix_cache is None else self._prefix.purge
         self._clock = clock
         self._metrics = metrics
         self._eos = dict(eos_token_ids or {})
@@ -175,7 +186,17 @@ class ModelManager:
         slots = {s.model_id: s.view(self._engine.stats(s.model_id))
                  for s in self._slots.values() if s.state is not ModelState.NOT_LOADED}
         return ManagerView(slots, self._max_slots, self._draining, sum(by_kind.values()),
-                           by_kind[ReservationKind.REQUEST_KV])
+                           by_kind[ReservationKind.REQUEST_KV],
+                           self._prefix.evictable_bytes(by_kind[ReservationKind.PREFIX_CACHE]))
+
+    @property
+    def prefix_cache(self) -> KvCacheManager | None:
+        return self._prefix.cache
+
+    def info(self, model_id: str) -> ModelInfo | None:
+        """The model's info as the manager sizes it (KV per token checked after its last load)."""
+        slot = self._slots.get(model_id)
+        return slot.info if slot is not None else None
 
     def admit(self, model_id: str, prompt_tokens: int, max_tokens: int | None = None) -> Admission:
         """Accept or refuse before `inference_accepted`: no load, no reservation, no allocation."""
@@ -264,6 +285,7 @@ class ModelManager:
                           max_tokens: int | None) -> KvReservation:
         kv = kv_need(self.figures, slot.info, prompt_tokens, max_tokens)
         reservation = KvReservation(self._ledger, slot, request_id, kv)
+        tried_prefix = False
         while True:
             if self._draining:
                 raise SlotRefused(Failure.draining())
@@ -277,6 +299,10 @@ class ModelManager:
                 raise SlotRefused(Failure.invalid_request())
             if result.reason is LedgerRejection.OVER_SINGLE_REQUEST_LIMIT:
                 raise SlotRefused(Failure.exceeds_node(RejectionReason.TOKEN_BUDGET))
+            if not tried_prefix:  # the prefix cache gives way first, then retry once
+                tried_prefix = True
+                if self._prefix.evict_for(kv.nbytes - result.available_bytes, reason="request_kv"):
+                    continue
             view = self.view()
             plan = plan_kv(view, self.figures, snap, target=slot.model_id, kv_bytes=kv.nbytes)
             if plan is None or not plan.victims:
@@ -305,6 +331,7 @@ class ModelManager:
             await self._step(LoadStep.ENGINE_LOADING, model_id)
             loaded = await asyncio.shield(load_fut)
             await self._step(LoadStep.LOADED, model_id)
+            await self._check_kv_per_token(slot)
             await self._engine.reclaim()  # mx.clear_cache() on the thread that owns MLX
             snap = self._probe.snapshot()
             await self._step(LoadStep.GUARD, model_id)
@@ -317,6 +344,10 @@ class ModelManager:
                 self._count_load(LoadResult.REFUSED)
                 await self._step(LoadStep.GUARD_UNLOAD, model_id)
                 return Failure.capacity(RejectionReason.MEMORY_CAP)
+            weight_hash = await self._prefix.attach_hash(model_id)  # cached by the runtime: no re-read
+            if self._draining:
+                return Failure.draining()
+            self._prefix.attach(model_id, weight_hash)  # same step as the publish: no await between
             claim.release()
             slot.loaded = loaded
             slot.last_used = self._clock()
@@ -344,6 +375,7 @@ class ModelManager:
     async def _make_room_and_claim(self, slot: ModelSlot, claim: Claim) -> Failure | None:
         """Steps 1–3 of a load, under `_room_lock`. Returns a failure, or None with the claim held."""
         estimate = padded_weight_bytes(slot.info.weight_bytes)
+        tried_prefix = False
         while True:
             leaving = [s.unload_task for s in self._slots.values()
                        if s.state is ModelState.UNLOADING and s.unload_task is not None]
@@ -353,6 +385,8 @@ class ModelManager:
             if self._draining:
                 return Failure.draining()
             snap = self._probe.snapshot()
+            if self._prefix.relieve(pressure(snap, incoming_bytes=estimate).level):
+                continue  # the RAM tier went: resample
             plan = plan_room(self.view(), self.figures, snap, target=slot.model_id,
                              weight_bytes_on_disk=slot.info.weight_bytes)
             if isinstance(plan, Refused):
@@ -367,9 +401,22 @@ class ModelManager:
             # Same snapshot, no await since planning: the claim checks exactly what the plan saw.
             result = self._ledger.claim_pending_load(claim.id, estimate + MIN_KV_BYTES, snapshot=snap)
             if isinstance(result, Rejection):
+                if not tried_prefix:  # the plan counted the prefix cache as room: make it so, once
+                    tried_prefix = True
+                    if self._prefix.evict_for(result.nbytes - result.available_bytes, reason="load"):
+                        continue
                 return Failure.capacity(RejectionReason.MEMORY_CAP)
             claim.held = True
             return None
+
+    async def _check_kv_per_token(self, slot: ModelSlot) -> None:
+        """memory-policy.md §4: the engine's real KV growth vs the config's; keep the larger."""
+        try:
+            measured = await self._engine.kv_bytes_per_token(slot.model_id)
+        except EngineError as exc:  # the config estimate stands
+            log.warning("kv_bytes_per_token_unmeasured", model=slot.model_id, code=exc.code)
+            return
+        slot.info = with_measured_kv(slot.info, measured)
 
     async def _undo_engine_load(self, model_id: str, load_fut: asyncio.Future | None) -> None:
         """Make sure nothing of a failed load stays resident. A load the engine already started
@@ -451,6 +498,7 @@ class ModelManager:
 
     async def reap_idle(self) -> list[str]:
         """Unload every model idle for `idle_timeout_s` or more; returns their ids."""
+        self._prefix.relieve(pressure(self._probe.snapshot()).level)
         if self._idle_timeout_s is None:
             return []
         now = self._clock()
@@ -466,11 +514,12 @@ class ModelManager:
         return reaped
 
     async def run_idle_reaper(self, interval_s: float | None = None) -> None:
-        """Call `reap_idle` periodically until cancelled (a session task). No-op loop when idle
-        unloading is off."""
-        if self._idle_timeout_s is None:
+        """Call `reap_idle` periodically until cancelled (a session task); each tick also relieves
+        the prefix cache under RED pressure. Returns at once when there is nothing to do."""
+        if self._idle_timeout_s is None and not self._prefix.enabled:
             return
-        period = interval_s if interval_s is not None else min(60.0, max(1.0, self._idle_timeout_s / 4))
+        idle = self._idle_timeout_s if self._idle_timeout_s is not None else 240.0  # prefix relief only
+        period = interval_s if interval_s is not None else min(60.0, max(1.0, idle / 4))
         while True:
             await asyncio.sleep(period)  # a real period, not synchronisation
             await self.reap_idle()
@@ -496,6 +545,10 @@ class ModelManager:
 
     # -- reporting ----------------------------------------------------------------------------
 
+    def resident_bytes(self, model_id: str) -> int:
+        slot = self._slots.get(model_id)
+        return slot.resident_bytes if slot is not None else 0
+
     def warm_models(self) -> list[str]:
         return [s.model_id for s in self._slots.values() if s.state is ModelState.LOADED]
 
@@ -507,7 +560,7 @@ class ModelManager:
         """Fit verdict per inventory model (register, doctor): could it load here now, or after
         evicting idle models? A resident model is judged as if it were reloaded."""
         snap = self._probe.snapshot()
-        outstanding = self._ledger.outstanding_bytes()
+        outstanding = self.view().firm_outstanding_bytes
         return [(s.info, fit(self.figures, snap, s.info.weight_bytes,
                              evictable_bytes=self._evictable_bytes(also=s.model_id),
                              outstanding_bytes=outstanding))
@@ -518,7 +571,8 @@ class ModelManager:
         snap = self._probe.snapshot()
         figures = self.figures
         ledger = self._ledger.snapshot()
-        available = figures.available_bytes(snap, ledger.total_bytes)
+        firm = self.view().firm_outstanding_bytes  # the prefix cache gives way to requests and loads
+        available = figures.available_bytes(snap, firm)
         slots = []
         for slot in self._slots.values():
             if slot.state not in (ModelState.LOADED, ModelState.LOADING):
@@ -544,7 +598,7 @@ class ModelManager:
             slots=tuple(slots), mlx_active_bytes=snap.mlx_active_bytes, mlx_peak_bytes=snap.mlx_peak_bytes,
             mlx_cache_bytes=snap.mlx_cache_bytes, total_memory_bytes=snap.physical_bytes,
             free_for_load_bytes=free_for_load_bytes(figures, snap, evictable_bytes=self._evictable_bytes(),
-                                                    outstanding_bytes=ledger.total_bytes),
+                                                    outstanding_bytes=firm),
             available_bytes=available, pressure=pressure(snap), ledger=ledger)
 
     # -- metrics ------------------------------------------------------------------------------

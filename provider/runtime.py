@@ -1,0 +1,193 @@
+"""The serving core both front doors share: `serve` (the coordinator agent) and `serve --local`.
+
+    runtime = await Runtime.start(settings)       # blocking steps run off the event loop
+    ... runtime.manager.admit(...) / async with runtime.manager.serve(...) ...
+    await runtime.aclose()                        # drain, unload (and purge) every model, stop
+
+What it builds, in order: model inventory → memory probe and the one ledger → the prefix KV cache
+(`kvcache`: startup sweep of `state_dir/kvcache` before anything writes there, the SSD tier when
+`kv_ssd_budget_gb > 0`, a one-thread executor for its encryption and disk writes) → the engine
+(its prefix-cache lookup is the cache's `get`) → the model manager (same admission and memory
+policy everywhere; it attaches the prefix cache after each load and purges it on every unload)
+→ weight hashes and tokenizers of every model that can ever load (`PromptCounter` counts prompts
+exactly before a load).
+
+`status()` is the body of the local `/status` endpoint (loaded models and their states, in-flight
+requests, ledger by kind, pressure, prefix-cache stats); `refresh_metrics()` updates the gauges
+that are sampled rather than counted (ledger bytes, prefix cache), called on each /metrics scrape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import memory
+from kvcache.disk import DiskBudget, startup_sweep
+from kvcache.manager import KvCacheManager
+from kvcache.ssd import SsdStore
+from memory import Ledger, Probe
+from provider.config import Settings
+from provider.doctor import cap_figures, discover_models
+from provider.engine import Engine
+from provider.jobs import PromptCounter, ServingStats
+from provider.metrics import Metrics
+from provider.models import Inventory, weight_hash
+from provider.slots import ModelManager, ModelState
+from provider.telemetry import get_logger
+
+log = get_logger("provider.runtime")
+
+KVCACHE_DIR = "kvcache"
+
+
+class WeightHashes:
+    """Weight hash per model id, computed once off the event loop and cached (register advertises
+    them; the prefix cache binds its entries to them)."""
+
+    def __init__(self, paths: Mapping[str, Path]) -> None:
+        self._paths = dict(paths)
+        self._done: dict[str, str] = {}
+        self._pending: dict[str, asyncio.Future[str]] = {}
+
+    async def get(self, model_id: str) -> str:
+        if model_id in self._done:
+            return self._done[model_id]
+        task = self._pending.get(model_id)
+        if task is None:  # its own task: one caller being cancelled must not cancel the others
+            task = self._pending[model_id] = asyncio.ensure_future(weight_hash(self._paths[model_id]))
+        try:
+            value = await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._pending.pop(model_id, None)
+        self._done[model_id] = value
+        return value
+
+    async def warm(self, model_ids: Iterable[str]) -> dict[str, str]:
+        return {model_id: await self.get(model_id) for model_id in model_ids}
+
+    def known(self) -> Mapping[str, str]:
+        return dict(self._done)
+
+
+def build_prefix_cache(settings: Settings, ledger: Ledger, probe: Probe,
+                       write_executor: ThreadPoolExecutor) -> KvCacheManager:
+    """The sweep first (a previous process's files are unreadable by design), then the tiers."""
+    root = settings.state_dir / KVCACHE_DIR
+    removed = startup_sweep(root)  # also creates root as 0700
+    ssd = None
+    if settings.kv_ssd_budget_bytes > 0:
+        budget = DiskBudget(root, settings.kv_ssd_budget_bytes)  # min(configured, half the free disk)
+        ssd = SsdStore(root, budget=budget)
+        log.info("prefix_cache_ready", path=str(root), count=removed, limit_bytes=budget.limit_bytes())
+    else:
+        log.info("prefix_cache_ready", path=str(root), count=removed, limit_bytes=0)
+    return KvCacheManager(ledger, ssd=ssd, sample_snapshot=probe.snapshot, write_executor=write_executor)
+
+
+@dataclasses.dataclass(slots=True)
+class Runtime:
+    settings: Settings
+    inventory: Inventory
+    probe: Probe
+    ledger: Ledger
+    prefix_cache: KvCacheManager
+    engine: Engine
+    owns_engine: bool
+    manager: ModelManager
+    weight_hashes: WeightHashes
+    counter: PromptCounter
+    stats: ServingStats
+    metrics: Metrics
+    servable: tuple[str, ...]  # models that can ever load here (the ones advertised)
+    _writer: ThreadPoolExecutor
+
+    @classmethod
+    async def start(cls, settings: Settings, *, engine: Engine | None = None, metrics: Metrics | None = None,
+                    eos_token_ids: Mapping[str, frozenset[int]] | None = None) -> Runtime:
+        """Build everything. A given `engine` stays the caller's (not closed here); prefix reuse
+        then happens only if it was built with `prefix_cache=runtime.prefix_cache.get`."""
+        inventory = await asyncio.to_thread(discover_models, settings)
+        probe = Probe(settings.memory_limit_gb)
+        ledger = Ledger(cap_figures(settings, probe.snapshot()), sample=probe.snapshot)
+        metrics = metrics or Metrics()
+        writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-ssd-write")
+        prefix = await asyncio.to_thread(build_prefix_cache, settings, ledger, probe, writer)
+        owns_engine = engine is None
+        engine = engine or Engine(prefix_cache=prefix.get)
+        hashes = WeightHashes({m.id: m.path for m in inventory.models})
+        manager = ModelManager.from_settings(settings, engine, inventory, ledger, probe, metrics=metrics,
+                                             eos_token_ids=eos_token_ids, prefix_cache=prefix,
+                                             weight_hash=hashes.get)
+        servable = tuple(m.id for m, verdict in manager.verdicts() if verdict.ever_fits)
+        await hashes.warm(servable)
+        counter = PromptCounter({m.id: m.path for m in inventory.models})
+        await counter.warm(servable)
+        return cls(settings, inventory, probe, ledger, prefix, engine, owns_engine, manager, hashes, counter,
+                   ServingStats(), metrics, servable, writer)
+
+    async def aclose(self) -> None:
+        """Refuse new work, unload every model (each unload purges its prefix cache), stop the engine
+        if it is ours, then let queued SSD writes finish (a purged model's writes delete themselves)."""
+        self.manager.start_draining()
+        await self.manager.unload_all()
+        if self.owns_engine:
+            await self.engine.aclose()
+        await asyncio.to_thread(self._writer.shutdown, wait=True)
+
+    # -- reporting ----------------------------------------------------------------------------
+
+    def refresh_metrics(self) -> None:
+        self.metrics.set_ledger_bytes(dict(self.ledger.snapshot().bytes_by_kind))
+        self.metrics.set_prefix_cache(self.prefix_cache.stats())
+
+    def status(self) -> dict[str, Any]:
+        """The local /status body (without mode and cap figures, which the app adds)."""
+        snap = self.probe.snapshot()
+        level = memory.pressure(snap)
+        capacity = self.manager.capacity()
+        ledger = capacity.ledger
+        by_slot = {s.model: s for s in capacity.slots}
+        in_flight_by_model: dict[str, int] = {}
+        for model_id in self.stats.in_flight.values():
+            in_flight_by_model[model_id] = in_flight_by_model.get(model_id, 0) + 1
+        models = []
+        for m in self.inventory.models:
+            state = self.manager.state(m.id)
+            slot = by_slot.get(m.id)
+            info = self.manager.info(m.id) or m
+            models.append({
+                "id": m.id,
+                "state": state.name.lower(),
+                "resident_bytes": self.manager.resident_bytes(m.id) if state is ModelState.LOADED else None,
+                "weight_bytes": m.weight_bytes,
+                "context_length": m.context_length,
+                "kv_bytes_per_token": info.kv.max_bytes_per_token,
+                "active_requests": in_flight_by_model.get(m.id, 0),
+                "running": slot.num_running if slot else 0,
+                "waiting": slot.num_waiting if slot else 0,
+            })
+        kv = self.prefix_cache.stats()
+        self.refresh_metrics()
+        return {
+            "models": models,
+            "in_flight": len(self.stats.in_flight),
+            "ledger": {"bytes_by_kind": {k.value: v for k, v in ledger.bytes_by_kind.items()},
+                       "count_by_kind": {k.value: v for k, v in ledger.count_by_kind.items()},
+                       "available_bytes": capacity.available_bytes},
+            "pressure": {"level": level.level.name.lower(), "utilization": level.utilization},
+            "memory": {"physical_bytes": snap.physical_bytes, "available_bytes": snap.available_bytes,
+                       "mlx_active_bytes": snap.mlx_active_bytes, "mlx_cache_bytes": snap.mlx_cache_bytes,
+                       "free_for_load_bytes": capacity.free_for_load_bytes},
+            "prefix_cache": {"hits": kv.hits, "partial_hits": kv.partial_hits, "misses": kv.misses,
+                             "ssd_hits": kv.ssd_hits, "entries": kv.entries, "ram_bytes": kv.ram_bytes,
+                             "disk_bytes": kv.disk_bytes},
+        }
+
+
+__all__ = ["KVCACHE_DIR", "Runtime", "WeightHashes", "build_prefix_cache"]
