@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from memory import Ledger, Probe
 from protocol import AttestationChallenge, AttestationResponse
 from protocol.attest import RuntimeHashes, answer_challenge
+from protocol.crypto import KeyFileError
 from provider import __version__
 from provider.config import ConfigError, Settings, load_settings
 from provider.doctor import cap_figures, discover_models
@@ -214,8 +215,8 @@ def main_serve(settings: Settings) -> int:
     """Synchronous entry point: run the agent to completion and return the process exit code."""
     try:
         return asyncio.run(run_agent(settings))
-    except DevPostureRefused as exc:
-        log.error("dev_posture_refused", reason=str(exc))
+    except (DevPostureRefused, KeyFileError) as exc:  # the operator must fix something; texts are ours
+        log.error("agent_refused_to_start", reason=str(exc))
         print(f"darkbloom-provider: {exc}", file=sys.stderr)
         return EXIT_CONFIG
 

@@ -202,3 +202,14 @@ def test_runtime_hash_covers_the_provider_source(tmp_path, monkeypatch):
     finally:
         extra.unlink()
     assert compute_runtime_hash() == before
+
+
+def test_main_serve_refuses_dev_posture_for_a_remote_coordinator(tmp_path, capsys):
+    from provider.agent import EXIT_CONFIG, main_serve
+    from provider.config import Settings
+
+    settings = Settings(coordinator_url="wss://api.darkbloom.dev/ws/provider", dev_posture=True,
+                        state_dir=tmp_path / "state")
+    assert main_serve(settings) == EXIT_CONFIG
+    assert "loopback" in capsys.readouterr().err
+    assert not (tmp_path / "state").exists()  # refused before creating keys or touching anything
