@@ -221,6 +221,11 @@ def render_status(status: dict[str, Any]) -> str:
     ledger = status.get("ledger", {})
     for kind, nbytes in sorted(ledger.get("bytes_by_kind", {}).items()):
         lines.append(f"  ledger {kind}: {human_bytes(nbytes)}")
+    kv = status.get("prefix_cache")
+    if kv:
+        lines.append(f"  prefix cache: {kv.get('hits', 0)} hits, {kv.get('partial_hits', 0)} partial, "
+                     f"{kv.get('misses', 0)} misses; RAM {human_bytes(kv.get('ram_bytes'))}, "
+                     f"disk {human_bytes(kv.get('disk_bytes'))}")
     return "\n".join(lines)
 
 

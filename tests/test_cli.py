@@ -156,3 +156,17 @@ def test_service_install_no_load_renders_a_valid_service_file_in_a_temporary_hom
     assert 'Environment="DARKBLOOM_MAX_MODEL_SLOTS=2"' in text
     gone = run_cli("service", "uninstall", "--no-load", home=home)
     assert gone.returncode == 0 and not unit.exists()
+
+
+def test_status_rendering_shows_models_ledger_and_prefix_cache():
+    from provider.cli import render_status
+
+    text = render_status({
+        "mode": "coordinator", "pressure": {"level": "green"}, "in_flight": 1,
+        "models": [{"id": "tiny", "state": "loaded", "resident_bytes": 5 * 2**20, "active_requests": 1}],
+        "ledger": {"bytes_by_kind": {"request_kv": 2**20, "prefix_cache": 2**19}},
+        "prefix_cache": {"hits": 3, "partial_hits": 1, "misses": 2, "ram_bytes": 2**19, "disk_bytes": 0},
+    })
+    assert "mode coordinator, pressure green, in flight 1" in text
+    assert "tiny  loaded" in text and "ledger prefix_cache" in text
+    assert "prefix cache: 3 hits, 1 partial, 2 misses" in text
