@@ -9,11 +9,14 @@ code. ``python -m provider.agent`` runs it with the settings from the usual sour
 
 Startup order (each blocking step in a worker thread): refuse ``dev_posture`` unless the coordinator is
 on loopback; harden the process; read the host posture; load or create the identity keys; compute the
-runtime hash; discover models; detect the hardware; hash the weights of every model that can ever load;
-warm their tokenizers (so admission counts prompts exactly without waiting, see ``provider.jobs.tokens``).
+runtime hash; then the shared ``provider.runtime.Runtime`` (models, ledger, prefix KV cache, engine,
+model manager, weight hashes and warm tokenizers: the same assembly ``serve --local`` runs); detect
+the hardware. While running, the local status endpoints (``/healthz``, ``/status``, ``/metrics`` on
+``local_host:local_port``) answer ``darkbloom-provider status``.
 
 Shutdown: the session drains (new requests 503 ``draining``, running ones get ``drain_timeout_s``, then
-are cancelled) and closes the socket with 1000; then every model is unloaded and the engine stopped.
+are cancelled) and closes the socket with 1000; then every model is unloaded (its prefix cache purged)
+and the engine stopped.
 """
 
 from __future__ import annotations
@@ -31,12 +34,13 @@ from protocol.attest import RuntimeHashes, answer_challenge
 from protocol.crypto import KeyFileError
 from provider import __version__
 from provider.config import ConfigError, Settings, load_settings
-from provider.doctor import cap_figures, discover_models
 from provider.engine import Engine
 from provider.hardware import available_gb, detect_hardware
 from provider.jobs import JobContext, PromptCounter, ServingStats, run_job
 from provider.metrics import Metrics
-from provider.models import Inventory, weight_hash
+from provider.local.server import StatusEndpoint
+from provider.models import Inventory
+from provider.runtime import Runtime
 from provider.runtime_hash import runtime_hash
 from provider.session.connection import ConnectFactory, Session, SessionConfig
 from provider.session.core import ChallengeAnswerer
@@ -80,6 +84,7 @@ class Agent:
     session: Session
     weight_hashes: Mapping[str, str]
     metrics: Metrics
+    runtime: Runtime
 
     @classmethod
     async def start(cls, settings: Settings, *, engine: Engine | None = None, harden: bool = True,
@@ -93,20 +98,10 @@ class Agent:
         posture = Posture(host, hardening, dev=settings.dev_posture)
         keys = await asyncio.to_thread(load_or_create_keys, settings.state_dir)
         rhash = await asyncio.to_thread(runtime_hash, settings.runtime_hash)
-        inventory = await asyncio.to_thread(discover_models, settings)
-        probe = Probe(settings.memory_limit_gb)
+        rt = await Runtime.start(settings, engine=engine, metrics=metrics, eos_token_ids=eos_token_ids)
+        inventory, probe, ledger, manager = rt.inventory, rt.probe, rt.ledger, rt.manager
+        counter, stats, metrics, weight_hashes = rt.counter, rt.stats, rt.metrics, rt.weight_hashes.known()
         hardware = await asyncio.to_thread(detect_hardware, probe.snapshot())
-        ledger = Ledger(cap_figures(settings, probe.snapshot()), sample=probe.snapshot)
-        metrics = metrics or Metrics()
-        owns_engine = engine is None
-        engine = engine or Engine()
-        manager = ModelManager.from_settings(settings, engine, inventory, ledger, probe, metrics=metrics,
-                                             eos_token_ids=eos_token_ids)
-        servable = [model for model, verdict in manager.verdicts() if verdict.ever_fits]
-        weight_hashes = {m.id: await weight_hash(m.path) for m in servable}
-        counter = PromptCounter({m.id: m.path for m in inventory.models})
-        await counter.warm(m.id for m in servable)
-        stats = ServingStats()
         heartbeat = HeartbeatSource(stats=stats, capacity=manager.capacity, thermal=ThermalSampler())
         ctx = JobContext(identity=keys.encryption, manager=manager, counter=counter, stats=stats, metrics=metrics)
 
@@ -132,33 +127,36 @@ class Agent:
             run_job=lambda request, send: run_job(request, ctx, send),
             connect=connect,
         )
-        log.info("agent_ready", models=[m.id for m in servable], version=__version__, backend=settings.backend,
+        log.info("agent_ready", models=list(rt.servable), version=__version__, backend=settings.backend,
                  url=settings.coordinator_url, state="dev_posture" if settings.dev_posture else "honest_posture",
                  hardening_count=sum((hardening.core_dumps_disabled, hardening.anti_debug_enabled,
                                       hardening.env_scrubbed)))
-        return cls(settings, keys, posture, rhash, inventory, probe, ledger, engine, owns_engine, manager, stats,
-                   counter, heartbeat, session, weight_hashes, metrics)
+        return cls(settings, keys, posture, rhash, inventory, probe, ledger, rt.engine, rt.owns_engine, manager,
+                   stats, counter, heartbeat, session, weight_hashes, metrics, rt)
 
     async def run(self, stop: asyncio.Event) -> int:
         """Serve until ``stop`` is set, then drain, unload every model and return the exit code."""
-        background = [asyncio.create_task(self._refresh_thermal(), name="agent-thermal")]
-        if self.settings.idle_timeout_s is not None:
-            background.append(asyncio.create_task(self.manager.run_idle_reaper(), name="agent-idle-reaper"))
+        background = [asyncio.create_task(self._refresh_thermal(), name="agent-thermal"),
+                      asyncio.create_task(self.manager.run_idle_reaper(), name="agent-idle-reaper")]
+        endpoint = StatusEndpoint.start(self.runtime, self.settings) if self.settings.local_enabled else None
         try:
             await self.session.run(stop)
         finally:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
-            await self.close()
+            if endpoint is not None:
+                endpoint.draining()
+            try:
+                await self.close()
+            finally:
+                if endpoint is not None:
+                    await endpoint.aclose()
         log.info("agent_stopped", count=self.stats.requests_served, tokens_total=self.stats.tokens_generated)
         return EXIT_OK
 
     async def close(self) -> None:
-        self.manager.start_draining()
-        await self.manager.unload_all()
-        if self.owns_engine:
-            await self.engine.aclose()
+        await self.runtime.aclose()
 
     async def _refresh_thermal(self) -> None:
         while True:
