@@ -139,7 +139,8 @@ class CoordinatorDouble:
             process_request=self._check_path,
         )
         uv_config = uvicorn.Config(
-            build_app(self), lifespan="off", http="h11", ws="none", log_level="warning", access_log=False
+            build_app(self), lifespan="off", http="h11", ws="none", log_level="warning", access_log=False,
+            log_config=None,  # keep logging as the test process set it up (uvicorn's dictConfig would not)
         )
         self._http_server = _HttpServer(uv_config)
         # The socket already listens: consumers that connect before uvicorn starts wait in the backlog.
