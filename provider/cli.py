@@ -25,14 +25,14 @@ import argparse
 import json
 import os
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, TextIO, get_args
+from typing import Any, get_args
 
 from provider import __version__
 from provider.config import FIELDS, ConfigError, Settings, flag_name, load_settings
+from provider.progress import Progress
 
 EX_OK = 0
 EX_FAILED = 1
@@ -272,38 +272,6 @@ _COMMANDS = {
     "runtime-hash": cmd_runtime_hash,
     "service": cmd_service,
 }
-
-
-# --- progress on a terminal
-
-
-class Progress:
-    """A one-line progress bar on stderr when it is a terminal; silent otherwise (logs, services)."""
-
-    def __init__(self, label: str, stream: TextIO | None = None, min_interval_s: float = 0.1) -> None:
-        self._label = label
-        self._stream = sys.stderr if stream is None else stream
-        self._tty = bool(getattr(self._stream, "isatty", lambda: False)())
-        self._min_interval_s = min_interval_s
-        self._last = 0.0
-
-    def __enter__(self) -> Progress:
-        return self
-
-    def update(self, done: int, total: int) -> None:
-        now = time.monotonic()
-        if not self._tty or (now - self._last < self._min_interval_s and done < total):
-            return
-        self._last = now
-        frac = done / total if total else 1.0
-        bar = "#" * int(frac * 30)
-        self._stream.write(f"\r{self._label} [{bar:<30}] {frac:4.0%}")
-        self._stream.flush()
-
-    def __exit__(self, *exc: object) -> None:
-        if self._tty:
-            self._stream.write("\n")
-            self._stream.flush()
 
 
 # --- entry point

@@ -37,6 +37,7 @@ from provider.engine import Engine
 from provider.jobs import PromptCounter, ServingStats
 from provider.metrics import Metrics
 from provider.models import Inventory, weight_hash
+from provider.progress import ProgressFactory, terminal_progress
 from provider.slots import ModelManager, ModelState
 from provider.telemetry import get_logger
 
@@ -49,8 +50,9 @@ class WeightHashes:
     """Weight hash per model id, computed once off the event loop and cached (register advertises
     them; the prefix cache binds its entries to them)."""
 
-    def __init__(self, paths: Mapping[str, Path]) -> None:
+    def __init__(self, paths: Mapping[str, Path], *, progress: ProgressFactory | None = None) -> None:
         self._paths = dict(paths)
+        self._progress = progress
         self._done: dict[str, str] = {}
         self._pending: dict[str, asyncio.Future[str]] = {}
 
@@ -59,7 +61,7 @@ class WeightHashes:
             return self._done[model_id]
         task = self._pending.get(model_id)
         if task is None:  # its own task: one caller being cancelled must not cancel the others
-            task = self._pending[model_id] = asyncio.ensure_future(weight_hash(self._paths[model_id]))
+            task = self._pending[model_id] = asyncio.ensure_future(self._hash(model_id))
         try:
             value = await asyncio.shield(task)
         finally:
@@ -67,6 +69,12 @@ class WeightHashes:
                 self._pending.pop(model_id, None)
         self._done[model_id] = value
         return value
+
+    async def _hash(self, model_id: str) -> str:
+        if self._progress is None:
+            return await weight_hash(self._paths[model_id])
+        with self._progress(f"hashing {model_id}") as bar:
+            return await weight_hash(self._paths[model_id], progress=bar.update)
 
     async def warm(self, model_ids: Iterable[str]) -> dict[str, str]:
         return {model_id: await self.get(model_id) for model_id in model_ids}
@@ -109,9 +117,12 @@ class Runtime:
 
     @classmethod
     async def start(cls, settings: Settings, *, engine: Engine | None = None, metrics: Metrics | None = None,
-                    eos_token_ids: Mapping[str, frozenset[int]] | None = None) -> Runtime:
+                    eos_token_ids: Mapping[str, frozenset[int]] | None = None,
+                    progress: ProgressFactory | None = None) -> Runtime:
         """Build everything. A given `engine` stays the caller's (not closed here); prefix reuse
-        then happens only if it was built with `prefix_cache=runtime.prefix_cache.get`."""
+        then happens only if it was built with `prefix_cache=runtime.prefix_cache.get`.
+        `progress` draws weight hashing and model loads (default: on stderr when it is a terminal)."""
+        progress = progress if progress is not None else terminal_progress()
         inventory = await asyncio.to_thread(discover_models, settings)
         probe = Probe(settings.memory_limit_gb)
         ledger = Ledger(cap_figures(settings, probe.snapshot()), sample=probe.snapshot)
@@ -120,10 +131,10 @@ class Runtime:
         prefix = await asyncio.to_thread(build_prefix_cache, settings, ledger, probe, writer)
         owns_engine = engine is None
         engine = engine or Engine(prefix_cache=prefix.get)
-        hashes = WeightHashes({m.id: m.path for m in inventory.models})
+        hashes = WeightHashes({m.id: m.path for m in inventory.models}, progress=progress)
         manager = ModelManager.from_settings(settings, engine, inventory, ledger, probe, metrics=metrics,
                                              eos_token_ids=eos_token_ids, prefix_cache=prefix,
-                                             weight_hash=hashes.get)
+                                             weight_hash=hashes.get, progress=progress)
         servable = tuple(m.id for m, verdict in manager.verdicts() if verdict.ever_fits)
         await hashes.warm(servable)
         counter = PromptCounter({m.id: m.path for m in inventory.models})

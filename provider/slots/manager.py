@@ -57,6 +57,7 @@ from protocol.vocab import SlotState
 from provider.engine import Engine, EngineError, EngineFailure, LoadedModelInfo
 from provider.metrics import EvictionCause, LoadResult, Metrics
 from provider.models import Inventory, ModelInfo
+from provider.progress import ProgressFactory
 from provider.slots.admission import (
     Admission,
     ManagerView,
@@ -109,6 +110,7 @@ class LoadStep(enum.Enum):
 
 FaultHook = Callable[[LoadStep, str], Awaitable[None]]
 KvPurge = Callable[[str], Awaitable[None]]
+_PROGRESS_INTERVAL_S = 0.2  # how often a terminal's load progress line is redrawn
 
 
 class ModelManager:
@@ -133,6 +135,7 @@ class ModelManager:
         metrics: Metrics | None = None,
         eos_token_ids: Mapping[str, frozenset[int]] | None = None,
         fault: FaultHook | None = None,
+        progress: ProgressFactory | None = None,
     ) -> None:
         if figures != ledger.figures:
             raise ValueError("figures must be the ledger's own (one cap, one source)")
@@ -152,6 +155,7 @@ class ModelManager:
         self._metrics = metrics
         self._eos = dict(eos_token_ids or {})
         self._fault = fault
+        self._progress = progress
         self._slots: dict[str, ModelSlot] = {m.id: ModelSlot(m) for m in inventory.models}
         self._room_lock = asyncio.Lock()
         self._draining = False
@@ -329,7 +333,7 @@ class ModelManager:
             load_fut = asyncio.ensure_future(
                 self._engine.load(model_id, slot.info.path, eos_token_ids=self._eos.get(model_id)))
             await self._step(LoadStep.ENGINE_LOADING, model_id)
-            loaded = await asyncio.shield(load_fut)
+            loaded = await self._await_load(model_id, load_fut)
             await self._step(LoadStep.LOADED, model_id)
             await self._check_kv_per_token(slot)
             await self._engine.reclaim()  # mx.clear_cache() on the thread that owns MLX
@@ -417,6 +421,21 @@ class ModelManager:
             log.warning("kv_bytes_per_token_unmeasured", model=slot.model_id, code=exc.code)
             return
         slot.info = with_measured_kv(slot.info, measured)
+
+    async def _await_load(self, model_id: str, load_fut: asyncio.Future[LoadedModelInfo]) -> LoadedModelInfo:
+        """The engine's load, with a progress line on a terminal: MLX active-memory growth against
+        the padded on-disk estimate (the worker evaluates the weights as it reads them)."""
+        if self._progress is None:
+            return await asyncio.shield(load_fut)
+        expected = padded_weight_bytes(self._slots[model_id].info.weight_bytes)
+        before = self._probe.snapshot().mlx_active_bytes
+        with self._progress(f"loading {model_id}") as bar:
+            while True:
+                done, _ = await asyncio.wait({load_fut}, timeout=_PROGRESS_INTERVAL_S)
+                if done:
+                    bar.update(expected, expected)
+                    return load_fut.result()
+                bar.update(max(0, self._probe.snapshot().mlx_active_bytes - before), expected)
 
     async def _undo_engine_load(self, model_id: str, load_fut: asyncio.Future | None) -> None:
         """Make sure nothing of a failed load stays resident. A load the engine already started
