@@ -127,6 +127,7 @@ class Agent:
             run_job=lambda request, send: run_job(request, ctx, send),
             connect=connect,
         )
+        manager.on_capacity_change = session.capacity_changed
         log.info("agent_ready", models=list(rt.servable), version=__version__, backend=settings.backend,
                  url=settings.coordinator_url, state="dev_posture" if settings.dev_posture else "honest_posture",
                  hardening_count=sum((hardening.core_dumps_disabled, hardening.anti_debug_enabled,

@@ -78,7 +78,8 @@ class MemoryTransport:
 
 
 class Harness:
-    def __init__(self, *, fail_first: int = 0, drain_timeout_s: float = 5.0) -> None:
+    def __init__(self, *, fail_first: int = 0, drain_timeout_s: float = 5.0,
+                 heartbeat_interval_s: float = 0.05) -> None:
         self.transports: list[MemoryTransport] = []
         self.connected = asyncio.Condition()
         self.fail_first = fail_first
@@ -89,7 +90,7 @@ class Harness:
         self.jobs_cancelled: list[str] = []
         self.release = asyncio.Event()
         self.session = Session(
-            SessionConfig(url="ws://127.0.0.1:1/ws/provider", heartbeat_interval_s=0.05,
+            SessionConfig(url="ws://127.0.0.1:1/ws/provider", heartbeat_interval_s=heartbeat_interval_s,
                           drain_timeout_s=drain_timeout_s, backoff=self._backoff),
             build_register=lambda: Register(hardware=HW, models=(), backend="inprocess-mlx", public_key=KEY,
                                             encrypted_response_chunks=True),
@@ -155,6 +156,18 @@ async def test_register_first_then_heartbeats_and_challenge_answers():
     stop.set()
     await task
     assert conn.close_code == 1000
+
+
+async def test_a_capacity_change_sends_a_heartbeat_at_once_not_at_the_next_tick():
+    h = Harness(heartbeat_interval_s=3600.0)  # only the first tick would ever come on its own
+    stop = asyncio.Event()
+    task = asyncio.create_task(h.session.run(stop))
+    conn = await h.connection(1)
+    await conn.wait_for(lambda sent: sum(f["type"] == "heartbeat" for f in sent) == 1)
+    h.session.capacity_changed()  # e.g. the manager published a model
+    await conn.wait_for(lambda sent: sum(f["type"] == "heartbeat" for f in sent) == 2)
+    stop.set()
+    await task
 
 
 async def test_drain_lets_the_running_job_finish_and_refuses_new_ones():

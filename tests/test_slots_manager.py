@@ -540,3 +540,15 @@ async def test_a_waiter_gives_up_after_load_wait_timeout_but_the_load_goes_on(ri
     assert await asyncio.wait_for(asyncio.shield(load_task), 60) is None
     assert m.state("tiny") is ModelState.LOADED
     await serve_once(m, "r2", "tiny")
+
+
+async def test_publish_and_unload_each_tell_the_capacity_listener(rigs, tiny_model_path):
+    make, _ = rigs
+    rig = make({"tiny": tiny_model_path}, 100 * 10**6)
+    m = rig.manager
+    seen: list[list[str]] = []
+    m.on_capacity_change = lambda: seen.append(m.warm_models())
+    await serve_once(m, "r1", "tiny")
+    assert seen == [["tiny"]]  # called once the model is published, not while it loads
+    assert await m.unload("tiny")
+    assert seen == [["tiny"], []]

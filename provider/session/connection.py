@@ -122,6 +122,12 @@ class Session:
         self._connect = connect or websocket_connect()
         self.counters = SessionCounters()
         self.registered = asyncio.Event()  # set while a connection is registered (tests wait on it)
+        self._capacity_changed = asyncio.Event()
+
+    def capacity_changed(self) -> None:
+        """A model was loaded or unloaded: the next heartbeat goes out now, not at the next tick, so
+        the coordinator does not route on a `reloading` slot for up to an interval."""
+        self._capacity_changed.set()
 
     # --- forever -----------------------------------------------------------------------------------
 
@@ -246,9 +252,12 @@ class _Connection:
 
     async def heartbeats(self, draining: bool = False) -> None:
         interval = self.session.config.heartbeat_interval_s
+        changed = self.session._capacity_changed
         while True:
+            changed.clear()
             self.send_heartbeat(draining)
-            await asyncio.sleep(interval)
+            with contextlib.suppress(TimeoutError):  # the interval, or sooner when capacity changed
+                await asyncio.wait_for(changed.wait(), interval)
 
     def send_heartbeat(self, draining: bool) -> None:
         self.send(encode(self.session._build_heartbeat(draining)))

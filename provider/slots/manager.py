@@ -160,6 +160,7 @@ class ModelManager:
         self._room_lock = asyncio.Lock()
         self._draining = False
         self.last_unload: UnloadReport | None = None  # the most recent unload's figures
+        self.on_capacity_change: Callable[[], None] | None = None  # called on the loop after a publish/unload
 
     @classmethod
     def from_settings(cls, settings, engine: Engine, inventory: Inventory, ledger: Ledger, probe: Probe,
@@ -357,7 +358,7 @@ class ModelManager:
             slot.last_used = self._clock()
             slot.state = ModelState.LOADED
             self._count_load(LoadResult.LOADED)
-            self._set_loaded_gauge()
+            self._resident_set_changed()
             log.info("model_loaded", model=model_id, weights_bytes=loaded.weights_bytes,
                      estimate_bytes=padded_weight_bytes(slot.info.weight_bytes),
                      load_s=round(loaded.load_seconds, 3), total_s=round(self._clock() - started, 3))
@@ -497,7 +498,7 @@ class ModelManager:
         finally:
             slot.loaded = None
             slot.state = ModelState.NOT_LOADED
-            self._set_loaded_gauge()
+            self._resident_set_changed()
         report = UnloadReport(model_id, cause, resident, result.freed_bytes, result.settled, result.seconds,
                               self._clock() - started)
         self.last_unload = report
@@ -626,6 +627,10 @@ class ModelManager:
         if self._metrics is not None:
             self._metrics.model_load(result)
 
-    def _set_loaded_gauge(self) -> None:
+    def _resident_set_changed(self) -> None:
+        """A model was published or unloaded: the gauge, and whoever reports capacity (the session
+        sends a heartbeat at once rather than letting the coordinator route on a stale one)."""
         if self._metrics is not None:
             self._metrics.set_loaded_models(len(self.warm_models()))
+        if self.on_capacity_change is not None:
+            self.on_capacity_change()
