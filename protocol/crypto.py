@@ -40,6 +40,7 @@ __all__ = [
     "b64decode_strict",
     "b64encode",
     "parse_public_key",
+    "write_private_file",
 ]
 
 
@@ -85,6 +86,30 @@ def parse_public_key(text: str) -> PublicKey:
     if len(raw) != KEY_BYTES or b64encode(raw) != text:
         raise InvalidKeyError("public key is not the canonical base64 of 32 bytes")
     return PublicKey(raw)
+
+
+def write_private_file(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` with mode 0600 whatever the umask, atomically: temp file, fsync,
+    rename, fsync of the directory. Key files are the one bit of file I/O this package does."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        try:
+            os.fchmod(fd, 0o600)
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 class RequestBox:
@@ -154,25 +179,7 @@ class ProviderIdentity:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the secret key to ``path`` with mode 0600, atomically (temp file, fsync, rename)."""
-        target = Path(path)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            try:
-                os.fchmod(fd, 0o600)  # whatever the umask
-                os.write(fd, (b64encode(self.private_bytes()) + "\n").encode("ascii"))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, target)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        dir_fd = os.open(target.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        write_private_file(path, (b64encode(self.private_bytes()) + "\n").encode("ascii"))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> ProviderIdentity:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.attest import ChallengeSigner
-from protocol.crypto import KeyFileError, ProviderIdentity
+from protocol.crypto import KeyFileError, ProviderIdentity, write_private_file
 from provider.telemetry import get_logger
 
 log = get_logger("provider.session.identity")
@@ -76,26 +76,9 @@ def _signing_key(path: Path) -> ChallengeSigner:
         except ValueError:
             raise KeyFileError("key file does not hold a P-256 private key") from None
     signer = ChallengeSigner.generate()
-    _write_private(path, signer.to_pem())
+    write_private_file(path, signer.to_pem())
     log.info("identity_created", kind="p256", path=path)
     return signer
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    """Write 0600 atomically: temp file, fsync, rename (the same discipline as ProviderIdentity.save)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        try:
-            os.fchmod(fd, 0o600)
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 __all__ = ["IDENTITY_DIR", "SIGNING_FILE", "X25519_FILE", "Keys", "identity_dir", "load_or_create_keys"]
