@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 from memory import Ledger, Probe, compute_figures, resolve_settings
@@ -23,22 +20,10 @@ from provider.engine import ChatRequest, Engine, SamplingParams, TextDelta
 from provider.models import discover
 from provider.slots import Admitted, ModelManager, Refused
 from provider.tinymodel import build_tiny_model
+from timing import measure
 
 CACHE = Path(__file__).resolve().parent.parent / ".cache" / "tiny-models"
 MESSAGES = [{"role": "user", "content": "hello there"}]
-
-
-def measure(fn: Callable[[], object], n: int) -> tuple[float, float]:
-    for _ in range(min(200, n)):
-        fn()
-    samples = []
-    clock = time.perf_counter_ns
-    for _ in range(n):
-        t0 = clock()
-        fn()
-        samples.append(clock() - t0)
-    samples.sort()
-    return statistics.median(samples) / 1e3, samples[int(0.99 * (len(samples) - 1))] / 1e3
 
 
 async def run(n: int) -> None:

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -24,19 +21,7 @@ from memory.fit import fit
 from memory.ledger import Ledger, ReservationKind
 from memory.policy import GiB, figures
 from memory.probe import Probe
-
-
-def measure(fn: Callable[[], object], n: int) -> tuple[float, float]:
-    for _ in range(min(200, n)):
-        fn()
-    samples = []
-    clock = time.perf_counter_ns
-    for _ in range(n):
-        t0 = clock()
-        fn()
-        samples.append(clock() - t0)
-    samples.sort()
-    return statistics.median(samples) / 1e3, samples[int(0.99 * (len(samples) - 1))] / 1e3
+from timing import measure
 
 
 def cgroup_v2_sample(base: Path) -> tuple[Path, Path]:
