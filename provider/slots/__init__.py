@@ -6,6 +6,8 @@ Modules:
 * `admission` pure decisions over a `ManagerView` + one `MemorySnapshot`: `decide`, `plan_room`,
               `plan_kv`, `kv_need`; results `Admitted` / `Refused(failure: protocol.errors.Failure)`
 * `manager`   `ModelManager`, the async shell that performs loads and unloads
+* `batchkv`   the batch KV rule: `join_share` (what a request reserves to join a model's padded
+              batch), `KvBook` (a model's reservations; departures keep what the rest still needs)
 * `capacity`  `CapacityReport` / `SlotCapacity` for heartbeats
 
 API for the jobs / session code:
@@ -31,7 +33,8 @@ API for the jobs / session code:
         send(inference_error_frame(request_id, exc.failure))
 
     `prompt_tokens` should come from `engine.count_prompt_tokens` (the count the engine uses).
-    The request's KV reservation is released exactly once: by the engine (`on_released`, engine
+    The request reserves its share of the model's left-padded batch (`batchkv.join_share`), which
+    can exceed its own tokens' KV. The request's KV reservation is released exactly once: by the engine (`on_released`, engine
     thread) once its cache has left the batch, or by the context exit if it never reached the
     engine. Leaving the block early cancels the engine request.
 
@@ -66,6 +69,7 @@ from provider.slots.admission import (
     plan_room,
     pressure_victim,
 )
+from provider.slots.batchkv import BatchKv, KvBook, KvHold, join_share
 from provider.slots.capacity import CapacityReport, SlotCapacity
 from provider.slots.manager import LoadStep, ModelManager, ServeSlot, SlotRefused, UnloadReport
 from provider.slots.state import InvalidTransition, ModelSlot, ModelState, SlotView
@@ -73,6 +77,9 @@ from provider.slots.state import InvalidTransition, ModelSlot, ModelState, SlotV
 __all__ = [
     "Admission",
     "Admitted",
+    "BatchKv",
+    "KvBook",
+    "KvHold",
     "CapacityReport",
     "InvalidTransition",
     "KvNeed",
@@ -89,6 +96,7 @@ __all__ = [
     "SlotView",
     "UnloadReport",
     "decide",
+    "join_share",
     "kv_need",
     "plan_kv",
     "plan_room",

@@ -19,7 +19,9 @@ decides *how many tokens* a request may hold (`CapFigures.request_kv`: `max_toke
 min(context, 8192), prompt + output clamped to the context window); the model's layout turns those
 tokens into the bytes mlx-lm really allocates (`provider.models.kv_bytes_for_tokens`: 256-token
 blocks, sliding windows capped), which is never less than `kv_bytes_per_token × tokens` for a
-full-attention model, so the reservation covers the real allocation.
+full-attention model, so the reservation covers the real allocation. What a request reserves on a
+resident model is its share of the model's padded batch, `batchkv.join_share` (the same function
+`ModelManager._reserve_kv` reserves with), read from `SlotView.kv`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from memory import MIN_KV_BYTES, CapFigures, FitResult, MemorySnapshot, default_max_tokens, fit, pressure
 from protocol.errors import ErrorReason, Failure, FailureCode, RejectionReason
 from provider.models import ALLOC_STEP, ModelInfo, kv_bytes_for_tokens
+from provider.slots.batchkv import join_share
 from provider.slots.state import ModelState, SlotView
 
 _NO_CONTEXT_OUTPUT = default_max_tokens(2**62)  # the 8192 default when the config names no context
@@ -256,9 +259,13 @@ def decide(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, *, 
     if state is ModelState.LOADING:
         return Admitted(model_id, kv, cold=True)  # it waits for the load in progress
     if state is ModelState.LOADED:
-        if kv.nbytes <= figures.available_bytes(snapshot, view.firm_outstanding_bytes):
+        assert slot is not None
+        share = join_share(info.kv, kv.tokens, kv.nbytes, slot.kv)  # the batch's padding, as reserved
+        if share > figures.single_request_limit_bytes:  # the ledger would refuse it: in-flight holds it
+            return kv_refusal(view, figures, snapshot, info, kv)
+        if share <= figures.available_bytes(snapshot, view.firm_outstanding_bytes):
             return Admitted(model_id, kv, cold=False)
-        plan = plan_kv(view, figures, snapshot, target=model_id, kv_bytes=kv.nbytes)
+        plan = plan_kv(view, figures, snapshot, target=model_id, kv_bytes=share)
         if plan is not None:
             return Admitted(model_id, kv, cold=False, evict=plan.victims)
         return kv_refusal(view, figures, snapshot, info, kv)

@@ -2,9 +2,10 @@
 
 * `Claim`: a load's pending-load reservation (memory-policy.md §4), released on publish or on any
   failure path, whichever comes first.
-* `KvReservation`: one request's KV. `release` is idempotent and thread-safe because two paths may
-  call it: the engine's `on_released` hook (engine thread, once the cache has left the batch) and
-  the `serve()` exit (event loop, when the request never reached the engine).
+* `KvReservation`: one request's share of its model's batch KV (`batchkv.KvBook`). `release` is
+  idempotent and thread-safe because two paths may call it: the engine's `on_released` hook (engine
+  thread, once the cache has left the batch) and the `serve()` exit (event loop, when the request
+  never reached the engine). The book may keep part of it while the rest of the batch needs it.
 * `ServeSlot`: what `async with manager.serve(...)` yields.
 """
 
@@ -40,7 +41,8 @@ class KvReservation:
     def __init__(self, ledger: Ledger, slot: ModelSlot, request_id: str, kv: KvNeed) -> None:
         self.ledger_id = f"kv:{request_id}"
         self.request_id = request_id
-        self.kv = kv
+        self.kv = kv  # the request's own need (tokens cap its output)
+        self.nbytes = 0  # its share of the batch, once the book granted it
         self._ledger = ledger
         self._slot = slot
         self._lock = threading.Lock()
@@ -51,8 +53,7 @@ class KvReservation:
             if self._released:
                 return
             self._released = True
-        self._ledger.release(self.ledger_id)
-        self._slot.drop_reservation(self.request_id)
+        self._slot.kv_book.release(self._ledger, self._slot.info.kv, self.request_id)
 
 
 class ServeSlot:

@@ -74,7 +74,7 @@ from provider.slots.admission import (
 from provider.slots.capacity import CapacityReport, SlotCapacity, max_concurrency
 from provider.slots.leases import Claim, KvReservation, ServeSlot
 from provider.slots.prefix import PrefixRoom, WeightHashes, with_measured_kv
-from provider.slots.state import KvHold, ModelSlot, ModelState, log
+from provider.slots.state import ModelSlot, ModelState, log
 
 
 class SlotRefused(Exception):
@@ -288,6 +288,7 @@ class ModelManager:
 
     async def _reserve_kv(self, slot: ModelSlot, request_id: str, prompt_tokens: int,
                           max_tokens: int | None) -> KvReservation:
+        """Reserve the request's share of the model's batch KV (`batchkv.join_share`)."""
         kv = kv_need(self.figures, slot.info, prompt_tokens, max_tokens)
         reservation = KvReservation(self._ledger, slot, request_id, kv)
         tried_prefix = False
@@ -295,21 +296,23 @@ class ModelManager:
             if self._draining:
                 raise SlotRefused(Failure.draining())
             snap = self._probe.snapshot()
-            result = self._ledger.reserve(reservation.ledger_id, ReservationKind.REQUEST_KV, kv.nbytes,
-                                          snapshot=snap)
+            result, share = slot.kv_book.reserve(self._ledger, slot.info.kv, request_id, reservation.ledger_id,
+                                                 kv.tokens, kv.max_tokens, kv.nbytes, snapshot=snap)
             if not isinstance(result, Rejection):
-                slot.add_reservation(request_id, KvHold(kv.tokens, kv.max_tokens))
+                reservation.nbytes = share
                 return reservation
             if result.reason is LedgerRejection.DUPLICATE_ID:
                 raise SlotRefused(Failure.invalid_request())
+            view = self.view()
             if result.reason is LedgerRejection.OVER_SINGLE_REQUEST_LIMIT:
-                raise SlotRefused(Failure.exceeds_node(RejectionReason.TOKEN_BUDGET))
+                if kv.nbytes > self.figures.single_request_limit_bytes:
+                    raise SlotRefused(Failure.exceeds_node(RejectionReason.TOKEN_BUDGET))
+                raise SlotRefused(kv_refusal(view, self.figures, snap, slot.info, kv).failure)  # the batch's part
             if not tried_prefix:  # the prefix cache gives way first, then retry once
                 tried_prefix = True
-                if self._prefix.evict_for(kv.nbytes - result.available_bytes, reason="request_kv"):
+                if self._prefix.evict_for(share - result.available_bytes, reason="request_kv"):
                     continue
-            view = self.view()
-            plan = plan_kv(view, self.figures, snap, target=slot.model_id, kv_bytes=kv.nbytes)
+            plan = plan_kv(view, self.figures, snap, target=slot.model_id, kv_bytes=share)
             if plan is None or not plan.victims:
                 raise SlotRefused(kv_refusal(view, self.figures, snap, slot.info, kv).failure)
             async with self._room_lock:

@@ -5,19 +5,19 @@ pure decisions (`admission.py`) read. Assigning `ModelSlot.state` logs the trans
 websockets `State` setter pattern), and an illegal step raises `InvalidTransition` naming both
 states, so the lifecycle can be read as the table `_ALLOWED` below.
 
-Threads: everything here runs on the event loop, except `drop_reservation`, which the engine
-thread calls through a request's release hook; `_kv` is guarded by its own lock for that reason.
+Threads: everything here runs on the event loop, except a request's departure from `kv_book`,
+which the engine thread makes through the request's release hook; the book has its own lock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-import threading
 from dataclasses import dataclass
 
 from provider.engine import LoadedModelInfo, ModelStats
 from provider.models import ModelInfo
+from provider.slots.batchkv import EMPTY, BatchKv, KvBook, KvHold
 from provider.telemetry import get_logger
 
 log = get_logger("provider.slots")
@@ -43,14 +43,6 @@ class InvalidTransition(AssertionError):
 
 
 @dataclass(frozen=True, slots=True)
-class KvHold:
-    """Tokens one in-flight request has reserved on a model (for capacity reports)."""
-
-    tokens: int  # prompt + output, clamped to the context window
-    max_tokens: int  # the output part
-
-
-@dataclass(frozen=True, slots=True)
 class SlotView:
     """What the pure decisions need to know about one model, copied at one instant."""
 
@@ -59,6 +51,7 @@ class SlotView:
     busy: bool  # a request is waiting for it, reserved on it, or in its batch
     last_used: float  # clock() of the last request to leave it (LRU order)
     resident_bytes: int  # measured weights (0 unless LOADED / UNLOADING)
+    kv: BatchKv = EMPTY  # its in-flight KV as reserved (batchkv.join_share reads it)
 
     @property
     def idle(self) -> bool:
@@ -77,8 +70,7 @@ class ModelSlot:
         self.last_used = 0.0
         self.load_task: asyncio.Task | None = None
         self.unload_task: asyncio.Task | None = None
-        self._kv_lock = threading.Lock()
-        self._kv: dict[str, KvHold] = {}
+        self.kv_book = KvBook()  # the in-flight requests' KV reservations (batchkv)
 
     @property
     def model_id(self) -> str:
@@ -100,27 +92,17 @@ class ModelSlot:
     def resident_bytes(self) -> int:
         return self.loaded.weights_bytes if self.loaded is not None else 0
 
-    # -- KV holds (written by the loop on reserve, by the engine thread on release) -----------
-
-    def add_reservation(self, request_id: str, hold: KvHold) -> None:
-        with self._kv_lock:
-            self._kv[request_id] = hold
-
-    def drop_reservation(self, request_id: str) -> None:
-        with self._kv_lock:
-            self._kv.pop(request_id, None)
+    # -- KV holds (the book: joins on the loop, departures on the engine thread) ------------
 
     def reservations(self) -> list[KvHold]:
-        with self._kv_lock:
-            return list(self._kv.values())
+        return self.kv_book.holds()
 
     # -- views ------------------------------------------------------------------------------
 
     def busy(self, stats: ModelStats | None) -> bool:
         in_batch = stats is not None and (stats.num_running + stats.num_waiting) > 0
-        with self._kv_lock:
-            reserved = bool(self._kv)
-        return self.pins > 0 or reserved or in_batch
+        return self.pins > 0 or bool(self.kv_book) or in_batch
 
     def view(self, stats: ModelStats | None) -> SlotView:
-        return SlotView(self.model_id, self._state, self.busy(stats), self.last_used, self.resident_bytes)
+        return SlotView(self.model_id, self._state, self.busy(stats), self.last_used, self.resident_bytes,
+                        self.kv_book.view())
