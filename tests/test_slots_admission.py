@@ -229,7 +229,8 @@ def test_kv_reservation_is_released_exactly_once_across_threads():
     s = snap()
     slot_ = ModelSlot(model("m", GiB))
     for round_no in range(20):
-        assert ledger.reserve("kv:r", ReservationKind.REQUEST_KV, MiB, snapshot=s).granted
+        granted, _ = slot_.kv_book.reserve(ledger, slot_.info.kv, "r", "kv:r", 16, 8, MiB, snapshot=s)
+        assert granted.granted
         reservation = KvReservation(ledger, slot_, "r", None)
         barrier = threading.Barrier(8)
 

@@ -11,15 +11,18 @@ high-water length H (the longest reserved span since m's batch was last empty):
     T = max(tokens(r), H);   share(r) = max(kv(r), (N+1)·kv(T) − Σ)
 On a departure (`KvBook.release`) the leaver's bytes are released except what the remaining n
 members still need: keep = clamp(n·kv(H) − Σ_rest, 0, leaver's bytes), held under the leaver's
-ledger id as residue; surplus residue is released; everything goes when the book is empty.
+ledger id as residue; a surplus is given back (residue first, then members' shares down to their
+own KV); everything goes when the book is empty. So Σ = n·kv(H) exactly, after every event.
 
 Why it holds — invariant I: Σ (members + residue) ≥ n·kv(H), and the batch holds at most n·kv(H):
 * members' lengths never exceed their reserved tokens (output is capped at what was reserved), so
   the padded batch (prompt batch + generation batch, before or after `extend`) is ≤ n·kv(H);
-* a join makes Σ' = max(Σ + kv(r), (N+1)·kv(T)) ≥ (N+1)·kv(H'), H' = T: I holds;
+* a join makes Σ' = max(Σ + kv(r), (N+1)·kv(T)) = (N+1)·kv(H'), H' = T (as Σ = N·kv(H) and
+  kv(r) ≤ kv(T)): I holds, with equality;
 * a departure: `filter` gathers the kept rows and then only slices the padding off, so the old
   T-long buffer stays alive until the next growth or `extend` — hence H is not lowered while the
-  batch lives, and keep restores Σ_rest ≥ n·kv(H) (keep ≤ the leaver's bytes, since I held before);
+  batch lives; keep restores Σ_rest = n·kv(H) (keep ≤ the leaver's bytes, as Σ was (n+1)·kv(H)),
+  and a surplus is trimmable down to n·kv(H) because Σ own KV ≤ n·kv(H);
 * the book empties only when every member has left the batch: the arrays are gone, H resets.
 Transient copies while `extend`/`update_and_fetch` concatenate are working memory (the activation
 reserve), as for any other MLX op. The price: until m's batch drains, residue may outlive the long
@@ -29,7 +32,7 @@ request (at most what it reserved).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from memory import Ledger, Rejection, ReservationKind
 from memory.ledger import Lease
@@ -136,9 +139,11 @@ class KvBook:
                 self._reserved += keep
                 return
             ledger.release(ledger_id)
-            self._trim_residue(ledger, self._reserved - batch_bytes(layout, rest.members, self._high))
+            self._trim(ledger, layout, self._reserved - batch_bytes(layout, rest.members, self._high))
 
-    def _trim_residue(self, ledger: Ledger, surplus: int) -> None:
+    def _trim(self, ledger: Ledger, layout: KvLayout, surplus: int) -> None:
+        """Give back what the smaller batch no longer needs: residue first, then members' shares
+        down to their own KV (a later departure re-keeps what is then needed)."""
         for rid in list(self._residue):
             if surplus <= 0:
                 return
@@ -151,3 +156,12 @@ class KvBook:
                 self._residue[rid] -= cut
             self._reserved -= cut
             surplus -= cut
+        for request_id, (ledger_id, hold) in sorted(self._holds.items(), key=lambda kv: -kv[1][1].nbytes):
+            if surplus <= 0:
+                return
+            cut = min(surplus, hold.nbytes - kv_bytes_for_tokens(layout, hold.tokens))
+            if cut > 0:
+                ledger.reduce(ledger_id, cut)
+                self._holds[request_id] = (ledger_id, replace(hold, nbytes=hold.nbytes - cut))
+                self._reserved -= cut
+                surplus -= cut
