@@ -25,8 +25,10 @@ Why it holds — invariant I: Σ (members + residue) ≥ n·kv(H), and the batch
   and a surplus is trimmable down to n·kv(H) because Σ own KV ≤ n·kv(H);
 * the book empties only when every member has left the batch: the arrays are gone, H resets.
 Transient copies while `extend`/`update_and_fetch` concatenate are working memory (the activation
-reserve), as for any other MLX op. The price: until m's batch drains, residue may outlive the long
-request (at most what it reserved).
+reserve), as for any other MLX op. The price: until m's batch drains, H stays at the longest
+member's span, so later short requests reserve rows of that length (the filtered buffer may still
+be that long; the engine does not say when it re-grows), and a residue keeps its `kv:<request id>`
+ledger entry (a reuse of that id is refused as a duplicate until then).
 """
 
 from __future__ import annotations
