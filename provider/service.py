@@ -32,7 +32,11 @@ from typing import Any
 
 LABEL = "io.darkbloom.provider"
 UNIT_NAME = "darkbloom-provider.service"
-DEPLOY_DIR = Path(__file__).resolve().parent.parent / "deploy"
+# The templates live in the source tree's deploy/ (editable installs, the Makefile's); a wheel ships
+# them as data files under <prefix>/share/darkbloom-provider/deploy (pyproject's data-files).
+_SOURCE_DEPLOY_DIR = Path(__file__).resolve().parent.parent / "deploy"
+_INSTALLED_DEPLOY_DIR = Path(sys.prefix) / "share" / "darkbloom-provider" / "deploy"
+DEPLOY_DIR = _SOURCE_DEPLOY_DIR if _SOURCE_DEPLOY_DIR.is_dir() else _INSTALLED_DEPLOY_DIR
 PLIST_TEMPLATE = DEPLOY_DIR / f"{LABEL}.plist"
 UNIT_TEMPLATE = DEPLOY_DIR / UNIT_NAME
 DRAIN_MARGIN_S = 15  # on top of drain_timeout_s: time to send terminal frames and close the socket
