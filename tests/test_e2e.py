@@ -349,3 +349,29 @@ async def test_sigterm_drains_the_job_in_flight_then_exits_0(coordinator_double,
     disconnected = await double.wait_for(lambda e: isinstance(e, Disconnected), timeout=10)
     assert disconnected.close_code == 1000
     assert double.anomalies() == []
+
+
+async def test_the_running_agent_answers_status_and_metrics_on_loopback(coordinator_double, openai_consumer,
+                                                                        start_agent):
+    """`darkbloom-provider status` reads this endpoint: it must show what the agent is doing."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from provider.demo import free_port
+
+    port = free_port()
+    double = coordinator_double
+    await start_agent(double.ws_url, local_port=port)
+    await double.wait_routable(model="tiny", timeout=15)
+    await openai_consumer.chat.completions.create(model="tiny", messages=chat_messages(), max_tokens=4)
+
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+        assert (await http.get("/healthz")).status_code == 200
+        status = (await http.get("/status")).json()
+        metrics = (await http.get("/metrics")).text
+        assert (await http.post("/v1/chat/completions", json={})).status_code == 404  # no chat beside a session
+    assert status["mode"] == "coordinator"
+    assert [(m["id"], m["state"]) for m in status["models"]] == [("tiny", "loaded")]
+    assert status["ledger"]["bytes_by_kind"]["request_kv"] == 0
+    assert status["prefix_cache"]["misses"] >= 1
+    families = {f.name: f for f in text_string_to_metric_families(metrics)}
+    assert "darkbloom_ledger_bytes" in families and "darkbloom_cap_bytes" in families
