@@ -105,6 +105,20 @@ def contended_room(medium: Path, small: Path) -> int:
     return padded_weight_bytes(weights_bytes(medium)) + weights_bytes(small) // 2
 
 
+class PauseAfterClaim:
+    """A fault hook that holds a load right after its pending-load claim until `go` is set."""
+
+    def __init__(self) -> None:
+        self.at_claim, self.go = asyncio.Event(), asyncio.Event()
+        self.steps: list[LoadStep] = []
+
+    async def __call__(self, step: LoadStep, model_id: str) -> None:
+        self.steps.append(step)
+        if step is LoadStep.CLAIMED:
+            self.at_claim.set()
+            await self.go.wait()
+
+
 async def serve_once(manager: ModelManager, rid: str, model: str, n: int = 2) -> Finished:
     async with manager.serve(rid, model, PROMPT, n) as slot:
         _, fin = await slot.submit(ChatRequest(rid, MESSAGES, params(n))).collect()
@@ -254,14 +268,8 @@ async def test_two_requests_for_one_cold_model_share_one_load(rigs, small_model_
     """While medium loads, its pending claim holds padded(M) + 1 GiB: a second load of it could not
     fit. The second request must wait for the first load, not be refused, and not load again."""
     make, _ = rigs
-    at_claim, go = asyncio.Event(), asyncio.Event()
-    steps: list[LoadStep] = []
-
-    async def pause_after_claim(step: LoadStep, model_id: str) -> None:
-        steps.append(step)
-        if step is LoadStep.CLAIMED:
-            at_claim.set()
-            await go.wait()
+    pause_after_claim = PauseAfterClaim()
+    at_claim, go, steps = pause_after_claim.at_claim, pause_after_claim.go, pause_after_claim.steps
 
     rig = make({"medium": medium_model_path, "small": small_model_path},
                contended_room(medium_model_path, small_model_path), fault=pause_after_claim)
@@ -284,12 +292,8 @@ async def test_two_requests_for_one_cold_model_share_one_load(rigs, small_model_
 
 async def test_a_cancelled_waiter_does_not_cancel_the_shared_load(rigs, tiny_model_path):
     make, _ = rigs
-    at_claim, go = asyncio.Event(), asyncio.Event()
-
-    async def pause(step: LoadStep, model_id: str) -> None:
-        if step is LoadStep.CLAIMED:
-            at_claim.set()
-            await go.wait()
+    pause = PauseAfterClaim()
+    at_claim, go = pause.at_claim, pause.go
 
     rig = make({"tiny": tiny_model_path}, 100 * 10**6, fault=pause)
     m = rig.manager
@@ -518,12 +522,8 @@ async def test_unload_purges_the_models_kv_after_the_engine_dropped_it(rigs, tin
 
 async def test_a_waiter_gives_up_after_load_wait_timeout_but_the_load_goes_on(rigs, tiny_model_path):
     make, _ = rigs
-    at_claim, go = asyncio.Event(), asyncio.Event()
-
-    async def pause(step: LoadStep, model_id: str) -> None:
-        if step is LoadStep.CLAIMED:
-            at_claim.set()
-            await go.wait()
+    pause = PauseAfterClaim()
+    at_claim, go = pause.at_claim, pause.go
 
     rig = make({"tiny": tiny_model_path}, 100 * 10**6, fault=pause, load_wait_timeout_s=0.2)
     m = rig.manager
