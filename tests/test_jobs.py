@@ -25,6 +25,7 @@ from provider.jobs.job import Job
 from provider.models import discover
 from provider.slots import ModelManager
 from provider.telemetry import capture_redacted_logs
+from vectors import load as load_vector
 
 NO_EOS = frozenset({10**9})  # the tiny model never stops early: completions have exactly max_tokens
 
@@ -307,7 +308,6 @@ async def test_register_advertises_only_models_that_can_ever_load(harness, tiny_
 
 # --- the official coordinator -> provider fixtures through the core and the jobs ------------------------------
 
-VECTORS = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "vectors"
 
 
 async def test_every_official_coordinator_fixture_is_survived(harness):
@@ -316,7 +316,7 @@ async def test_every_official_coordinator_fixture_is_survived(harness):
     from protocol import CpuCores, Hardware, Register
     from provider.session.core import CancelJob, Log, Send, SessionCore, StartJob
 
-    cases = json.loads((VECTORS / "coordinator_to_provider.json").read_text())["cases"]
+    cases = load_vector("coordinator_to_provider.json")["cases"]
     hw = Hardware(machine_model="", chip_name="", chip_family="", chip_tier="", memory_gb=0, memory_available_gb=0.0,
                   cpu_cores=CpuCores(total=0, performance=0, efficiency=0), gpu_cores=0, memory_bandwidth_gbs=0.0)
     core = SessionCore(register=Register(hardware=hw, models=(), backend="inprocess-mlx"),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
@@ -19,15 +18,12 @@ from protocol.errors import (
     inference_error_frame,
 )
 
-PROTOCOL_MD = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "protocol.md"
+from vectors import load
 
 
 def _documented(field: str) -> set[str]:
-    """The backticked values in protocol.md §3.6's row for ``field``."""
-    if not PROTOCOL_MD.is_file():
-        raise FileNotFoundError(f"{PROTOCOL_MD} is missing; shared/ must sit beside the repository")
-    row = next(line for line in PROTOCOL_MD.read_text(encoding="utf-8").splitlines() if f"| **[N]** `{field}`" in line)
-    return set(re.findall(r"`([a-z_]+)`", row)) - {field}
+    """The contract's closed vocabulary for ``field`` (tests/vectors/vocabularies.json)."""
+    return set(load("vocabularies.json")["vocabularies"][field])
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The official golden frames and crypto vectors (../shared/reference) against protocol/."""
+"""The official golden frames and crypto vectors (copied into tests/vectors/) against protocol/."""
 
 from __future__ import annotations
 
@@ -18,15 +18,7 @@ from protocol.attest import build_status_canonical, status_canonical
 from protocol.crypto import DecryptError, ProviderIdentity
 from protocol.sse import ChunkFactory, event
 
-REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
-VECTORS = REFERENCE / "vectors"
-
-
-def _load(name: str) -> Any:
-    path = VECTORS / name
-    if not path.is_file():  # fail, never skip: CI must have ../shared beside the clone
-        raise FileNotFoundError(f"protocol vector {path} is missing; shared/ must sit beside the repository")
-    return json.loads(path.read_text(encoding="utf-8"))
+from vectors import load as _load
 
 
 P2C = _load("provider_to_coordinator.json")
@@ -128,13 +120,7 @@ def test_selected_golden_values():
 # --- protocol.md §5.1/§5.2 frames (verified against the Go coordinator) -------------------------------------
 
 
-def _protocol_md_frames() -> list[str]:
-    text = (REFERENCE / "protocol.md").read_text(encoding="utf-8")
-    section = text[text.index("## 5. Golden vectors") : text.index("### 5.3")]
-    return [line for line in section.splitlines() if line.startswith("{") and line.endswith("}")]
-
-
-MD_FRAMES = _protocol_md_frames()
+MD_FRAMES = _load("protocol_md_frames.json")["frames"]
 
 
 def test_protocol_md_section_5_has_its_frames():
