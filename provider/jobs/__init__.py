@@ -2,7 +2,7 @@
 
 * ``run_job(request, ctx, send)`` / ``Job`` — open → admit → accept → stream → complete | error (job.py)
 * ``JobLifecycle``, ``JobState``, ``JobEvent``, ``TRANSITIONS`` — the transition table (lifecycle.py)
-* ``PromptCounter`` — exact prompt token counts before the model is loaded (tokens.py)
+* ``PromptCounter`` — re-exported from ``provider.request`` (the prompt counter both front doors use)
 * ``ServingStats`` — cumulative counters shared with the heartbeat (stats.py)
 """
 
@@ -19,7 +19,7 @@ from provider.jobs.job import (
 )
 from provider.jobs.lifecycle import TRANSITIONS, JobEvent, JobLifecycle, JobState, JobStateError
 from provider.jobs.stats import ServingStats
-from provider.jobs.tokens import PromptCounter, PromptError, UnknownModel
+from provider.request.tokens import PromptCounter, PromptError, UnknownModel
 
 __all__ = [
     "CHAT_ENDPOINT",

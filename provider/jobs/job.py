@@ -44,8 +44,8 @@ from protocol.sse import DONE, ChunkFactory, CompletionUsage, FinishReason, even
 from provider.engine import ChatRequest, EngineError, EngineFailure, Failed, Finished, RequestStream, TextDelta
 from provider.jobs.lifecycle import JobEvent, JobLifecycle, JobState
 from provider.jobs.stats import ServingStats
-from provider.jobs.tokens import PromptCounter, PromptError, UnknownModel
-from provider.local.body import ChatBody, InvalidBody, parse_chat_body
+from provider.request.tokens import PromptCounter, PromptError, UnknownModel
+from provider.request.body import ChatBody, InvalidBody, parse_chat_body
 from provider.slots import Admission, Admitted, Refused
 from provider.metrics import Metrics, RequestOutcome
 from provider.telemetry import get_logger

@@ -3,7 +3,7 @@
 * `app.create_app(backend, metrics, chat=...)` -- the FastAPI app (chat=False: status endpoints only,
   for the coordinator agent to run beside its WebSocket);
 * `backend.RuntimeBackend` -- the shared `provider.runtime.Runtime` (manager admission, prompt counter);
-* `body.parse_chat_body` -- the one OpenAI request-body parser;
+* the request body and its prompt count come from `provider.request` (shared with the coordinator path);
 * `server.serve_local(settings)` -- `darkbloom-provider serve --local`;
 * `server.StatusEndpoint.start(runtime, settings)` -- the status endpoints beside the agent's session.
 """

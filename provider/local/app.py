@@ -31,7 +31,7 @@ from protocol.sse import DONE
 from provider.engine import EngineFailure, Failed, Finished, RequestStream, TextDelta
 from provider.engine.openai import ChatChunks, chat_completion
 from provider.local.backend import Refused
-from provider.local.body import ChatBody, InvalidBody, parse_chat_body
+from provider.request.body import ChatBody, InvalidBody, parse_chat_body
 from provider.metrics import CONTENT_TYPE, CapFigure, Metrics, RequestOutcome
 from provider.telemetry import get_logger
 

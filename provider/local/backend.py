@@ -23,9 +23,9 @@ from typing import Any
 from memory import CapFigures
 from protocol.errors import Failure
 from provider.engine import ChatRequest, RequestStream
-from provider.jobs import PromptCounter
-from provider.jobs.tokens import PromptError, UnknownModel
-from provider.local.body import ChatBody
+from provider.request import PromptCounter
+from provider.request.tokens import PromptError, UnknownModel
+from provider.request.body import ChatBody
 from provider.runtime import Runtime
 from provider.slots import Admitted, Refused as AdmissionRefused, SlotRefused
 from provider.telemetry import get_logger

@@ -25,7 +25,7 @@ import jinja2
 
 from provider.telemetry import get_logger
 
-log = get_logger("provider.jobs.tokens")
+log = get_logger("provider.request.tokens")
 
 TokenizerLoader = Callable[[Path], Any]
 _TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError)
