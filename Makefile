@@ -15,7 +15,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,demo]'
+	$(PY) -m pip install --quiet -e '.[test,demo,vision]'
 	touch $(STAMP)
 
 test: $(STAMP)

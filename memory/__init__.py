@@ -10,6 +10,7 @@ Modules (reference/memory-policy.md is the specification):
              `memory.probe.snapshot()` or a long-lived `Probe`
 * `ledger`   the one process-wide reservation ledger (atomic check-and-insert, typed leases)
 * `fit`      fit verdicts and `free_for_load_bytes` for register, heartbeat and doctor
+* `media`    vision requests: projected decode bytes, the KV span, the request ceilings
 * `pressure` GREEN / YELLOW / RED / FATAL watermarks of projected utilization
 * `settle`   the settle barrier after an unload
 
@@ -17,6 +18,15 @@ No other package does cap arithmetic; it calls these.
 """
 
 from memory.fit import FitResult, FitVerdict, fit, free_for_load_bytes
+from memory.media import (
+    DEFAULT_SOFT_TOKENS_PER_IMAGE,
+    MediaLimits,
+    VisionReservation,
+    VisionSpan,
+    projected_decode_bytes,
+    vision_reservation,
+    vision_span,
+)
 from memory.ledger import Lease, Ledger, LedgerSnapshot, Rejection, RejectionReason, ReservationKind
 from memory.policy import (
     GiB,
@@ -42,6 +52,7 @@ __all__ = [
     "MAX_BYTES",
     "MIN_KV_BYTES",
     "MIN_OS_BYTES",
+    "DEFAULT_SOFT_TOKENS_PER_IMAGE",
     "CapFigures",
     "FitResult",
     "FitVerdict",
@@ -49,6 +60,7 @@ __all__ = [
     "Lease",
     "Ledger",
     "LedgerSnapshot",
+    "MediaLimits",
     "MemorySnapshot",
     "MlxCounters",
     "PolicySettings",
@@ -60,6 +72,8 @@ __all__ = [
     "RequestKv",
     "ReservationKind",
     "SettleResult",
+    "VisionReservation",
+    "VisionSpan",
     "compute_figures",
     "default_max_tokens",
     "figures",
@@ -68,6 +82,9 @@ __all__ = [
     "gib",
     "padded_weight_bytes",
     "pressure",
+    "projected_decode_bytes",
     "resolve_settings",
     "settle",
+    "vision_reservation",
+    "vision_span",
 ]

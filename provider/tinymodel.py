@@ -116,7 +116,8 @@ def _synthetic_corpus(seed: int) -> list[str]:
     return lines
 
 
-def _train_tokenizer(vocab_size: int, seed: int):
+def train_tokenizer(vocab_size: int, seed: int, special_tokens: tuple[str, ...] = SPECIAL_TOKENS):
+    """A byte-level BPE trained on the seeded synthetic corpus; `special_tokens` take ids 0, 1, ..."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -125,7 +126,7 @@ def _train_tokenizer(vocab_size: int, seed: int):
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         # Seeding the full byte alphabet makes every UTF-8 string encodable.
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -138,7 +139,7 @@ def _save_tokenizer(out: Path, vocab_size: int, seed: int) -> int:
     from transformers import PreTrainedTokenizerFast
 
     hf = PreTrainedTokenizerFast(
-        tokenizer_object=_train_tokenizer(vocab_size, seed),
+        tokenizer_object=train_tokenizer(vocab_size, seed),
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=BOS_TOKEN,

@@ -11,6 +11,9 @@ modules may use them freely:
   ~0.8 MB. Use it for load tests only.
 * ``medium_model_path`` (session): ~394 MB float32 Llama. Slow to build and load; only for a
   test that really needs a big model.
+* ``tiny_vlm_path`` (session): ~3.7 MB float32 Gemma-3 style vision-language model
+  (`provider.tinyvlm`): 64×64 images, 16 soft tokens per image, context 4096. Loads with
+  `mlx_vlm.load` (the `vision` extra).
 * ``tiny_models_dir`` (session): the cache folder itself.
 
 All tiny models use ChatML with `<|endoftext|>` = 0, `<|im_start|>` = 1 and `<|im_end|>` = 2;
@@ -31,6 +34,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 from provider.tinymodel import build_tiny_model  # noqa: E402
+from provider.tinyvlm import build_tiny_vlm  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,3 +64,8 @@ def quantized_model_path(tiny_models_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def medium_model_path(tiny_models_dir: Path) -> Path:
     return build_tiny_model(tiny_models_dir / "medium-f32", preset="medium")
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_path(tiny_models_dir: Path) -> Path:
+    return build_tiny_vlm(tiny_models_dir / "tiny-vlm-f32")
