@@ -4,6 +4,12 @@ One parser for every front door (the local HTTP server here; the coordinator's d
 bodies can use it too), so both read `max_tokens`, `stop`, `seed`... the same way. Unknown fields
 are ignored, as OpenAI-compatible servers do. A bad body raises `InvalidBody` carrying only the
 *name* of the offending field, never its value (it may be prompt text).
+
+Content parts: `text` and `image_url` (`{"image_url": {"url": ...}}`). A message with only text
+parts becomes one string (what a text model's template expects). A message with images keeps its
+parts in order, each image as a bare `{"type": "image_url"}` marker; the URLs go to
+`ChatBody.images` in order of appearance, for `provider.request.media` to check (bounds before
+allocation) and decode. Whether the model can take images is admission's call, not the parser's.
 """
 
 from __future__ import annotations
@@ -33,16 +39,45 @@ class _Message(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _text_parts_only(cls, content: Any) -> Any:
-        # Multi-part content: only text parts are understood by a text model.
+    def _known_parts_only(cls, content: Any) -> Any:
         if isinstance(content, list):
-            texts = []
             for part in content:
-                if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError("only text content parts are supported")
-                texts.append(part["text"])
-            return "".join(texts)
+                if _image_url(part) is None and _text(part) is None:
+                    raise ValueError("only text and image_url content parts are supported")
         return content
+
+
+def _text(part: Any) -> str | None:
+    if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    return None
+
+
+def _image_url(part: Any) -> str | None:
+    if not isinstance(part, Mapping) or part.get("type") != "image_url":
+        return None
+    ref = part.get("image_url")
+    url = ref.get("url") if isinstance(ref, Mapping) else ref  # some clients send the bare string
+    return url if isinstance(url, str) and url else None
+
+
+IMAGE_MARKER: Mapping[str, str] = {"type": "image_url"}  # an image's place in a message, payload removed
+
+
+def _content(content: str | list[Any] | None, images: list[str]) -> str | tuple[Mapping[str, str], ...]:
+    if not isinstance(content, list):
+        return content or ""
+    if all(_image_url(p) is None for p in content):
+        return "".join(_text(p) or "" for p in content)
+    parts: list[Mapping[str, str]] = []
+    for part in content:
+        url = _image_url(part)
+        if url is not None:
+            images.append(url)
+            parts.append(IMAGE_MARKER)
+        else:
+            parts.append({"type": "text", "text": _text(part) or ""})
+    return tuple(parts)
 
 
 class _StreamOptions(BaseModel):
@@ -78,6 +113,7 @@ class ChatBody:
     top_p: float
     seed: int | None
     stop: tuple[str, ...]
+    images: tuple[str, ...] = ()  # image URLs in order of appearance (never logged)
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
@@ -96,9 +132,8 @@ def parse_chat_body(data: Any) -> ChatBody:
     stop: Sequence[str] = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     if any(not s for s in stop):
         raise InvalidBody("stop")
-    messages = tuple(
-        {"role": m.role, "content": m.content or ""} for m in body.messages
-    )
+    images: list[str] = []
+    messages = tuple({"role": m.role, "content": _content(m.content, images)} for m in body.messages)
     return ChatBody(
         model=body.model,
         messages=messages,
@@ -109,4 +144,5 @@ def parse_chat_body(data: Any) -> ChatBody:
         top_p=body.top_p,
         seed=body.seed,
         stop=tuple(stop[:4]),
+        images=tuple(images),
     )
