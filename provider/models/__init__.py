@@ -28,10 +28,11 @@ from provider.models.kv import (
     kv_layout,
 )
 from provider.models.metadata import DType, Quantization, QuantMode
+from provider.models.vision import VisionInfo
 
 __all__ = [
     "ALLOC_STEP", "HASHED_PATTERNS", "DType", "DigestCache", "Inventory", "KvAccuracy",
     "KvConfigError", "KvLayout", "ModelInfo", "ModelSource", "QuantMode", "Quantization",
-    "SkipReason", "SkippedModel", "SlidingGroup", "default_hf_cache", "discover", "inspect_model",
+    "SkipReason", "SkippedModel", "SlidingGroup", "VisionInfo", "default_hf_cache", "discover", "inspect_model",
     "kv_bytes_for_tokens", "kv_layout", "newest_snapshot", "weight_hash", "weight_hash_sync",
 ]

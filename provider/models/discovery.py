@@ -14,7 +14,9 @@ skipped with DUPLICATE_ID):
    resolves outside the cache root makes the model UNSAFE_LINK and nothing of it is read.
 
 A model directory needs config.json (a JSON object with a model_type) and at least one weight file
-matching mlx-lm's `model*.safetensors`; every shard named by `model.safetensors.index.json` must
+matching mlx-lm's `model*.safetensors`; a vision-language model (a `vision_config` plus a
+processor or preprocessor config, `provider/models/vision.py`) gets a `ModelInfo.vision`, and its
+vision tower's weights count in `weight_bytes` like every other tensor; every shard named by `model.safetensors.index.json` must
 exist and every weight file must be a complete safetensors file. Anything else is a SkippedModel
 with a closed reason and a short message. Nothing raised while inspecting one model escapes
 `discover()`.
@@ -34,6 +36,7 @@ import structlog
 from provider.models import metadata
 from provider.models.kv import KvConfigError, KvLayout, kv_layout
 from provider.models.metadata import DType, MetadataError, MetadataProblem, Quantization
+from provider.models.vision import VisionInfo, vision_info
 
 log = structlog.get_logger(__name__)
 
@@ -80,6 +83,11 @@ class ModelInfo:
     dtype: DType  # activation and KV-cache dtype
     context_length: int | None
     kv: KvLayout
+    vision: VisionInfo | None = None  # a vision-language model (served through mlx-vlm)
+
+    @property
+    def is_vision(self) -> bool:
+        return self.vision is not None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -238,6 +246,7 @@ def _inspect(cand: _Candidate) -> ModelInfo:
         dtype=dtype,
         context_length=metadata.context_length(config),
         kv=kv_layout(config, dtype.nbytes),
+        vision=vision_info(directory, config, weight_files),
     )
 
 
