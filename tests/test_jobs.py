@@ -155,6 +155,9 @@ async def test_accept_goes_out_before_the_model_loads(harness):
     (lambda c, r: c.request("bad", {**chat(), "endpoint": "/v1/completions"}), 400, "invalid_request"),
     (lambda c, r: c.request("bad", chat(model="someone-elses-model") | {"model": "other"}), 404, "model_unavailable"),
     (lambda c, r: c.request("bad", chat(content="word " * 3000)), 400, "invalid_request"),  # > context 2048
+    (lambda c, r: c.request("bad", chat(content=[  # an image for a text model
+        {"type": "text", "text": "what is this"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}])), 415, "unsupported_media"),
 ])
 async def test_fast_rejects_have_no_accept(harness, mutate, status, code):
     request = mutate(harness.coordinator, harness.coordinator.request("bad", chat()))

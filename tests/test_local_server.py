@@ -130,6 +130,16 @@ def test_unknown_model_is_404_without_retry_after(server):
     assert err.value.response.json()["error"]["code"] == "model_unavailable"
 
 
+def test_an_image_for_a_text_model_is_415_unsupported_media(server):
+    with pytest.raises(openai.APIStatusError) as err:
+        server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is this"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}], max_tokens=2)
+    assert err.value.status_code == 415
+    assert err.value.response.json()["error"]["code"] == "unsupported_media"
+    assert "retry-after" not in err.value.response.headers
+
+
 def test_metrics_parse_with_prometheus_client(server):
     server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     resp = httpx.get(server.base_url + "/metrics")

@@ -1,5 +1,5 @@
-"""provider.models.vision and discovery: VLM folders are recognised and advertised with verdicts
-whose weights include the vision tower."""
+"""provider.models.vision and discovery: VLM folders are recognised, with verdicts whose weights
+include the vision tower."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ from safetensors import safe_open
 from memory import figures, fit
 from memory.policy import GiB, padded_weight_bytes
 from memory.snapshot import MemorySnapshot
-from provider.models import discover, inspect_model
+from provider.models import inspect_model
 from provider.models.vision import soft_tokens_per_image
-from provider.session.register import advertised_models
 
 
 def test_the_tiny_vlm_is_a_vision_model(tiny_vlm_path: Path, tiny_model_path: Path) -> None:
@@ -43,18 +42,6 @@ def test_weight_bytes_include_the_vision_tower(tiny_vlm_path: Path) -> None:
     verdict = fit(figures(16 * GiB, env={}), MemorySnapshot(16 * GiB, 14 * GiB),
                   vlm.weight_bytes)
     assert verdict.weights_bytes == padded_weight_bytes(vlm.weight_bytes) > padded_weight_bytes(vlm.weight_bytes - tower)
-
-
-def test_register_advertises_is_vision(tiny_vlm_path: Path, tiny_model_path: Path) -> None:
-    inventory = discover(hf_cache=None, aliases={"vlm": tiny_vlm_path, "text": tiny_model_path})
-    cap = figures(16 * GiB, env={})
-    snap = MemorySnapshot(16 * GiB, 14 * GiB)
-    models = advertised_models([(m, fit(cap, snap, m.weight_bytes)) for m in inventory.models])
-    by_id = {m.id: m for m in models}
-    assert by_id["vlm"].is_vision is True and by_id["text"].is_vision is False
-    wire = json.loads(by_id["vlm"].model_dump_json(exclude_defaults=True))
-    assert wire["is_vision"] is True
-    assert "is_vision" not in json.loads(by_id["text"].model_dump_json(exclude_defaults=True))
 
 
 def test_vision_config_without_a_processor_config_is_a_text_model(tiny_vlm_path: Path, tmp_path: Path) -> None:

@@ -196,6 +196,8 @@ class Job:
             raise _Rejected(Failure.invalid_request()) from None
 
     async def _admit_and_serve(self, box: RequestBox, body: ChatBody) -> JobOutcome:
+        if body.images:  # no model serves images yet (vision models: issue 17)
+            raise _Rejected(Failure.unsupported_media())
         try:
             prompt_tokens = await self._ctx.counter.count(body.model, body.messages)
         except UnknownModel:

@@ -69,6 +69,8 @@ class RuntimeBackend:
     @asynccontextmanager
     async def open(self, request_id: str, body: ChatBody) -> AsyncIterator[RequestStream]:
         rt = self.runtime
+        if body.images:  # no model serves images yet (vision models: issue 17)
+            raise Refused(Failure.unsupported_media())
         try:
             prompt_tokens = await rt.counter.count(body.model, body.messages)
         except UnknownModel:
