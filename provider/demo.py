@@ -1,7 +1,7 @@
 """The README demo (`make demo`): the provider's main job, end to end, on an embedded tiny model.
 
 1. build the tiny demo model (random weights: its words are gibberish) into `.cache/demo-model`
-   unless it is already there;
+   (or `--model-dir DIR`) unless it is already there;
 2. start `darkbloom-provider serve --local` in a subprocess with a demo configuration file
    (alias `darkbloom/demo-tiny` -> that folder, a free loopback port);
 3. wait for `/healthz`, send a streaming chat with the `openai` SDK and print the answer as it
@@ -15,6 +15,7 @@ depend on the shell it runs in. Exit code 0 on success, 1 if any step failed.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -120,10 +121,10 @@ def heading(text: str) -> None:
     print(f"\n=== {text} ===", flush=True)
 
 
-def run() -> int:
+def run(model_dir: Path | None = None) -> int:
     started = time.monotonic()
     heading("1. demo model")
-    model_dir = build_tiny_model(demo_model_dir(), preset="tiny")
+    model_dir = build_tiny_model(model_dir or demo_model_dir(), preset="tiny")
     print(f"{model_dir} (tiny Llama, random weights: its words are gibberish)")
 
     with tempfile.TemporaryDirectory(prefix="darkbloom-demo-") as tmp:
@@ -169,9 +170,13 @@ def run() -> int:
     return 0
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m provider.demo", description=__doc__.split("\n")[0])
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="where the demo model is built or reused (default: .cache/demo-model)")
+    args = parser.parse_args(argv)
     try:
-        return run()
+        return run(args.model_dir)
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         print(f"demo failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -1,8 +1,11 @@
 """Shared fixtures: tiny MLX models built offline by `provider.tinymodel`.
 
-Models are built once into the repo-local cache `.cache/tiny-models/` (gitignored) and reused on
-later runs while the builder version marker matches. Fixture names are stable; other test
-modules may use them freely:
+Models are built once per test session, on first use, into a temporary folder that is removed when
+the session ends: `make test` leaves nothing behind (the models are ~430 MB together, and building them
+takes a few seconds). To keep them between runs while you iterate, point
+``DARKBLOOM_TINY_MODELS_DIR`` at a folder of your choice: models there are reused while the
+builder version marker matches, and never deleted by the tests. Fixture names are stable; other
+test modules may use them freely:
 
 * ``tiny_model_path`` (session): ~5 MB float32 Llama, context 2048, vocab 2048. Fast; use it
   for almost everything.
@@ -14,7 +17,7 @@ modules may use them freely:
 * ``tiny_vlm_path`` (session): ~3.7 MB float32 Gemma-3 style vision-language model
   (`provider.tinyvlm`): 64×64 images, 16 soft tokens per image, context 4096. Loads with
   `mlx_vlm.load` (the `vision` extra).
-* ``tiny_models_dir`` (session): the cache folder itself.
+* ``tiny_models_dir`` (session): the folder they are built in.
 
 All tiny models use ChatML with `<|endoftext|>` = 0, `<|im_start|>` = 1 and `<|im_end|>` = 2;
 `config.json` sets `eos_token_id: [2, 0]`.
@@ -26,6 +29,8 @@ of trying the network.
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -36,14 +41,19 @@ import pytest  # noqa: E402
 from provider.tinymodel import build_tiny_model  # noqa: E402
 from provider.tinyvlm import build_tiny_vlm  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+KEEP_MODELS_ENV = "DARKBLOOM_TINY_MODELS_DIR"
 
 
 @pytest.fixture(scope="session")
-def tiny_models_dir() -> Path:
-    path = Path(os.environ.get("DARKBLOOM_TINY_MODELS_DIR", REPO_ROOT / ".cache" / "tiny-models"))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+def tiny_models_dir() -> Iterator[Path]:
+    kept = os.environ.get(KEEP_MODELS_ENV)
+    if kept:
+        path = Path(kept).expanduser()
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="darkbloom-tiny-models-") as tmp:
+        yield Path(tmp)
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,10 @@ import sys
 
 def test_demo_runs_end_to_end_and_stops_the_server_cleanly(tiny_model_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DARKBLOOM_")}
-    out = subprocess.run([sys.executable, "-m", "provider.demo"], env=env, capture_output=True, text=True, timeout=120)
+    # The session's tiny model is the demo's model (same builder arguments): reused, nothing is
+    # written into the source tree's .cache.
+    out = subprocess.run([sys.executable, "-m", "provider.demo", "--model-dir", str(tiny_model_path)], env=env,
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     answer = text.split("darkbloom/demo-tiny> ", 1)[1].split("\n", 1)[0]
@@ -18,3 +21,4 @@ def test_demo_runs_end_to_end_and_stops_the_server_cleanly(tiny_model_path):
     assert "effective cap" in text and "darkbloom/demo-tiny" in text and "fits_now" in text  # doctor table
     assert '"mode": "local"' in text and '"state": "loaded"' in text  # /status JSON
     assert "server exited with code 0" in text
+    assert f"{tiny_model_path} (tiny Llama" in text

@@ -49,3 +49,9 @@ def test_no_build_test_demo_or_benchmark_file_reads_the_shared_folder():
         if _READS_SHARED.search(text):
             offenders.append(str(path.relative_to(ROOT)))
     assert offenders == []
+
+
+def test_the_readmes_do_not_send_a_newcomer_outside_the_repository():
+    """A clone has no ../shared: the layout and the references a reader needs are in the repo."""
+    for readme in (ROOT / "README.md", ROOT / "deploy" / "README.md"):
+        assert "../shared" not in readme.read_text(encoding="utf-8"), readme
