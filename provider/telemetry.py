@@ -16,6 +16,9 @@ never an f-string with data in it; bind ``request_id`` and ``model`` once per jo
 
 Records from other libraries (websockets, uvicorn, mlx-lm) go through the same steps; their event is
 the format string *before* ``%`` arguments are applied, so their arguments never reach a log line.
+The exception is a short list of (logger, format) pairs whose arguments are known to be harmless
+(uvicorn's "Started server process [%d]"...): :class:`FormatKnownForeign` applies those, so the log
+does not show raw placeholders.
 """
 
 from __future__ import annotations
@@ -131,6 +134,40 @@ class Redact:
         return value if len(value) <= self._max_string else value[: self._max_string] + "…"
 
 
+# Foreign records whose arguments carry no user data: (logger, format) -> the type of each argument.
+# uvicorn's lifecycle lines: a pid, the listening scheme/host/port from our own config, a task count.
+SAFE_FOREIGN_FORMATS: dict[tuple[str, str], tuple[type, ...]] = {
+    ("uvicorn.error", "Started server process [%d]"): (int,),
+    ("uvicorn.error", "Finished server process [%d]"): (int,),
+    ("uvicorn.error", "Uvicorn running on %s://%s:%d (Press CTRL+C to quit)"): (str, str, int),
+    ("uvicorn.error", "Uvicorn running on %s://[%s]:%d (Press CTRL+C to quit)"): (str, str, int),
+    ("uvicorn.error", "Uvicorn running on socket %s (Press CTRL+C to quit)"): (tuple,),
+    ("uvicorn.error", "Cancel %s running task(s), timeout graceful shutdown exceeded"): (int,),
+    ("uvicorn.error", "Maximum request limit of %d exceeded. Terminating process."): (int,),
+}
+
+
+class FormatKnownForeign:
+    """Foreign-record step: apply the ``%`` arguments of the formats in ``SAFE_FOREIGN_FORMATS``
+    (checked by type, so an unexpected argument never reaches the line); drop them otherwise."""
+
+    __slots__ = ("_formats",)
+
+    def __init__(self, formats: dict[tuple[str, str], tuple[type, ...]] = SAFE_FOREIGN_FORMATS) -> None:
+        self._formats = formats
+
+    def __call__(self, logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
+        args = event_dict.pop("positional_args", ())
+        record = event_dict.get("_record")
+        if not args or not isinstance(record, logging.LogRecord) or not isinstance(record.msg, str):
+            return event_dict
+        types = self._formats.get((record.name, record.msg))
+        if types is not None and isinstance(args, tuple) and len(args) == len(types) and all(
+                type(a) is t for a, t in zip(args, types, strict=True)):
+            event_dict["event"] = record.msg % args
+        return event_dict
+
+
 def _is_number(value: Any) -> bool:
     return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
 
@@ -224,9 +261,10 @@ def configure_logging(
     numeric = logging.getLevelNamesMapping()[level.value.upper()]
 
     formatter = structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=pre_render_processors(),
+        foreign_pre_chain=[FormatKnownForeign(), *pre_render_processors()],
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, _renderer(fmt, stream)],
-        use_get_message=False,  # foreign records: the format string, never the % arguments
+        use_get_message=False,  # foreign records: the format string; % arguments only for SAFE_FOREIGN_FORMATS
+        pass_foreign_args=True,  # ... which FormatKnownForeign reads and always removes
     )
     handler = logging.StreamHandler(stream)
     handler.set_name(_HANDLER_NAME)
@@ -290,6 +328,8 @@ def capture_redacted_logs() -> Iterator[list[EventDict]]:
 
 
 __all__ = [
+    "SAFE_FOREIGN_FORMATS",
+    "FormatKnownForeign",
     "MAX_STRING",
     "NUMERIC_SUFFIXES",
     "SAFE_KEYS",

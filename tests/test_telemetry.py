@@ -271,3 +271,38 @@ def test_formatter_plumbing_keys_cannot_carry_text() -> None:
     out = redact(event="e", _record=record, _from_structlog=False)
     assert out["_record"] is record and out["_from_structlog"] is False
     assert redact(event="e", _record=CANARY, _from_structlog=CANARY) == {"event": "e", "redacted": 2}
+
+
+# --- foreign records whose arguments are known to be safe (issue 14.5)
+
+
+def test_uvicorn_lifecycle_lines_are_formatted_not_raw_placeholders() -> None:
+    stream = io.StringIO()
+    configure_logging("info", "json", stream=stream)
+    uv = logging.getLogger("uvicorn.error")
+    uv.info("Started server process [%d]", 4242)
+    uv.info("Uvicorn running on %s://%s:%d (Press CTRL+C to quit)", "http", "127.0.0.1", 8484)
+    uv.info("Finished server process [%d]", 4242)
+    uv.error("Cancel %s running task(s), timeout graceful shutdown exceeded", 3)
+    uv.info("Some future line with %s", CANARY)  # not on the list: its argument never shows
+    events = [json.loads(line)["event"] for line in stream.getvalue().splitlines()]
+    assert events == [
+        "Started server process [4242]",
+        "Uvicorn running on http://127.0.0.1:8484 (Press CTRL+C to quit)",
+        "Finished server process [4242]",
+        "Cancel 3 running task(s), timeout graceful shutdown exceeded",
+        "Some future line with %s",
+    ]
+    assert CANARY not in stream.getvalue()
+
+
+def test_a_listed_format_from_another_logger_or_with_odd_arguments_stays_unformatted() -> None:
+    stream = io.StringIO()
+    configure_logging("info", "json", stream=stream)
+    logging.getLogger("someone.else").info("Started server process [%d]", 1)  # same text, other logger
+    logging.getLogger("uvicorn.error").error(  # a string where a count goes
+        "Cancel %s running task(s), timeout graceful shutdown exceeded", CANARY)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [line["event"] for line in lines] == [
+        "Started server process [%d]", "Cancel %s running task(s), timeout graceful shutdown exceeded"]
+    assert CANARY not in stream.getvalue() and not any("redacted" in line for line in lines)
