@@ -14,9 +14,14 @@ Precedence for every input: explicit argument → env → default. `cap_fraction
 provider/config resolved from TOML, env or flags win, and a bare `figures(P)` reads
 `DARKBLOOM_MEMORY_RESERVE_GB` / `DARKBLOOM_MEMORY_LIMIT_GB`. Pass `env={}` to ignore the
 environment. Env values that are missing, blank, not numbers, NaN, ±inf or ≤ 0 count as unset
-(one warning each, naming the variable and the value). A fraction above 1 is clamped to 1.
-Explicit values are clamped but honoured. Byte figures saturate at `MAX_BYTES` instead of
-overflowing.
+(one warning each, naming the variable, the value given and the value used). A fraction above 1 is
+clamped to 1. Every such adjustment is also kept in `PolicySettings.adjustments`, so `doctor` can
+list them. Explicit values are clamped but honoured. Byte figures saturate at `MAX_BYTES` instead
+of overflowing.
+
+`room_for_weights(figures)` is what is left for weights on an idle machine once every reserve is
+held back; `no_room_causes()` names the inputs that leave none (an absurd reserve, or an 8 GiB
+machine with the defaults).
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
 
 import structlog
 
@@ -88,6 +94,43 @@ def default_max_tokens(context_length: int) -> int:
 # Settings: explicit → env → default, resolved once
 
 
+class EnvAction(StrEnum):
+    REJECTED = "rejected"  # not a finite number > 0: the default was used
+    CLAMPED = "clamped"  # a fraction above 1: 1 was used
+
+
+GIVEN_MAX_CHARS = 16  # a value that is not a number is shown at most this long
+
+
+@dataclass(frozen=True, slots=True)
+class EnvAdjustment:
+    """One environment value the policy did not use as given. Names and numbers only: `given` is
+    the number as parsed when it is a finite number, else the text cut to GIVEN_MAX_CHARS."""
+
+    variable: str
+    given: float | str
+    used: float | None  # in the variable's own unit (a fraction, GiB); None = no limit
+    action: EnvAction
+
+    @property
+    def rule(self) -> str:
+        """What the variable allows, in words (fixed text)."""
+        if self.action is EnvAction.CLAMPED:
+            return "a fraction above 1 is clamped to 1"
+        return "must be a finite number > 0"
+
+
+def _given(raw: str) -> float | str:
+    text = raw.strip()
+    try:
+        number = float(text)
+    except ValueError:
+        number = math.nan
+    if math.isfinite(number):
+        return number
+    return text if len(text) <= GIVEN_MAX_CHARS else text[:GIVEN_MAX_CHARS] + "…"
+
+
 @dataclass(frozen=True, slots=True)
 class PolicySettings:
     """The resolved inputs of the cap math (everything except `P`)."""
@@ -96,6 +139,8 @@ class PolicySettings:
     activation_reserve_bytes: int = DEFAULT_ACTIVATION_RESERVE_BYTES
     memory_reserve_bytes: int = int(DEFAULT_MEMORY_RESERVE_GB * GiB)
     memory_limit_bytes: int | None = None
+    # What resolving had to reject or clamp (reported by doctor); not part of the inputs' identity.
+    adjustments: tuple[EnvAdjustment, ...] = field(default=(), compare=False)
 
 
 def _warn(event: str, **fields: object) -> None:
@@ -104,8 +149,17 @@ def _warn(event: str, **fields: object) -> None:
     structlog.get_logger(__name__).warning(event, **fields)
 
 
-def _env_positive(env: Mapping[str, str], name: str) -> float | None:
-    """A finite, > 0 number from env, or None (missing/blank: silently; anything else: one warning)."""
+def _adjust(adjustments: list[EnvAdjustment], variable: str, raw: str, used: float | None,
+            action: EnvAction) -> None:
+    adjustment = EnvAdjustment(variable, _given(raw), used, action)
+    adjustments.append(adjustment)
+    _warn(f"memory_env_{action.value}", variable=variable, given=adjustment.given, used=used)
+
+
+def _env_positive(env: Mapping[str, str], name: str, default: float | None,
+                  adjustments: list[EnvAdjustment]) -> float | None:
+    """A finite, > 0 number from env, or None (missing/blank: silently; anything else: recorded
+    as REJECTED with `default` as the value used, and one warning)."""
     raw = env.get(name)
     if raw is None or not raw.strip():
         return None
@@ -115,7 +169,7 @@ def _env_positive(env: Mapping[str, str], name: str) -> float | None:
         value = math.nan
     if math.isfinite(value) and value > 0:
         return value
-    _warn("memory_env_rejected", variable=name, value=raw[:64], using="default")
+    _adjust(adjustments, name, raw, default, EnvAction.REJECTED)
     return None
 
 
@@ -134,39 +188,43 @@ def resolve_settings(
 ) -> PolicySettings:
     """Resolve the policy inputs from explicit values, env (`None` = `os.environ`) and defaults.
 
-    Logs exactly one `memory_env_rejected` warning (with `variable` and `value`) per env variable
-    that is set but unusable, and one `memory_env_clamped` warning for a fraction above 1.
+    Logs exactly one `memory_env_rejected` warning (`variable`, `given`, `used`) per env variable
+    that is set but unusable, and one `memory_env_clamped` warning for a fraction above 1; both
+    are also returned in `.adjustments`.
     """
     env = os.environ if env is None else env
+    adjustments: list[EnvAdjustment] = []
 
     if cap_fraction is not None:
         fraction = _explicit_fraction(cap_fraction)
     else:
-        fraction = _env_positive(env, ENV_CAP_FRACTION) or DEFAULT_CAP_FRACTION
+        fraction = _env_positive(env, ENV_CAP_FRACTION, DEFAULT_CAP_FRACTION, adjustments) or DEFAULT_CAP_FRACTION
         if fraction > 1.0:
-            _warn("memory_env_clamped", variable=ENV_CAP_FRACTION, value=env[ENV_CAP_FRACTION][:64], using=1.0)
+            _adjust(adjustments, ENV_CAP_FRACTION, env[ENV_CAP_FRACTION], 1.0, EnvAction.CLAMPED)
             fraction = 1.0
 
     if activation_reserve_gb is not None:
         activation = (DEFAULT_ACTIVATION_RESERVE_BYTES if math.isnan(activation_reserve_gb)
                       else gib_to_bytes(activation_reserve_gb))
     else:
-        env_activation = _env_positive(env, ENV_ACTIVATION_RESERVE_GB)
+        env_activation = _env_positive(env, ENV_ACTIVATION_RESERVE_GB, DEFAULT_ACTIVATION_RESERVE_BYTES / GiB,
+                                       adjustments)
         activation = DEFAULT_ACTIVATION_RESERVE_BYTES if env_activation is None else gib_to_bytes(env_activation)
 
     # The reserve and the limit arrive from config; a value at its default counts as "not set".
     reserve_gb = DEFAULT_MEMORY_RESERVE_GB if math.isnan(memory_reserve_gb) else memory_reserve_gb
     if reserve_gb == DEFAULT_MEMORY_RESERVE_GB:
-        reserve_gb = _env_positive(env, ENV_MEMORY_RESERVE_GB) or DEFAULT_MEMORY_RESERVE_GB
+        reserve_gb = (_env_positive(env, ENV_MEMORY_RESERVE_GB, DEFAULT_MEMORY_RESERVE_GB, adjustments)
+                      or DEFAULT_MEMORY_RESERVE_GB)
     reserve = gib_to_bytes(reserve_gb)
 
     limit_gb = memory_limit_gb
     if limit_gb is None:
-        limit_gb = _env_positive(env, ENV_MEMORY_LIMIT_GB)
+        limit_gb = _env_positive(env, ENV_MEMORY_LIMIT_GB, None, adjustments)
     limit = memory_limit_bytes_from_gb(limit_gb)
 
     return PolicySettings(cap_fraction=fraction, activation_reserve_bytes=activation,
-                          memory_reserve_bytes=reserve, memory_limit_bytes=limit)
+                          memory_reserve_bytes=reserve, memory_limit_bytes=limit, adjustments=tuple(adjustments))
 
 
 def memory_limit_bytes_from_gb(memory_limit_gb: float | None) -> int | None:
@@ -298,3 +356,57 @@ def figures(
     settings = resolve_settings(env, memory_reserve_gb=memory_reserve_gb, memory_limit_gb=memory_limit_gb,
                                 cap_fraction=cap_fraction, activation_reserve_gb=activation_reserve_gb)
     return compute_figures(physical_bytes, settings)
+
+
+# --------------------------------------------------------------------------------------------
+# Room for weights
+
+
+def room_for_weights(figures: CapFigures) -> int:
+    """The largest padded weight size that can load on an otherwise idle machine:
+    max(0, eff_cap − load_headroom). 0 means no model of any size can ever load."""
+    return max(0, figures.effective_cap_bytes - figures.load_headroom_bytes)
+
+
+def largest_loadable_bytes(figures: CapFigures) -> int:
+    """The largest on-disk weight size that loads on an idle machine (room ÷ 1.2, floored), the
+    inverse of `padded_weight_bytes`."""
+    room = room_for_weights(figures)
+    n = room * 5 // 6
+    while n > 0 and padded_weight_bytes(n) > room:  # ceil(n × 1.2) may overshoot by one byte
+        n -= 1
+    return n
+
+
+class RoomCause(StrEnum):
+    """An input of the cap math that leaves no room for any model (see `no_room_causes`)."""
+
+    MEMORY_RESERVE = "memory_reserve"  # R_cfg: the operator OS reserve (memory_reserve_gb)
+    ACTIVATION_RESERVE = "activation_reserve"  # A (DARKBLOOM_ACTIVATION_RESERVE_GB)
+    MEMORY_LIMIT = "memory_limit"  # memory_limit_gb lowers P
+    CAP_FRACTION = "cap_fraction"  # f (DARKBLOOM_MEM_CAP_FRACTION)
+    SMALL_MACHINE = "small_machine"  # P itself: nothing else would make room
+
+
+def no_room_causes(physical_bytes: int, settings: PolicySettings) -> tuple[RoomCause, ...]:
+    """Why `room_for_weights` is 0 for this machine and these settings; () when there is room.
+
+    Each input is named when moving it alone to its most generous value (reserve 0, activation
+    reserve 0, no limit, fraction 1) would make room. When no single input would, every input that
+    is not at that value is named; SMALL_MACHINE when not even all of them together would."""
+    if room_for_weights(compute_figures(physical_bytes, settings)) > 0:
+        return ()
+    generous = {
+        RoomCause.MEMORY_RESERVE: replace(settings, memory_reserve_bytes=0),
+        RoomCause.ACTIVATION_RESERVE: replace(settings, activation_reserve_bytes=0),
+        RoomCause.MEMORY_LIMIT: replace(settings, memory_limit_bytes=None),
+        RoomCause.CAP_FRACTION: replace(settings, cap_fraction=1.0),
+    }
+    alone = tuple(cause for cause, s in generous.items()
+                  if s != settings and room_for_weights(compute_figures(physical_bytes, s)) > 0)
+    if alone:
+        return alone
+    most_generous = PolicySettings(cap_fraction=1.0, activation_reserve_bytes=0, memory_reserve_bytes=0)
+    if room_for_weights(compute_figures(physical_bytes, most_generous)) == 0:
+        return (RoomCause.SMALL_MACHINE,)  # P ≤ MIN_OS: no setting can help
+    return tuple(cause for cause, s in generous.items() if s != settings)

@@ -14,13 +14,18 @@ Problems (`Problem`) come in two severities. An ERROR makes `doctor` exit 1:
 
 * ``no_models``             nothing servable was discovered;
 * ``enabled_model_missing`` an id in `enabled_models` was found nowhere;
+* ``reserve_leaves_no_room`` the reserves leave no room for any model on this machine (subject: the
+                            settings that take it, e.g. ``memory_reserve_gb``); replaces the
+                            ``model_never_fits`` it would otherwise cause for every model;
 * ``model_never_fits``      a model needs more than the effective cap even on an idle machine;
 * ``coordinator_unreachable`` the WebSocket handshake to `coordinator_url` did not complete
   (skipped with `--no-coordinator`);
 * ``memory_fatal``          projected utilization is at the FATAL watermark.
 
 WARNINGs are printed but keep exit 0: ``model_skipped`` (a broken or partial model folder),
-``unrecognised_env`` (a `DARKBLOOM_*` variable nothing reads), ``runtime_hash_unavailable``.
+``unrecognised_env`` (a `DARKBLOOM_*` variable nothing reads), ``runtime_hash_unavailable``,
+``setting_rejected`` / ``setting_clamped`` (a memory-policy variable that was not usable as given:
+the detail says what was given and what was used instead).
 An invalid configuration never reaches this module: the CLI exits 78 with one line first.
 
 `report_json()` is a stable interface (keys are only ever added): ``cap`` holds every
@@ -28,7 +33,7 @@ An invalid configuration never reaches this module: the CLI exits 78 with one li
 ``runtime_hash``, ``models`` [{id, path, source, weight_bytes, quantization, context_length,
 kv_bytes_per_token, verdict, required_bytes, ever_fits}], ``skipped`` [{id, path, reason}],
 ``coordinator`` {url, checked, reachable, detail}, ``machine`` {...}, ``problems`` [{code, severity,
-subject}], ``ok``.
+subject, detail}], ``settings_adjusted`` [{variable, given, used, action, rule}], ``ok``.
 """
 
 from __future__ import annotations
@@ -46,13 +51,34 @@ from enum import StrEnum
 from typing import Any
 
 import memory
-from memory import CapFigures, FitResult, MemorySnapshot, Pressure, PressureLevel, Probe
+from memory import (
+    CapFigures,
+    EnvAction,
+    EnvAdjustment,
+    FitResult,
+    MemorySnapshot,
+    PolicySettings,
+    Pressure,
+    PressureLevel,
+    Probe,
+    RoomCause,
+)
 from memory.probe import no_mlx_counters
 from provider.config import Settings, unrecognised_env
 from provider.models import Inventory, ModelInfo, Quantization, default_hf_cache, discover
 
 GIB = 1 << 30
 DEFAULT_COORDINATOR_TIMEOUT_S = 5.0
+README_MODELS_HEADING = "Pointing the provider at real MLX models"  # a heading of README.md (a test checks)
+
+# What the operator calls each input of the cap math (a config key, or the memory policy's own variable).
+ROOM_CAUSE_SETTING: dict[RoomCause, str] = {
+    RoomCause.MEMORY_RESERVE: "memory_reserve_gb",
+    RoomCause.ACTIVATION_RESERVE: "DARKBLOOM_ACTIVATION_RESERVE_GB",
+    RoomCause.MEMORY_LIMIT: "memory_limit_gb",
+    RoomCause.CAP_FRACTION: "DARKBLOOM_MEM_CAP_FRACTION",
+    RoomCause.SMALL_MACHINE: "physical memory",
+}
 
 
 class Severity(StrEnum):
@@ -64,33 +90,42 @@ class ProblemCode(StrEnum):
     NO_MODELS = "no_models"
     ENABLED_MODEL_MISSING = "enabled_model_missing"
     MODEL_NEVER_FITS = "model_never_fits"
+    NO_ROOM = "reserve_leaves_no_room"
     COORDINATOR_UNREACHABLE = "coordinator_unreachable"
     MEMORY_FATAL = "memory_fatal"
     MODEL_SKIPPED = "model_skipped"
     UNRECOGNISED_ENV = "unrecognised_env"
     RUNTIME_HASH_UNAVAILABLE = "runtime_hash_unavailable"
+    SETTING_REJECTED = "setting_rejected"
+    SETTING_CLAMPED = "setting_clamped"
 
 
 _SEVERITY: dict[ProblemCode, Severity] = {
     ProblemCode.NO_MODELS: Severity.ERROR,
     ProblemCode.ENABLED_MODEL_MISSING: Severity.ERROR,
     ProblemCode.MODEL_NEVER_FITS: Severity.ERROR,
+    ProblemCode.NO_ROOM: Severity.ERROR,
     ProblemCode.COORDINATOR_UNREACHABLE: Severity.ERROR,
     ProblemCode.MEMORY_FATAL: Severity.ERROR,
     ProblemCode.MODEL_SKIPPED: Severity.WARNING,
     ProblemCode.UNRECOGNISED_ENV: Severity.WARNING,
     ProblemCode.RUNTIME_HASH_UNAVAILABLE: Severity.WARNING,
+    ProblemCode.SETTING_REJECTED: Severity.WARNING,
+    ProblemCode.SETTING_CLAMPED: Severity.WARNING,
 }
 
 _EXPLAIN: dict[ProblemCode, str] = {
-    ProblemCode.NO_MODELS: "no servable model found (see 'Pointing at real models' in the README)",
+    ProblemCode.NO_MODELS: f"no servable model found (see '{README_MODELS_HEADING}' in the README)",
     ProblemCode.ENABLED_MODEL_MISSING: "listed in enabled_models but found nowhere",
     ProblemCode.MODEL_NEVER_FITS: "needs more than the effective cap even on an idle machine",
+    ProblemCode.NO_ROOM: "these settings leave no room for any model under the cap (see deploy/README.md)",
     ProblemCode.COORDINATOR_UNREACHABLE: "WebSocket handshake with the coordinator did not complete",
     ProblemCode.MEMORY_FATAL: "memory pressure is at the FATAL watermark",
     ProblemCode.MODEL_SKIPPED: "model folder skipped",
     ProblemCode.UNRECOGNISED_ENV: "environment variable is not read by anything (typo?)",
     ProblemCode.RUNTIME_HASH_UNAVAILABLE: "runtime hash could not be computed",
+    ProblemCode.SETTING_REJECTED: "value not usable, the default was used",
+    ProblemCode.SETTING_CLAMPED: "value out of range, clamped",
 }
 
 
@@ -98,6 +133,7 @@ _EXPLAIN: dict[ProblemCode, str] = {
 class Problem:
     code: ProblemCode
     subject: str = ""  # a model id, variable name or URL origin; never user text
+    detail: str = ""  # figures and setting values behind it (operator input, never user text)
 
     @property
     def severity(self) -> Severity:
@@ -141,6 +177,7 @@ class DoctorReport:
     snapshot: MemorySnapshot
     hypothetical: bool  # figures for `--machine-gb`, not this machine
     cap: CapFigures
+    policy: PolicySettings
     pressure: Pressure
     runtime_hash: str | None
     models: tuple[ModelReport, ...]
@@ -169,8 +206,20 @@ def machine_snapshot(settings: Settings, *, machine_gb: float | None = None) -> 
 
 def cap_figures(settings: Settings, snapshot: MemorySnapshot, env: Mapping[str, str] | None = None) -> CapFigures:
     """The figures the agent computes for this snapshot and these settings."""
-    return memory.figures(snapshot.physical_bytes, env=env, memory_reserve_gb=settings.memory_reserve_gb,
-                          memory_limit_gb=settings.memory_limit_gb)
+    return memory.compute_figures(snapshot.physical_bytes, policy_settings(settings, env))
+
+
+def policy_settings(settings: Settings, env: Mapping[str, str] | None = None) -> PolicySettings:
+    """The memory policy's inputs for these settings (env `None` = `os.environ`); logs each env
+    value it rejects or clamps, and keeps them in `.adjustments`."""
+    return memory.resolve_settings(env, memory_reserve_gb=settings.memory_reserve_gb,
+                                   memory_limit_gb=settings.memory_limit_gb)
+
+
+def unlimited_physical_bytes(snapshot: MemorySnapshot) -> int:
+    """`P` before the operator's memory_limit_gb (the machine, lowered to a cgroup limit only)."""
+    physical = snapshot.machine_bytes or snapshot.physical_bytes
+    return min(physical, snapshot.cgroup_limit_bytes) if snapshot.cgroup_limit_bytes else physical
 
 
 def discover_models(settings: Settings) -> Inventory:
@@ -233,7 +282,8 @@ def run_doctor(
     """Gather everything `doctor` shows. Blocking (file scans, one network check)."""
     env = os.environ if env is None else env
     snapshot, hypothetical = machine_snapshot(settings, machine_gb=machine_gb)
-    cap = cap_figures(settings, snapshot, env)
+    policy = policy_settings(settings, env)
+    cap = memory.compute_figures(snapshot.physical_bytes, policy)
     level = memory.pressure(snapshot)
     inventory = discover_models(settings)
     models = tuple(
@@ -245,17 +295,50 @@ def run_doctor(
     else:
         coordinator = CoordinatorCheck(settings.coordinator_url, False, None, Reach.NOT_CHECKED)
     rhash = runtime_hash_of(settings)
-    problems = _problems(models, inventory, level, coordinator, rhash, env)
-    return DoctorReport(snapshot, hypothetical, cap, level, rhash, models, inventory, coordinator, problems)
+    no_room = _no_room(settings, snapshot, policy, cap)
+    problems = _problems(models, inventory, level, coordinator, rhash, env, policy, no_room)
+    return DoctorReport(snapshot, hypothetical, cap, policy, level, rhash, models, inventory, coordinator, problems)
+
+
+def _no_room(settings: Settings, snapshot: MemorySnapshot, policy: PolicySettings, cap: CapFigures) -> Problem | None:
+    """One problem naming the settings that leave no room for any model, or None when there is room."""
+    causes = memory.no_room_causes(unlimited_physical_bytes(snapshot), policy)
+    if not causes:
+        return None
+    values = {
+        RoomCause.MEMORY_RESERVE: f"memory_reserve_gb = {settings.memory_reserve_gb:g}",
+        RoomCause.ACTIVATION_RESERVE: f"activation reserve {human_bytes(cap.activation_reserve_bytes)}",
+        RoomCause.MEMORY_LIMIT: f"memory_limit_gb = {settings.memory_limit_gb or 0:g}",
+        RoomCause.CAP_FRACTION: f"cap fraction {cap.cap_fraction:g}",
+        RoomCause.SMALL_MACHINE: f"{human_bytes(unlimited_physical_bytes(snapshot))} physical",
+    }
+    detail = (f"a load needs its weights + the activation reserve ({human_bytes(cap.activation_reserve_bytes)}) "
+              f"+ the minimum KV ({human_bytes(cap.min_kv_bytes)}) under the effective cap "
+              f"({human_bytes(cap.effective_cap_bytes)}); set by {', '.join(values[c] for c in causes)}")
+    return Problem(ProblemCode.NO_ROOM, ", ".join(ROOM_CAUSE_SETTING[c] for c in causes), detail)
+
+
+def adjustment_problem(adjustment: EnvAdjustment) -> Problem:
+    """A rejected or clamped memory-policy variable, with what was given and what was used."""
+    given = f"{adjustment.given:g}" if isinstance(adjustment.given, float) else repr(adjustment.given)
+    used = "no limit" if adjustment.used is None else f"{adjustment.used:g}"
+    code = ProblemCode.SETTING_CLAMPED if adjustment.action is EnvAction.CLAMPED else ProblemCode.SETTING_REJECTED
+    default = " (the default)" if adjustment.action is EnvAction.REJECTED else ""
+    return Problem(code, adjustment.variable, f"given {given} ({adjustment.rule}); used {used}{default}")
 
 
 def _problems(models: tuple[ModelReport, ...], inventory: Inventory, level: Pressure, coordinator: CoordinatorCheck,
-              rhash: str | None, env: Mapping[str, str]) -> tuple[Problem, ...]:
+              rhash: str | None, env: Mapping[str, str], policy: PolicySettings,
+              no_room: Problem | None) -> tuple[Problem, ...]:
     found: list[Problem] = []
     if not models:
         found.append(Problem(ProblemCode.NO_MODELS))
     found += [Problem(ProblemCode.ENABLED_MODEL_MISSING, i) for i in inventory.missing]
-    found += [Problem(ProblemCode.MODEL_NEVER_FITS, r.model.id) for r in models if not r.fit.ever_fits]
+    if no_room is not None:
+        found.append(no_room)  # the reason every model is too large: say it once, not per model
+    else:
+        found += [Problem(ProblemCode.MODEL_NEVER_FITS, r.model.id) for r in models if not r.fit.ever_fits]
+    found += [adjustment_problem(a) for a in policy.adjustments]
     if coordinator.checked and not coordinator.reachable:
         found.append(Problem(ProblemCode.COORDINATOR_UNREACHABLE, coordinator.detail.value))
     if level.level is PressureLevel.FATAL:
@@ -303,8 +386,10 @@ def report_json(report: DoctorReport) -> dict[str, Any]:
         "coordinator": {"url": report.coordinator.url, "checked": report.coordinator.checked,
                         "reachable": report.coordinator.reachable, "detail": report.coordinator.detail.value,
                         "http_status": report.coordinator.http_status},
-        "problems": [{"code": p.code.value, "severity": p.severity.value, "subject": p.subject}
+        "problems": [{"code": p.code.value, "severity": p.severity.value, "subject": p.subject, "detail": p.detail}
                      for p in report.problems],
+        "settings_adjusted": [{"variable": a.variable, "given": a.given, "used": a.used, "action": a.action.value,
+                               "rule": a.rule} for a in report.policy.adjustments],
     }
 
 
@@ -378,7 +463,7 @@ def render_table(report: DoctorReport) -> str:
     out += ["", f"Coordinator  {c.url}  {reach}", ""]
     if report.problems:
         out.append("Problems")
-        out += _table([(p.severity.value.upper(), p.code.value, p.subject or "-", p.explanation)
-                       for p in report.problems])
+        out += _table([(p.severity.value.upper(), p.code.value, p.subject or "-",
+                        p.explanation + (f": {p.detail}" if p.detail else "")) for p in report.problems])
     out.append("OK" if report.ok else "NOT OK: fix the errors above")
     return "\n".join(out)

@@ -32,7 +32,7 @@ from kvcache.manager import KvCacheManager
 from kvcache.ssd import SsdStore
 from memory import Ledger, Probe
 from provider.config import Settings
-from provider.doctor import cap_figures, discover_models
+from provider.doctor import ROOM_CAUSE_SETTING, discover_models, policy_settings, unlimited_physical_bytes
 from provider.engine import Engine
 from provider.jobs import PromptCounter, ServingStats
 from provider.metrics import Metrics
@@ -125,7 +125,13 @@ class Runtime:
         progress = progress if progress is not None else terminal_progress()
         inventory = await asyncio.to_thread(discover_models, settings)
         probe = Probe(settings.memory_limit_gb)
-        ledger = Ledger(cap_figures(settings, probe.snapshot()), sample=probe.snapshot)
+        snapshot, policy = probe.snapshot(), policy_settings(settings)
+        ledger = Ledger(memory.compute_figures(snapshot.physical_bytes, policy), sample=probe.snapshot)
+        if causes := memory.no_room_causes(unlimited_physical_bytes(snapshot), policy):
+            # Otherwise every model would just be "too large": say once which settings take the room.
+            log.warning("memory_reserves_leave_no_room", variable=[ROOM_CAUSE_SETTING[c] for c in causes],
+                        effective_cap_bytes=ledger.figures.effective_cap_bytes,
+                        load_headroom_bytes=ledger.figures.load_headroom_bytes)
         metrics = metrics or Metrics()
         writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-ssd-write")
         prefix = await asyncio.to_thread(build_prefix_cache, settings, ledger, probe, writer)

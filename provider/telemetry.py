@@ -59,8 +59,14 @@ SAFE_KEYS: frozenset[str] = frozenset(
         "slots", "in_flight", "queued", "pid", "port",
         # where (no user content): hosts, file paths of models/state, URL reduced to its origin
         "host", "url", "path", "platform",
+        # operator settings: the variable's name (the values go under SHORT_KEYS)
+        "variable",
     }
 )
+# Keys whose value is a number, or a string shown at most this long: what an operator set
+# (`given`) and what was used instead (`used`). Setting values are not private, but a value that is
+# not a number is shown truncated, in case someone pasted something long into a variable.
+SHORT_KEYS: dict[str, int] = {"given": 16, "used": 16}
 # Any key with one of these suffixes is allowed when its value is a number: a number cannot
 # carry prompt text, and sizes/durations/rates are most of what we log.
 NUMERIC_SUFFIXES: tuple[str, ...] = (
@@ -77,17 +83,19 @@ _META_KEYS = frozenset({"_record", "_from_structlog"})  # ProcessorFormatter plu
 class Redact:
     """Allow-list processor: drop every key not known to be safe; exceptions become type + frames."""
 
-    __slots__ = ("_safe", "_suffixes", "_max_string")
+    __slots__ = ("_safe", "_suffixes", "_max_string", "_short")
 
     def __init__(
         self,
         safe_keys: frozenset[str] = SAFE_KEYS,
         numeric_suffixes: tuple[str, ...] = NUMERIC_SUFFIXES,
         max_string: int = MAX_STRING,
+        short_keys: dict[str, int] = SHORT_KEYS,
     ) -> None:
         self._safe = safe_keys
         self._suffixes = numeric_suffixes
         self._max_string = max_string
+        self._short = short_keys
 
     def __call__(self, logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
         exc_info = event_dict.pop("exc_info", None)
@@ -102,6 +110,9 @@ class Redact:
                 out[key] = self._clean(key, value)
             elif key.endswith(self._suffixes) and _is_number(value):
                 out[key] = value
+            elif key in self._short and (_is_number(value) or isinstance(value, str)):
+                limit = self._short[key]
+                out[key] = value if not isinstance(value, str) or len(value) <= limit else value[:limit] + "…"
             else:
                 dropped += 1
         if exc_info:
@@ -328,6 +339,7 @@ def capture_redacted_logs() -> Iterator[list[EventDict]]:
 
 
 __all__ = [
+    "SHORT_KEYS",
     "SAFE_FOREIGN_FORMATS",
     "FormatKnownForeign",
     "MAX_STRING",

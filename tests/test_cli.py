@@ -82,7 +82,9 @@ def test_doctor_json_on_this_machine_uses_the_probe_and_memory_figures(home, tin
 
 def test_doctor_reports_an_unreachable_coordinator_and_a_model_that_never_fits(home, tiny_model_path):
     url = f"ws://127.0.0.1:{closed_port()}/ws/provider"
-    out = run_cli("doctor", "--json", "--timeout", "2", "--coordinator-url", url, "--memory-limit-gb", "5",
+    # 8.003 GiB: 4 GiB reserve, 3 GiB activations, 1 GiB KV leave ~3 MB, less than the tiny model's 6 MB.
+    # (At 5 GiB nothing at all would fit: doctor then names the reserve instead, see test_doctor_settings.)
+    out = run_cli("doctor", "--json", "--timeout", "2", "--coordinator-url", url, "--memory-limit-gb", "8.003",
                   env=model_env(home, tiny_model_path), home=home)
     assert out.returncode == 1
     doc = json.loads(out.stdout)  # still valid JSON

@@ -14,12 +14,17 @@ from memory.policy import (
     MAX_BYTES,
     MIN_KV_BYTES,
     GiB,
+    EnvAction,
     PolicySettings,
+    RoomCause,
     compute_figures,
     default_max_tokens,
     figures,
+    largest_loadable_bytes,
+    no_room_causes,
     padded_weight_bytes,
     resolve_settings,
+    room_for_weights,
 )
 from memory.snapshot import MemorySnapshot
 
@@ -170,7 +175,12 @@ def test_bad_env_falls_back_with_one_warning(variable: str, raw: str) -> None:
     warned = rejections(logs)
     assert len(warned) == 1, logs
     assert warned[0]["log_level"] == "warning"
-    assert warned[0]["variable"] == variable and warned[0]["value"] == raw
+    number = float(raw) if raw not in ("abc", "0x10") and math.isfinite(float(raw)) else None
+    assert warned[0]["variable"] == variable and warned[0]["given"] == (raw if number is None else number)
+    defaults = {FRACTION: 0.9, ACTIVATION: 3.0, RESERVE: 4.0, LIMIT: None}
+    assert warned[0]["used"] == defaults[variable]
+    (adjusted,) = resolve_settings({variable: raw}).adjustments
+    assert (adjusted.variable, adjusted.used, adjusted.action) == (variable, defaults[variable], EnvAction.REJECTED)
 
 
 def test_each_bad_variable_warns_once_and_independently() -> None:
@@ -212,7 +222,16 @@ def test_fraction_above_one_is_clamped() -> None:
     assert f.cap_fraction == 1.0
     assert f.hard_cap_bytes == 62 * GiB  # the 2 GiB OS floor still binds
     assert not rejections(logs)
-    assert [e["variable"] for e in logs if e["event"] == "memory_env_clamped"] == [FRACTION]
+    assert [(e["variable"], e["given"], e["used"]) for e in logs if e["event"] == "memory_env_clamped"] == [
+        (FRACTION, 1.5, 1.0)]
+    (adjusted,) = resolve_settings({FRACTION: "1.5"}).adjustments
+    assert adjusted.action is EnvAction.CLAMPED and adjusted.rule == "a fraction above 1 is clamped to 1"
+
+
+def test_a_long_value_that_is_not_a_number_is_kept_truncated() -> None:
+    (adjusted,) = resolve_settings({ACTIVATION: "x" * 500}).adjustments
+    assert adjusted.given == "x" * 16 + "…"
+    assert resolve_settings({}).adjustments == ()
 
 
 def test_huge_values_saturate() -> None:
@@ -244,3 +263,52 @@ def test_compute_figures_reads_no_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(FRACTION, "0.5")
     assert compute_figures(64 * GiB).cap_fraction == 0.9
     assert compute_figures(64 * GiB, PolicySettings(cap_fraction=0.5)).hard_cap_bytes == 32 * GiB
+
+
+# -- room for weights (what the docs' table and doctor's no-room check read) ---------------------
+
+
+@pytest.mark.parametrize("machine_gib, largest_gib", [(16, 6.67), (24, 13.33), (32, 20.0), (64, 44.67),
+                                                       (128, 92.67), (192, 140.67)])
+def test_largest_loadable_model_with_the_defaults(machine_gib: int, largest_gib: float) -> None:
+    f = figures(machine_gib * GiB, env={})
+    largest = largest_loadable_bytes(f)
+    assert largest / GiB == pytest.approx(largest_gib, abs=0.01)
+    assert padded_weight_bytes(largest) + f.load_headroom_bytes <= f.effective_cap_bytes  # it loads
+    assert padded_weight_bytes(largest + 1) + f.load_headroom_bytes > f.effective_cap_bytes  # one byte more does not
+
+
+@given(p=st.integers(min_value=0, max_value=2**42), reserve=st.floats(0, 300), activation=st.floats(0, 300))
+def test_largest_loadable_is_exactly_the_fit_boundary(p: int, reserve: float, activation: float) -> None:
+    f = figures(p, env={}, memory_reserve_gb=reserve, activation_reserve_gb=activation)
+    largest = largest_loadable_bytes(f)
+    if room_for_weights(f) == 0:
+        assert largest == 0
+    else:
+        assert f.required_load_bytes(padded_weight_bytes(largest)) <= f.effective_cap_bytes
+        assert f.required_load_bytes(padded_weight_bytes(largest + 1)) > f.effective_cap_bytes
+
+
+def test_an_8_gib_mac_has_no_room_with_the_defaults_and_both_reserves_are_why() -> None:
+    f = figures(8 * GiB, env={})
+    assert f.effective_cap_bytes == 4 * GiB == f.load_headroom_bytes  # 3 GiB activations + 1 GiB KV take it all
+    assert room_for_weights(f) == 0
+    assert no_room_causes(8 * GiB, resolve_settings({})) == (RoomCause.MEMORY_RESERVE, RoomCause.ACTIVATION_RESERVE)
+
+
+@pytest.mark.parametrize("env, reserve_gb, causes", [
+    ({}, 30.0, (RoomCause.MEMORY_RESERVE,)),  # a 30 GiB reserve on a 24 GiB machine
+    ({ACTIVATION: "1000"}, 4.0, (RoomCause.ACTIVATION_RESERVE,)),
+    ({ACTIVATION: "1e30"}, 4.0, (RoomCause.ACTIVATION_RESERVE,)),
+    ({FRACTION: "0.1"}, 4.0, (RoomCause.ACTIVATION_RESERVE, RoomCause.CAP_FRACTION)),  # either alone makes room
+    ({}, 4.0, ()),  # the defaults leave room on 24 GiB
+])
+def test_no_room_names_the_setting_that_takes_it(env: dict, reserve_gb: float, causes: tuple) -> None:
+    settings = resolve_settings(env, memory_reserve_gb=reserve_gb)
+    assert no_room_causes(24 * GiB, settings) == causes
+    assert (room_for_weights(compute_figures(24 * GiB, settings)) == 0) == bool(causes)
+
+
+def test_no_room_on_a_machine_below_the_os_floor_blames_the_machine() -> None:
+    assert no_room_causes(2 * GiB, resolve_settings({})) == (RoomCause.SMALL_MACHINE,)
+    assert no_room_causes(24 * GiB, resolve_settings({}, memory_limit_gb=2)) == (RoomCause.MEMORY_LIMIT,)
