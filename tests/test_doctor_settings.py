@@ -128,20 +128,19 @@ def test_doctor_points_at_a_readme_heading_that_exists():
     assert README_MODELS_HEADING in Problem(ProblemCode.NO_MODELS).explanation
 
 
-async def test_the_agent_says_at_startup_which_setting_leaves_no_room(tmp_path, tiny_model_path):
+async def test_the_agent_says_at_startup_which_setting_leaves_no_room(tmp_path, tiny_model_path, json_log):
     from provider.config import Settings
     from provider.runtime import Runtime
-    from provider.telemetry import capture_redacted_logs
 
     (tmp_path / "hub").mkdir()
     settings = Settings(state_dir=tmp_path / "state", hf_cache_dir=tmp_path / "hub", memory_limit_gb=24.0,
                         memory_reserve_gb=30.0, model_aliases={"tiny": tiny_model_path})
-    with capture_redacted_logs() as logs:
-        runtime = await Runtime.start(settings)
+    runtime = await Runtime.start(settings)
     try:
         assert runtime.servable == ()
-        [line] = [e for e in logs if e["event"] == "memory_reserves_leave_no_room"]
+        lines = [json.loads(x) for x in json_log.getvalue().splitlines()]
+        [line] = [e for e in lines if e["event"] == "memory_reserves_leave_no_room"]
         assert line["variable"] == ["memory_reserve_gb"] and line["effective_cap_bytes"] == 0
-        assert line["log_level"] == "warning" and "redacted" not in line
+        assert line["level"] == "warning" and "redacted" not in line
     finally:
         await runtime.aclose()
