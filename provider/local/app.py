@@ -9,7 +9,9 @@
 
 Errors are OpenAI-shaped (`{"error": {"message", "type", "code"}}`) with the fixed text of
 `protocol.errors.Failure.message`; a capacity refusal is a 503 with `Retry-After`. No response and
-no log line carries request text.
+no log line carries request text. An unexpected exception anywhere in a request is the JSON
+`internal_failure` 500 (`JsonServerErrors`), never a plain-text "Internal Server Error"; once a
+stream has started, it ends with an error event instead.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any, Protocol
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -69,6 +73,35 @@ def error_response(failure: Failure, retry_after_s: int | None = None) -> JSONRe
     return JSONResponse(error_body(failure), status_code=failure.status_code, headers=headers)
 
 
+class JsonServerErrors:
+    """ASGI middleware, innermost of Starlette's own error handling: an exception that escapes a
+    route becomes the closed-vocabulary JSON 500 (`Failure.internal()`), logged once with its type
+    and frames (never its message). If the response had already started there is nothing left to
+    replace; the exception is logged and the response ends."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:  # the edge: nothing below may turn into a plain-text 500
+            log.error("request_unexpected_error", phase="streaming" if started else "before_response", exc_info=exc)
+            if not started:
+                await error_response(Failure.internal())(scope, receive, send)
+
+
 def cap_metric_figures(cap: CapFigures) -> dict[CapFigure, int]:
     return {
         CapFigure.PHYSICAL: cap.physical_bytes,
@@ -91,6 +124,7 @@ class LocalState:
 def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: str = "local") -> FastAPI:
     """The app; `chat=False` serves only /healthz, /status and /metrics (the coordinator agent's case)."""
     app = FastAPI(title="darkbloom-provider (local)", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(JsonServerErrors)
     state = LocalState(mode)
     app.state.local = state
     metrics.set_cap_figures(cap_metric_figures(backend.figures))
@@ -194,6 +228,11 @@ async def _sse(opened: Any, stream: RequestStream, request_id: str, body: ChatBo
                     log.info("request_failed", request_id=request_id, model=body.model, code=code)
                     outcome = RequestOutcome.FAILED
                     yield _event(error_body(_failure_for(code)))
+        yield DONE
+    except Exception as exc:  # mid-stream the status is sent: the error becomes the last event
+        log.error("request_unexpected_error", request_id=request_id, phase="streaming", exc_info=exc)
+        outcome = RequestOutcome.FAILED
+        yield _event(error_body(Failure.internal()))
         yield DONE
     finally:
         metrics.request_finished(outcome)

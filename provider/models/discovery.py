@@ -13,13 +13,17 @@ skipped with DUPLICATE_ID):
    recently modified snapshot directory. Snapshot files are symlinks into `blobs/`; a link that
    resolves outside the cache root makes the model UNSAFE_LINK and nothing of it is read.
 
-A model directory needs config.json (a JSON object with a model_type) and at least one weight file
-matching mlx-lm's `model*.safetensors`; a vision-language model (a `vision_config` plus a
-processor or preprocessor config, `provider/models/vision.py`) gets a `ModelInfo.vision`, and its
-vision tower's weights count in `weight_bytes` like every other tensor; every shard named by `model.safetensors.index.json` must
-exist and every weight file must be a complete safetensors file. Anything else is a SkippedModel
-with a closed reason and a short message. Nothing raised while inspecting one model escapes
-`discover()`.
+A model directory needs what `mlx_lm.load` and the chat path need: config.json (a JSON object with
+a model_type); at least one weight file matching mlx-lm's `model*.safetensors`, every shard named by
+`model.safetensors.index.json` present and every weight file a complete safetensors file; tokenizer
+files (`tokenizer.json`, a sentencepiece/tiktoken model, `vocab.txt`, or `vocab.json` +
+`merges.txt`); and a chat template (`chat_template.jinja`, `chat_template.json`, or a
+`chat_template` in `tokenizer_config.json`), since every request is rendered through it. A
+vision-language model (a `vision_config` plus a processor or preprocessor config,
+`provider/models/vision.py`) gets a `ModelInfo.vision`, and its vision tower's weights count in
+`weight_bytes` like every other tensor. Anything else is a SkippedModel with a closed reason and a
+short message, so a folder that cannot serve is never advertised. Nothing raised while inspecting
+one model escapes `discover()`.
 """
 
 from __future__ import annotations
@@ -41,6 +45,11 @@ from provider.models.vision import VisionInfo, vision_info
 log = structlog.get_logger(__name__)
 
 _HF_REPO_PREFIX = "models--"
+# Any one of these is a tokenizer transformers' AutoTokenizer (mlx-lm's loader) can build from.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "tiktoken.model", "vocab.txt")
+_TOKENIZER_PAIR = ("vocab.json", "merges.txt")  # a byte-level BPE without tokenizer.json
+_TOKENIZER_CONFIG = "tokenizer_config.json"
+_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
 
 class ModelSource(enum.Enum):
@@ -55,6 +64,8 @@ class SkipReason(enum.Enum):
     NO_CONFIG = "no_config"
     BAD_CONFIG = "bad_config"  # config.json unreadable as a JSON object with model_type / KV fields
     NO_WEIGHTS = "no_weights"
+    NO_TOKENIZER = "no_tokenizer"  # no tokenizer file the loader can read
+    NO_CHAT_TEMPLATE = "no_chat_template"  # requests are chat messages: they need the model's template
     PARTIAL = "partial"  # a shard named by the index, or a linked blob, is missing
     CORRUPT_WEIGHTS = "corrupt_weights"  # a weight file is truncated or not safetensors
     UNSAFE_LINK = "unsafe_link"  # a hub-cache symlink resolves outside the cache root
@@ -232,6 +243,8 @@ def _inspect(cand: _Candidate) -> ModelInfo:
     if not weight_files:
         raise _Skip(SkipReason.NO_WEIGHTS, "no model*.safetensors weight files")
 
+    _check_tokenizer(directory)
+
     weight_bytes = sum(p.stat().st_size for p in weight_files)
     dtype = metadata.activation_dtype(weight_files, config)
     return ModelInfo(
@@ -248,6 +261,36 @@ def _inspect(cand: _Candidate) -> ModelInfo:
         kv=kv_layout(config, dtype.nbytes),
         vision=vision_info(directory, config, weight_files),
     )
+
+
+def _present(directory: Path, name: str) -> bool:
+    """A usable file; a hub-cache link to a missing blob makes the model PARTIAL."""
+    path = directory / name
+    if path.is_symlink() and not path.exists():
+        raise _Skip(SkipReason.PARTIAL, f"{name} is a link to a missing blob")
+    return path.is_file()
+
+
+def _check_tokenizer(directory: Path) -> None:
+    """The tokenizer and chat template the loader and every request need (presence, not content)."""
+    has_tokenizer = (any(_present(directory, n) for n in _TOKENIZER_FILES)
+                     or all(_present(directory, n) for n in _TOKENIZER_PAIR)
+                     or any(p.is_file() for p in directory.glob("*.tiktoken")))
+    if not has_tokenizer:
+        raise _Skip(SkipReason.NO_TOKENIZER,
+                    "no tokenizer files (tokenizer.json, tokenizer.model, vocab.json + merges.txt, ...)")
+    if any(_present(directory, n) for n in _TEMPLATE_FILES):
+        return
+    template = None
+    if _present(directory, _TOKENIZER_CONFIG):
+        try:
+            config = json.loads((directory / _TOKENIZER_CONFIG).read_bytes())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise _Skip(SkipReason.BAD_CONFIG, "tokenizer_config.json is not valid JSON") from exc
+        template = config.get("chat_template") if isinstance(config, dict) else None
+    if not template:
+        raise _Skip(SkipReason.NO_CHAT_TEMPLATE,
+                    "no chat template (chat_template.jinja, or chat_template in tokenizer_config.json)")
 
 
 def _check_index(directory: Path) -> None:

@@ -1,0 +1,92 @@
+"""The local server's error answers are JSON, always (issue 14.3): a model folder that cannot serve is
+never advertised, and an unexpected error in a request is the closed-vocabulary `internal_failure`, not a
+plain-text 500. Driven with the openai SDK against `serve --local` in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from provider.models import SkipReason, discover
+from test_local_server import CANARY, Server, start_server
+
+GOOD, BROKEN_TEMPLATE = "demo/tiny", "demo/bad-template"
+
+
+def variant(base: Path, dest: Path, *, drop: tuple[str, ...] = (), write: dict[str, str] | None = None) -> Path:
+    shutil.copytree(base, dest)
+    for name in drop:
+        (dest / name).unlink()
+    for name, text in (write or {}).items():
+        (dest / name).write_text(text)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, tiny_model_path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("variants")
+    return {
+        "no-tokenizer": variant(tiny_model_path, root / "no-tokenizer", drop=("tokenizer.json", "tokenizer_config.json")),
+        "no-template": variant(tiny_model_path, root / "no-template", drop=("chat_template.jinja",)),
+        "template-in-config": variant(tiny_model_path, root / "template-in-config", drop=("chat_template.jinja",),
+                                      write={"tokenizer_config.json": json.dumps({
+                                          "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+                                          "chat_template": (tiny_model_path / "chat_template.jinja").read_text()})}),
+        # Renders nothing but raises an error nobody expects (not a template error): the request path's edge.
+        "bad-template": variant(tiny_model_path, root / "bad-template", write={"chat_template.jinja": "{{ 1 // 0 }}"}),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_path, folders) -> Iterator[Server]:
+    srv = start_server(tmp_path_factory.mktemp("errors"), tiny_model_path,
+                       "--model-aliases", f"demo/no-tokenizer={folders['no-tokenizer']}",
+                       "--model-aliases", f"demo/no-template={folders['no-template']}",
+                       "--model-aliases", f"{BROKEN_TEMPLATE}={folders['bad-template']}")
+    yield srv
+    if srv.proc.poll() is None:
+        srv.stop()
+
+
+def test_discovery_skips_a_folder_without_tokenizer_or_chat_template(folders):
+    inventory = discover(hf_cache=None, aliases={k: v for k, v in folders.items()})
+    assert {s.id: s.reason for s in inventory.skipped} == {
+        "no-tokenizer": SkipReason.NO_TOKENIZER, "no-template": SkipReason.NO_CHAT_TEMPLATE}
+    assert {m.id for m in inventory.models} == {"template-in-config", "bad-template"}
+
+
+def test_a_folder_that_cannot_serve_is_not_advertised_and_a_request_to_it_is_a_json_404(server):
+    client = server.client()
+    assert {m.id for m in client.models.list()} == {GOOD, BROKEN_TEMPLATE}
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="demo/no-tokenizer", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=2)
+    assert caught.value.body["code"] == "model_unavailable"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_unexpected_error_is_the_closed_vocabulary_json_500_never_plain_text(server, stream):
+    body = {"model": BROKEN_TEMPLATE, "messages": [{"role": "user", "content": CANARY}], "max_tokens": 2,
+            "stream": stream}
+    resp = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=30)
+    assert resp.status_code == 500
+    assert resp.headers["content-type"] == "application/json"
+    assert resp.json()["error"]["code"] == "internal_failure" and resp.json()["error"]["type"] == "server_error"
+    with pytest.raises(openai.InternalServerError) as caught:
+        server.client().chat.completions.create(model=BROKEN_TEMPLATE, messages=[{"role": "user", "content": "x"}],
+                                                max_tokens=2, stream=stream)
+    assert caught.value.body["code"] == "internal_failure"
+    # The good model still serves afterwards, and the log says what happened without the prompt.
+    assert server.client().chat.completions.create(model=GOOD, messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=2).choices
+    log = server.log_path.read_text()
+    assert CANARY not in log
+    errors = [json.loads(line) for line in log.splitlines() if "request_unexpected_error" in line]
+    assert errors and all(e["exc_type"] == "ZeroDivisionError" for e in errors)
+    assert "Exception in ASGI application" not in log  # handled once, not re-raised into uvicorn
