@@ -90,3 +90,45 @@ def test_an_unexpected_error_is_the_closed_vocabulary_json_500_never_plain_text(
     errors = [json.loads(line) for line in log.splitlines() if "request_unexpected_error" in line]
     assert errors and all(e["exc_type"] == "ZeroDivisionError" for e in errors)
     assert "Exception in ASGI application" not in log  # handled once, not re-raised into uvicorn
+
+
+# --- 400s name the parameter and the rule, in OpenAI's shape (issue 14.8)
+
+BAD_BODIES = [  # (what the client sends on top of a valid body, param, words of the rule)
+    ({"max_tokens": 0}, "max_tokens", "must be an integer >= 1"),
+    ({"max_tokens": -1}, "max_tokens", "must be an integer >= 1"),
+    ({"max_tokens": 1e30}, "max_tokens", "must be an integer >= 1"),
+    ({"temperature": 5}, "temperature", "must be a number between 0 and 2"),
+    ({"top_p": 2}, "top_p", "greater than 0 and at most 1"),
+    ({"n": 2}, "n", "must be 1"),
+    ({"messages": []}, "messages", "non-empty array of messages"),
+    ({"messages": [{"content": CANARY}]}, "messages.0.role", "is required"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": CANARY}]}]}, "messages.0.content",
+     "text and image_url parts"),
+    ({"stop": [""]}, "stop", "non-empty"),
+]
+
+
+@pytest.mark.parametrize("extra, param, rule", BAD_BODIES, ids=[p for _, p, _ in BAD_BODIES])
+def test_a_bad_parameter_is_a_400_naming_it_and_its_rule_through_the_openai_sdk(server, extra, param, rule):
+    kwargs = {"model": GOOD, "messages": [{"role": "user", "content": CANARY}], **extra}
+    with pytest.raises(openai.BadRequestError) as caught:
+        server.client().chat.completions.create(**kwargs)
+    err = caught.value
+    assert err.status_code == 400 and err.param == param
+    assert err.body["type"] == "invalid_request_error" and err.body["code"] == "invalid_request"
+    assert f"'{param}'" in err.body["message"] and rule in err.body["message"]
+    assert CANARY not in err.body["message"] and "1e+30" not in err.body["message"]  # never the value
+
+
+def test_nan_temperature_and_malformed_json_are_named_too(server):
+    raw = '{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}' % GOOD
+    resp = httpx.post(server.base_url + "/v1/chat/completions", content=raw,
+                      headers={"content-type": "application/json"}, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "temperature"
+    resp = httpx.post(server.base_url + "/v1/chat/completions", content=b'{"model": "x", "messa',
+                      headers={"content-type": "application/json"}, timeout=30)
+    error = resp.json()["error"]
+    assert resp.status_code == 400 and error["param"] is None and error["type"] == "invalid_request_error"
+    assert error["message"] == "The request body is not valid JSON."
+    assert resp.headers["content-type"] == "application/json"

@@ -7,8 +7,9 @@
                                 by kind, pressure, cap figures, prefix-cache stats
     GET  /metrics               Prometheus text (provider.metrics.Metrics.render)
 
-Errors are OpenAI-shaped (`{"error": {"message", "type", "code"}}`) with the fixed text of
-`protocol.errors.Failure.message`; a capacity refusal is a 503 with `Retry-After`. No response and
+Errors are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`) with the fixed text of
+`protocol.errors.Failure.message`, except that a 400 for a bad body names the parameter and its rule
+(`InvalidBody.message`, fixed words, never the value) and sets `param`; a capacity refusal is a 503 with `Retry-After`. No response and
 no log line carries request text. An unexpected exception anywhere in a request is the JSON
 `internal_failure` 500 (`JsonServerErrors`), never a plain-text "Internal Server Error"; once a
 stream has started, it ends with an error event instead.
@@ -64,8 +65,16 @@ def _failure_for(code: EngineFailure) -> Failure:
 
 def error_body(failure: Failure) -> dict[str, Any]:
     kind = "server_error" if failure.status_code >= 500 else "invalid_request_error"
-    return {"error": {"message": failure.message, "type": kind, "code": failure.code.value,
+    return {"error": {"message": failure.message, "type": kind, "param": None, "code": failure.code.value,
                       "reason": failure.reason.value if failure.reason else None}}
+
+
+def invalid_body_response(invalid: InvalidBody) -> JSONResponse:
+    """400 in OpenAI's shape: the message names the parameter and its rule, `param` names the
+    parameter (null for the body as a whole); the value is never echoed."""
+    body = error_body(Failure.invalid_request())
+    body["error"].update(message=invalid.message, param=None if invalid.field == "body" else invalid.field)
+    return JSONResponse(body, status_code=400)
 
 
 def error_response(failure: Failure, retry_after_s: int | None = None) -> JSONResponse:
@@ -161,11 +170,11 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
         request_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         try:
             body = parse_chat_body(json.loads(await request.body()))
-        except (InvalidBody, ValueError) as exc:
-            field = exc.field if isinstance(exc, InvalidBody) else "body"
-            log.info("request_invalid", request_id=request_id, reason=field)
+        except (InvalidBody, ValueError) as exc:  # json's errors are ValueErrors
+            invalid = exc if isinstance(exc, InvalidBody) else InvalidBody("body", "is not valid JSON")
+            log.info("request_invalid", request_id=request_id, reason=invalid.field)
             metrics.request_finished(RequestOutcome.REJECTED)
-            return error_response(Failure.invalid_request())
+            return invalid_body_response(invalid)
         if state.draining:
             return error_response(Failure.draining(), 5)
         opened = backend.open(request_id, body)

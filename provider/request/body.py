@@ -2,8 +2,9 @@
 
 One parser for every front door (the local HTTP server here; the coordinator's decrypted job
 bodies can use it too), so both read `max_tokens`, `stop`, `seed`... the same way. Unknown fields
-are ignored, as OpenAI-compatible servers do. A bad body raises `InvalidBody` carrying only the
-*name* of the offending field, never its value (it may be prompt text).
+are ignored, as OpenAI-compatible servers do. A bad body raises `InvalidBody` carrying the *name* of
+the offending parameter (`max_tokens`, `messages.0.role`) and the rule it breaks, in fixed words
+(`must be an integer >= 1`), never its value (it may be prompt text).
 
 Content parts: `text` and `image_url` (`{"image_url": {"url": ...}}`). A message with only text
 parts becomes one string (what a text model's template expects). A message with images keeps its
@@ -24,11 +25,52 @@ from provider.engine import SamplingParams
 
 
 class InvalidBody(ValueError):
-    """The body is not a chat-completions request we can run. ``field`` is safe to show."""
+    """The body is not a chat-completions request we can run. ``field`` (the parameter's path) and
+    ``rule`` (fixed text) are safe to show; the value is never kept."""
 
-    def __init__(self, field: str) -> None:
+    def __init__(self, field: str, rule: str = "is not valid") -> None:
         super().__init__(field)
         self.field = field
+        self.rule = rule
+
+    @property
+    def message(self) -> str:
+        """What a client is told: the parameter and the rule, e.g. ``'max_tokens' must be an integer >= 1``."""
+        if self.field == "body":
+            return f"The request body {self.rule}."
+        return f"Invalid parameter '{self.field}': {self.rule}."
+
+
+# The whole rule of each top-level parameter, so the message says what is allowed, not only what broke.
+_FIELD_RULES: dict[str, str] = {
+    "model": "must be a non-empty string",
+    "messages": "must be a non-empty array of messages",
+    "stream": "must be a boolean",
+    "stream_options": "must be an object",
+    "max_tokens": "must be an integer >= 1",
+    "max_completion_tokens": "must be an integer >= 1",
+    "temperature": "must be a number between 0 and 2",
+    "top_p": "must be a number greater than 0 and at most 1",
+    "seed": "must be an integer",
+    "stop": "must be a non-empty string or an array of non-empty strings",
+    "n": "must be 1 (one choice per request)",
+}
+# Nested parameters, by their own name (messages.N.content), else by pydantic's error type.
+_NESTED_RULES: dict[str, str] = {
+    "role": "must be a non-empty string",
+    "content": "must be a string or an array of text and image_url parts",
+    "include_usage": "must be a boolean",
+}
+_TYPE_RULES: dict[str, str] = {
+    "missing": "is required",
+    "string_type": "must be a string",
+    "string_too_short": "must not be empty",
+    "bool_type": "must be a boolean",
+    "bool_parsing": "must be a boolean",
+    "model_type": "must be an object",
+    "dict_type": "must be an object",
+    "list_type": "must be an array",
+}
 
 
 class _Message(BaseModel):
@@ -87,7 +129,7 @@ class _StreamOptions(BaseModel):
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str = Field(min_length=1)
     messages: list[_Message] = Field(min_length=1)
@@ -120,18 +162,34 @@ class ChatBody:
                               top_p=self.top_p, seed=self.seed, stop=self.stop)
 
 
+def _invalid(error: Mapping[str, Any]) -> InvalidBody:
+    """The first validation error as a parameter path and a rule; the input is never read."""
+    loc = [p for p in error["loc"] if isinstance(p, int) or p in _PATH_NAMES]  # drop union-member tags
+    field = ".".join(str(p) for p in loc) or "body"
+    if error["type"] == "missing":
+        return InvalidBody(field, "is required")
+    if len(loc) == 1 and field in _FIELD_RULES:
+        return InvalidBody(field, _FIELD_RULES[field])
+    if loc and loc[-1] in _NESTED_RULES:
+        return InvalidBody(field, _NESTED_RULES[str(loc[-1])])
+    return InvalidBody(field, _TYPE_RULES.get(error["type"], "is not valid"))
+
+
+# Every name a validation error's location can hold: our own field names (safe to show).
+_PATH_NAMES = frozenset(_Body.model_fields) | frozenset(_Message.model_fields) | frozenset(_StreamOptions.model_fields)
+
+
 def parse_chat_body(data: Any) -> ChatBody:
-    """Validate a decoded JSON body; `InvalidBody(field)` on anything we cannot run."""
+    """Validate a decoded JSON body; `InvalidBody(field, rule)` on anything we cannot run."""
     if not isinstance(data, Mapping):
-        raise InvalidBody("body")
+        raise InvalidBody("body", "must be a JSON object")
     try:
         body = _Body.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors(include_url=False, include_input=False)[0]
-        raise InvalidBody(".".join(str(p) for p in first["loc"]) or "body") from None
+        raise _invalid(exc.errors(include_url=False, include_input=False)[0]) from None
     stop: Sequence[str] = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     if any(not s for s in stop):
-        raise InvalidBody("stop")
+        raise InvalidBody("stop", _FIELD_RULES["stop"])
     images: list[str] = []
     messages = tuple({"role": m.role, "content": _content(m.content, images)} for m in body.messages)
     return ChatBody(
