@@ -17,7 +17,9 @@ TOKENIZER_IMPORT = "from transformers import PreTrainedTokenizerFast"
 
 
 def _stderr_of(code: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
+    # Both are set in this process by imports (ours; mlx-vlm's): the child starts without them.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "TRANSFORMERS_VERBOSITY")}
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
                           timeout=120).stderr
 

@@ -276,10 +276,20 @@ def test_formatter_plumbing_keys_cannot_carry_text() -> None:
 # --- foreign records whose arguments are known to be safe (issue 14.5)
 
 
-def test_uvicorn_lifecycle_lines_are_formatted_not_raw_placeholders() -> None:
+@pytest.fixture
+def uvicorn_logger() -> Iterator[logging.Logger]:
+    """uvicorn.error at the root's level (an in-process uvicorn elsewhere in the suite may have set its own)."""
+    uv = logging.getLogger("uvicorn.error")
+    saved = uv.level
+    uv.setLevel(logging.NOTSET)
+    yield uv
+    uv.setLevel(saved)
+
+
+def test_uvicorn_lifecycle_lines_are_formatted_not_raw_placeholders(uvicorn_logger) -> None:
     stream = io.StringIO()
     configure_logging("info", "json", stream=stream)
-    uv = logging.getLogger("uvicorn.error")
+    uv = uvicorn_logger
     uv.info("Started server process [%d]", 4242)
     uv.info("Uvicorn running on %s://%s:%d (Press CTRL+C to quit)", "http", "127.0.0.1", 8484)
     uv.info("Finished server process [%d]", 4242)
@@ -296,7 +306,7 @@ def test_uvicorn_lifecycle_lines_are_formatted_not_raw_placeholders() -> None:
     assert CANARY not in stream.getvalue()
 
 
-def test_a_listed_format_from_another_logger_or_with_odd_arguments_stays_unformatted() -> None:
+def test_a_listed_format_from_another_logger_or_with_odd_arguments_stays_unformatted(uvicorn_logger) -> None:
     stream = io.StringIO()
     configure_logging("info", "json", stream=stream)
     logging.getLogger("someone.else").info("Started server process [%d]", 1)  # same text, other logger
