@@ -14,9 +14,15 @@ after the command, overriding the environment and the file; `auth_token` is the 
 would show the token in `ps`). Lists repeat the flag (`--model-dirs A --model-dirs B`), aliases are
 `--model-aliases id=path`.
 
-Exit codes: 0 fine, 1 a check failed (`doctor` found an error, `status` found no agent), 69 the
-service manager is missing or failed, 78 (EX_CONFIG) invalid configuration -- one line on stderr,
-no traceback; the systemd unit does not restart on 78.
+Exit codes: 0 fine, 1 a check failed (`doctor` found an error, `status` found no agent), 2 a bad
+command line, 69 the service manager is missing or failed, 78 (EX_CONFIG) invalid configuration --
+one line on stderr, no traceback; the systemd unit does not restart on 78. Under the launchd agent
+(which cannot be told not to restart on 78) a configuration or command-line error is recorded for
+`service status` and the exit is 0 (`provider/supervision.py`).
+
+`service install` carries every setting given on its command line into the service's `serve`
+command (`--memory-reserve-gb 8 --model-dirs /srv/models` ...); `service uninstall` and `service
+status` refuse settings, which they would not use.
 """
 
 from __future__ import annotations
@@ -27,15 +33,18 @@ import os
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
+from enum import Enum
 from pathlib import Path
 from typing import Any, get_args
 
-from provider import __version__
+from provider import __version__, supervision
 from provider.config import FIELDS, ConfigError, Settings, flag_name, load_settings
 from provider.progress import Progress
 
 EX_OK = 0
 EX_FAILED = 1
+EX_USAGE = 2  # argparse's own
 EX_UNAVAILABLE = 69
 EX_CONFIG = 78
 PROG = "darkbloom-provider"
@@ -130,6 +139,27 @@ def overrides_from(args: argparse.Namespace) -> dict[str, Any]:
 
 def settings_from(args: argparse.Namespace) -> Settings:
     return load_settings(config_path=getattr(args, "config", None), overrides=overrides_from(args))
+
+
+def setting_args(settings: Settings, fields: Iterable[str]) -> list[str]:
+    """`fields` of the validated `settings` as `serve` flags again (paths absolute, lists repeated),
+    so a service runs with exactly what was given on the install command line."""
+    argv: list[str] = []
+    for field in fields:
+        flag, value = flag_name(field), getattr(settings, field)
+        if field in _LIST_FLAGS:
+            for item in value:
+                argv += [flag, str(item)]
+        elif field == "model_aliases":
+            for model_id, path in value.items():
+                argv += [flag, f"{model_id}={path}"]
+        elif isinstance(value, bool):
+            argv += [flag, "true" if value else "false"]
+        elif isinstance(value, Enum):
+            argv += [flag, str(value.value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
 
 
 # --- commands
@@ -244,10 +274,17 @@ def cmd_service(args: argparse.Namespace, settings: Settings) -> int:
     from provider import service
 
     home, env = Path.home(), dict(os.environ)
+    given = list(overrides_from(args))
+    if args.action != "install" and (given or getattr(args, "config", None) is not None):
+        flags = [flag_name(f) for f in given] + (["--config"] if getattr(args, "config", None) else [])
+        raise ConfigError(f"`service {args.action}` does not use settings ({', '.join(flags)}); "
+                          "give them to `service install`")
     if args.action == "install":
         done = service.install(home=home, env=env, load=not args.no_load, config_path=getattr(args, "config", None),
-                               drain_timeout_s=settings.drain_timeout_s)
+                               args=setting_args(settings, given), drain_timeout_s=settings.drain_timeout_s)
         print(f"wrote {done.path} ({done.kind.value})")
+        if given:
+            print(f"carried settings: {', '.join(flag_name(f) for f in given)}")
         if done.env_names:
             print(f"carried environment: {', '.join(done.env_names)}")
         print("started" if done.commands else "not started (--no-load)")
@@ -259,7 +296,11 @@ def cmd_service(args: argparse.Namespace, settings: Settings) -> int:
     else:
         st = service.status(home=home, env=env)
         print(f"{st.kind.value}: installed={st.installed} loaded={st.loaded} running={st.running}"
-              + (f" pid={st.pid}" if st.pid else "") + f" ({st.detail})")
+              + (f" pid={st.pid}" if st.pid else "") + f" ({st.detail})"
+              + (f" last exit code {st.last_exit_code}" if st.last_exit_code is not None and not st.running else ""))
+        if st.last_error:
+            print(f"last start failed: {st.last_error}")
+            print("fix it, then run `darkbloom-provider service install` again")
         return EX_OK if st.running else EX_FAILED
     return EX_OK
 
@@ -277,27 +318,43 @@ _COMMANDS = {
 # --- entry point
 
 
+def _config_error(exc: ConfigError, env: dict[str, str]) -> int:
+    print(f"{PROG}: {exc}", file=sys.stderr)
+    return supervision.exit_code_for(supervision.ExitReason.CONFIGURATION, EX_CONFIG, str(exc),
+                                     home=_home(env), env=env)
+
+
+def _home(env: dict[str, str]) -> Path:
+    return Path(env["HOME"]) if env.get("HOME") else Path.home()
+
+
 def main(argv: list[str] | None = None) -> int:
+    env = dict(os.environ)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse has printed the usage and the error
+        if exc.code != EX_USAGE:
+            raise
+        return supervision.exit_code_for(supervision.ExitReason.USAGE, EX_USAGE, "invalid command line (see "
+                                         "provider.stderr.log)", home=_home(env), env=env)
     if args.command is None:
         parser.print_help()
         return EX_OK
     try:
         settings = settings_from(args)
     except ConfigError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return EX_CONFIG
+        return _config_error(exc, env)
+    supervision.started(home=_home(env), env=env)
 
     from provider.service import ServiceError
     from provider.telemetry import configure_logging
 
-    configure_logging(settings.log_level, settings.log_format)
+    configure_logging(settings.log_level, settings.log_format, log_file=settings.log_file)
     try:
         return _COMMANDS[args.command](args, settings)
     except ConfigError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return EX_CONFIG
+        return _config_error(exc, env)
     except ServiceError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return EX_UNAVAILABLE

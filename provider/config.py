@@ -51,6 +51,8 @@ ENV_PREFIX = "DARKBLOOM_"
 CONFIG_ENV = "DARKBLOOM_CONFIG"  # names the TOML file; not a setting itself
 # Read by memory/policy, not by this module; listed so `unrecognised_env` does not flag them.
 MEMORY_POLICY_ENV = frozenset({"DARKBLOOM_MEM_CAP_FRACTION", "DARKBLOOM_ACTIVATION_RESERVE_GB"})
+# Set by the launchd plist for provider/supervision (not a setting either).
+SERVICE_MANAGER_ENV = "DARKBLOOM_SERVICE_MANAGER"
 DEFAULT_COORDINATOR_URL = "wss://api.darkbloom.dev/ws/provider"
 DEFAULT_LOCAL_PORT = 8484
 GIB = 1 << 30
@@ -214,6 +216,11 @@ class Settings(BaseModel):
         LogFormat.AUTO, description="auto = console on a terminal, JSON lines otherwise.",
         **_allowed("auto, json or console"),
     )
+    log_file: Path | None = Field(
+        None, description="Write the log to this file instead of stderr, rotated by size (10 MiB, 3 older "
+        "files kept); the launchd agent sets it. Unset = stderr.",
+        **_allowed("a file path"),
+    )
 
     @field_validator(
         "heartbeat_interval_s", "memory_reserve_gb", "memory_limit_gb", "max_model_slots", "idle_timeout_mins",
@@ -265,7 +272,7 @@ class Settings(BaseModel):
             raise ValueError("model ids must be non-empty and have no surrounding spaces")
         return aliases
 
-    @field_validator("model_dirs", "hf_cache_dir", "model_aliases", "state_dir")
+    @field_validator("model_dirs", "hf_cache_dir", "model_aliases", "state_dir", "log_file")
     @classmethod
     def _expand_home(cls, value: Any) -> Any:
         # The loader already resolved `~` and relative paths per source; this covers direct use.
@@ -305,7 +312,7 @@ class Settings(BaseModel):
 
 
 FIELDS: tuple[str, ...] = tuple(Settings.model_fields)
-_PATH_FIELDS = frozenset({"model_dirs", "hf_cache_dir", "state_dir"})
+_PATH_FIELDS = frozenset({"model_dirs", "hf_cache_dir", "state_dir", "log_file"})
 _LIST_FIELDS = frozenset({"model_dirs", "enabled_models"})
 _SECRET_FIELDS = frozenset({"auth_token"})
 
@@ -327,7 +334,7 @@ def allowed_text(field: str) -> str:
 
 def unrecognised_env(env: Mapping[str, str]) -> list[str]:
     """``DARKBLOOM_*`` variables that nothing reads (likely typos), for `doctor` to point out."""
-    known = {env_name(f) for f in FIELDS} | MEMORY_POLICY_ENV | {CONFIG_ENV}
+    known = {env_name(f) for f in FIELDS} | MEMORY_POLICY_ENV | {CONFIG_ENV, SERVICE_MANAGER_ENV}
     return sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
 
 

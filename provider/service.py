@@ -3,13 +3,21 @@
 The files installed are the templates in ``deploy/`` with their ``@NAME@`` placeholders filled:
 
 * launchd: ``deploy/io.darkbloom.provider.plist`` -> ``~/Library/LaunchAgents/``, loaded with
-  ``launchctl bootstrap gui/<uid>``; logs in ``~/Library/Logs/darkbloom/``.
+  ``launchctl bootstrap gui/<uid>``; logs in ``~/Library/Logs/darkbloom/``: ``provider.log`` is the
+  agent's own (``--log-file``, rotated by size), ``provider.stderr.log`` what is printed before
+  logging starts (a configuration error).
 * systemd: ``deploy/darkbloom-provider.service`` -> ``~/.config/systemd/user/``, then
   ``systemctl --user daemon-reload``, ``enable``, ``restart``; logs in the user journal.
 
-The ``DARKBLOOM_*`` variables of the installing shell (plus ``PATH``, ``HF_HOME``, ``HF_HUB_CACHE``)
-are written into the service's environment, so the background agent sees what the operator set.
-When that includes ``DARKBLOOM_AUTH_TOKEN`` the file is written 0600 instead of 0644.
+The program is ``darkbloom-provider serve`` plus every setting given on the ``install`` command line
+(``args``, e.g. ``--memory-reserve-gb 8 --model-dirs /srv/models``) and ``--config``. The
+``DARKBLOOM_*`` variables of the installing shell (plus ``PATH``, ``HF_HOME``, ``HF_HUB_CACHE``) are
+written into the service's environment, so the background agent sees what the operator set. When that
+includes ``DARKBLOOM_AUTH_TOKEN`` the file is written 0600 instead of 0644. If starting the service
+fails, the file is removed again: a failed install leaves nothing behind.
+
+Under launchd a configuration error ends the agent without a relaunch loop and is shown by
+``service status`` (``provider/supervision.py``).
 
 Every function takes the home directory, platform, environment and a ``runner`` (``subprocess.run``
 shape) as arguments, so tests install into a temporary home and check the exact commands.
@@ -30,6 +38,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from provider.supervision import SERVICE_MANAGER_ENV, launchd_log_dir, read_exit_record
+
 LABEL = "io.darkbloom.provider"
 UNIT_NAME = "darkbloom-provider.service"
 # The templates live in the source tree's deploy/ (editable installs, the Makefile's); a wheel ships
@@ -40,8 +50,10 @@ DEPLOY_DIR = _SOURCE_DEPLOY_DIR if _SOURCE_DEPLOY_DIR.is_dir() else _INSTALLED_D
 PLIST_TEMPLATE = DEPLOY_DIR / f"{LABEL}.plist"
 UNIT_TEMPLATE = DEPLOY_DIR / UNIT_NAME
 DRAIN_MARGIN_S = 15  # on top of drain_timeout_s: time to send terminal frames and close the socket
+LOG_FILE = "provider.log"  # the agent's own log (rotated), in the launchd log directory
 CARRIED_ENV = ("PATH", "HF_HOME", "HF_HUB_CACHE")  # besides every DARKBLOOM_* variable
 SECRET_ENV = frozenset({"DARKBLOOM_AUTH_TOKEN"})
+EX_CONFIG = 78  # the agent's exit code for a configuration error (provider/cli.py)
 _PLACEHOLDER = re.compile(r"@([A-Z_]+)@")
 
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
@@ -82,6 +94,8 @@ class ServiceStatus:
     running: bool
     pid: int | None
     detail: str  # the manager's own state words, e.g. "running" or "active/running"
+    last_exit_code: int | None = None  # as the manager saw it (None: never exited, or not known)
+    last_error: str | None = None  # why the last start ended, when it was an error a restart cannot fix
 
 
 # --- where things go
@@ -103,7 +117,7 @@ def service_path(kind: ServiceKind, home: Path, env: Mapping[str, str]) -> Path:
 
 
 def log_dir(home: Path) -> Path:
-    return home / "Library" / "Logs" / "darkbloom"
+    return launchd_log_dir(home)
 
 
 def exit_timeout_s(drain_timeout_s: float) -> int:
@@ -138,7 +152,8 @@ def render_plist(*, program: Sequence[str], env: Mapping[str, str], home: Path, 
         "PROGRAM_ARGUMENTS": list(program),
         "EXIT_TIMEOUT": exit_timeout_s(drain_timeout_s),
         "LOG_DIR": str(log_dir(home)),
-        "ENVIRONMENT": carried_env(env),
+        # The marker tells the agent it runs under launchd (provider/supervision.py).
+        "ENVIRONMENT": {**carried_env(env), SERVICE_MANAGER_ENV: "launchd"},
     }
     rendered = plistlib.dumps(_fill(template, values), sort_keys=False)
     plistlib.loads(rendered)  # what we write must parse
@@ -201,15 +216,22 @@ def install(
     load: bool = True,
     program: Sequence[str] | None = None,
     config_path: Path | None = None,
+    args: Sequence[str] = (),
     drain_timeout_s: float = 30.0,
     uid: int | None = None,
 ) -> InstallResult:
-    """Write the service file (directories created) and, unless ``load=False``, start it."""
+    """Write the service file (directories created) and, unless ``load=False``, start it.
+
+    ``args`` are setting flags for ``serve`` (values already validated, paths absolute). If a
+    service manager command fails, the file is removed and the error says so."""
     kind = service_kind(platform)
     manager = _manager(kind, env) if load else None  # refuse before writing anything
     argv = list(program) if program is not None else default_program(env)
     if config_path is not None:
         argv += ["--config", str(config_path.expanduser().absolute())]
+    if kind is ServiceKind.LAUNCHD:
+        argv += ["--log-file", str(log_dir(home) / LOG_FILE)]  # before args: an explicit --log-file wins
+    argv += list(args)
     path = service_path(kind, home, env)
     carried = carried_env(env)
     mode = 0o600 if SECRET_ENV & carried.keys() else 0o644
@@ -223,15 +245,13 @@ def install(
 
     commands: list[tuple[str, ...]] = []
     if manager is not None:
-        if kind is ServiceKind.LAUNCHD:
-            domain = f"gui/{os.getuid() if uid is None else uid}"
-            # A loaded older copy would keep its old definition; bootout may fail if none is loaded.
-            commands.append(_run(runner, (manager, "bootout", f"{domain}/{LABEL}"), check=False))
-            commands.append(_run(runner, (manager, "bootstrap", domain, str(path))))
-        else:
-            commands.append(_run(runner, (manager, "--user", "daemon-reload")))
-            commands.append(_run(runner, (manager, "--user", "enable", UNIT_NAME)))
-            commands.append(_run(runner, (manager, "--user", "restart", UNIT_NAME)))  # picks up a changed unit
+        try:
+            _start(kind, manager, runner, path, uid, commands)
+        except ServiceError as exc:
+            path.unlink(missing_ok=True)
+            if kind is ServiceKind.SYSTEMD:  # forget the unit it may have read; best effort
+                _run(runner, (manager, "--user", "daemon-reload"), check=False)
+            raise ServiceError(f"{exc}. Nothing was installed ({path} removed).") from None
     return InstallResult(
         kind=kind,
         path=path,
@@ -239,6 +259,20 @@ def install(
         env_names=tuple(carried),
         log_dir=log_dir(home) if kind is ServiceKind.LAUNCHD else None,
     )
+
+
+def _start(kind: ServiceKind, manager: str, runner: Runner, path: Path, uid: int | None,
+           commands: list[tuple[str, ...]]) -> None:
+    """Have the service manager (re)start the service from `path`; each command run is appended."""
+    if kind is ServiceKind.LAUNCHD:
+        domain = f"gui/{os.getuid() if uid is None else uid}"
+        # A loaded older copy would keep its old definition; bootout may fail if none is loaded.
+        commands.append(_run(runner, (manager, "bootout", f"{domain}/{LABEL}"), check=False))
+        commands.append(_run(runner, (manager, "bootstrap", domain, str(path))))
+    else:
+        commands.append(_run(runner, (manager, "--user", "daemon-reload")))
+        commands.append(_run(runner, (manager, "--user", "enable", UNIT_NAME)))
+        commands.append(_run(runner, (manager, "--user", "restart", UNIT_NAME)))  # picks up a changed unit
 
 
 def uninstall(
@@ -283,15 +317,22 @@ def status(
     if kind is ServiceKind.LAUNCHD:
         domain = f"gui/{os.getuid() if uid is None else uid}"
         proc = runner([manager, "print", f"{domain}/{LABEL}"], capture_output=True, text=True, check=False)
+        record = read_exit_record(home)  # the agent's own account of an error exit (supervision.py)
+        last_error = None if record is None else f"{record.reason.value} at {record.at}: {record.message}"
         if proc.returncode != 0:
-            return ServiceStatus(kind, path, path.exists(), False, False, None, "not loaded")
+            return ServiceStatus(kind, path, path.exists(), False, False, None, "not loaded", None, last_error)
         fields = _launchctl_fields(proc.stdout)
         state = fields.get("state", "unknown")
         pid = int(fields["pid"]) if fields.get("pid", "").isdigit() else None
-        return ServiceStatus(kind, path, path.exists(), True, state == "running", pid, state)
+        # "last exit code = 78: EX_CONFIG", "= 0" or "= (never exited)", depending on macOS.
+        last_code = re.match(r"-?\d+", fields.get("last exit code", ""))
+        return ServiceStatus(kind, path, path.exists(), True, state == "running", pid, state,
+                             int(last_code.group()) if last_code else None,
+                             None if state == "running" else last_error)
 
     proc = runner(
-        [manager, "--user", "show", UNIT_NAME, "--property=LoadState,ActiveState,SubState,MainPID"],
+        [manager, "--user", "show", UNIT_NAME,
+         "--property=LoadState,ActiveState,SubState,MainPID,ExecMainStatus"],
         capture_output=True, text=True, check=False,
     )
     if proc.returncode != 0:
@@ -300,7 +341,12 @@ def status(
     loaded = props.get("LoadState") == "loaded"
     active, sub = props.get("ActiveState", "unknown"), props.get("SubState", "unknown")
     pid = int(props["MainPID"]) if props.get("MainPID", "0").isdigit() and props.get("MainPID") != "0" else None
-    return ServiceStatus(kind, path, path.exists(), loaded, active == "active", pid, f"{active}/{sub}")
+    code = int(props["ExecMainStatus"]) if props.get("ExecMainStatus", "").isdigit() else None
+    running = active == "active"
+    last_error = None
+    if code == EX_CONFIG and not running:  # RestartPreventExitStatus=78: stopped, waiting for a fix
+        last_error = f"configuration_error (exit {EX_CONFIG}): see `journalctl --user -u {UNIT_NAME}`"
+    return ServiceStatus(kind, path, path.exists(), loaded, running, pid, f"{active}/{sub}", code, last_error)
 
 
 # --- helpers

@@ -24,13 +24,14 @@ does not show raw placeholders.
 from __future__ import annotations
 
 import logging
+import logging.handlers
 import sys
 import threading
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from types import TracebackType
 from typing import Any, TextIO
 from urllib.parse import urlsplit
@@ -258,6 +259,10 @@ def _isatty(stream: TextIO) -> bool:
 
 
 _HANDLER_NAME = "darkbloom"
+# A log file (the `log_file` setting; what the launchd agent writes) rotates at this size, keeping
+# this many older files: provider.log, provider.log.1 ... provider.log.3, at most ~40 MiB in all.
+LOG_FILE_MAX_BYTES = 10 * 2**20
+LOG_FILE_BACKUPS = 3
 
 
 def configure_logging(
@@ -265,10 +270,22 @@ def configure_logging(
     fmt: LogFormat | str = LogFormat.AUTO,
     *,
     stream: TextIO | None = None,
+    log_file: Path | None = None,
+    max_bytes: int = LOG_FILE_MAX_BYTES,
+    backups: int = LOG_FILE_BACKUPS,
 ) -> None:
-    """Route structlog and stdlib logging through the redacting pipeline to ``stream`` (stderr)."""
+    """Route structlog and stdlib logging through the redacting pipeline to ``stream`` (stderr), or
+    to ``log_file``, rotated by size (``max_bytes``, ``backups`` older files kept; JSON lines)."""
     level, fmt = LogLevel(level), LogFormat(fmt)
-    stream = sys.stderr if stream is None else stream
+    handler: logging.Handler
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.handlers.RotatingFileHandler(log_file, maxBytes=max_bytes, backupCount=backups,
+                                                       encoding="utf-8")
+        stream = handler.stream
+    else:
+        stream = sys.stderr if stream is None else stream
+        handler = logging.StreamHandler(stream)
     numeric = logging.getLevelNamesMapping()[level.value.upper()]
 
     formatter = structlog.stdlib.ProcessorFormatter(
@@ -277,12 +294,13 @@ def configure_logging(
         use_get_message=False,  # foreign records: the format string; % arguments only for SAFE_FOREIGN_FORMATS
         pass_foreign_args=True,  # ... which FormatKnownForeign reads and always removes
     )
-    handler = logging.StreamHandler(stream)
     handler.set_name(_HANDLER_NAME)
     handler.setFormatter(formatter)
     root = logging.getLogger()
     for old in [h for h in root.handlers if h.get_name() == _HANDLER_NAME]:
         root.removeHandler(old)
+        if isinstance(old, logging.FileHandler):
+            old.close()
     root.addHandler(handler)
     root.setLevel(numeric)
 

@@ -93,23 +93,26 @@ def test_launchd_plist_has_every_key_and_value(home: Path) -> None:
     plist = plistlib.loads(result.path.read_bytes())
     assert plist == {
         "Label": "io.darkbloom.provider",
-        "ProgramArguments": PROGRAM,
+        "ProgramArguments": [*PROGRAM, "--log-file", f"{logs}/provider.log"],  # the agent rotates it
         "RunAtLoad": True,
         "KeepAlive": {"SuccessfulExit": False},
         "ThrottleInterval": 30,
         "ExitTimeOut": 45,
         "ProcessType": "Background",
+        "LowPriorityIO": True,
+        "Nice": 10,
         "StandardOutPath": f"{logs}/provider.out.log",
-        "StandardErrorPath": f"{logs}/provider.log",
+        "StandardErrorPath": f"{logs}/provider.stderr.log",
         "EnvironmentVariables": {
             "DARKBLOOM_COORDINATOR_URL": "wss://api.darkbloom.dev/ws/provider",
             "DARKBLOOM_MAX_MODEL_SLOTS": "2",
             "DARKBLOOM_MEMORY_RESERVE_GB": "6",
             "HF_HOME": "/Volumes/models/hf",
             "PATH": "/usr/bin:/bin",
+            "DARKBLOOM_SERVICE_MANAGER": "launchd",  # the agent's cue: no relaunch loop on a config error
         },
     }
-    assert result.env_names == tuple(plist["EnvironmentVariables"])
+    assert result.env_names == tuple(k for k in plist["EnvironmentVariables"] if k != "DARKBLOOM_SERVICE_MANAGER")
     assert stat.S_IMODE(result.path.stat().st_mode) == 0o644
     assert "@" not in result.path.read_text()
 
@@ -120,8 +123,8 @@ def test_exit_timeout_follows_the_drain_timeout_and_config_is_passed(home: Path,
                      config_path=cfg, drain_timeout_s=90.5)
     plist = plistlib.loads(result.path.read_bytes())
     assert plist["ExitTimeOut"] == 91 + 15
-    assert plist["ProgramArguments"] == [*PROGRAM, "--config", str(cfg)]
-    assert plist["EnvironmentVariables"] == {"PATH": "/bin"}
+    assert plist["ProgramArguments"][:4] == [*PROGRAM, "--config", str(cfg)]
+    assert plist["EnvironmentVariables"] == {"PATH": "/bin", "DARKBLOOM_SERVICE_MANAGER": "launchd"}
 
 
 def test_launchd_install_boots_out_then_bootstraps(home: Path, bin_dir: Path) -> None:
@@ -161,7 +164,10 @@ def test_launchd_status_parses_launchctl_print(home: Path, bin_dir: Path) -> Non
     running = status(home=home, platform="darwin", env={"PATH": str(bin_dir)},
                      runner=Recorder({"print": (0, printed, "")}), uid=501)
     assert (running.loaded, running.running, running.pid, running.detail) == (True, True, 4242, "running")
-    assert running.installed is False
+    assert running.installed is False and running.last_exit_code is None and running.last_error is None
+    crashed = status(home=home, platform="darwin", env={"PATH": str(bin_dir)}, uid=501, runner=Recorder(
+        {"print": (0, f"gui/501/{LABEL} = {{\n\tstate = not running\n\tlast exit code = 78: EX_CONFIG\n}}\n", "")}))
+    assert (crashed.running, crashed.last_exit_code) == (False, 78)
     gone = status(home=home, platform="darwin", env={"PATH": str(bin_dir)},
                   runner=Recorder({"print": (113, "", "Could not find service")}), uid=501)
     assert (gone.loaded, gone.running, gone.pid, gone.detail) == (False, False, None, "not loaded")
@@ -293,3 +299,47 @@ def test_default_program_is_this_installations_console_script() -> None:
     assert argv[-1] == "serve"
     assert Path(argv[0]).is_absolute()
     assert Path(argv[0]).name in {"darkbloom-provider", "python", "python3"} or argv[1:3] == ["-m", "provider.cli"]
+
+
+# --- a failed install leaves nothing behind (issue 14.6)
+
+
+def test_a_failed_launchd_bootstrap_leaves_no_plist(home: Path, bin_dir: Path) -> None:
+    runner = Recorder({"bootstrap": (5, "", "Bootstrap failed: 5: Input/output error")})
+    with pytest.raises(ServiceError, match=r"Nothing was installed .*removed"):
+        install(home=home, platform="darwin", env={"PATH": str(bin_dir)}, runner=runner, program=PROGRAM, uid=501)
+    assert not (home / "Library/LaunchAgents/io.darkbloom.provider.plist").exists()
+    assert list((home / "Library/LaunchAgents").iterdir()) == []  # no temporary file either
+
+
+def test_a_failed_systemd_start_leaves_no_unit_and_systemd_forgets_it(home: Path, bin_dir: Path) -> None:
+    runner = Recorder({"restart": (1, "", "Job for darkbloom-provider.service failed")})
+    with pytest.raises(ServiceError, match=r"`systemctl --user restart .*` failed .*Nothing was installed"):
+        install(home=home, platform="linux", env={"PATH": str(bin_dir)}, runner=runner, program=PROGRAM)
+    assert not (home / ".config/systemd/user" / UNIT_NAME).exists()
+    systemctl = str(bin_dir / "systemctl")
+    assert runner.calls[-1] == [systemctl, "--user", "daemon-reload"]  # after the removal
+
+
+# --- what `service status` says about the last exit (issue 14.6)
+
+
+def test_launchd_status_shows_a_recorded_configuration_error(home: Path, bin_dir: Path) -> None:
+    from provider.supervision import ExitReason, exit_code_for
+
+    code = exit_code_for(ExitReason.CONFIGURATION, 78, "environment variable DARKBLOOM_MAX_MODEL_SLOTS: value 'x' "
+                         "is not allowed", home=home, env={"DARKBLOOM_SERVICE_MANAGER": "launchd"})
+    assert code == 0
+    printed = f"gui/501/{LABEL} = {{\n\tstate = not running\n\tlast exit code = 0\n}}\n"
+    st = status(home=home, platform="darwin", env={"PATH": str(bin_dir)},
+                runner=Recorder({"print": (0, printed, "")}), uid=501)
+    assert (st.running, st.last_exit_code) == (False, 0)
+    assert st.last_error is not None and st.last_error.startswith("configuration_error at ")
+    assert "DARKBLOOM_MAX_MODEL_SLOTS" in st.last_error
+
+
+def test_systemd_status_shows_a_configuration_exit(home: Path, bin_dir: Path) -> None:
+    shown = "LoadState=loaded\nActiveState=failed\nSubState=failed\nMainPID=0\nExecMainStatus=78\n"
+    st = status(home=home, platform="linux", env={"PATH": str(bin_dir)}, runner=Recorder({"show": (0, shown, "")}))
+    assert (st.running, st.last_exit_code) == (False, 78)
+    assert st.last_error is not None and "journalctl --user -u darkbloom-provider" in st.last_error
