@@ -192,14 +192,16 @@ def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_models(args: argparse.Namespace, settings: Settings) -> int:
     from provider.doctor import human_bytes, quantization_text, report_json, run_doctor
-    from provider.models import weight_hash_sync
+    from provider.models import DigestCache, weight_hash_sync
+    from provider.models.hashing import CACHE_FILE
 
     report = run_doctor(settings, check_coordinator_url=False)
     hashes: dict[str, str] = {}
     if args.hash:
+        cache = DigestCache.open(settings.state_dir / CACHE_FILE)  # the agent's: shared both ways
         for r in report.models:
             with Progress(f"hashing {r.model.id}") as bar:
-                hashes[r.model.id] = weight_hash_sync(r.model.path, progress=bar.update)
+                hashes[r.model.id] = weight_hash_sync(r.model.path, cache=cache, progress=bar.update)
     if args.json:
         doc = report_json(report)
         for m in doc["models"]:

@@ -1,7 +1,11 @@
-"""Progress of long operations (weight hashing, model loads), shown only on a terminal.
+"""Progress of long operations (weight hashing, model loads): a redrawn line on a terminal, log
+events elsewhere.
 
-Under launchd or systemd stderr is a log file: nothing is drawn there, the structured logs say
-what happened. On a terminal a single line is redrawn in place.
+On a terminal a single line is redrawn in place (`Progress`). Under launchd or systemd stderr is a
+log file where nothing can be redrawn, so `LogProgress` writes `progress` events instead: one every
+`interval_s` (5 s) while the operation runs, and one when it ends, with the bytes done, the total and
+the elapsed time. An operation shorter than the interval logs only its end. `default_progress()`
+picks one of the two for stderr.
 """
 
 from __future__ import annotations
@@ -10,10 +14,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TextIO
+from typing import Any, TextIO
 
-# label -> a progress line; `None` where progress is not shown.
-ProgressFactory = Callable[[str], "Progress"]
+import structlog
+
+# label ("hashing <model id>", "loading <model id>") -> a progress reporter.
+ProgressFactory = Callable[[str], "Progress | LogProgress"]
+LOG_INTERVAL_S = 5.0
 
 
 class Progress:
@@ -55,6 +62,50 @@ class Progress:
         self.close()
 
 
+class LogProgress:
+    """Progress as `progress` log events (phase = the label's verb, model = the rest of it). Thread-safe;
+    the same `update(done, total)` / context-manager shape as `Progress`."""
+
+    def __init__(self, label: str, interval_s: float = LOG_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic, logger: Any = None) -> None:
+        self._phase, _, self._subject = label.partition(" ")
+        self._interval_s = interval_s
+        self._clock = clock
+        self._log = logger if logger is not None else structlog.get_logger("provider.progress")
+        self._started = clock()
+        self._last = self._started
+        self._done = self._total = 0
+        self._ended = False
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> LogProgress:
+        return self
+
+    def update(self, done: int, total: int) -> None:
+        with self._lock:
+            self._done, self._total = done, total
+            now = self._clock()
+            if self._ended or done >= total or now - self._last < self._interval_s:
+                return  # the end is logged once, by close()
+            self._last = now
+            self._emit(now, ended=False)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._ended:
+                self._ended = True
+                self._emit(self._clock(), ended=True)
+
+    def _emit(self, now: float, *, ended: bool) -> None:
+        pct = round(100 * min(1.0, self._done / self._total), 1) if self._total > 0 else 100.0
+        self._log.info("progress_done" if ended else "progress", phase=self._phase, model=self._subject,
+                       done_bytes=self._done, total_bytes=self._total, done_pct=pct,
+                       elapsed_s=round(now - self._started, 3))
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def is_terminal(stream: TextIO) -> bool:
     return bool(getattr(stream, "isatty", lambda: False)())
 
@@ -65,3 +116,8 @@ def terminal_progress(stream: TextIO | None = None) -> ProgressFactory | None:
     if not is_terminal(target):
         return None
     return lambda label: Progress(label, target)
+
+
+def default_progress(stream: TextIO | None = None) -> ProgressFactory:
+    """Progress lines on a terminal (`stream`, default stderr), log events anywhere else."""
+    return terminal_progress(stream) or LogProgress

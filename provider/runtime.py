@@ -36,23 +36,28 @@ from provider.doctor import ROOM_CAUSE_SETTING, discover_models, policy_settings
 from provider.engine import Engine
 from provider.jobs import PromptCounter, ServingStats
 from provider.metrics import Metrics
-from provider.models import Inventory, weight_hash
-from provider.progress import ProgressFactory, terminal_progress
+from provider.models import DigestCache, Inventory, weight_hash
+from provider.models.hashing import CACHE_FILE
+from provider.progress import ProgressFactory, default_progress, terminal_progress
 from provider.slots import ModelManager, ModelState
 from provider.telemetry import get_logger
 
 log = get_logger("provider.runtime")
 
 KVCACHE_DIR = "kvcache"
+WEIGHT_HASH_CACHE = CACHE_FILE  # in the state dir: per-file digests by (path, size, mtime), across restarts
 
 
 class WeightHashes:
     """Weight hash per model id, computed once off the event loop and cached (register advertises
-    them; the prefix cache binds its entries to them)."""
+    them; the prefix cache binds its entries to them). Per-file digests come from `cache`, which the
+    runtime keeps in the state dir, so a restart only reads weight files that changed."""
 
-    def __init__(self, paths: Mapping[str, Path], *, progress: ProgressFactory | None = None) -> None:
+    def __init__(self, paths: Mapping[str, Path], *, progress: ProgressFactory | None = None,
+                 cache: DigestCache | None = None) -> None:
         self._paths = dict(paths)
         self._progress = progress
+        self._cache = cache
         self._done: dict[str, str] = {}
         self._pending: dict[str, asyncio.Future[str]] = {}
 
@@ -72,9 +77,9 @@ class WeightHashes:
 
     async def _hash(self, model_id: str) -> str:
         if self._progress is None:
-            return await weight_hash(self._paths[model_id])
+            return await weight_hash(self._paths[model_id], cache=self._cache)
         with self._progress(f"hashing {model_id}") as bar:
-            return await weight_hash(self._paths[model_id], progress=bar.update)
+            return await weight_hash(self._paths[model_id], cache=self._cache, progress=bar.update)
 
     async def warm(self, model_ids: Iterable[str]) -> dict[str, str]:
         return {model_id: await self.get(model_id) for model_id in model_ids}
@@ -121,7 +126,9 @@ class Runtime:
                     progress: ProgressFactory | None = None) -> Runtime:
         """Build everything. A given `engine` stays the caller's (not closed here); prefix reuse
         then happens only if it was built with `prefix_cache=runtime.prefix_cache.get`.
-        `progress` draws weight hashing and model loads (default: on stderr when it is a terminal)."""
+        `progress` reports weight hashing and model loads (default: a line on stderr when it is a
+        terminal; elsewhere hashing, which can take minutes at every cold start, logs events)."""
+        hash_progress = progress if progress is not None else default_progress()
         progress = progress if progress is not None else terminal_progress()
         inventory = await asyncio.to_thread(discover_models, settings)
         probe = Probe(settings.memory_limit_gb)
@@ -137,7 +144,8 @@ class Runtime:
         prefix = await asyncio.to_thread(build_prefix_cache, settings, ledger, probe, writer)
         owns_engine = engine is None
         engine = engine or Engine(prefix_cache=prefix.get)
-        hashes = WeightHashes({m.id: m.path for m in inventory.models}, progress=progress)
+        digests = await asyncio.to_thread(DigestCache.open, settings.state_dir / WEIGHT_HASH_CACHE)
+        hashes = WeightHashes({m.id: m.path for m in inventory.models}, progress=hash_progress, cache=digests)
         manager = ModelManager.from_settings(settings, engine, inventory, ledger, probe, metrics=metrics,
                                              eos_token_ids=eos_token_ids, prefix_cache=prefix,
                                              weight_hash=hashes.get, progress=progress)
@@ -207,4 +215,4 @@ class Runtime:
         }
 
 
-__all__ = ["KVCACHE_DIR", "Runtime", "WeightHashes", "build_prefix_cache"]
+__all__ = ["KVCACHE_DIR", "WEIGHT_HASH_CACHE", "Runtime", "WeightHashes", "build_prefix_cache"]

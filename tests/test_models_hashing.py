@@ -154,3 +154,76 @@ def test_hash_is_a_function_of_names_and_contents(tmp_path_factory, files: dict[
     a = write_dir(tmp_path_factory.mktemp("a"), files)
     b = write_dir(tmp_path_factory.mktemp("b"), dict(reversed(list(files.items()))))
     assert weight_hash_sync(a, cache=DigestCache()) == weight_hash_sync(b, cache=DigestCache())
+
+
+# --- the cache persists across processes (issue 14.7)
+
+_SECOND_PROCESS = """
+import sys
+from pathlib import Path
+import provider.models.hashing as hashing
+
+reads = []
+real = hashing._file_digest
+def counting(path, *args):
+    reads.append(path.name)
+    if "--forbid-reads" in sys.argv:
+        raise AssertionError("read " + path.name)
+    return real(path, *args)
+hashing._file_digest = counting
+cache = hashing.DigestCache.open(Path(sys.argv[2]))
+print(hashing.weight_hash_sync(Path(sys.argv[1]), cache=cache))
+print(",".join(reads))
+"""
+
+
+def hash_in_a_new_process(model: Path, cache_file: Path, *flags: str) -> tuple[str, list[str]]:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _SECOND_PROCESS, str(model), str(cache_file), *flags],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    digest, reads = out.stdout.splitlines()
+    return digest, [r for r in reads.split(",") if r]
+
+
+def test_a_second_process_reuses_the_persisted_digests_and_rereads_only_what_changed(tmp_path: Path) -> None:
+    model = write_dir(tmp_path / "m", {**HASHED, "model-00002-of-00002.safetensors": b"more weights" * 500})
+    cache_file = tmp_path / "state" / "weight-hashes.json"
+    first, reads = hash_in_a_new_process(model, cache_file)
+    assert first == weight_hash_sync(model, cache=DigestCache())
+    assert len(reads) == len(HASHED) + 1  # a cold cache reads every file
+    assert cache_file.exists() and (cache_file.stat().st_mode & 0o777) == 0o600
+
+    second, reads = hash_in_a_new_process(model, cache_file, "--forbid-reads")
+    assert (second, reads) == (first, [])  # nothing read: every digest came from the file
+
+    shard = model / "model-00002-of-00002.safetensors"
+    shard.write_bytes(b"other weights" * 500)  # new content, new size and mtime
+    third, reads = hash_in_a_new_process(model, cache_file)
+    assert reads == [shard.name] and third != first
+    assert third == weight_hash_sync(model, cache=DigestCache())
+
+
+@pytest.mark.parametrize("content", [b"", b"not json", b'{"format": 99, "files": []}', b'{"format": 1, "files": 3}'])
+def test_an_unusable_cache_file_is_an_empty_cache(tmp_path: Path, content: bytes) -> None:
+    model = write_dir(tmp_path / "m", HASHED)
+    cache_file = tmp_path / "weight-hashes.json"
+    cache_file.write_bytes(content)
+    cache = DigestCache.open(cache_file)
+    assert len(cache) == 0
+    assert weight_hash_sync(model, cache=cache) == expected_hash(model)
+    assert len(DigestCache.open(cache_file)) == len(HASHED)  # rewritten in the current format
+
+
+def test_entries_of_files_that_are_gone_are_dropped_on_save(tmp_path: Path) -> None:
+    a, b = write_dir(tmp_path / "a", HASHED), write_dir(tmp_path / "b", {**HASHED, "config.json": b"{}"})
+    cache_file = tmp_path / "weight-hashes.json"
+    cache = DigestCache.open(cache_file)
+    weight_hash_sync(a, cache=cache)
+    weight_hash_sync(b, cache=cache)
+    shutil.rmtree(a)
+    (b / "extra.jinja").write_bytes(b"{{ z }}")  # something changed: the next hash saves again
+    weight_hash_sync(b, cache=cache)
+    assert len(DigestCache.open(cache_file)) == len(HASHED) + 1

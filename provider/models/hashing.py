@@ -13,7 +13,10 @@ the concatenation of `name + "\\0" + hex_digest + "\\n"` for each, e.g.
     sha256(b"config.json\\0<64 hex>\\nmodel.safetensors\\0<64 hex>\\n...")
 
 Per-file digests are cached by (real path, size, mtime_ns), so a re-hash after a rescan only reads
-files that changed. The hashing runs in a worker thread: the event loop never reads weights.
+files that changed. A `DigestCache` opened on a file (`DigestCache.open(state_dir /
+"weight-hashes.json")`, what the agent does) keeps them across processes: a restart re-reads only
+weight files whose size or modification time changed, instead of every byte of every model. The
+hashing runs in a worker thread: the event loop never reads weights.
 """
 
 from __future__ import annotations
@@ -21,10 +24,16 @@ from __future__ import annotations
 import asyncio
 import fnmatch
 import hashlib
+import json
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger(__name__)
 
 HASHED_PATTERNS = (
     "model*.safetensors", "model.safetensors.index.json",
@@ -45,12 +54,41 @@ class _FileKey:
     mtime_ns: int
 
 
-class DigestCache:
-    """Per-file SHA-256 digests keyed by (real path, size, mtime_ns). Thread-safe."""
+CACHE_FORMAT = 1  # the persisted file's "format"; another value is ignored (and rewritten)
+CACHE_FILE = "weight-hashes.json"  # its name in the state dir
 
-    def __init__(self) -> None:
+
+class DigestCache:
+    """Per-file SHA-256 digests keyed by (real path, size, mtime_ns). Thread-safe.
+
+    In memory by default; `DigestCache.open(path)` loads a persisted cache and `save()` writes it
+    back (atomically, mode 0600) when something changed. A missing, unreadable or foreign file is an
+    empty cache, never an error: the worst case is hashing again."""
+
+    def __init__(self, path: Path | None = None) -> None:
         self._digests: dict[_FileKey, str] = {}
         self._lock = threading.Lock()
+        self._path = path
+        self._dirty = False
+        self._save_lock = threading.Lock()  # one writer of the file at a time
+
+    @classmethod
+    def open(cls, path: Path) -> DigestCache:
+        cache = cls(path)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if data.get("format") == CACHE_FORMAT:
+                for e in data["files"]:
+                    key = _FileKey(str(e["path"]), int(e["size"]), int(e["mtime_ns"]))
+                    digest = str(e["sha256"])
+                    if len(digest) == 64:
+                        cache._digests[key] = digest
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            log.warning("weight_hash_cache_unreadable", path=str(path))
+            cache._digests.clear()
+        return cache
 
     def get(self, key: _FileKey) -> str | None:
         with self._lock:
@@ -58,11 +96,45 @@ class DigestCache:
 
     def put(self, key: _FileKey, digest: str) -> None:
         with self._lock:
+            self._dirty = self._dirty or self._digests.get(key) != digest
             self._digests[key] = digest
+
+    def save(self) -> None:
+        """Write the cache to its file if it has one and anything changed. Entries whose file is
+        gone or changed since are dropped. An OS error is logged, not raised."""
+        if self._path is None:
+            return
+        with self._save_lock:
+            with self._lock:
+                if not self._dirty:
+                    return
+                entries = list(self._digests.items())
+                self._dirty = False
+            entries = [(k, v) for k, v in entries if _still_current(k)]  # stat outside the lock
+            doc = {"format": CACHE_FORMAT, "files": [
+                {"path": k.real_path, "size": k.size, "mtime_ns": k.mtime_ns, "sha256": v} for k, v in entries]}
+            tmp = self._path.with_name(self._path.name + ".tmp")
+            try:
+                self._path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    json.dump(doc, f, separators=(",", ":"))
+                os.replace(tmp, self._path)
+            except OSError as exc:
+                log.warning("weight_hash_cache_not_saved", path=str(self._path), exc_type=type(exc).__name__)
+                tmp.unlink(missing_ok=True)
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._digests)
+
+
+def _still_current(key: _FileKey) -> bool:
+    try:
+        st = os.stat(key.real_path)
+    except OSError:
+        return False
+    return st.st_size == key.size and st.st_mtime_ns == key.mtime_ns
 
 
 _default_cache = DigestCache()
@@ -98,6 +170,7 @@ def weight_hash_sync(model_dir: Path, *, cache: DigestCache | None = None,
         if progress is not None:
             progress(done, total)
         outer.update(path.name.encode() + b"\0" + digest.encode() + b"\n")
+    cache.save()  # a no-op for an in-memory cache, or when every digest came from it
     return outer.hexdigest()
 
 
