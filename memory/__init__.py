@@ -4,7 +4,10 @@
 
 Modules (reference/memory-policy.md is the specification):
 
-* `policy`   cap math and env resolution: `figures()` → `CapFigures` and its methods
+* `policy`   cap math and env resolution: `figures()` → `CapFigures` and its methods; what env
+             values were rejected or clamped (`PolicySettings.adjustments`); the room left for
+             weights (`room_for_weights`, `largest_loadable_bytes`) and what leaves none
+             (`no_room_causes`)
 * `snapshot` `MemorySnapshot`, the one value everything else reads
 * `probe`    the only module that reads the machine (psutil, MLX counters, cgroup v1/v2 files):
              `memory.probe.snapshot()` or a long-lived `Probe`
