@@ -1,8 +1,14 @@
-"""OpenAI chat-completion objects and their Server-Sent-Events framing (protocol.md §7.3).
+"""OpenAI chat-completion objects and their Server-Sent-Events framing (protocol.md §1.8, §7.3).
 
-Each ``inference_response_chunk`` carries exactly one event: ``event(obj)`` gives ``data: {json}\\n\\n``
-for one ``ChatCompletionChunk`` (streaming delta) or one ``ChatCompletion`` (the non-streaming alternative),
-and ``DONE`` ends a stream. The coordinator parses one JSON object per chunk, so events are never batched.
+Two framings of the same objects (a ``ChatCompletionChunk`` streaming delta, or one ``ChatCompletion``):
+
+* to the coordinator, ``data_line(obj)``: the plaintext of one ``inference_response_chunk`` is exactly one
+  ``data: {json}`` line with no blank line after it, and no ``[DONE]`` chunk is ever sent. The [A]
+  coordinator writes each chunk followed by ``\\n\\n`` and appends its own ``data: [DONE]\\n\\n`` after
+  ``inference_complete``, so its consumer receives exactly OpenAI's stream. It parses one JSON object per
+  chunk, so events are never batched.
+* to an HTTP client directly (the local server), ``event(obj)`` = ``data: {json}\\n\\n`` per event and
+  one ``DONE`` at the end: OpenAI's own stream shape.
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ __all__ = [
     "FunctionCallDelta",
     "ToolCall",
     "ToolCallDelta",
+    "data_line",
     "event",
 ]
 
 DONE = b"data: [DONE]\n\n"
+"""The end of an HTTP event stream. Never sent to the coordinator: it adds its own."""
 
 
 class FinishReason(StrEnum):
@@ -129,9 +137,15 @@ class ChatCompletion(WireModel):
     usage: CompletionUsage | None = None
 
 
+def data_line(obj: ChatCompletionChunk | ChatCompletion) -> bytes:
+    """One coordinator-bound chunk's plaintext: ``data: {compact json}``, one line (JSON escapes every
+    newline), no blank line after it."""
+    return b"data: " + obj.__pydantic_serializer__.to_json(obj, warnings="error")
+
+
 def event(obj: ChatCompletionChunk | ChatCompletion) -> bytes:
-    """Exactly one SSE event: ``data: {compact json}\\n\\n``."""
-    return b"data: " + obj.__pydantic_serializer__.to_json(obj, warnings="error") + b"\n\n"
+    """Exactly one SSE event of an HTTP stream: ``data: {compact json}\\n\\n``."""
+    return data_line(obj) + b"\n\n"
 
 
 @dataclass(frozen=True, slots=True)

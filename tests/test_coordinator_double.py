@@ -55,7 +55,7 @@ from protocol import (
 )
 from protocol.attest import ChallengeSigner
 from protocol.crypto import ProviderIdentity
-from protocol.sse import ChunkFactory, event
+from protocol.sse import DONE, ChunkFactory, data_line, event
 
 FAST = {"first_response_timeout": 2.0, "accepted_timeout": 3.0, "stream_idle_timeout": 3.0, "queue_timeout": 1.0}
 
@@ -152,7 +152,7 @@ async def test_single_chat_completion_chunk_is_passed_through(
         "model": "other-name",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "all at once"}, "finish_reason": "length"}],
     }
-    await provider.event(job, b"data: " + json.dumps(whole).encode() + b"\n\n")
+    await provider.event(job, b"data: " + json.dumps(whole).encode())
     await provider.complete(job, 3, 4)
     completion = await asyncio.wait_for(consumer, 5)
     assert completion.id == "chatcmpl-whole" and completion.model == MODEL
@@ -424,7 +424,7 @@ async def test_mid_stream_error_is_surfaced_not_rerouted(
 
     consumer = asyncio.create_task(consume())
     job = await first.next_job()
-    await first.event(job, event(ChunkFactory(id="c", created=1, model=MODEL).content("par")))
+    await first.event(job, data_line(ChunkFactory(id="c", created=1, model=MODEL).content("par")))
     await double.wait_for(lambda e: isinstance(e, Committed), timeout=5)
     await first.reject(job, 500)
     with pytest.raises(openai.APIError):
@@ -440,7 +440,7 @@ async def test_consumer_disconnect_mid_stream_sends_cancel(
 
     async def serve_one_chunk() -> Job:
         job = await provider.next_job()
-        await provider.event(job, event(ChunkFactory(id="c", created=1, model=MODEL).content("a")))
+        await provider.event(job, data_line(ChunkFactory(id="c", created=1, model=MODEL).content("a")))
         return job
 
     serving = asyncio.create_task(serve_one_chunk())
@@ -580,7 +580,7 @@ async def test_frames_after_terminal_and_sse_violations_are_recorded(
     factory = ChunkFactory(id="c", created=1, model=MODEL)
     await provider.event(job, event(factory.content("one")) + event(factory.content("two")))
     await provider.complete(job, 1, 2)
-    await provider.event(job, event(factory.content("late")))
+    await provider.event(job, data_line(factory.content("late")))
     await provider.send(encode(InferenceAccepted(request_id="never-dispatched")))
     after = await double.wait_for(lambda e: isinstance(e, AfterTerminal), timeout=5)
     assert (after.request_id, after.frame_type) == (job.request_id, "inference_response_chunk")
@@ -589,6 +589,39 @@ async def test_frames_after_terminal_and_sse_violations_are_recorded(
     violations = double.events.of(ProtocolViolation)
     assert [v.kind for v in violations] == [Violation.SSE_MULTIPLE_EVENTS]
     await asyncio.wait_for(consumer, 5)
+
+
+async def test_a_streaming_consumer_gets_each_chunk_plus_a_blank_line_then_the_doubles_done(
+    coordinator_double: CoordinatorDouble, providers: list[FakeProvider]  # noqa: F811
+) -> None:
+    """[A] writes ``chunk + "\\n\\n"`` per chunk and its own ``data: [DONE]\\n\\n`` after inference_complete:
+    a provider sending one ``data:`` line per chunk gives the consumer exactly OpenAI's stream; one that adds
+    its own blank line or ``[DONE]`` gives the consumer them twice (recorded as violations)."""
+    double = coordinator_double
+    provider = await routable_provider(double, providers)
+    factory = ChunkFactory(id="c", created=1, model=MODEL)
+
+    async def consume() -> bytes:
+        async with httpx.AsyncClient(base_url=double.http_url, timeout=5) as http:
+            async with http.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as response:
+                return b"".join([part async for part in response.aiter_raw()])
+
+    consumer = asyncio.create_task(consume())
+    job = await provider.next_job()
+    await provider.event(job, data_line(factory.role()))
+    await provider.event(job, data_line(factory.content("hi")))
+    await provider.complete(job, 1, 1)
+    assert await asyncio.wait_for(consumer, 5) == event(factory.role()) + event(factory.content("hi")) + DONE
+    assert double.anomalies() == []
+
+    consumer = asyncio.create_task(consume())
+    job = await provider.next_job()
+    await provider.event(job, event(factory.content("hi")))  # with its own blank line
+    await provider.event(job, DONE)  # and its own [DONE]
+    await provider.complete(job, 1, 1)
+    assert await asyncio.wait_for(consumer, 5) == event(factory.content("hi")) + b"\n\n" + DONE + b"\n\n" + DONE
+    assert [v.kind for v in double.events.of(ProtocolViolation)] == [Violation.SSE_TRAILING_NEWLINE,
+                                                                      Violation.SSE_DONE_CHUNK]
 
 
 async def test_send_raw_injects_text_binary_and_33_mib_frames(
@@ -621,7 +654,7 @@ async def test_kill_mid_stream_then_restart_on_same_port(providers: list[FakePro
 
             consumer = asyncio.create_task(consume())
             job = await provider.next_job()
-            await provider.event(job, event(ChunkFactory(id="c", created=1, model=MODEL).content("a")))
+            await provider.event(job, data_line(ChunkFactory(id="c", created=1, model=MODEL).content("a")))
             await double.wait_for(lambda e: isinstance(e, Committed), timeout=5)
             await double.kill()
             with pytest.raises((openai.APIError, httpx.HTTPError)):

@@ -34,6 +34,7 @@ from coordinator_double import (
 )
 from coordinator_double.events import Disconnected
 from double_fixtures import consumer_for, coordinator_double, double_config, openai_consumer, quick_config  # noqa: F401
+from openai_shape import assert_openai_stream
 
 from memory import Ledger, ReservationKind
 from provider.agent import Agent
@@ -140,6 +141,23 @@ async def test_openai_stream_and_non_stream_equal_the_engine(coordinator_double,
     assert types.count("inference_complete") == 1 and "inference_error" not in types
     assert double.anomalies() == []
     assert provider.agent.stats.requests_served == 2 and provider.agent.stats.tokens_generated == 24
+
+
+async def test_a_streaming_consumer_receives_openais_stream_byte_for_byte(coordinator_double, start_agent):
+    """§1.8: one ``data:`` line per chunk, no [DONE] chunk; the coordinator adds a blank line per chunk and
+    its own [DONE], so the consumer sees exactly one [DONE] and one blank line per event."""
+    double = coordinator_double
+    await start_agent(double.ws_url)
+    await double.wait_routable(model="tiny", timeout=15)
+    request = {"model": "tiny", "messages": chat_messages(), "max_tokens": 5, "stream": True,
+               "stream_options": {"include_usage": True}}
+    async with httpx.AsyncClient(base_url=double.http_url, timeout=60) as http:
+        async with http.stream("POST", "/v1/chat/completions", json=request) as response:
+            raw = b"".join([part async for part in response.aiter_raw()])
+    assert_openai_stream(raw)
+    lines = [e.event for e in double.events.of(ChunkReceived)]
+    assert len(lines) >= 3 and all(line.startswith(b"data: {") and b"\n" not in line for line in lines)
+    assert double.anomalies() == []
 
 
 async def test_two_providers_one_full_the_request_is_rerouted(coordinator_double, start_agent, tiny_model_path,

@@ -100,8 +100,9 @@ def chat(content: str = "hello there", max_tokens: int = 6, **extra) -> dict:
 
 
 def sse_json(event: bytes) -> dict:
-    assert event.startswith(b"data: ") and event.endswith(b"\n\n") and event.count(b"data: ") == 1
-    return json.loads(event[len(b"data: "):-2])
+    """One chunk's plaintext: exactly one ``data: {json}`` line, no blank line after it (§1.8, §7.3)."""
+    assert event.startswith(b"data: ") and b"\n" not in event and event.count(b"data: ") == 1
+    return json.loads(event[len(b"data: "):])
 
 
 async def test_stream_matches_the_engine_and_usage_is_exact(harness):
@@ -111,8 +112,8 @@ async def test_stream_matches_the_engine_and_usage_is_exact(harness):
     assert kinds[0] == "inference_accepted" and kinds[-1] == "inference_complete"
     assert set(kinds[1:-1]) == {"inference_response_chunk"}
     events = harness.events("r1")
-    assert events[-1] == b"data: [DONE]\n\n"
-    chunks = [sse_json(e) for e in events[:-1]]
+    assert b"[DONE]" not in b"".join(events)  # the coordinator ends the consumer's stream itself
+    chunks = [sse_json(e) for e in events]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
     assert all(c["object"] == "chat.completion.chunk" and c["model"] == "tiny" for c in chunks)
     final = chunks[-1]
@@ -244,7 +245,7 @@ async def test_concurrent_jobs_each_get_their_own_box_and_stream(harness):
     for i in range(4):
         frames = harness.of(f"p{i}")
         assert frames[-1]["type"] == "inference_complete" and frames[-1]["usage"]["completion_tokens"] == 5
-        assert harness.events(f"p{i}")[-1] == b"data: [DONE]\n\n"
+        assert sse_json(harness.events(f"p{i}")[-1])["choices"][0]["finish_reason"] == "length"
 
 
 async def test_no_prompt_text_or_consumer_strings_in_logs(harness):

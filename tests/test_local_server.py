@@ -21,6 +21,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from openai_shape import assert_openai_stream
+
 from protocol.errors import Failure, RejectionReason
 from provider.demo import free_port, wait_ready
 
@@ -90,6 +92,13 @@ def test_streaming_chat_with_the_openai_sdk(server):
     same = server.client().chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0)
     assert same.choices[0].message.content == text  # greedy: stream and non-stream agree
+
+
+def test_a_streaming_client_receives_openais_stream_byte_for_byte(server):
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=request, timeout=60) as response:
+        raw = response.read()
+    assert_openai_stream(raw)
 
 
 def test_models_health_and_status(server):

@@ -1,4 +1,5 @@
-"""protocol.sse: OpenAI chat-completion objects, one ``data: …\\n\\n`` event per chunk."""
+"""protocol.sse: OpenAI chat-completion objects; one ``data: …`` line per coordinator-bound chunk, and
+``data: …\\n\\n`` events plus one ``[DONE]`` for an HTTP stream."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from protocol.sse import (
     FunctionCallDelta,
     ToolCall,
     ToolCallDelta,
+    data_line,
     event,
 )
 
@@ -36,7 +38,28 @@ def _payload(data: bytes) -> dict:
     return json.loads(data[len(b"data: ") : -2])
 
 
-def test_protocol_md_7_3_stream_byte_for_byte():
+def test_protocol_md_7_3_chunk_plaintexts_byte_for_byte():
+    """§1.8/§7.3: each chunk is one ``data: {json}`` line, no trailing blank line, no [DONE] chunk: the [A]
+    coordinator appends ``\\n\\n`` to every chunk and its own ``data: [DONE]\\n\\n`` after inference_complete."""
+    usage = CompletionUsage(prompt_tokens=21, completion_tokens=2)
+    produced = [data_line(STREAM.role()), data_line(STREAM.content("4")),
+                data_line(STREAM.finish(FinishReason.STOP, usage))]
+    expected = [
+        b'data: {"id":"chatcmpl-9f2","object":"chat.completion.chunk","created":1777777777,"model":"' + MODEL.encode()
+        + b'","choices":[{"index":0,"delta":{"role":"assistant"},"finish_reason":null}]}',
+        b'data: {"id":"chatcmpl-9f2","object":"chat.completion.chunk","created":1777777777,"model":"' + MODEL.encode()
+        + b'","choices":[{"index":0,"delta":{"content":"4"},"finish_reason":null}]}',
+        b'data: {"id":"chatcmpl-9f2","object":"chat.completion.chunk","created":1777777777,"model":"' + MODEL.encode()
+        + b'","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],'
+        b'"usage":{"prompt_tokens":21,"completion_tokens":2,"total_tokens":23}}',
+    ]
+    assert produced == expected
+    # What the [A] coordinator then writes to the consumer is exactly OpenAI's stream shape.
+    assert b"".join(line + b"\n\n" for line in produced) + b"data: [DONE]\n\n" == b"".join(
+        event(obj) for obj in (STREAM.role(), STREAM.content("4"), STREAM.finish(FinishReason.STOP, usage))) + DONE
+
+
+def test_http_stream_events_byte_for_byte():
     expected = [
         b'data: {"id":"chatcmpl-9f2","object":"chat.completion.chunk","created":1777777777,"model":"' + MODEL.encode()
         + b'","choices":[{"index":0,"delta":{"role":"assistant"},"finish_reason":null}]}\n\n',
@@ -62,6 +85,8 @@ def test_protocol_md_7_3_stream_byte_for_byte():
 def test_any_content_is_exactly_one_event_and_round_trips(text):
     data = event(STREAM.content(text))
     payload = _payload(data)
+    line = data_line(STREAM.content(text))
+    assert data == line + b"\n\n" and b"\n" not in line  # JSON escapes newlines: one line, always
     assert payload["object"] == "chat.completion.chunk" and payload["model"] == MODEL
     assert payload["choices"][0]["delta"]["content"] == text
     assert ChatCompletionChunk.model_validate(payload) == STREAM.content(text)

@@ -1,8 +1,8 @@
 """One ``inference_request``, end to end (protocol.md §7).
 
     open encrypted_body ─▶ parse OpenAI body ─▶ count prompt ─▶ fast admission ─▶ inference_accepted
-      ─▶ wait for the model + reserve KV (manager.serve) ─▶ stream: one sealed SSE event per chunk
-      ─▶ data: [DONE] ─▶ inference_complete (exact usage)
+      ─▶ wait for the model + reserve KV (manager.serve) ─▶ stream: one sealed ``data:`` line per chunk
+      ─▶ inference_complete (exact usage; the coordinator then ends the consumer's stream with [DONE])
 
 Every frame goes out through ``_emit``, which steps the job's ``JobLifecycle`` first: a frame the
 transition table does not allow raises instead of being sent, so each request gets exactly one
@@ -40,7 +40,7 @@ from structlog.contextvars import bound_contextvars
 from protocol import InferenceAccepted, InferenceComplete, InferenceRequest, ProviderMessage, Usage, encode
 from protocol.crypto import CryptoError, ProviderIdentity, RequestBox
 from protocol.errors import Failure, inference_error_frame
-from protocol.sse import DONE, ChunkFactory, CompletionUsage, FinishReason, event
+from protocol.sse import ChunkFactory, CompletionUsage, FinishReason, data_line
 from provider.engine import ChatRequest, EngineError, EngineFailure, Failed, Finished, RequestStream, TextDelta
 from provider.jobs.lifecycle import JobEvent, JobLifecycle, JobState
 from provider.jobs.stats import ServingStats
@@ -261,13 +261,12 @@ class Job:
             match item:
                 case TextDelta(text=text):
                     self._output(box, chunks)
-                    self._chunk(box, event(chunks.content(text)))
+                    self._chunk(box, data_line(chunks.content(text)))
                 case Finished(reason=reason, usage=usage):
                     self._output(box, chunks)
                     wire_usage = CompletionUsage(prompt_tokens=usage.prompt_tokens,
                                                  completion_tokens=usage.completion_tokens)
-                    self._chunk(box, event(chunks.finish(FinishReason(reason.value), wire_usage)))
-                    self._chunk(box, DONE)
+                    self._chunk(box, data_line(chunks.finish(FinishReason(reason.value), wire_usage)))
                     self._emit(JobEvent.COMPLETE, InferenceComplete(
                         request_id=self.request_id,
                         usage=Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)))
@@ -287,13 +286,14 @@ class Job:
             self._first_output = self._ctx.monotonic()
             if self._deadline_guard is not None:
                 self._deadline_guard.reschedule(None)  # content is here: the budget is met
-            self._chunk(box, event(chunks.role()))
+            self._chunk(box, data_line(chunks.role()))
 
     # --- frames ---------------------------------------------------------------------------------------
 
-    def _chunk(self, box: RequestBox, sse_event: bytes) -> None:
+    def _chunk(self, box: RequestBox, line: bytes) -> None:
+        """One chunk: one SSE ``data:`` line, sealed (protocol.md §1.8: the coordinator adds the blank line)."""
         try:
-            frame = box.seal_chunk(self.request_id, sse_event)
+            frame = box.seal_chunk(self.request_id, line)
         except CryptoError:
             raise _EncryptionFailed() from None
         self._emit(JobEvent.CHUNK, frame)

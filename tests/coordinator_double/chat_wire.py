@@ -40,14 +40,18 @@ def event_payload(event: bytes) -> bytes | None:
 
 
 def check_event(event: bytes) -> Violation | None:
-    """One chunk's plaintext must be exactly one ``data:`` event holding [DONE] or one JSON object."""
+    """One chunk's plaintext must be exactly one ``data: `` line holding one JSON object (§1.8, §7.3): [A]
+    writes it followed by ``\\n\\n`` and ends the stream with its own ``[DONE]``, so a trailing blank line or a
+    ``[DONE]`` chunk reaches the consumer doubled."""
     payload = event_payload(event)
     if payload is None:
         return Violation.SSE_NOT_DATA
-    if b"\n\n" in payload.rstrip(b"\n"):
+    if b"\n" in payload.rstrip(b"\n"):
         return Violation.SSE_MULTIPLE_EVENTS
     if payload.strip() == b"[DONE]":
-        return None
+        return Violation.SSE_DONE_CHUNK
+    if event.endswith(b"\n"):
+        return Violation.SSE_TRAILING_NEWLINE
     try:
         obj = json.loads(payload)
     except ValueError:
@@ -56,8 +60,9 @@ def check_event(event: bytes) -> Violation | None:
 
 
 def as_stream_event(event: bytes) -> bytes:
-    """Re-emitted verbatim; the blank line that ends an SSE event is added when the provider left it out."""
-    return event if event.endswith(b"\n\n") else event.rstrip(b"\n") + b"\n\n"
+    """What [A] writes to a streaming consumer for one chunk: its plaintext verbatim, then a blank line
+    (``fmt.Fprintf(w, "%s\\n\\n", chunk)``), whatever the provider put at its end."""
+    return event + b"\n\n"
 
 
 def error_event(message: str, kind: str = "provider_error") -> bytes:

@@ -1,8 +1,9 @@
 """The consumer HTTP API: ``POST /v1/chat/completions`` (streaming and not) and ``GET /v1/models``.
 
 Status and headers are only decided once the request is committed, so reroutes stay invisible to the
-consumer. A streaming consumer gets each decrypted SSE event verbatim, then the double's own
-``data: [DONE]`` (after the provider's, as [A] does); a non-streaming one gets a reassembled
+consumer. A streaming consumer gets each decrypted chunk verbatim followed by a blank line, then the
+double's own ``data: [DONE]`` when ``inference_complete`` arrives (as [A] does: a provider's own ``[DONE]``
+chunk or trailing blank line reaches the consumer doubled); a non-streaming one gets a reassembled
 ``chat.completion``. Either way the committed request id is in ``X-Inference-Job-ID`` and, when the handler
 returns, ``cancel`` goes to the provider ([A]'s deferred ``sendProviderCancel``).
 """

@@ -50,7 +50,9 @@ class Violation(Enum):
     DUPLICATE_ACCEPT = "duplicate_accept"
     SSE_NOT_DATA = "sse_not_data"  # chunk plaintext does not start with "data: "
     SSE_MULTIPLE_EVENTS = "sse_multiple_events"  # more than one SSE event in one chunk
-    SSE_NOT_JSON = "sse_not_json"  # payload neither [DONE] nor a JSON object
+    SSE_NOT_JSON = "sse_not_json"  # payload is not one JSON object
+    SSE_TRAILING_NEWLINE = "sse_trailing_newline"  # [A] adds the blank line itself: the consumer gets two
+    SSE_DONE_CHUNK = "sse_done_chunk"  # [A] adds its own [DONE]: the consumer gets two
 
 
 class ChunkFault(Enum):

@@ -39,7 +39,7 @@ from protocol import (
 )
 from protocol.attest import ChallengeSigner, SecurityPosture, answer_challenge
 from protocol.crypto import ProviderIdentity, RequestBox
-from protocol.sse import DONE, ChunkFactory, CompletionUsage, FinishReason, event
+from protocol.sse import ChunkFactory, CompletionUsage, FinishReason, data_line
 
 MODEL = "tiny/test-model"
 GOOD_POSTURE = SecurityPosture(sip_enabled=True, secure_boot_enabled=True, rdma_disabled=True, hypervisor_active=False)
@@ -187,17 +187,17 @@ class FakeProvider:
         await self.send(encode(job.box.seal_chunk(job.request_id, sse)))
 
     async def stream(self, job: Job, pieces: list[str], *, prompt_tokens: int = 5, usage_chunk: bool = False) -> None:
-        """Role, one chunk per piece, finish, optional usage chunk, [DONE], then inference_complete."""
+        """Role, one chunk per piece, finish, optional usage chunk, then inference_complete (one ``data:`` line
+        per chunk; the coordinator adds the blank lines and the ``[DONE]``)."""
         factory = ChunkFactory(id="chatcmpl-fake", created=1777777777, model=job.body["model"])
         usage = CompletionUsage(prompt_tokens=prompt_tokens, completion_tokens=len(pieces))
-        await self.event(job, event(factory.role()))
+        await self.event(job, data_line(factory.role()))
         for piece in pieces:
-            await self.event(job, event(factory.content(piece)))
-        await self.event(job, event(factory.finish(FinishReason.STOP)))
+            await self.event(job, data_line(factory.content(piece)))
+        await self.event(job, data_line(factory.finish(FinishReason.STOP)))
         if usage_chunk:
             usage_only = factory.chunk(factory.role().choices[0].delta, usage=usage).model_copy(update={"choices": ()})
-            await self.event(job, event(usage_only))
-        await self.event(job, DONE)
+            await self.event(job, data_line(usage_only))
         await self.complete(job, prompt_tokens, len(pieces))
 
     async def complete(self, job: Job, prompt_tokens: int, completion_tokens: int) -> None:
