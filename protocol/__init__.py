@@ -9,6 +9,7 @@ from protocol.codec import (
     ProtocolError,
     decode,
     encode,
+    readable_request_id,
 )
 from protocol.messages import (
     COORDINATOR_FRAMES,
@@ -153,5 +154,6 @@ __all__ = [
     "decode",
     "encode",
     "errors",
+    "readable_request_id",
     "sse",
 ]

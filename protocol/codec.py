@@ -1,7 +1,8 @@
 """``decode`` (one text frame in, one typed message out) and ``encode`` (one message out, compact JSON).
 
 Decoding never raises anything but ``ProtocolError`` and never returns a raw dict: unknown types become
-``UnknownMessage``. Encoding is strict: a value that does not fit its field's type (a float in an int field,
+``UnknownMessage``. When an ``inference_request`` does not decode (a field of the wrong type, a value
+that is not JSON), ``readable_request_id`` still reads its id, so the request can be answered. Encoding is strict: a value that does not fit its field's type (a float in an int field,
 however it got there) raises ``EncodeError`` instead of reaching the wire.
 """
 
@@ -15,6 +16,7 @@ from pydantic_core import PydanticSerializationError
 
 from protocol._wire import RawJSON, WireModel
 from protocol.messages import PROVIDER_FRAMES, Message, TaggedMessage, UnknownMessage
+from protocol.to_provider import answerable_request_id
 
 MAX_INBOUND_FRAME_BYTES = 32 * 1024 * 1024
 """Largest coordinator frame we accept ([N] seals bodies up to 16 MiB ≈ 21.3 MiB of base64; Swift: 32 MiB).
@@ -53,6 +55,22 @@ def decode(data: str | bytes) -> Message:
     if raws:
         message = _restore_raw(message, data, raws)
     return message
+
+
+def readable_request_id(data: str | bytes) -> str | None:
+    """The ``request_id`` of an ``inference_request`` frame that ``decode`` refused, when it can still be
+    read and echoed (UTF-8 JSON object, string id within the size rule); ``None`` otherwise. Python's
+    parser is more lenient than ``decode``'s (NaN, lone surrogates), and like it the last duplicate key
+    wins, so a frame refused for its other fields still yields the id ``decode`` would have read."""
+    try:
+        text = data if isinstance(data, str) else bytes(data).decode("utf-8")
+        value = json.loads(text)
+    except (ValueError, RecursionError, TypeError):  # UnicodeDecodeError is a ValueError
+        return None
+    if not isinstance(value, dict) or value.get("type") != "inference_request":
+        return None
+    request_id = value.get("request_id")
+    return request_id if answerable_request_id(request_id) else None
 
 
 def encode(message: WireModel) -> str:
@@ -138,5 +156,6 @@ __all__ = [
     "ProtocolError",
     "decode",
     "encode",
+    "readable_request_id",
 ]
 

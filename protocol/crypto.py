@@ -167,8 +167,14 @@ class ProviderIdentity:
         return bytes(self._private)
 
     def box_for(self, peer_public_key_b64: str) -> RequestBox:
-        """The box shared with one peer key (a request's ``encrypted_body.ephemeral_public_key``)."""
-        return RequestBox(Box(self._private, parse_public_key(peer_public_key_b64)), self.public_key_b64)
+        """The box shared with one peer key (a request's ``encrypted_body.ephemeral_public_key``). A
+        low-order point (all-zero key, …) is refused: libsodium will not derive the all-zero secret."""
+        peer = parse_public_key(peer_public_key_b64)
+        try:
+            box = Box(self._private, peer)
+        except nacl.exceptions.CryptoError:
+            raise InvalidKeyError("public key is a low-order point") from None
+        return RequestBox(box, self.public_key_b64)
 
     def open_request(self, encrypted_body: EncryptedPayload) -> tuple[RequestBox, bytes]:
         """Open a request body; the returned box seals that request's chunks."""

@@ -3,13 +3,18 @@ as its default, so a missing field reads the way Go would have written it, and u
 
 A missing ``encrypted_body`` stays ``None`` instead of failing the frame: the request id is still known, so
 the job can answer with a 400 ``invalid_request`` (protocol.md §4.1, §15.13).
+
+Size rule: every field we echo back (``request_id`` in every answer, the challenge ``nonce``) has a length
+bound, so an answer can always be encoded and stays small; a frame that breaks it does not decode and is
+refused before any work. Real values are far below: a Go UUID is 36 characters, [N] barrier ids are ≤ 64
+bytes, an [A] nonce is 44 characters of base64.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import JsonValue
+from pydantic import Field, JsonValue
 
 from protocol._wire import (
     OMIT_EMPTY,
@@ -24,6 +29,9 @@ from protocol._wire import (
 from protocol.to_coordinator import AppAttestShadow
 
 __all__ = [
+    "MAX_NONCE_CHARS",
+    "MAX_REQUEST_ID_CHARS",
+    "MAX_TIMESTAMP_CHARS",
     "AppAttestShadow",
     "AttestationChallenge",
     "Cancel",
@@ -43,12 +51,31 @@ __all__ = [
 ]
 
 
+MAX_REQUEST_ID_CHARS = 256
+MAX_NONCE_CHARS = 512
+MAX_TIMESTAMP_CHARS = 64
+
+RequestId = Annotated[Str, Field(max_length=MAX_REQUEST_ID_CHARS)]
+
+
+def answerable_request_id(value: object) -> bool:
+    """Whether ``value`` can be echoed in an answer: a non-empty string within the size rule that encodes as
+    UTF-8 (no lone surrogate)."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_REQUEST_ID_CHARS:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class InferenceRequest(WireModel):
     """Run one request. ``body`` is [N]'s zero-value struct (or a plaintext decoder fixture): never trust it;
     the real request is ``encrypted_body``. ``first_content_budget_ms`` 0 means no deadline was set."""
 
     type: Literal["inference_request"] = "inference_request"
-    request_id: Str = ""
+    request_id: RequestId = ""
     body: JsonValue = None
     encrypted_body: EncryptedPayload | None = None
     first_content_budget_ms: Annotated[Int64, OMIT_EMPTY] = 0
@@ -64,15 +91,15 @@ class Cancel(WireModel):
     """Stop a request. Routinely names finished or unknown ids; those are ignored."""
 
     type: Literal["cancel"] = "cancel"
-    request_id: Str = ""
+    request_id: RequestId = ""
 
 
 class AttestationChallenge(WireModel):
     """Answer within 30 s. ``nonce`` is echoed exactly; ``timestamp`` is RFC 3339 UTC."""
 
     type: Literal["attestation_challenge"] = "attestation_challenge"
-    nonce: Str = ""
-    timestamp: Str = ""
+    nonce: Annotated[Str, Field(max_length=MAX_NONCE_CHARS)] = ""
+    timestamp: Annotated[Str, Field(max_length=MAX_TIMESTAMP_CHARS)] = ""
 
 
 class RuntimeMismatch(WireModel):
@@ -139,7 +166,7 @@ class CodeAttestationResumeChallenge(WireModel):
 
 class ProviderDrainAck(WireModel):
     type: Literal["provider_drain_ack"] = "provider_drain_ack"
-    request_id: Str = ""
+    request_id: RequestId = ""
 
 
 class ModelsReplaceAck(Opaque):

@@ -125,6 +125,11 @@ class Settings(BaseModel):
     heartbeat_interval_s: float = Field(
         5.0, gt=0, description="Seconds between heartbeats.", **_allowed("a number of seconds > 0"),
     )
+    eviction_window_s: float = Field(
+        90.0, gt=0, description="The coordinator forgets a provider silent this long; after a longer gap between "
+        "two heartbeats (a stalled process) reconnect and register afresh.",
+        **_allowed("a number of seconds > 0"),
+    )
     backend: str = Field(
         "inprocess-mlx", min_length=1, max_length=64, description="`backend` string sent in `register`.",
         **_allowed("a non-empty string of at most 64 characters"),
@@ -223,7 +228,7 @@ class Settings(BaseModel):
     )
 
     @field_validator(
-        "heartbeat_interval_s", "memory_reserve_gb", "memory_limit_gb", "max_model_slots", "idle_timeout_mins",
+        "heartbeat_interval_s", "eviction_window_s", "memory_reserve_gb", "memory_limit_gb", "max_model_slots", "idle_timeout_mins",
         "load_wait_timeout_s", "settle_timeout_s", "drain_timeout_s", "kv_ssd_budget_gb", "local_port",
         mode="before",
     )

@@ -28,7 +28,9 @@ from coordinator_double import (
     Completed,
     CoordinatorDouble,
     Dispatched,
+    Evicted,
     FrameReceived,
+    Registered,
     Rejected,
     Rerouted,
 )
@@ -316,6 +318,41 @@ async def test_malformed_oversized_tampered_and_unknown_frames_never_crash_the_s
     assert no_request_reservations(provider.agent.ledger)
 
 
+def sealed_request(provider_key: str, request_id: str, body: dict) -> str:
+    """An [A]-shaped inference_request frame sealed to ``provider_key`` with a fresh session key."""
+    from coordinator_double.dispatch import inference_request_frame
+    from nacl.public import Box, PrivateKey
+
+    from protocol.crypto import RequestBox, b64encode, parse_public_key
+
+    session = PrivateKey.generate()
+    box = RequestBox(Box(session, parse_public_key(provider_key)), b64encode(bytes(session.public_key)))
+    return inference_request_frame(request_id, box, json.dumps(body).encode())
+
+
+async def test_a_replayed_request_is_answered_400_and_not_run_again(coordinator_double, start_agent):
+    """Issue 12 item 9."""
+    double = coordinator_double
+    provider = await start_agent(double.ws_url)
+    (view,) = await double.wait_routable(model="tiny", timeout=15)
+    frame = sealed_request(view.public_key, "replayed-1", {"model": "tiny", "messages": chat_messages(),
+                                                           "max_tokens": 3})
+    await double.send_raw(view, frame)
+    await double.wait_for(lambda e: isinstance(e, FrameReceived) and e.message.type == "inference_complete"
+                          and e.message.request_id == "replayed-1", timeout=20)
+    served = provider.agent.stats.requests_served
+    mark = double.mark()
+    await double.send_raw(view, frame)  # the very same frame again
+    error = await double.wait_for(lambda e: isinstance(e, FrameReceived) and e.message.type == "inference_error",
+                                  since=mark, timeout=10)
+    assert (error.message.request_id, error.message.status_code, error.message.failure_code) == \
+        ("replayed-1", 400, "invalid_request")
+    types = await frames_for(double, "replayed-1")
+    assert types.count("inference_accepted") == 1 and types.count("inference_complete") == 1
+    assert types[-2:] == ["inference_complete", "inference_error"]
+    assert provider.agent.stats.requests_served == served
+
+
 async def test_prompt_text_never_reaches_the_logs(coordinator_double, openai_consumer, start_agent):
     double = coordinator_double
     await start_agent(double.ws_url)
@@ -367,6 +404,55 @@ async def test_sigterm_drains_the_job_in_flight_then_exits_0(coordinator_double,
     disconnected = await double.wait_for(lambda e: isinstance(e, Disconnected), timeout=10)
     assert disconnected.close_code == 1000
     assert double.anomalies() == []
+
+
+async def test_an_agent_stopped_past_the_eviction_window_registers_afresh(tiny_model_path, tmp_path):
+    """Issue 12 item 2: ``kill -STOP`` until the coordinator has evicted the provider, then ``kill -CONT``:
+    the socket is still open and heartbeats would be ignored for good, so the agent must notice the gap
+    between its heartbeats and come back with a fresh ``register``. The window is shortened to 2 s on both
+    sides (the [A] coordinator and the agent's default: 90 s)."""
+    config = quick_config(eviction_timeout=2.0, eviction_sweep_interval=0.25)
+    async with CoordinatorDouble(config) as double:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1",
+               "DARKBLOOM_COORDINATOR_URL": double.ws_url, "DARKBLOOM_DEV_POSTURE": "true",
+               "DARKBLOOM_STATE_DIR": str(tmp_path / "state"), "DARKBLOOM_HF_CACHE_DIR": str(tmp_path / "hf"),
+               "DARKBLOOM_MODEL_ALIASES": f"tiny={tiny_model_path}", "DARKBLOOM_MEMORY_LIMIT_GB": "8",
+               "DARKBLOOM_MEMORY_RESERVE_GB": "0.5", "DARKBLOOM_LOG_FORMAT": "json",
+               "DARKBLOOM_HEARTBEAT_INTERVAL_S": "0.5", "DARKBLOOM_EVICTION_WINDOW_S": "2",
+               "DARKBLOOM_LOCAL_ENABLED": "false"}
+        process = await asyncio.create_subprocess_exec(sys.executable, "-m", "provider.agent", env=env, cwd=REPO,
+                                                       stdout=asyncio.subprocess.DEVNULL,
+                                                       stderr=asyncio.subprocess.PIPE)
+        try:
+            (first,) = await double.wait_routable(model="tiny", timeout=60)
+            mark = double.mark()
+            process.send_signal(signal.SIGSTOP)
+            await double.wait_for(lambda e: isinstance(e, Evicted) and e.provider_id == first.provider_id,
+                                  since=mark, timeout=10)
+            assert double.routable() == [] and double.provider(first).connected  # forgotten, socket open
+            process.send_signal(signal.SIGCONT)
+            fresh = await double.wait_for(lambda e: isinstance(e, Registered), since=mark, timeout=15)
+            assert fresh.provider_id != first.provider_id and not fresh.reregister  # a new socket, a new register
+            await double.wait_for(lambda e: isinstance(e, Disconnected) and e.provider_id == first.provider_id,
+                                  since=mark, timeout=10)
+            await double.wait_routable(model="tiny", timeout=15)
+            async with consumer_for(double) as consumer:
+                completion = await consumer.chat.completions.create(model="tiny", messages=chat_messages(),
+                                                                    max_tokens=2)
+            assert completion.usage.completion_tokens == 2
+            process.send_signal(signal.SIGTERM)
+            code = await asyncio.wait_for(process.wait(), 60)
+        finally:
+            if process.returncode is None:
+                process.send_signal(signal.SIGCONT)
+                process.kill()
+                await process.wait()
+        log_lines = (await process.stderr.read()).decode(errors="replace").splitlines()
+        events = [json.loads(line) for line in log_lines if line.startswith("{")]
+        assert code == 0, log_lines[-20:]
+        stalls = [e for e in events if e.get("event") == "stall_detected"]
+        assert len(stalls) == 1 and stalls[0]["gap_s"] > 2.0 and stalls[0]["window_s"] == 2.0
+        assert double.anomalies() == []
 
 
 async def test_the_running_agent_answers_status_and_metrics_on_loopback(coordinator_double, openai_consumer,

@@ -151,6 +151,8 @@ async def test_accept_goes_out_before_the_model_loads(harness):
         update={"ciphertext": _flip(r.encrypted_body.ciphertext)})}), 400, "invalid_request"),
     (lambda c, r: r.model_copy(update={"encrypted_body": r.encrypted_body.model_copy(
         update={"ephemeral_public_key": "not-a-key"})}), 400, "invalid_request"),
+    (lambda c, r: r.model_copy(update={"encrypted_body": r.encrypted_body.model_copy(
+        update={"ephemeral_public_key": base64.b64encode(bytes(32)).decode()})}), 400, "invalid_request"),
     (lambda c, r: c.request("bad", b"{not json"), 400, "invalid_request"),
     (lambda c, r: c.request("bad", {"messages": []}), 400, "invalid_request"),
     (lambda c, r: c.request("bad", {**chat(), "endpoint": "/v1/completions"}), 400, "invalid_request"),
@@ -165,6 +167,20 @@ async def test_fast_rejects_have_no_accept(harness, mutate, status, code):
     assert await harness.run(request) is JobOutcome.REJECTED
     (frame,) = harness.of("bad")
     assert frame["type"] == "inference_error" and frame["status_code"] == status and frame["failure_code"] == code
+
+
+async def test_an_unexpected_failure_before_the_accept_still_gets_exactly_one_answer(harness, monkeypatch):
+    """Issue 12 item 3: whatever goes wrong, a request whose id is known is answered once (500, no accept)."""
+    async def broken_count(*args, **kwargs):
+        raise RuntimeError("a bug somewhere below the job")
+
+    monkeypatch.setattr(harness.ctx.counter, "count", broken_count)
+    with capture_redacted_logs() as logs:
+        assert await harness.run(harness.coordinator.request("oops", chat())) is JobOutcome.REJECTED
+    (frame,) = harness.of("oops")
+    assert (frame["type"], frame["status_code"], frame["failure_code"]) == ("inference_error", 500,
+                                                                           "internal_failure")
+    assert any(e["event"] == "job_crashed" and e.get("exc_type") == "RuntimeError" for e in logs)
 
 
 def _flip(ciphertext: str) -> str:

@@ -95,6 +95,9 @@ def test_one_precomputed_box_per_request(provider, session, monkeypatch):
         "tHFZkLURE4Ne6qGImKWQ5P0vHEfBq17lkLkV/Wm2rSV=",  # non-canonical trailing bits
         "ümlaut==",
         "",
+        base64.b64encode(bytes(32)).decode(),  # low-order points: the shared secret would be all zero
+        base64.b64encode(b"\x01" + bytes(31)).decode(),
+        "4Ot6fDtBuK4WVuP68Z/EatoJjeucMrH9hmIFFl9JuAA=",
     ],
 )
 def test_malformed_keys_are_refused(provider, key):

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 
 import pytest
+from websockets.asyncio.server import serve
 
 from protocol import (
     AttestationResponse,
@@ -24,7 +26,8 @@ from protocol import (
     Usage,
     encode,
 )
-from provider.session.connection import Session, SessionConfig
+from provider.session.connection import Session, SessionConfig, websocket_connect
+from provider.telemetry import capture_redacted_logs
 
 KEY = "tHFZkLURE4Ne6qGImKWQ5P0vHEfBq17lkLkV/Wm2rSU="
 HW = Hardware(machine_model="m", chip_name="c", chip_family="Unknown", chip_tier="Unknown", memory_gb=16,
@@ -79,7 +82,7 @@ class MemoryTransport:
 
 class Harness:
     def __init__(self, *, fail_first: int = 0, drain_timeout_s: float = 5.0,
-                 heartbeat_interval_s: float = 0.05) -> None:
+                 heartbeat_interval_s: float = 0.05, eviction_window_s: float = 90.0) -> None:
         self.transports: list[MemoryTransport] = []
         self.connected = asyncio.Condition()
         self.fail_first = fail_first
@@ -91,7 +94,8 @@ class Harness:
         self.release = asyncio.Event()
         self.session = Session(
             SessionConfig(url="ws://127.0.0.1:1/ws/provider", heartbeat_interval_s=heartbeat_interval_s,
-                          drain_timeout_s=drain_timeout_s, backoff=self._backoff),
+                          drain_timeout_s=drain_timeout_s, eviction_window_s=eviction_window_s,
+                          backoff=self._backoff),
             build_register=lambda: Register(hardware=HW, models=(), backend="inprocess-mlx", public_key=KEY,
                                             encrypted_response_chunks=True),
             answer_challenge=lambda c: AttestationResponse(nonce=c.nonce, signature="c2ln", public_key=KEY),
@@ -256,3 +260,87 @@ async def test_bad_frames_do_not_end_the_connection(frame):
     assert len(h.transports) == 1 and h.session.counters.connection_losses == 0
     stop.set()
     await task
+
+
+async def test_over_long_echoed_fields_are_not_answered_and_the_session_stays_up():
+    """Issue 12 items 3 and 4: an 11 MiB nonce or request id cannot be echoed (the answer would exceed the
+    coordinator's 10 MiB frame limit); the frame is refused, nothing is sent, the connection stays."""
+    h = Harness()
+    stop = asyncio.Event()
+    task = asyncio.create_task(h.session.run(stop))
+    conn = await h.connection(1)
+    huge = "n" * (11 * 1024 * 1024)
+    conn.inbound.put_nowait(json.dumps({"type": "attestation_challenge", "nonce": huge, "timestamp": "t"}))
+    conn.inbound.put_nowait(json.dumps({"type": "inference_request", "request_id": huge, "encrypted_body": 1}))
+    conn.inbound.put_nowait(request(huge))
+    conn.inbound.put_nowait('{"type":"attestation_challenge","nonce":"bm9uY2U=","timestamp":"t"}')
+    await asyncio.wait_for(conn.wait_for(lambda sent: any(f["type"] == "attestation_response" for f in sent)), 10)
+    assert [f["nonce"] for f in conn.sent if f["type"] == "attestation_response"] == ["bm9uY2U="]
+    assert not any("request_id" in f for f in conn.sent) and h.jobs_started == []
+    assert len(h.transports) == 1 and h.session.counters.connection_losses == 0
+    stop.set()
+    await task
+
+
+async def test_a_stall_longer_than_the_eviction_window_reconnects_with_a_fresh_register():
+    """Issue 12 item 2: a process stalled past the coordinator's eviction window has been forgotten by it
+    although its socket is open; the gap between two heartbeats (monotonic) shows it."""
+    h = Harness(heartbeat_interval_s=0.05, eviction_window_s=0.3)
+    stop = asyncio.Event()
+    task = asyncio.create_task(h.session.run(stop))
+    first = await h.connection(1)
+    await first.wait_for(lambda sent: sum(f["type"] == "heartbeat" for f in sent) >= 2)
+    assert len(h.transports) == 1  # heartbeats on time: no reconnect
+    time.sleep(0.5)  # the whole event loop stalls, as under SIGSTOP
+    second = await asyncio.wait_for(h.connection(2), 10)
+    assert second.types()[0] == "register" and first.close_code == 1000
+    assert h.session.counters.connection_losses == 1 and h.session.counters.registrations == 2
+    stop.set()
+    await task
+
+
+# --- redirects, over a real WebSocket ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["other_port", "any_address", "same_origin"])
+async def test_a_redirect_on_the_upgrade_is_never_followed(where):
+    """Issue 12 item 1: a coordinator URL answering the upgrade with 302 is not followed (register carries
+    the auth token and posture claims); the agent retries the configured URL with backoff instead."""
+    target_frames: list[str] = []
+    attempts = asyncio.Queue()
+
+    async def record(ws) -> None:
+        async for frame in ws:
+            target_frames.append(frame)
+
+    target = await serve(record, "127.0.0.1", 0)
+    port = target.sockets[0].getsockname()[1]
+    location = {"other_port": f"ws://127.0.0.1:{port}/ws/provider",
+                "any_address": f"ws://0.0.0.0:{port}/ws/provider", "same_origin": "/elsewhere"}[where]
+
+    def redirect(connection, request):
+        if request.path != "/ws/provider":
+            return None  # /elsewhere on the redirecting server itself: accepted (record() sees the frames)
+        attempts.put_nowait(request.path)
+        response = connection.respond(302, "")
+        response.headers["Location"] = location
+        return response
+
+    redirector = await serve(record, "127.0.0.1", 0, process_request=redirect)
+    url = f"ws://127.0.0.1:{redirector.sockets[0].getsockname()[1]}/ws/provider"
+    h = Harness()
+    session = Session(SessionConfig(url=url, backoff=h._backoff), build_register=h.session._build_register,
+                      answer_challenge=h.session._answer, build_heartbeat=h.session._build_heartbeat,
+                      run_job=h.session._run_job, connect=websocket_connect(open_timeout_s=5))
+    stop = asyncio.Event()
+    with capture_redacted_logs() as logs:
+        task = asyncio.create_task(session.run(stop))
+        for _ in range(3):  # three connects, each one upgrade answered 302 and not followed
+            assert await asyncio.wait_for(attempts.get(), 10) == "/ws/provider"
+        stop.set()
+        await asyncio.wait_for(task, 10)
+    target.close()
+    redirector.close()
+    assert target_frames == [] and session.counters.registrations == 0 and session.counters.connects == 0
+    refused = [e for e in logs if e["event"] == "coordinator_redirect_refused"]
+    assert len(refused) >= 3 and refused[0]["status_code"] == 302

@@ -29,7 +29,17 @@ from provider.session.backoff import (
     is_retryable,
     should_reset_backoff,
 )
-from provider.session.core import CancelJob, InvalidState, Log, Send, SessionCore, SessionState, StartJob
+from protocol.to_provider import MAX_NONCE_CHARS, MAX_REQUEST_ID_CHARS
+from provider.session.core import (
+    CancelJob,
+    InvalidState,
+    Log,
+    RecentRequestIds,
+    Send,
+    SessionCore,
+    SessionState,
+    StartJob,
+)
 
 KEY = "tHFZkLURE4Ne6qGImKWQ5P0vHEfBq17lkLkV/Wm2rSU="
 SESSION_KEY = "X6IvWt6JfUs/rZfjNb0jxCJZa33vVeIwJZnkd3fyskg="
@@ -140,6 +150,85 @@ def test_request_without_encrypted_body_still_starts_a_job_to_answer_400():
     assert isinstance(start, StartJob) and start.request.encrypted_body is None
 
 
+def error_frames(actions) -> list[dict]:
+    return [json.loads(encode(f)) for f in sends(actions) if isinstance(f, InferenceError)]
+
+
+@pytest.mark.parametrize("fields", [
+    {"encrypted_body": "sealed"},
+    {"encrypted_body": {"ephemeral_public_key": SESSION_KEY, "ciphertext": None}},
+    {"first_content_budget_ms": "100"},
+    {"first_content_budget_ms": 1500.0},
+    {"tool_schema_metadata_protocol": True},
+    {"cache_scope": "\ud800"},  # a lone surrogate: not valid JSON text for the strict parser
+])
+def test_an_undecodable_request_with_a_readable_id_gets_exactly_one_400(fields):
+    """Issue 12 item 3: a request whose id can be read is answered, even when the frame does not decode."""
+    core = open_core()
+    frame = {"type": "inference_request", "request_id": "r-typed",
+             "encrypted_body": {"ephemeral_public_key": SESSION_KEY, "ciphertext": "AAAA"}, **fields}
+    actions = core.receive_text(json.dumps(frame))
+    (error,) = error_frames(actions)
+    assert (error["request_id"], error["status_code"], error["failure_code"]) == ("r-typed", 400, "invalid_request")
+    assert not any(isinstance(a, StartJob) for a in actions) and core.active_jobs == frozenset()
+    assert any(isinstance(a, Log) and a.event == "frame_rejected" for a in actions)
+
+
+def test_an_undecodable_duplicate_of_a_running_request_is_left_to_the_running_job():
+    core = open_core()
+    core.receive_text(request_frame("r1"))
+    actions = core.receive_text(json.dumps({"type": "inference_request", "request_id": "r1", "encrypted_body": 5}))
+    assert not sends(actions) and core.active_jobs == {"r1"}
+
+
+@pytest.mark.parametrize("rid", ["x" * (MAX_REQUEST_ID_CHARS + 1), "y" * (11 * 1024 * 1024)])
+@pytest.mark.parametrize("decodable", [True, False])
+def test_a_request_id_beyond_the_size_rule_is_refused_before_any_work(rid, decodable):
+    """Issue 12 item 3: an id whose answer could not be encoded is refused by a size rule, unanswered."""
+    core = open_core()
+    frame = {"type": "inference_request", "request_id": rid,
+             "encrypted_body": {"ephemeral_public_key": SESSION_KEY, "ciphertext": "AAAA" if decodable else 7}}
+    actions = core.receive_text(json.dumps(frame))
+    assert actions and all(isinstance(a, Log) for a in actions)
+    assert all(len(str(v)) < 1024 for a in actions for v in a.fields.values())  # the id is not logged either
+    assert core.active_jobs == frozenset()
+
+
+def test_a_request_id_at_the_size_limit_is_served():
+    core = open_core()
+    (start,) = core.receive_text(request_frame("z" * MAX_REQUEST_ID_CHARS))
+    assert isinstance(start, StartJob)
+
+
+def test_a_replayed_request_id_gets_one_400_without_running():
+    """Issue 12 item 9: a finished request's frame, replayed, is not run again."""
+    core = open_core()
+    (start,) = core.receive_text(request_frame("done-1"))
+    core.job_finished("done-1")
+    actions = core.receive_text(request_frame("done-1"))
+    (error,) = error_frames(actions)
+    assert (error["request_id"], error["status_code"], error["failure_code"]) == ("done-1", 400, "invalid_request")
+    assert not any(isinstance(a, StartJob) for a in actions) and core.active_jobs == frozenset()
+    # Cancelled and refused ids are finished too; a replay after the connection changed is still a replay.
+    core.receive_text(request_frame("cancelled-1"))
+    core.receive_text('{"type":"cancel","request_id":"cancelled-1"}')
+    assert error_frames(core.receive_text(request_frame("cancelled-1")))[0]["status_code"] == 400
+    core.connection_lost()
+    fresh = SessionCore(register=REGISTER, answer_challenge=answer, recent=core.recent)
+    fresh.connection_made()
+    assert error_frames(fresh.receive_text(request_frame("done-1")))[0]["status_code"] == 400
+
+
+def test_the_memory_of_finished_ids_is_bounded():
+    recent = RecentRequestIds(capacity=3)
+    for rid in ("a", "b", "c", "d"):
+        recent.add(rid)
+    assert "a" not in recent and all(rid in recent for rid in ("b", "c", "d")) and len(recent) == 3
+    core = SessionCore(register=REGISTER, answer_challenge=answer, recent=recent)
+    core.connection_made()
+    assert isinstance(core.receive_text(request_frame("a"))[0], StartJob)  # forgotten: served again
+
+
 # --- challenges, runtime status, unknown and malformed frames ----------------------------------------------
 
 
@@ -148,6 +237,18 @@ def test_challenge_is_answered_with_the_nonce():
     actions = core.receive_text('{"type":"attestation_challenge","nonce":"bm9uY2U=","timestamp":"2026-04-30T10:41:07Z"}')
     (frame,) = sends(actions)
     assert isinstance(frame, AttestationResponse) and frame.nonce == "bm9uY2U=" and frame.public_key == KEY
+
+
+@pytest.mark.parametrize("nonce", ["", "n" * (MAX_NONCE_CHARS + 1), "n" * (11 * 1024 * 1024)])
+def test_an_empty_or_over_long_challenge_is_logged_and_not_answered(nonce):
+    """Issue 12 item 4: every echoed field is bounded; the session stays up."""
+    core = open_core()
+    actions = core.receive_text(json.dumps({"type": "attestation_challenge", "nonce": nonce,
+                                            "timestamp": "2026-04-30T10:41:07Z"}))
+    assert actions and all(isinstance(a, Log) for a in actions)
+    assert core.state is SessionState.REGISTERED
+    (frame,) = sends(core.receive_text('{"type":"attestation_challenge","nonce":"bm9uY2U=","timestamp":""}'))
+    assert frame.nonce == "bm9uY2U="
 
 
 def test_runtime_status_mismatches_are_logged_by_component():
@@ -162,7 +263,7 @@ def test_runtime_status_mismatches_are_logged_by_component():
 
 @pytest.mark.parametrize("frame", [
     "", "not json", "[1,2]", "null", '{"no_type":1}', '{"type":5}', '{"type":"cancel","request_id":7}',
-    '{"type":"inference_request","request_id":"x","encrypted_body":"oops"}', b"\xff\xfe", "{" * 5000,
+    '{"type":"inference_request","request_id":7,"encrypted_body":"oops"}', b"\xff\xfe", "{" * 5000,
 ])
 def test_malformed_frames_are_logged_never_raised(frame):
     core = open_core()
@@ -193,11 +294,22 @@ def test_unknown_and_unhandled_types_are_ignored(frame):
                  .map(json.dumps)))
 def test_any_frame_yields_actions_not_exceptions(frame):
     core = open_core()
-    for action in core.receive_text(frame):
+    actions = core.receive_text(frame)
+    for action in actions:
         assert isinstance(action, Send | StartJob | CancelJob | Log)
         if isinstance(action, Send):
             decode(encode(action.frame))  # whatever we send is a valid frame
             assert isinstance(action.frame, AttestationResponse | InferenceError)
+    # A readable request id gets exactly one answer: a job (which answers) or an error frame; nothing else.
+    try:
+        value = json.loads(frame)
+    except ValueError:  # not JSON, or bytes that are not UTF-8
+        value = None
+    answers = [a.request.request_id for a in actions if isinstance(a, StartJob)] + \
+              [a.frame.request_id for a in actions if isinstance(a, Send) and isinstance(a.frame, InferenceError)]
+    readable = (isinstance(value, dict) and value.get("type") == "inference_request"
+                and isinstance(value.get("request_id"), str) and 0 < len(value["request_id"]) <= MAX_REQUEST_ID_CHARS)
+    assert answers == ([value["request_id"]] if readable else [])
 
 
 # --- backoff ---------------------------------------------------------------------------------------------

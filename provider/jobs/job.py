@@ -160,6 +160,13 @@ class Job:
             except asyncio.CancelledError:
                 self._cancelled()
                 raise
+            except Exception as exc:  # the edge of a job: even a bug leaves the request its one answer
+                if self.lifecycle.terminal:
+                    raise
+                log.error("job_crashed", exc_info=exc)
+                rejected = self.lifecycle.state < JobState.ACCEPTED
+                self._fail(Failure.internal())
+                return JobOutcome.REJECTED if rejected else JobOutcome.FAILED
 
     async def _run(self) -> JobOutcome:
         try:

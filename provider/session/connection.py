@@ -8,7 +8,14 @@ Per connection:
   30 s late;
 * one send queue and one writer task, so the frames of concurrent jobs interleave whole;
 * a reader task feeding the core, a heartbeat task, and a clock watchdog that drops the connection
-  when the wall clock jumps (the machine slept: the socket is dead even if nothing said so yet).
+  when the wall clock jumps (the machine slept: the socket is dead even if nothing said so yet);
+* the heartbeat task also drops the connection when two consecutive heartbeats are further apart
+  (monotonic) than the coordinator's eviction window (``eviction_window_s``, [A]: 90 s). The process
+  was stalled (SIGSTOP, a debugger, swap): the coordinator has evicted us and ignores the heartbeats
+  of this socket for good, though it stays open, so only a fresh ``register`` makes us routable again.
+  The clock watchdog cannot see this: under a stall both clocks advance together;
+* redirects of the upgrade are never followed: ``register`` carries the auth token and posture
+  claims, and only the configured URL was checked against the URL rules.
 
 Across connections: reconnect with ``backoff_delays()`` (1 s → 30 s, jittered), starting over only
 after a session that stayed registered ≥ 30 s. Every connection gets a fresh core, hence exactly one
@@ -30,11 +37,20 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from websockets.asyncio.client import connect as ws_connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from protocol import MAX_INBOUND_FRAME_BYTES, Heartbeat, InferenceRequest, Register, encode
+from protocol import MAX_INBOUND_FRAME_BYTES, EncodeError, Heartbeat, InferenceRequest, Register, encode
 from provider.session.backoff import backoff_delays, clock_jumped, is_retryable, should_reset_backoff
-from provider.session.core import Action, CancelJob, ChallengeAnswerer, Log, Send, SessionCore, StartJob
+from provider.session.core import (
+    Action,
+    CancelJob,
+    ChallengeAnswerer,
+    Log,
+    RecentRequestIds,
+    Send,
+    SessionCore,
+    StartJob,
+)
 from provider.telemetry import get_logger
 
 log = get_logger("provider.session")
@@ -45,6 +61,7 @@ OPEN_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 5.0
 FLUSH_TIMEOUT_S = 5.0
 MAX_FRAME_BYTES = MAX_INBOUND_FRAME_BYTES + (1 << 20)  # the largest request plus room for its envelope
+COORDINATOR_EVICTION_WINDOW_S = 90.0  # [A] StartEvictionLoop(ctx, 90*time.Second); [N] evicts later (~120 s)
 
 
 class Transport(Protocol):
@@ -62,12 +79,28 @@ JobRunner = Callable[[InferenceRequest, Callable[[str], None]], Awaitable[object
 HeartbeatBuilder = Callable[[bool], Heartbeat]  # draining -> frame
 
 
+class RedirectRefused(InvalidStatus):
+    """The coordinator URL answered the upgrade with a redirect, which we never follow."""
+
+
+class _NoRedirects(ws_connect):
+    """The ``websockets`` client with redirects refused: following one would send ``register`` (auth token,
+    posture claims) and challenge answers to a URL nobody checked against our URL rules, possibly over
+    cleartext or to another host."""
+
+    def process_redirect(self, exc: Exception) -> Exception | str:
+        if isinstance(exc, InvalidStatus) and 300 <= exc.response.status_code < 400:
+            return RedirectRefused(exc.response)
+        return exc
+
+
 def websocket_connect(*, ping_interval_s: float = PING_INTERVAL_S, ping_timeout_s: float = PING_TIMEOUT_S,
                       open_timeout_s: float = OPEN_TIMEOUT_S, max_size: int = MAX_FRAME_BYTES) -> ConnectFactory:
-    """The production connect factory: the ``websockets`` asyncio client, configured for the coordinator."""
+    """The production connect factory: the ``websockets`` asyncio client, configured for the coordinator
+    (and refusing redirects)."""
 
     async def connect(url: str) -> Transport:
-        return await ws_connect(
+        return await _NoRedirects(
             url,
             max_size=max_size,
             ping_interval=ping_interval_s,
@@ -86,6 +119,7 @@ class SessionConfig:
     url: str
     heartbeat_interval_s: float = 5.0
     drain_timeout_s: float = 30.0
+    eviction_window_s: float = COORDINATOR_EVICTION_WINDOW_S  # a longer gap between heartbeats: reconnect
     clock_check_interval_s: float = PING_INTERVAL_S
     stable_after_s: float = 30.0
     dev_posture: bool = False  # warn at every connect
@@ -121,6 +155,7 @@ class Session:
         self._run_job = run_job
         self._connect = connect or websocket_connect()
         self.counters = SessionCounters()
+        self.recent = RecentRequestIds()  # finished request ids, across connections: replays are refused
         self.registered = asyncio.Event()  # set while a connection is registered (tests wait on it)
         self._capacity_changed = asyncio.Event()
 
@@ -144,7 +179,10 @@ class Session:
                 if not is_retryable(exc):
                     log.error("coordinator_unreachable", error_type=type(exc).__name__)
                     raise
-                log.warning("coordinator_connect_failed", error_type=type(exc).__name__)
+                if isinstance(exc, RedirectRefused):
+                    log.warning("coordinator_redirect_refused", status_code=exc.response.status_code)
+                else:
+                    log.warning("coordinator_connect_failed", error_type=type(exc).__name__)
                 transport = None
             if transport is None and stop.is_set():
                 return
@@ -199,7 +237,8 @@ class _Connection:
     def __init__(self, session: Session, transport: Transport) -> None:
         self.session = session
         self.transport = transport
-        self.core = SessionCore(register=session._build_register(), answer_challenge=session._answer)
+        self.core = SessionCore(register=session._build_register(), answer_challenge=session._answer,
+                                recent=session.recent)
         self.queue: asyncio.Queue[str | None] = asyncio.Queue()
         self.jobs: dict[str, asyncio.Task[object]] = {}
         self.drained = False
@@ -211,7 +250,12 @@ class _Connection:
         for action in actions:
             match action:
                 case Send(frame=frame):
-                    self.send(encode(frame))
+                    try:
+                        text = encode(frame)
+                    except EncodeError:  # the core's size rules should make this impossible: a bug
+                        log.error("frame_not_encodable", kind=frame.type)
+                        continue
+                    self.send(text)
                 case StartJob(request=request):
                     self._start_job(request)
                 case CancelJob(request_id=request_id):
@@ -251,9 +295,18 @@ class _Connection:
             await self.transport.send(text)
 
     async def heartbeats(self, draining: bool = False) -> None:
+        """Every interval (or at once on a capacity change) until the gap since the last one shows a stall
+        longer than the eviction window: then return, which ends this connection."""
         interval = self.session.config.heartbeat_interval_s
+        window = self.session.config.eviction_window_s
         changed = self.session._capacity_changed
+        last = time.monotonic()
         while True:
+            now = time.monotonic()
+            if now - last > window:
+                log.warning("stall_detected", gap_s=round(now - last, 3), window_s=window)
+                return
+            last = now
             changed.clear()
             self.send_heartbeat(draining)
             with contextlib.suppress(TimeoutError):  # the interval, or sooner when capacity changed
@@ -354,10 +407,12 @@ async def _until_stopped(awaitable: Awaitable[Transport], stop: asyncio.Event) -
 
 __all__ = [
     "CLOSE_TIMEOUT_S",
+    "COORDINATOR_EVICTION_WINDOW_S",
     "MAX_FRAME_BYTES",
     "PING_INTERVAL_S",
     "PING_TIMEOUT_S",
     "ConnectFactory",
+    "RedirectRefused",
     "HeartbeatBuilder",
     "JobRunner",
     "Session",

@@ -6,7 +6,8 @@ touches a socket: the asyncio shell (``connection.py``) calls
 * ``connection_made()`` once the socket is open — the only way ``register`` is produced, so every
   connection starts with exactly one ``register``;
 * ``receive_text(frame)`` for every inbound frame — decoding happens here, so a malformed frame
-  becomes a ``Log`` action instead of an exception in the shell;
+  becomes a ``Log`` action instead of an exception in the shell (and an ``inference_request`` whose id
+  can still be read gets its one 400 ``invalid_request``);
 * ``job_finished(id)`` when a job task ends, ``start_draining()`` on SIGTERM, ``connection_lost()``
   when the socket is gone;
 
@@ -16,9 +17,16 @@ queue), ``StartJob`` / ``CancelJob`` (start or cancel a job task), ``Log``.
 What the core decides (protocol.md §4, §7.4, §15.5, §15.22):
 
 * ``inference_request`` → ``StartJob``; while draining → a 503 ``draining`` fast reject instead.
+  Exactly one terminal frame answers every request whose id can be read: the job's, or one the core
+  sends itself. A frame that does not decode but whose id is readable → 400 ``invalid_request``; a
+  replay of a recently finished id (``RecentRequestIds``, bounded, shared by the connections of a
+  session) → 400 ``invalid_request``, not run again; a duplicate of a running id → nothing (the running
+  job answers it). An id beyond the size rule (``protocol.to_provider.MAX_REQUEST_ID_CHARS``) cannot be
+  echoed: refused before any work, logged, unanswered.
 * ``cancel`` for a running job → ``CancelJob`` and nothing is sent for it (§7.4); for an unknown or
   finished id → nothing at all (the [A] coordinator cancels every request after it completes).
-* ``attestation_challenge`` → ``Send(attestation_response)`` built by the injected answerer.
+* ``attestation_challenge`` → ``Send(attestation_response)`` built by the injected answerer; an empty
+  or over-long nonce (the size rule again) is logged and not answered.
 * ``runtime_status`` → logged, naming each mismatched component; we stay connected.
 * unknown types, [N]-only types and undecodable frames → logged and ignored; the session goes on.
 
@@ -29,6 +37,7 @@ Assigning ``state`` logs the transition; each entry point guards the states it i
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -47,6 +56,7 @@ from protocol import (
     RuntimeStatus,
     UnknownMessage,
     decode,
+    readable_request_id,
 )
 from protocol.errors import Failure, inference_error_frame
 from provider.config import LogLevel
@@ -109,14 +119,44 @@ def _log(level: LogLevel, event: str, **fields: Any) -> Log:
     return Log(level, event, MappingProxyType(fields))
 
 
+MAX_LOGGED_TYPE_CHARS = 64  # an unknown frame type is the coordinator's string: log a bounded prefix
+
+
+class RecentRequestIds:
+    """The ids of the last ``capacity`` requests that finished (answered, failed, cancelled or refused),
+    oldest forgotten first, so a replayed frame is refused instead of run again."""
+
+    DEFAULT_CAPACITY = 4096  # ≤ 256 characters each: a few MiB at worst
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        self._capacity = capacity
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, request_id: str) -> None:
+        self._ids[request_id] = None
+        self._ids.move_to_end(request_id)
+        while len(self._ids) > self._capacity:
+            self._ids.popitem(last=False)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
 class SessionCore:
     """What to send, start and cancel for each event on one connection. No I/O, no awaits."""
 
-    def __init__(self, *, register: Register, answer_challenge: ChallengeAnswerer) -> None:
+    def __init__(self, *, register: Register, answer_challenge: ChallengeAnswerer,
+                 recent: RecentRequestIds | None = None) -> None:
         self._register = register
         self._answer = answer_challenge
         self._state = SessionState.CONNECTING
         self._jobs: set[str] = set()
+        self.recent = recent if recent is not None else RecentRequestIds()
 
     # --- state ----------------------------------------------------------------------------------------
 
@@ -153,7 +193,11 @@ class SessionCore:
             message = decode(data)
         except ProtocolError as exc:
             # ProtocolError texts name the problem, never the frame's content.
-            return [_log(LogLevel.WARNING, "frame_rejected", reason=str(exc), size_bytes=len(data))]
+            rejected = _log(LogLevel.WARNING, "frame_rejected", reason=str(exc), size_bytes=len(data))
+            request_id = readable_request_id(data)
+            if request_id is None:
+                return [rejected]
+            return [rejected, *self._refuse_request(request_id, "undecodable_request")]
         return self.receive(message)
 
     def receive(self, message: Message) -> list[Action]:
@@ -164,18 +208,21 @@ class SessionCore:
                 return self._on_request(message)
             case Cancel(request_id=request_id):
                 return self._on_cancel(request_id)
+            case AttestationChallenge(nonce=""):
+                return [_log(LogLevel.WARNING, "challenge_ignored", reason="empty_nonce")]
             case AttestationChallenge():
                 return [Send(self._answer(message)), _log(LogLevel.INFO, "challenge_answered")]
             case RuntimeStatus():
                 return self._on_runtime_status(message)
             case UnknownMessage(type=kind):
-                return [_log(LogLevel.INFO, "frame_ignored", kind=kind, reason="unknown_type")]
+                return [_log(LogLevel.INFO, "frame_ignored", kind=kind[:MAX_LOGGED_TYPE_CHARS], reason="unknown_type")]
             case _:
                 return [_log(LogLevel.DEBUG, "frame_ignored", kind=message.type, reason="not_handled")]
 
     def job_finished(self, request_id: str) -> None:
         """A job task ended (any way). Idempotent."""
         self._jobs.discard(request_id)
+        self.recent.add(request_id)
 
     def start_draining(self) -> list[Action]:
         """From now on new requests are refused with 503 ``draining``; running jobs go on."""
@@ -190,6 +237,8 @@ class SessionCore:
             return []
         self.state = SessionState.CLOSED
         actions: list[Action] = [CancelJob(rid) for rid in sorted(self._jobs)]
+        for rid in self._jobs:
+            self.recent.add(rid)
         self._jobs.clear()
         return actions
 
@@ -199,10 +248,10 @@ class SessionCore:
         rid = request.request_id
         if not rid:
             return [_log(LogLevel.WARNING, "frame_rejected", reason="inference_request without request_id")]
-        if rid in self._jobs:
-            # Answering would end the running job on the coordinator's side: ignore the duplicate.
-            return [_log(LogLevel.WARNING, "frame_rejected", request_id=rid, reason="duplicate request_id")]
+        if rid in self._jobs or rid in self.recent:
+            return self._refuse_request(rid, "duplicate_request_id")
         if self._state is SessionState.DRAINING:
+            self.recent.add(rid)
             return [
                 Send(inference_error_frame(rid, Failure.draining())),
                 _log(LogLevel.INFO, "request_rejected", request_id=rid, reason="draining"),
@@ -210,10 +259,23 @@ class SessionCore:
         self._jobs.add(rid)
         return [StartJob(request)]
 
+    def _refuse_request(self, rid: str, reason: str) -> list[Action]:
+        """A request we will not run. A running job with this id gives its one answer itself (answering
+        here would end it on the coordinator's side); otherwise this is the one answer: 400."""
+        if rid in self._jobs:
+            return [_log(LogLevel.WARNING, "request_ignored", request_id=rid, reason=reason)]
+        reason = "replayed_request_id" if rid in self.recent else reason
+        self.recent.add(rid)
+        return [
+            Send(inference_error_frame(rid, Failure.invalid_request())),
+            _log(LogLevel.WARNING, "request_rejected", request_id=rid, reason=reason),
+        ]
+
     def _on_cancel(self, request_id: str) -> list[Action]:
         if request_id not in self._jobs:
             return [_log(LogLevel.DEBUG, "cancel_ignored", request_id=request_id, reason="unknown_or_finished")]
         self._jobs.discard(request_id)
+        self.recent.add(request_id)
         return [CancelJob(request_id), _log(LogLevel.INFO, "cancel_received", request_id=request_id)]
 
     def _on_runtime_status(self, status: RuntimeStatus) -> list[Action]:
@@ -233,6 +295,7 @@ __all__ = [
     "ChallengeAnswerer",
     "InvalidState",
     "Log",
+    "RecentRequestIds",
     "Send",
     "SessionCore",
     "SessionState",
