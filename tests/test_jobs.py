@@ -155,6 +155,9 @@ async def test_accept_goes_out_before_the_model_loads(harness):
         update={"ephemeral_public_key": base64.b64encode(bytes(32)).decode()})}), 400, "invalid_request"),
     (lambda c, r: c.request("bad", b"{not json"), 400, "invalid_request"),
     (lambda c, r: c.request("bad", {"messages": []}), 400, "invalid_request"),
+    (lambda c, r: c.request("bad", {**chat(), "messages": [{"role": "user"}]}), 400, "invalid_request"),
+    (lambda c, r: c.request("bad", {**chat(), "messages": [{"role": "wizard", "content": "hi"}]}), 400,
+     "invalid_request"),
     (lambda c, r: c.request("bad", {**chat(), "endpoint": "/v1/completions"}), 400, "invalid_request"),
     (lambda c, r: c.request("bad", chat(model="someone-elses-model") | {"model": "other"}), 404, "model_unavailable"),
     (lambda c, r: c.request("bad", chat(content="word " * 3000)), 400, "invalid_request"),  # > context 2048

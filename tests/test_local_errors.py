@@ -103,6 +103,8 @@ BAD_BODIES = [  # (what the client sends on top of a valid body, param, words of
     ({"n": 2}, "n", "must be 1"),
     ({"messages": []}, "messages", "non-empty array of messages"),
     ({"messages": [{"content": CANARY}]}, "messages.0.role", "is required"),
+    ({"messages": [{"role": "wizard", "content": CANARY}]}, "messages.0.role", "must be one of"),  # issue 12.5
+    ({"messages": [{"role": "user"}]}, "messages.0.content", "is required"),
     ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": CANARY}]}]}, "messages.0.content",
      "text and image_url parts"),
     ({"stop": [""]}, "stop", "non-empty"),

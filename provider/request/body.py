@@ -6,6 +6,10 @@ are ignored, as OpenAI-compatible servers do. A bad body raises `InvalidBody` ca
 the offending parameter (`max_tokens`, `messages.0.role`) and the rule it breaks, in fixed words
 (`must be an integer >= 1`), never its value (it may be prompt text).
 
+Messages: `role` is one of OpenAI's (system, developer, user, assistant, tool); `content` is required
+(null counts as missing) except on an assistant message that carries `tool_calls`. Anything else is a
+client error (400), never silently run as an empty message.
+
 Content parts: `text` and `image_url` (`{"image_url": {"url": ...}}`). A message with only text
 parts becomes one string (what a text model's template expects). A message with images keeps its
 parts in order, each image as a bare `{"type": "image_url"}` marker; the URLs go to
@@ -17,9 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from provider.engine import SamplingParams
 
@@ -57,7 +62,7 @@ _FIELD_RULES: dict[str, str] = {
 }
 # Nested parameters, by their own name (messages.N.content), else by pydantic's error type.
 _NESTED_RULES: dict[str, str] = {
-    "role": "must be a non-empty string",
+    "role": "must be one of system, developer, user, assistant, tool",
     "content": "must be a string or an array of text and image_url parts",
     "include_usage": "must be a boolean",
 }
@@ -76,12 +81,17 @@ _TYPE_RULES: dict[str, str] = {
 class _Message(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: str = Field(min_length=1)
-    content: str | list[Any] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    tool_calls: list[Any] | None = None  # declared before content: its validator reads it
+    content: str | list[Any] | None = Field(None, validate_default=True)
 
     @field_validator("content")
     @classmethod
-    def _known_parts_only(cls, content: Any) -> Any:
+    def _known_parts_only(cls, content: Any, info: ValidationInfo) -> Any:
+        if content is None:
+            if info.data.get("role") == "assistant" and info.data.get("tool_calls"):
+                return content  # an assistant turn that only called tools
+            raise PydanticCustomError("missing", "content is required")
         if isinstance(content, list):
             for part in content:
                 if _image_url(part) is None and _text(part) is None:
