@@ -149,6 +149,18 @@ def test_an_image_for_a_text_model_is_415_unsupported_media(server):
     assert "retry-after" not in err.value.response.headers
 
 
+def test_a_model_name_the_client_chose_never_reaches_the_log(server):
+    """Issue 12 item 7: as in coordinator mode, a requested model is logged only when it is one of ours."""
+    canary_model = f"no/such-model-{CANARY}"
+    with pytest.raises(openai.NotFoundError):
+        server.client().chat.completions.create(model=canary_model, messages=[{"role": "user", "content": "x"}])
+    server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    log = server.log_path.read_text()
+    refused = [json.loads(line) for line in log.splitlines() if '"request_refused"' in line]
+    assert any(e["code"] == "model_unavailable" for e in refused)  # the refusal is logged, without the name
+    assert CANARY not in log
+
+
 def test_metrics_parse_with_prometheus_client(server):
     server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     resp = httpx.get(server.base_url + "/metrics")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import asdict
 from typing import Any, Protocol
 
@@ -182,8 +182,8 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
             stream: RequestStream = await opened.__aenter__()
         except Refused as refused:
             failure = refused.failure
-            log.info("request_refused", request_id=request_id, model=body.model, code=failure.code,
-                     reason=failure.reason, rejection_reason=failure.rejection)
+            log.info("request_refused", request_id=request_id, code=failure.code, reason=failure.reason,
+                     rejection_reason=failure.rejection, **_model_field(body.model, backend.model_ids()))
             if failure.rejection is not None:
                 metrics.rejected(failure.rejection)
             metrics.request_finished(RequestOutcome.REJECTED)
@@ -197,6 +197,12 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
             await opened.__aexit__(None, None, None)
 
     return app
+
+
+def _model_field(model: str, ours: Iterable[str]) -> dict[str, str]:
+    """``model`` for a log line only when it names one of our models: otherwise it is a string the client
+    chose (it may be anything, prompt text included), and it is left out, as the coordinator path does."""
+    return {"model": model} if model in ours else {}
 
 
 async def _complete(stream: RequestStream, request_id: str, body: ChatBody, metrics: Metrics) -> Response:
