@@ -14,9 +14,11 @@ creates, so a mistyped root cannot wipe someone else's files.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
+import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -26,6 +28,7 @@ from pathlib import Path
 # Per-model directory: <32 hex: keyed hash of the model id>.<16 hex: epoch of this open>
 MODEL_DIR_RE = re.compile(r"^[0-9a-f]{32}\.[0-9a-f]{16}$")
 TEMP_SUFFIX = ".tmp"
+KVCACHE_DIR = "kvcache"  # the SSD tier's directory under the agent's state_dir
 
 FileId = tuple[str, str]  # (model_id, file name)
 
@@ -118,6 +121,20 @@ def ensure_private_dir(path: Path) -> None:
     """Create `path` (and parents) as 0700; tighten it if it already existed."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(path, 0o700)
+
+
+def check_writable_dir(root: Path) -> None:
+    """Make sure the SSD tier can live in `root`: create it as 0700 and write and remove one probe file.
+    Raises `OSError` (read-only file system, permissions, a file in the way...)."""
+    ensure_private_dir(root)
+    fd, name = tempfile.mkstemp(prefix=".probe-", suffix=TEMP_SUFFIX, dir=root)
+    os.close(fd)
+    os.unlink(name)
+
+
+def os_error_name(exc: OSError) -> str:
+    """A closed-vocabulary name for why a file operation failed (`EROFS`, `EACCES`...), never its text."""
+    return errno.errorcode.get(exc.errno or 0, "OSError")
 
 
 def startup_sweep(root: Path) -> int:

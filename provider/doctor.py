@@ -25,7 +25,10 @@ Problems (`Problem`) come in two severities. An ERROR makes `doctor` exit 1:
 WARNINGs are printed but keep exit 0: ``model_skipped`` (a broken or partial model folder),
 ``unrecognised_env`` (a `DARKBLOOM_*` variable nothing reads), ``runtime_hash_unavailable``,
 ``setting_rejected`` / ``setting_clamped`` (a memory-policy variable that was not usable as given:
-the detail says what was given and what was used instead).
+the detail says what was given and what was used instead), ``ssd_tier_unavailable`` (the state
+directory cannot hold the KV SSD tier -- read-only, someone else's, a file in the way: the agent
+starts without it; subject: the OS error's name). That check creates `state_dir/kvcache` (0700) as
+the agent would, and writes and removes one probe file there.
 An invalid configuration never reaches this module: the CLI exits 78 with one line first.
 
 `report_json()` is a stable interface (keys are only ever added): ``cap`` holds every
@@ -63,6 +66,7 @@ from memory import (
     Probe,
     RoomCause,
 )
+from kvcache.disk import KVCACHE_DIR, check_writable_dir, os_error_name
 from memory.probe import no_mlx_counters
 from provider.config import Settings, unrecognised_env
 from provider.models import Inventory, ModelInfo, Quantization, default_hf_cache, discover
@@ -98,6 +102,7 @@ class ProblemCode(StrEnum):
     RUNTIME_HASH_UNAVAILABLE = "runtime_hash_unavailable"
     SETTING_REJECTED = "setting_rejected"
     SETTING_CLAMPED = "setting_clamped"
+    SSD_TIER_UNAVAILABLE = "ssd_tier_unavailable"
 
 
 _SEVERITY: dict[ProblemCode, Severity] = {
@@ -112,6 +117,7 @@ _SEVERITY: dict[ProblemCode, Severity] = {
     ProblemCode.RUNTIME_HASH_UNAVAILABLE: Severity.WARNING,
     ProblemCode.SETTING_REJECTED: Severity.WARNING,
     ProblemCode.SETTING_CLAMPED: Severity.WARNING,
+    ProblemCode.SSD_TIER_UNAVAILABLE: Severity.WARNING,
 }
 
 _EXPLAIN: dict[ProblemCode, str] = {
@@ -126,6 +132,7 @@ _EXPLAIN: dict[ProblemCode, str] = {
     ProblemCode.RUNTIME_HASH_UNAVAILABLE: "runtime hash could not be computed",
     ProblemCode.SETTING_REJECTED: "value not usable, the default was used",
     ProblemCode.SETTING_CLAMPED: "value out of range, clamped",
+    ProblemCode.SSD_TIER_UNAVAILABLE: "state directory not writable: the agent starts without the SSD tier",
 }
 
 
@@ -243,16 +250,18 @@ def runtime_hash_of(settings: Settings) -> str | None:
 
 
 async def check_coordinator(url: str, timeout_s: float = DEFAULT_COORDINATOR_TIMEOUT_S) -> CoordinatorCheck:
-    """TCP (+TLS) connect and a WebSocket handshake to `url`, closed at once; never raises."""
-    from websockets.asyncio.client import connect
+    """TCP (+TLS) connect and a WebSocket handshake to `url`, closed at once; never raises. A redirect is
+    a rejected handshake, as it is for the agent (which never follows one)."""
     from websockets.exceptions import InvalidHandshake, InvalidStatus
+
+    from provider.session.connection import NoRedirectConnect
 
     def result(reach: Reach, status: int | None = None) -> CoordinatorCheck:
         return CoordinatorCheck(url, True, reach is Reach.OK, reach, status)
 
     try:
         async with asyncio.timeout(timeout_s):
-            async with connect(url, open_timeout=timeout_s, close_timeout=1, max_size=2**16):
+            async with NoRedirectConnect(url, open_timeout=timeout_s, close_timeout=1, max_size=2**16):
                 pass
     except InvalidStatus as exc:
         return result(Reach.HANDSHAKE_REJECTED, exc.response.status_code)
@@ -296,7 +305,7 @@ def run_doctor(
         coordinator = CoordinatorCheck(settings.coordinator_url, False, None, Reach.NOT_CHECKED)
     rhash = runtime_hash_of(settings)
     no_room = _no_room(settings, snapshot, policy, cap)
-    problems = _problems(models, inventory, level, coordinator, rhash, env, policy, no_room)
+    problems = _problems(models, inventory, level, coordinator, rhash, env, policy, no_room) + _ssd_tier(settings)
     return DoctorReport(snapshot, hypothetical, cap, policy, level, rhash, models, inventory, coordinator, problems)
 
 
@@ -316,6 +325,17 @@ def _no_room(settings: Settings, snapshot: MemorySnapshot, policy: PolicySetting
               f"+ the minimum KV ({human_bytes(cap.min_kv_bytes)}) under the effective cap "
               f"({human_bytes(cap.effective_cap_bytes)}); set by {', '.join(values[c] for c in causes)}")
     return Problem(ProblemCode.NO_ROOM, ", ".join(ROOM_CAUSE_SETTING[c] for c in causes), detail)
+
+
+def _ssd_tier(settings: Settings) -> tuple[Problem, ...]:
+    """The agent's own check of its KV SSD directory (`provider.runtime.build_prefix_cache`)."""
+    root = settings.state_dir / KVCACHE_DIR
+    try:
+        check_writable_dir(root)
+    except OSError as exc:
+        return (Problem(ProblemCode.SSD_TIER_UNAVAILABLE, os_error_name(exc),
+                        f"{root}: {os.strerror(exc.errno) if exc.errno else 'not usable'}"),)
+    return ()
 
 
 def adjustment_problem(adjustment: EnvAdjustment) -> Problem:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import memory
-from kvcache.disk import DiskBudget, startup_sweep
+from kvcache.disk import KVCACHE_DIR, DiskBudget, check_writable_dir, os_error_name, startup_sweep
 from kvcache.manager import KvCacheManager
 from kvcache.ssd import SsdStore
 from memory import Ledger, Probe
@@ -44,7 +44,6 @@ from provider.telemetry import get_logger
 
 log = get_logger("provider.runtime")
 
-KVCACHE_DIR = "kvcache"
 WEIGHT_HASH_CACHE = CACHE_FILE  # in the state dir: per-file digests by (path, size, mtime), across restarts
 
 
@@ -90,16 +89,23 @@ class WeightHashes:
 
 def build_prefix_cache(settings: Settings, ledger: Ledger, probe: Probe,
                        write_executor: ThreadPoolExecutor) -> KvCacheManager:
-    """The sweep first (a previous process's files are unreadable by design), then the tiers."""
+    """The sweep first (a previous process's files are unreadable by design), then the tiers. A state
+    directory we cannot write (read-only, someone else's, a file in the way) costs only the SSD tier:
+    one warning says why, and the RAM tier serves on (a service manager must not restart us forever)."""
     root = settings.state_dir / KVCACHE_DIR
-    removed = startup_sweep(root)  # also creates root as 0700
     ssd = None
-    if settings.kv_ssd_budget_bytes > 0:
-        budget = DiskBudget(root, settings.kv_ssd_budget_bytes)  # min(configured, half the free disk)
-        ssd = SsdStore(root, budget=budget)
-        log.info("prefix_cache_ready", path=str(root), count=removed, limit_bytes=budget.limit_bytes())
-    else:
-        log.info("prefix_cache_ready", path=str(root), count=removed, limit_bytes=0)
+    try:
+        removed = startup_sweep(root)  # also creates root as 0700
+        if settings.kv_ssd_budget_bytes > 0:
+            check_writable_dir(root)
+            budget = DiskBudget(root, settings.kv_ssd_budget_bytes)  # min(configured, half the free disk)
+            ssd = SsdStore(root, budget=budget)
+            log.info("prefix_cache_ready", path=str(root), count=removed, limit_bytes=budget.limit_bytes())
+        else:
+            log.info("prefix_cache_ready", path=str(root), count=removed, limit_bytes=0)
+    except OSError as exc:
+        ssd = None
+        log.warning("ssd_tier_unavailable", path=str(root), reason=os_error_name(exc))
     return KvCacheManager(ledger, ssd=ssd, sample_snapshot=probe.snapshot, write_executor=write_executor)
 
 

@@ -344,3 +344,27 @@ async def test_a_redirect_on_the_upgrade_is_never_followed(where):
     assert target_frames == [] and session.counters.registrations == 0 and session.counters.connects == 0
     refused = [e for e in logs if e["event"] == "coordinator_redirect_refused"]
     assert len(refused) >= 3 and refused[0]["status_code"] == 302
+
+
+async def test_doctor_reports_a_redirecting_coordinator_as_rejecting_the_handshake():
+    """`doctor` checks the coordinator with the agent's own client: a 302 is not "reachable"."""
+    from provider.doctor import Reach, check_coordinator
+
+    async def record(ws) -> None:
+        async for _ in ws:
+            pass
+
+    target = await serve(record, "127.0.0.1", 0)
+
+    def redirect(connection, request):
+        if request.path != "/ws/provider":
+            return None
+        response = connection.respond(302, "")
+        response.headers["Location"] = "/elsewhere"
+        return response
+
+    redirector = await serve(record, "127.0.0.1", 0, process_request=redirect)
+    check = await check_coordinator(f"ws://127.0.0.1:{redirector.sockets[0].getsockname()[1]}/ws/provider", 5)
+    target.close()
+    redirector.close()
+    assert (check.reachable, check.detail, check.http_status) == (False, Reach.HANDSHAKE_REJECTED, 302)

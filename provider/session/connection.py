@@ -83,7 +83,7 @@ class RedirectRefused(InvalidStatus):
     """The coordinator URL answered the upgrade with a redirect, which we never follow."""
 
 
-class _NoRedirects(ws_connect):
+class NoRedirectConnect(ws_connect):
     """The ``websockets`` client with redirects refused: following one would send ``register`` (auth token,
     posture claims) and challenge answers to a URL nobody checked against our URL rules, possibly over
     cleartext or to another host."""
@@ -100,7 +100,7 @@ def websocket_connect(*, ping_interval_s: float = PING_INTERVAL_S, ping_timeout_
     (and refusing redirects)."""
 
     async def connect(url: str) -> Transport:
-        return await _NoRedirects(
+        return await NoRedirectConnect(
             url,
             max_size=max_size,
             ping_interval=ping_interval_s,
@@ -415,6 +415,7 @@ __all__ = [
     "RedirectRefused",
     "HeartbeatBuilder",
     "JobRunner",
+    "NoRedirectConnect",
     "Session",
     "SessionConfig",
     "SessionCounters",
