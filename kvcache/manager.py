@@ -64,13 +64,14 @@ class PrefixCacheStats:
     disk_bytes: int = 0
     entries: int = 0  # RAM entries
     ssd_hits: int = 0  # hits and partial hits served from the SSD tier (included above)
+    reused_tokens: int = 0  # prompt tokens whose KV came from the cache instead of a prefill
 
     def __add__(self, other: PrefixCacheStats) -> PrefixCacheStats:
         return PrefixCacheStats(*(a + b for a, b in zip(_fields(self), _fields(other), strict=True)))
 
 
 def _fields(s: PrefixCacheStats) -> tuple[int, ...]:
-    return (s.hits, s.partial_hits, s.misses, s.ram_bytes, s.disk_bytes, s.entries, s.ssd_hits)
+    return (s.hits, s.partial_hits, s.misses, s.ram_bytes, s.disk_bytes, s.entries, s.ssd_hits, s.reused_tokens)
 
 
 class ModelKvCache:
@@ -84,7 +85,7 @@ class ModelKvCache:
         self._ssd = ssd
         self._executor = write_executor
         self._lock = threading.Lock()
-        self._hits = self._partial = self._misses = self._ssd_hits = 0
+        self._hits = self._partial = self._misses = self._ssd_hits = self._reused = 0
 
     def fetch(self, tokens: Sequence[int]) -> Reuse:
         """The longest reusable prefix of `tokens` from RAM, else from SSD (promoted to RAM)."""
@@ -98,6 +99,7 @@ class ModelKvCache:
                 self._partial += 1
             if reuse.tier is Tier.SSD:
                 self._ssd_hits += 1
+            self._reused += reuse.matched
         return reuse
 
     def _lookup(self, tokens: Sequence[int]) -> Reuse:
@@ -120,7 +122,13 @@ class ModelKvCache:
         return MISS
 
     def store(self, tokens: Sequence[int], cache: Sequence[object]) -> StoreOutcome:
-        """Keep `cache`'s first `len(tokens)` positions under `tokens`: RAM, and write-through to SSD."""
+        """Keep `cache` under the leading `tokens` it holds: RAM, and write-through to SSD.
+
+        `tokens` may run past the cache (a finished request's prompt + completion, when a cache
+        ends before its last token): only the positions the cache really holds are kept."""
+        if not state.reusable(cache):
+            return StoreOutcome.UNSUPPORTED
+        tokens = tokens[: state.cache_tokens(cache)]
         outcome = self.ram.store(tokens, cache)
         if self._ssd is None or outcome in (StoreOutcome.UNSUPPORTED, StoreOutcome.CLOSED, StoreOutcome.COVERED):
             return outcome
@@ -144,9 +152,10 @@ class ModelKvCache:
 
     def stats(self) -> PrefixCacheStats:
         with self._lock:
-            counts = (self._hits, self._partial, self._misses, self._ssd_hits)
+            hits, partial, misses, ssd_hits, reused = (self._hits, self._partial, self._misses, self._ssd_hits,
+                                                       self._reused)
         disk = self._ssd.disk_bytes(self.model_id) if self._ssd is not None else 0
-        return PrefixCacheStats(counts[0], counts[1], counts[2], self.ram.nbytes, disk, len(self.ram), counts[3])
+        return PrefixCacheStats(hits, partial, misses, self.ram.nbytes, disk, len(self.ram), ssd_hits, reused)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +203,8 @@ class KvCacheManager:
         if mc is not None:
             s = mc.stats()
             with self._lock:
-                self._retired += PrefixCacheStats(s.hits, s.partial_hits, s.misses, ssd_hits=s.ssd_hits)
+                self._retired += PrefixCacheStats(s.hits, s.partial_hits, s.misses, ssd_hits=s.ssd_hits,
+                                                  reused_tokens=s.reused_tokens)
         disk = self._ssd.purge(model_id) if self._ssd is not None else 0
         return PurgeResult(ram, disk)
 

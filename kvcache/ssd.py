@@ -146,10 +146,15 @@ class SsdStore:
         # leave) our file. Everything it deleted before our rename we delete here ourselves.
         with self._lock:
             closed = d.closed
+            # Shorter files on the same path are now redundant (a lookup trims the new one to
+            # them), as in the RAM tier: a conversation keeps one file, not one per turn.
+            shorter = [] if closed else [self._forget_locked(d, k) for k in d.index.prefixes_of(key)]
         if closed:
             final.unlink(missing_ok=True)
             _rmdir_if_empty(d.path)
             return WriteOutcome.RACED_PURGE
+        for path in shorter:
+            path.unlink(missing_ok=True)
         return WriteOutcome.WRITTEN
 
     # -- reading -----------------------------------------------------------------------------
@@ -246,6 +251,12 @@ class SsdStore:
         with self._lock:
             d.index.remove(key)
         self._budget.discharge((d.model_id, name))
+
+    def _forget_locked(self, d: _ModelDir, key: Key) -> Path:
+        """Drop a stored key from the index and the budget; returns its file to delete."""
+        name = d.index.remove(key)
+        self._budget.discharge((d.model_id, name))
+        return d.path / name
 
     def _drop_locked(self, fid: tuple[str, str]) -> Path | None:
         """Forget an evicted file in its model's index; returns its path to delete."""

@@ -216,8 +216,8 @@ class Runtime:
                        "mlx_active_bytes": snap.mlx_active_bytes, "mlx_cache_bytes": snap.mlx_cache_bytes,
                        "free_for_load_bytes": capacity.free_for_load_bytes},
             "prefix_cache": {"hits": kv.hits, "partial_hits": kv.partial_hits, "misses": kv.misses,
-                             "ssd_hits": kv.ssd_hits, "entries": kv.entries, "ram_bytes": kv.ram_bytes,
-                             "disk_bytes": kv.disk_bytes},
+                             "ssd_hits": kv.ssd_hits, "reused_tokens": kv.reused_tokens, "entries": kv.entries,
+                             "ram_bytes": kv.ram_bytes, "disk_bytes": kv.disk_bytes},
         }
 
 

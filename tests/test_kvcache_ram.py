@@ -105,7 +105,9 @@ def test_hit_partial_hit_and_miss_give_identical_greedy_outputs(tiny, ledger: Le
     miss = kv.fetch(prompt(5, 50))
     assert miss.cache is None and miss.matched == 0
     assert manager.stats() == PrefixCacheStats(hits=2, partial_hits=2, misses=2, ram_bytes=kv.ram.nbytes,
-                                               disk_bytes=0, entries=1)
+                                               disk_bytes=0, entries=1,
+                                               reused_tokens=hit.matched + partial.matched + again.matched
+                                               + extend.matched)
 
 
 def test_entries_are_cut_to_their_key_and_shorter_ones_are_replaced(tiny, ledger: Ledger) -> None:

@@ -229,3 +229,19 @@ def _sealed_size(root: Path) -> bytes:
     store = make_store(root)
     store.write(MODEL, WEIGHTS, [0, 0, 0], host_cache(3))
     return the_file(root).read_bytes()
+
+
+def test_a_longer_sequence_replaces_the_files_it_extends(tmp_path: Path) -> None:
+    """A conversation's next turn stores prompt + answer, which extends the previous turn's key: the
+    shorter file goes (lookups trim the longer one to it), so a chat keeps one file, not one per turn."""
+    store = make_store(tmp_path)
+    turn1, other = [5, 6, 7], [5, 9]
+    for key in (turn1, other):
+        assert store.write(MODEL, WEIGHTS, key, host_cache(len(key))) is WriteOutcome.WRITTEN
+    turn2 = turn1 + [8, 10, 11]
+    assert store.write(MODEL, WEIGHTS, turn2, host_cache(len(turn2))) is WriteOutcome.WRITTEN
+    assert store.entries(MODEL) == 2 and len(files_under(tmp_path)) == 2
+    assert store.read(MODEL, WEIGHTS, turn1) is None and store.read(MODEL, WEIGHTS, other) is not None
+    m = store.lookup(MODEL, turn1 + [99])
+    assert m is not None and (m.key, m.common) == (tuple(turn2), 3)
+    assert store.disk_bytes(MODEL) == sum(p.stat().st_size for p in files_under(tmp_path))

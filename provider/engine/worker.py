@@ -81,7 +81,7 @@ class _Active:
     text: CompletionText
     prompt_tokens: int
     completion_ids: list[int] = field(default_factory=list)
-    prompt_ids: list[int] = field(default_factory=list)  # the key its KV is stored under when it ends
+    prompt_ids: list[int] = field(default_factory=list)  # with completion_ids: the key its KV is kept under
 
 
 @dataclass(slots=True)
@@ -291,11 +291,17 @@ class Worker:
             return MISS
 
     def _keep_prefix(self, slot: _Slot, active: _Active, cache: list | None) -> None:
+        """Keep the finished request's whole sequence (prompt + completion) for the next turn.
+
+        mlx-lm's `BatchGenerator` feeds every token it returns through the model in the same step
+        (and `extract` drops the batch's left padding), so the returned cache holds exactly
+        prompt + completion, EOS included; `store` keeps it under as many of those tokens as the
+        cache holds, so KV is only ever kept under the tokens it was made from."""
         kv = self._prefix_cache(slot.info.model_id) if self._prefix_cache is not None else None
         if kv is None or not cache:
             return
         try:
-            kv.store(active.prompt_ids, cache)
+            kv.store(active.prompt_ids + active.completion_ids, cache)
         except Exception:  # an edge: see _reuse
             log.exception("prefix cache store failed")
 
@@ -356,7 +362,7 @@ class Worker:
     def _on_token(self, slot: _Slot, active: _Active, token: int, finish: str | None,
                   cache: list | None = None) -> None:
         active.completion_ids.append(token)
-        if finish is not None:  # the batch handed back this request's cache: keep its prompt prefix
+        if finish is not None:  # the batch handed back this request's cache: keep the sequence
             self._keep_prefix(slot, active, cache)
         if finish == "stop":  # an EOS token: never part of the text
             out = active.text.finish()

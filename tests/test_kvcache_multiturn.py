@@ -1,0 +1,249 @@
+"""Multi-turn reuse of the whole conversation (issue 15), on the real engine and tiny model.
+
+When a request finishes, the engine keeps the KV of its whole sequence (prompt + generated tokens,
+as mlx-lm's batch cache holds them) in the RAM tier and the SSD tier. The next turn's templated
+prompt repeats that sequence and goes on, so it reuses all of it; the reuse is matched on tokens,
+so a template that re-renders an earlier answer differently reuses only up to the first token that
+differs. Greedy outputs must be identical to a run with the cache off, and the reused counts are
+read from the cache's own stats (`PrefixCacheStats.reused_tokens`).
+
+About the answer's leading space: mlx-lm's streaming detokenizer drops a leading space from an
+answer (mlx_lm.server does the same), and the tiny random models start most answers with a
+space-led token, which a trained chat model rarely does. So a client that sends the answer text
+back makes the template render a different first answer token. The `Conversation` here keeps the
+answer as the tokenizer decodes it (`Keep.DECODED`), so the template renders the generated
+tokens back; `Keep.API_TEXT` is the trimmed text, one of the re-rendering cases below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from kvcache.disk import DiskBudget
+from kvcache.manager import KvCacheManager, Tier
+from kvcache.ssd import SsdStore
+from memory.ledger import Ledger, ReservationKind
+from memory.policy import GiB, figures
+from memory.snapshot import MemorySnapshot
+from provider.engine import ChatRequest, Engine, Finished, SamplingParams
+
+IDLE = MemorySnapshot(physical_bytes=16 * GiB, available_bytes=15 * GiB)
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0)
+SYSTEM = {"role": "system", "content": "a patient helper who answers the river questions"}
+USER_TURNS = ["hello there", "tell me about seven apples", "and the blue mountain", "one more thing"]
+
+# Qwen3-style: the generation prompt opens an empty think block that earlier assistant turns do
+# not show, so the re-rendered turn differs inside the previous prompt's tail.
+THINK_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n\n</think>\n\n' }}{% endif %}"
+)
+# Earlier answers are shown shortened (as templates that drop an answer's reasoning do), so the
+# re-rendered turn differs in the middle of the previous answer.
+SHORTENED_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% set content = message['content'] if message['role'] != 'assistant'"
+    " else message['content'][: message['content'] | length // 2] %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + content + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Keep(enum.Enum):
+    """What the client puts back into the history as the assistant's answer."""
+
+    DECODED = "decoded"  # the tokenizer's decoding of the generated tokens
+    API_TEXT = "api_text"  # the text the engine streamed (leading space dropped)
+
+
+_TOKENIZERS: dict[Path, object] = {}
+
+
+def tokenizer(model_path: Path):
+    if model_path not in _TOKENIZERS:
+        _TOKENIZERS[model_path] = mlx_lm.load(str(model_path))[1]
+    return _TOKENIZERS[model_path]
+
+
+def templated(model_path: Path, messages) -> list[int]:
+    return list(tokenizer(model_path).apply_chat_template(messages, add_generation_prompt=True))
+
+
+class Conversation:
+    """One chat run turn by turn; records what each turn sent and got."""
+
+    def __init__(self, name: str, model_path: Path, *, keep: Keep = Keep.DECODED, first_user: str = "") -> None:
+        self.name = name
+        self.model_path = model_path
+        self.keep = keep
+        self.history: list[dict[str, str]] = [SYSTEM]
+        self.users = [first_user + u for u in USER_TURNS]
+        self.turns: list[tuple[int, tuple[int, ...], str]] = []  # (prompt tokens, completion ids, text)
+        self.prompts: list[list[int]] = []  # each turn's templated prompt
+
+    def next_messages(self) -> list[dict[str, str]]:
+        return self.history + [{"role": "user", "content": self.users[len(self.turns)]}]
+
+    def sequence(self, n: int) -> list[int]:
+        """Turn n's prompt + answer: the tokens its KV was computed for."""
+        return self.prompts[n] + list(self.turns[n][1])
+
+    async def turn(self, engine: Engine, model_id: str) -> Finished:
+        messages = self.next_messages()
+        text, fin = await engine.submit(model_id, ChatRequest(f"{self.name}-{len(self.turns)}", messages,
+                                                              PARAMS)).collect()
+        assert isinstance(fin, Finished)
+        answer = text if self.keep is Keep.API_TEXT else tokenizer(self.model_path).decode(
+            list(fin.completion_ids), skip_special_tokens=True)
+        self.prompts.append(templated(self.model_path, messages))
+        assert len(self.prompts[-1]) == fin.usage.prompt_tokens
+        self.history = messages + [{"role": "assistant", "content": answer}]
+        self.turns.append((fin.usage.prompt_tokens, fin.completion_ids, text))
+        return fin
+
+
+async def cache_off_outputs(model_path: Path, turns: int, keep: Keep = Keep.DECODED) -> list[tuple[int, ...]]:
+    conv = Conversation("off", model_path, keep=keep)
+    async with Engine() as engine:
+        await engine.load("m", model_path)
+        for _ in range(turns):
+            await conv.turn(engine, "m")
+    return [ids for _, ids, _ in conv.turns]
+
+
+def with_template(src: Path, dst: Path, template: str) -> Path:
+    shutil.copytree(src, dst)
+    (dst / "chat_template.jinja").write_text(template)
+    return dst
+
+
+@pytest.fixture
+def ledger() -> Ledger:
+    return Ledger(figures(16 * GiB, env={}), sample=lambda: IDLE)
+
+
+@pytest.mark.parametrize("tier", [Tier.RAM, Tier.SSD])
+async def test_each_turn_reuses_the_whole_previous_turn(tiny_model_path: Path, tmp_path: Path, ledger: Ledger,
+                                                        tier: Tier) -> None:
+    expected = await cache_off_outputs(tiny_model_path, len(USER_TURNS))
+    ssd = SsdStore(tmp_path / "kv", budget=DiskBudget(tmp_path, GiB))
+    manager = KvCacheManager(ledger, ssd=ssd)
+    conv = Conversation("on", tiny_model_path)
+    async with Engine(prefix_cache=manager.get) as engine:
+        await engine.load("m", tiny_model_path)
+        manager.attach("m", "weights")
+        for n in range(len(USER_TURNS)):
+            if tier is Tier.SSD:  # only the SSD tier can serve this turn
+                manager.get("m").ram.evict_all()
+            before = manager.stats()
+            fin = await conv.turn(engine, "m")
+            after = manager.stats()
+            if n == 0:
+                continue
+            prev_prompt, prev_answer, _ = conv.turns[n - 1]
+            assert conv.prompts[n][: prev_prompt + len(prev_answer)] == conv.sequence(n - 1)
+            # The previous turn's prompt and answer were all reused (the last prompt token is always fed).
+            reused = after.reused_tokens - before.reused_tokens
+            assert prev_prompt + len(prev_answer) <= reused < fin.usage.prompt_tokens
+            assert (after.ssd_hits - before.ssd_hits) == (1 if tier is Tier.SSD else 0)
+        # One entry per conversation: each turn's sequence replaced the shorter one it extends.
+        assert manager.get("m").ram.nbytes == ledger.snapshot().bytes_by_kind[ReservationKind.PREFIX_CACHE]
+        assert len(manager.get("m").ram) == 1
+        assert ssd.entries("m") == 1
+        await engine.unload("m")
+        manager.purge("m")
+    assert [ids for _, ids, _ in conv.turns] == expected
+    assert len(ledger) == 0
+
+
+@pytest.mark.parametrize("template,keep", [(THINK_TEMPLATE, Keep.DECODED), (SHORTENED_TEMPLATE, Keep.DECODED),
+                                           (None, Keep.API_TEXT)], ids=["think-block", "shortened", "trimmed-space"])
+async def test_a_re_rendered_turn_reuses_only_up_to_the_first_differing_token(
+        tiny_model_path: Path, tmp_path: Path, ledger: Ledger, template: str | None, keep: Keep) -> None:
+    model_path = tiny_model_path if template is None else with_template(tiny_model_path, tmp_path / "model", template)
+    expected = await cache_off_outputs(model_path, 3, keep)
+    manager = KvCacheManager(ledger)
+    conv = Conversation("on", model_path, keep=keep)
+    async with Engine(prefix_cache=manager.get) as engine:
+        await engine.load("m", model_path)
+        manager.attach("m", "weights")
+        await conv.turn(engine, "m")
+        re_rendered = 0
+        for n in (1, 2):
+            previous = conv.sequence(n - 1)
+            differ = common_prefix(previous, templated(model_path, conv.next_messages()))
+            before = manager.stats().reused_tokens
+            await conv.turn(engine, "m")
+            assert manager.stats().reused_tokens - before == differ  # not one token past the difference
+            if differ == len(previous):  # (an answer that had no leading space to drop)
+                assert keep is Keep.API_TEXT
+                continue
+            re_rendered += 1
+            prompt_tokens = conv.turns[n - 1][0]
+            if template is THINK_TEMPLATE:
+                assert differ < prompt_tokens  # the difference is in the previous prompt's tail
+            elif template is SHORTENED_TEMPLATE:
+                assert prompt_tokens < differ  # ... in the middle of the previous answer
+            else:
+                assert differ == prompt_tokens  # ... at the previous answer's first token
+        assert re_rendered >= 1
+    assert [ids for _, ids, _ in conv.turns] == expected
+
+
+async def test_sequences_finished_inside_a_left_padded_batch_are_kept_exactly(tiny_model_path: Path,
+                                                                              ledger: Ledger) -> None:
+    """Conversations of different lengths finish in one batch (mlx-lm left-pads the shorter ones):
+    each kept entry holds exactly the KV a fresh prefill of its own tokens gives, and the next
+    turns, run one by one, reuse all of it with outputs identical to the cache off."""
+    convs = [Conversation(f"c{i}", tiny_model_path, first_user=" ".join(["words"] * (7 * i))) for i in range(3)]
+    off = [Conversation(f"o{i}", tiny_model_path, first_user=" ".join(["words"] * (7 * i))) for i in range(3)]
+    async with Engine() as engine:
+        await engine.load("m", tiny_model_path)
+        await asyncio.gather(*(c.turn(engine, "m") for c in off))
+        for c in off:
+            await c.turn(engine, "m")
+
+    manager = KvCacheManager(ledger)
+    async with Engine(prefix_cache=manager.get) as engine:
+        await engine.load("m", tiny_model_path)
+        manager.attach("m", "weights")
+        await asyncio.gather(*(c.turn(engine, "m") for c in convs))
+        assert len({p for p, _, _ in (c.turns[0] for c in convs)}) == 3  # really different lengths
+        model, _ = mlx_lm.load(str(tiny_model_path))
+        ram = manager.get("m").ram
+        for c in convs:
+            sequence = c.sequence(0)
+            hit = ram.fetch(sequence + [0])
+            assert hit is not None and hit.matched == len(sequence)
+            fresh = make_prompt_cache(model)
+            model(mx.array([sequence]), cache=fresh)
+            for kept, ref in zip(hit.cache, fresh):
+                assert kept.keys.shape == (1, ref.keys.shape[1], len(sequence), ref.keys.shape[3])
+                assert mx.allclose(kept.keys, ref.keys[..., : len(sequence), :], atol=1e-4).item()
+                assert mx.allclose(kept.values, ref.values[..., : len(sequence), :], atol=1e-4).item()
+        for c in convs:
+            before = manager.stats().reused_tokens
+            await c.turn(engine, "m")
+            prompt_tokens, answer, _ = c.turns[0]
+            assert manager.stats().reused_tokens - before >= prompt_tokens + len(answer)
+    assert [c.turns for c in convs] == [o.turns for o in off]
