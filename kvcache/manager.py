@@ -4,7 +4,10 @@ Lifecycle (memory-policy.md §6): the model manager calls `attach(model, weight_
 load and `purge(model)` on every unload (eviction, idle timeout, shutdown) before the unload
 returns; `disk.startup_sweep(root)` runs once before the first attach. The engine worker calls
 `ModelKvCache.fetch` before inserting a request into its `BatchGenerator` and `store` when the
-request finishes, both on the engine thread.
+request finishes, both on the engine thread. What is stored is the request's whole sequence
+(prompt + completion), so a follow-up turn whose templated prompt repeats the conversation reuses
+all of it; matching is on tokens, so a template that re-renders an earlier answer differently
+reuses up to the first token that differs and no further.
 
 Memory: RAM entries are `prefix_cache` reservations in the ledger. When admission or a load needs
 room it calls `evict_for(nbytes)` (least recently used first, across models); under RED pressure

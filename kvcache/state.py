@@ -1,9 +1,9 @@
 """mlx-lm cache lists ↔ what the tiers keep. Engine thread only: everything here runs MLX.
 
 The tiers store plain `KVCache` layers (the Llama-style models mlx-lm builds by default), cut to
-exactly the prompt prefix they are keyed by: a cache coming out of a finished request also holds
-the generated tokens, so it is sliced back, and the slice is made contiguous so its `nbytes` is
-what the entry really pins (mlx-lm's own buffers are rounded up to 256-token steps).
+exactly the token sequence they are keyed by (a finished request's prompt + completion, or a
+shorter prefix of a cache), and the slice is made contiguous so its `nbytes` is what the entry
+really pins (mlx-lm's own buffers are rounded up to 256-token steps).
 """
 
 from __future__ import annotations
