@@ -3,8 +3,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-# The mlx[cpu] wheel ships a slow reference BLAS; Debian's OpenBLAS speeds fp32 up a lot when present.
-OPENBLAS := $(wildcard /usr/lib/x86_64-linux-gnu/libopenblas.so.0)
+# The mlx[cpu] wheel ships a slow reference BLAS; tools/with-blas.sh preloads OpenBLAS when it is
+# installed or can be unpacked from the distribution's archive into .cache/openblas (no root, nothing
+# installed system-wide), and says in one line which BLAS MLX uses. OPENBLAS=off keeps MLX's own.
+WITH_BLAS := sh tools/with-blas.sh
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
@@ -19,10 +21,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	LD_PRELOAD=$(OPENBLAS) $(PY) -m pytest $(PYTEST_ARGS)
+	$(WITH_BLAS) $(PY) -m pytest $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	LD_PRELOAD=$(OPENBLAS) $(PY) -m provider.demo
+	$(WITH_BLAS) $(PY) -m provider.demo
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .hypothesis
