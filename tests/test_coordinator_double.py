@@ -732,3 +732,45 @@ async def test_records_carry_the_loop_clock(
     registered = coordinator_double.events.of(Registered)[0]
     result = coordinator_double.events.of(ChallengeResult)[0]
     assert before <= registered.at <= result.at <= asyncio.get_running_loop().time()
+
+
+# --- hostile mode ---------------------------------------------------------------------------------------------
+
+
+def test_hostile_cases_are_seeded_and_cover_every_frame_type_and_operator() -> None:
+    from coordinator_double.hostile import FRAME_OPS, KINDS, TEXT_OPS, hostile_cases
+
+    key = ProviderIdentity.generate().public_key_b64
+    first = list(hostile_cases(7, count=2000, provider_key=key))
+    again = list(hostile_cases(7, count=2000, provider_key=key))
+    assert [c.payload for c in first] == [c.payload for c in again]
+    assert [c.payload for c in first] != [c.payload for c in hostile_cases(8, count=2000, provider_key=key)]
+    assert sum(c.operators != ("none",) for c in first) == 2000
+    assert {c.kind for c in first} == set(KINDS)
+    assert {op for c in first for op in c.operators} >= set(FRAME_OPS) | set(TEXT_OPS) | {"none"}
+    assert any(c.binary for c in first) and any(c.expect.answer_id for c in first)
+    ids = [c.expect.answer_id for c in first if c.expect.answer_id is not None]
+    assert len(ids) == len(set(ids))  # every readable id names one case
+
+
+def test_hostile_expectations_follow_the_rules_not_the_provider() -> None:
+    from coordinator_double.hostile import Expect, expect
+
+    from protocol.to_provider import MAX_NONCE_CHARS, MAX_REQUEST_ID_CHARS
+
+    req = '{"type":"inference_request","request_id":%s,"encrypted_body":"sealed"}'
+    assert expect(req % '"r1"') == Expect(answer_id="r1")  # readable although it does not decode
+    assert expect((req % '"r2"').encode()) == Expect(answer_id="r2")  # a binary frame is read too
+    assert expect(b'{"type":"inference_request","request_id":"r3"\xff}') == Expect()  # not UTF-8
+    assert expect('{"type":"inference_request","request_id":"a","request_id":"b"}') == Expect(answer_id="b")
+    assert expect('{"type":"cancel","request_id":"c","type":"inference_request"}') == Expect(answer_id="c")
+    assert expect(req % '"\\udc80"') == Expect()  # a lone surrogate cannot be echoed
+    assert expect(req % json.dumps("x" * (MAX_REQUEST_ID_CHARS + 1))) == Expect()
+    assert expect(req % json.dumps("x" * MAX_REQUEST_ID_CHARS)).answer_id == "x" * MAX_REQUEST_ID_CHARS
+    assert expect(req % '""') == Expect() and expect(req % "7") == Expect()
+    assert expect('{"type":"cancel","request_id":"r4"}') == Expect()
+    assert expect('{"type":"attestation_challenge","nonce":"n1"}', mutated=False) == \
+        Expect(nonce="n1", nonce_echoable=True, must_answer=True)
+    assert not expect(json.dumps({"type": "attestation_challenge", "nonce": "n" * (MAX_NONCE_CHARS + 1)})
+                      ).nonce_echoable
+    assert not expect('{"type":"attestation_challenge","nonce":"n2","timestamp":5}').nonce_echoable

@@ -187,7 +187,8 @@ class SessionCore:
         return [Send(self._register)]
 
     def receive_text(self, data: str | bytes) -> list[Action]:
-        """One inbound frame, undecoded. A frame that does not decode is logged and dropped."""
+        """One inbound frame, undecoded. A frame that does not decode is logged and dropped, unless it is an
+        ``inference_request`` whose id can still be read: that request gets its one answer, a 400."""
         self._guard(SessionState.REGISTERED, SessionState.DRAINING)
         try:
             message = decode(data)

@@ -9,7 +9,8 @@
         sent = await double.wait_for(lambda e: isinstance(e, CancelSent), since=mark, timeout=5)
         assert double.anomalies() == []
 
-Injection: ``send_raw(provider, text_or_bytes)``, ``send_challenge(provider)``, ``evict_stale()``;
+Injection: ``send_raw(provider, text_or_bytes)``, ``send_challenge(provider)``, ``evict_stale()``, and the
+hostile mode: ``send_hostile(provider, hostile_cases(seed, count=…, provider_key=…))`` (``hostile.py``);
 lifecycle: ``kill()`` (abrupt) and ``restart()`` (same ports). Records and enums: ``events.py``.
 """
 

@@ -24,7 +24,7 @@ import json
 import socket
 import uuid
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from typing import Any
 
 import uvicorn
@@ -54,6 +54,7 @@ from .chat_wire import check_event, error_body
 from .config import DoubleConfig
 from .consumer_api import build_app
 from .dispatch import ConsumerGone, FailedRequest
+from .hostile import HostileCase
 from .pending import PROVIDER_DISCONNECTED, AcceptedItem, ChunkItem, CompleteItem, ErrorItem, PendingRequest, RequestState
 from .routing import ProviderSession, ProviderView, Registry, valid_public_key
 
@@ -243,6 +244,16 @@ class CoordinatorDouble:
     async def send_raw(self, ref: ProviderRef, data: str | bytes) -> None:
         """Send any frame to a provider: ``str`` as a text frame, ``bytes`` as a binary frame."""
         await self._session(ref).ws.send(data)
+
+    async def send_hostile(self, ref: ProviderRef, cases: Iterable[HostileCase]) -> int:
+        """Hostile mode: send each case's frame to a provider, in order, as fast as the socket takes them
+        (cases from ``hostile.hostile_cases``; check the answers with ``hostile.HostileReport``)."""
+        ws = self._session(ref).ws
+        sent = 0
+        for case in cases:
+            await ws.send(case.payload)
+            sent += 1
+        return sent
 
     async def send_challenge(self, ref: ProviderRef) -> ev.ChallengeResult:
         """One challenge now (besides the periodic ones); returns its recorded result."""
