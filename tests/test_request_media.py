@@ -10,9 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import re
-import struct
 import tracemalloc
-import zlib
 from pathlib import Path
 
 import pytest
@@ -22,36 +20,9 @@ from memory.media import MediaLimits, projected_decode_bytes
 from protocol.vocab import FailureCode
 from provider.request.body import IMAGE_MARKER, InvalidBody, parse_chat_body
 from provider.request.media import MediaRefused, decode_images, inspect_images
+from vision_images import bomb_png, data_uri, jpeg_bytes, png_bytes
 
 MiB = 2**20
-
-
-def png_bytes(width: int, height: int, color=(200, 40, 40), mode: str = "RGB") -> bytes:
-    buf = io.BytesIO()
-    Image.new(mode, (width, height), color).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def jpeg_bytes(width: int, height: int, color=(30, 160, 60)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (width, height), color).save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
-
-
-def data_uri(raw: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64,{base64.b64encode(raw).decode()}"
-
-
-def bomb_png(side: int = 16_000) -> bytes:
-    """A valid 1-bit grayscale PNG of side×side, all zeros, compressed row by row (no raster)."""
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-    row = b"\x00" * (1 + (side + 7) // 8)  # filter byte + packed bits
-    z = zlib.compressobj(9)
-    idat = b"".join(z.compress(row) for _ in range(side)) + z.flush()
-    ihdr = struct.pack(">IIBBBBB", side, side, 1, 0, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
 
 
 def peak_rss_kib() -> int:

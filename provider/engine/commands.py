@@ -34,6 +34,7 @@ class Load:
     path: Path
     eos_token_ids: frozenset[int] | None
     reply: Future
+    vision: bool = False  # a vision-language model: load it with mlx-vlm
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,9 @@ class Submit:
     request: ChatRequest
     sink: EventSink
     on_released: ReleaseHook | None
+    # Vision requests: called on the engine thread once the decoded images and the pixel tensor
+    # are dropped (after the vision encoder ran, or when the request ends first).
+    on_media_released: ReleaseHook | None = None
 
 
 @dataclass(frozen=True, slots=True)

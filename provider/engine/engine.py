@@ -52,6 +52,8 @@ from provider.engine.types import (
     ModelStats,
     TextDelta,
 )
+from provider.engine.vision import Trace
+from provider.engine.vlm import DEFAULT_PREFILL_STEP
 from provider.engine.worker import PrefixCacheLookup, Worker
 
 
@@ -139,11 +141,16 @@ class RequestStream:
 class Engine:
     """Owns the MLX worker thread. Create it on the event loop that will consume its streams."""
 
-    def __init__(self, *, thread_name: str = "mlx-engine", prefix_cache: PrefixCacheLookup | None = None):
+    def __init__(self, *, thread_name: str = "mlx-engine", prefix_cache: PrefixCacheLookup | None = None,
+                 vision_prefill_step: int = DEFAULT_PREFILL_STEP, trace: Trace | None = None):
         """`prefix_cache`: model id -> its `kvcache.ModelKvCache` (e.g. `KvCacheManager.get`); the
-        worker reuses cached prompt prefixes on submit and stores them when a request ends."""
+        worker reuses cached prompt prefixes on submit and stores them when a request ends.
+        `vision_prefill_step`: prompt tokens per prefill step of a vision request (each step is
+        interleaved with the text batch). `trace(model_id, request_id, phase)`: called on the
+        worker thread before every step (request_id None for a text batch step); for tests."""
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._worker = Worker(self._commands, prefix_cache=prefix_cache)
+        self._worker = Worker(self._commands, prefix_cache=prefix_cache, vision_prefill_step=vision_prefill_step,
+                              trace=trace)
         self._streams: dict[str, RequestStream] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._worker.run, name=thread_name, daemon=True)
@@ -158,13 +165,14 @@ class Engine:
     # -- model lifecycle (driven by the model manager) ---------------------------------------
 
     async def load(self, model_id: str, path: str | Path, *,
-                   eos_token_ids: frozenset[int] | None = None) -> LoadedModelInfo:
+                   eos_token_ids: frozenset[int] | None = None, vision: bool = False) -> LoadedModelInfo:
         """Load and evaluate a model's weights on the worker thread.
 
         `eos_token_ids` replaces the tokenizer's EOS set (tests use it for deterministic stops).
+        `vision`: a vision-language model, loaded with mlx-vlm (the `vision` extra).
         Raises `EngineError` with LOAD_FAILED or MODEL_ALREADY_LOADED.
         """
-        return await self._call(lambda reply: Load(model_id, Path(path), eos_token_ids, reply))
+        return await self._call(lambda reply: Load(model_id, Path(path), eos_token_ids, reply, vision))
 
     async def unload(self, model_id: str) -> None:
         """Fail the model's requests (MODEL_UNLOADED), drop every reference, gc, clear MLX's cache."""
@@ -188,17 +196,19 @@ class Engine:
         """Length of the templated prompt, exactly as `submit` will count it."""
         return await self._call(lambda reply: CountPromptTokens(model_id, messages, reply))
 
-    def submit(self, model_id: str, request: ChatRequest, *,
-               on_released: ReleaseHook | None = None) -> RequestStream:
+    def submit(self, model_id: str, request: ChatRequest, *, on_released: ReleaseHook | None = None,
+               on_media_released: ReleaseHook | None = None) -> RequestStream:
         """Start a request. `on_released(request_id)` runs on the engine thread exactly once,
-        after the request's KV cache has left the batch (or it was refused before joining)."""
+        after the request's KV cache has left the batch (or it was refused before joining).
+        `on_media_released(request_id)` (vision requests) runs once, before `on_released`, as soon
+        as the decoded images and the pixel tensor are dropped."""
         if self._closed:
             raise EngineError(EngineFailure.ENGINE_CLOSED)
         if request.request_id in self._streams:
             raise EngineError(EngineFailure.INVALID_REQUEST)
         stream = RequestStream(self, request.request_id, asyncio.get_running_loop())
         self._streams[request.request_id] = stream
-        self._commands.put(Submit(model_id, request, stream, on_released))
+        self._commands.put(Submit(model_id, request, stream, on_released, on_media_released))
         return stream
 
     def cancel(self, request_id: str) -> None:

@@ -11,6 +11,7 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 class FinishReason(enum.StrEnum):
@@ -58,11 +59,18 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class ChatRequest:
-    """One chat completion to run. `messages` are OpenAI-style dicts for the chat template."""
+    """One chat completion to run. `messages` are OpenAI-style dicts for the chat template.
+
+    For a vision model: `images` are the decoded RGB images (PIL), in the order of the messages'
+    image markers, and `kv_tokens` is the KV span reserved for the request: the output is clamped
+    so the processed prompt plus output never exceeds it.
+    """
 
     request_id: str
     messages: Sequence[Mapping[str, object]]
     params: SamplingParams
+    images: tuple[Any, ...] = field(default=(), repr=False)
+    kv_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +122,7 @@ class LoadedModelInfo:
     eos_token_ids: frozenset[int]
     vocab_size: int
     load_seconds: float
+    vision: bool = False  # served through mlx-vlm: takes images
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,12 @@ every model that has work by one `BatchGenerator.next()` call (one decode step p
 prefill chunk, round-robin across models), then hands the step's events to the asyncio loop in
 one `call_soon_threadsafe` per loop. So a command (a cancel, a new request) waits for at most
 one step, and requests join and leave the running batch between any two steps.
+
+Vision-language models (`vision.VisionSlot`, loaded with mlx-vlm) are stepped in the same loop,
+after the text batches: every vision request past its prompt decodes one token per loop; the
+oldest one still before its first token (template + processor, vision encoder, prefill chunks)
+gets one step per loop, within a time share (`vision.DutyCycle`) while text requests decode, so
+text keeps streaming while an image is encoded.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ from provider.engine.commands import (
 )
 from provider.engine.sampling import sampler_for
 from provider.engine.textstream import CompletionText
+from provider.engine.vision import DutyCycle, Trace, VisionSlot
+from provider.engine.vlm import DEFAULT_PREFILL_STEP
 from provider.engine.types import (
     EngineError,
     EngineFailure,
@@ -106,10 +114,15 @@ def _release_native_heap() -> None:
 
 
 class Worker:
-    def __init__(self, commands: queue.SimpleQueue[Command], *, prefix_cache: PrefixCacheLookup | None = None):
+    def __init__(self, commands: queue.SimpleQueue[Command], *, prefix_cache: PrefixCacheLookup | None = None,
+                 vision_prefill_step: int = DEFAULT_PREFILL_STEP, trace: Trace | None = None):
         self._commands = commands
         self._prefix_cache = prefix_cache
+        self._vision_prefill_step = vision_prefill_step
+        self._trace = trace
+        self._duty = DutyCycle()
         self._slots: dict[str, _Slot] = {}
+        self._vision: dict[str, VisionSlot] = {}
         self._where: dict[str, tuple[_Slot, int]] = {}  # request_id -> (slot, uid)
         self._outbox: list[tuple[EventSink, Event]] = []
         self._stopped = False
@@ -120,9 +133,10 @@ class Worker:
 
     def run(self) -> None:
         while not self._stopped:
-            if self._where:
+            if self._where or self._vision_busy():
                 self._drain_commands()
                 self._step_all()
+                self._step_vision()
             else:
                 self._handle(self._commands.get())
             self._flush_outbox()
@@ -142,9 +156,9 @@ class Worker:
             case Cancel(request_id):
                 self._cancel(request_id)
             case CountPromptTokens(model_id, messages, reply):
-                self._reply(reply, lambda: len(self._prompt_ids(self._slot(model_id), messages)))
+                self._reply(reply, lambda: self._count_prompt(model_id, messages))
             case KvCacheBytes(model_id, reply):
-                self._reply(reply, lambda: self._slot(model_id).generator.prompt_cache_nbytes)
+                self._reply(reply, lambda: self._kv_cache_bytes(model_id))
             case KvBytesPerToken(model_id, reply):
                 self._reply(reply, lambda: self._kv_bytes_per_token(model_id))
             case Load():
@@ -174,11 +188,25 @@ class Worker:
             raise EngineError(EngineFailure.MODEL_NOT_LOADED)
         return slot
 
+    def _count_prompt(self, model_id: str, messages: Sequence[Mapping[str, object]]) -> int:
+        vision = self._vision.get(model_id)
+        if vision is not None:
+            return vision.count_prompt(messages)
+        return len(self._prompt_ids(self._slot(model_id), messages))
+
+    def _kv_cache_bytes(self, model_id: str) -> int:
+        vision = self._vision.get(model_id)
+        if vision is not None:
+            return vision.cache_nbytes()
+        return self._slot(model_id).generator.prompt_cache_nbytes
+
     # -- load / unload -----------------------------------------------------------------------
 
     def _load(self, cmd: Load) -> LoadedModelInfo:
-        if cmd.model_id in self._slots:
+        if cmd.model_id in self._slots or cmd.model_id in self._vision:
             raise EngineError(EngineFailure.MODEL_ALREADY_LOADED)
+        if cmd.vision:
+            return self._load_vision(cmd)
         before = mx.get_active_memory()
         started = time.monotonic()
         try:
@@ -206,9 +234,36 @@ class Worker:
         self.stats[cmd.model_id] = ModelStats(0, 0, 0)
         return info
 
+    def _load_vision(self, cmd: Load) -> LoadedModelInfo:
+        from provider.engine.vlm import load_vlm  # mlx-vlm: only when a model is a VLM
+
+        before = mx.get_active_memory()
+        started = time.monotonic()
+        try:
+            vlm = load_vlm(cmd.path, cmd.eos_token_ids)
+            ctx = context_length(vlm.config)
+        except Exception:  # an edge: a broken folder (or no mlx-vlm) must not kill the worker
+            log.exception("vision model load failed", extra={"model_id": cmd.model_id})
+            gc.collect()
+            mx.clear_cache()
+            raise EngineError(EngineFailure.LOAD_FAILED) from None
+        text = vlm.config.get("text_config") if isinstance(vlm.config.get("text_config"), dict) else {}
+        info = LoadedModelInfo(
+            model_id=cmd.model_id, path=cmd.path, weights_bytes=mx.get_active_memory() - before,
+            context_length=ctx, eos_token_ids=frozenset(vlm.tokenizer.eos_token_ids),
+            vocab_size=int(text.get("vocab_size") or vlm.config.get("vocab_size") or len(vlm.tokenizer)),
+            load_seconds=time.monotonic() - started, vision=True)
+        self._vision[cmd.model_id] = VisionSlot(info, vlm, emit=self._emit, notify=self._notify_released,
+                                                prefill_step=self._vision_prefill_step, trace=self._trace)
+        self.stats[cmd.model_id] = ModelStats(0, 0, 0)
+        return info
+
     def _kv_bytes_per_token(self, model_id: str) -> int:
         """Bytes per token the model's own caches allocate: one token into a fresh prompt cache makes
         every growing layer allocate its first ALLOC_STEP-token block; that block's bytes / ALLOC_STEP."""
+        vision = self._vision.get(model_id)
+        if vision is not None:
+            return vision.kv_bytes_per_token()
         slot = self._slot(model_id)
         if slot.requests:
             raise EngineError(EngineFailure.INVALID_REQUEST)  # a load-time check, never beside a batch
@@ -220,6 +275,16 @@ class Worker:
         return nbytes // ALLOC_STEP
 
     def _unload(self, model_id: str) -> None:
+        vision = self._vision.pop(model_id, None)
+        if vision is not None:
+            vision.fail_all(EngineFailure.MODEL_UNLOADED)
+            self.stats.pop(model_id, None)
+            vision.vlm = None
+            del vision
+            gc.collect()
+            mx.clear_cache()
+            _release_native_heap()
+            return
         slot = self._slot(model_id)
         self._fail_all(slot, EngineFailure.MODEL_UNLOADED)
         slot.generator.close()
@@ -232,6 +297,9 @@ class Worker:
         _release_native_heap()
 
     def _stop(self) -> None:
+        for model_id in list(self._vision):
+            self._vision[model_id].fail_all(EngineFailure.ENGINE_CLOSED)
+            self._unload(model_id)
         for model_id in list(self._slots):
             slot = self._slots[model_id]
             self._fail_all(slot, EngineFailure.ENGINE_CLOSED)
@@ -251,8 +319,14 @@ class Worker:
 
     def _submit(self, cmd: Submit) -> None:
         request = cmd.request
+        vision = self._vision.get(cmd.model_id)
+        if vision is not None and not self._known(request.request_id):
+            vision.submit(cmd)
+            return
         try:
-            if request.request_id in self._where:
+            if self._known(request.request_id):
+                raise EngineError(EngineFailure.INVALID_REQUEST)
+            if request.images:  # a text model cannot take images
                 raise EngineError(EngineFailure.INVALID_REQUEST)
             slot = self._slot(cmd.model_id)
             ids = self._prompt_ids(slot, request.messages)
@@ -270,6 +344,7 @@ class Worker:
             )
         except EngineError as exc:
             self._emit(cmd.sink, Failed(exc.code))
+            self._notify_released(cmd.on_media_released, request.request_id)
             self._notify_released(cmd.on_released, request.request_id)
             return
         text = CompletionText(slot.tokenizer.detokenizer, request.params.stop)
@@ -305,10 +380,17 @@ class Worker:
         except Exception:  # an edge: see _reuse
             log.exception("prefix cache store failed")
 
+    def _known(self, request_id: str) -> bool:
+        return request_id in self._where or any(request_id in v.runs for v in self._vision.values())
+
     def _cancel(self, request_id: str) -> None:
         # Unknown ids are normal: the request may have finished in the previous step.
         found = self._where.get(request_id)
         if found is None:
+            for vision in self._vision.values():
+                if vision.cancel(request_id):
+                    self.stats[vision.info.model_id] = vision.stats()
+                    return
             return
         slot, uid = found
         slot.generator.remove([uid])
@@ -341,9 +423,33 @@ class Worker:
     # -- stepping ----------------------------------------------------------------------------
 
     def _step_all(self) -> None:
+        started = time.perf_counter()
+        stepped = False
         for slot in list(self._slots.values()):
             if slot.requests:
+                if self._trace is not None:
+                    self._trace(slot.info.model_id, None, "batch")
                 self._step(slot)
+                stepped = True
+        if stepped:
+            self._duty.text_ran(time.perf_counter() - started)
+        else:
+            self._duty.reset()  # no text is decoding: vision work runs freely
+
+    def _vision_busy(self) -> bool:
+        return any(v.runs for v in self._vision.values())
+
+    def _step_vision(self) -> None:
+        text_running = bool(self._where)
+        for vision in list(self._vision.values()):
+            if not vision.runs:
+                continue
+            vision.step_decoding()
+            if vision.has_pretoken and (not text_running or self._duty.may_run()):
+                started = time.perf_counter()
+                vision.step_pretoken()
+                self._duty.vision_ran(time.perf_counter() - started)
+            self.stats[vision.info.model_id] = vision.stats()
 
     def _step(self, slot: _Slot) -> None:
         try:
