@@ -183,6 +183,11 @@ class Settings(BaseModel):
         5.0, gt=0, description="How long an unload waits for MLX memory to settle.",
         **_allowed("a number of seconds > 0"),
     )
+    max_vision_requests: int = Field(
+        2, ge=1, description="Most requests with images running or waiting per vision model; more are refused "
+        "at once with a 503 (a slow consumer cannot pin vision reservations).",
+        **_allowed("an integer >= 1"),
+    )
     drain_timeout_s: float = Field(
         30.0, ge=0, description="On shutdown, how long in-flight requests may finish.",
         **_allowed("a number of seconds >= 0"),
@@ -230,6 +235,7 @@ class Settings(BaseModel):
     @field_validator(
         "heartbeat_interval_s", "eviction_window_s", "memory_reserve_gb", "memory_limit_gb", "max_model_slots", "idle_timeout_mins",
         "load_wait_timeout_s", "settle_timeout_s", "drain_timeout_s", "kv_ssd_budget_gb", "local_port",
+        "max_vision_requests",
         mode="before",
     )
     @classmethod

@@ -157,7 +157,8 @@ class Runtime:
                                              weight_hash=hashes.get, progress=progress)
         servable = tuple(m.id for m, verdict in manager.verdicts() if verdict.ever_fits)
         await hashes.warm(servable)
-        counter = PromptCounter({m.id: m.path for m in inventory.models})
+        counter = PromptCounter({m.id: m.path for m in inventory.models},
+                                vision={m.id for m in inventory.models if m.is_vision})
         await counter.warm(servable)
         return cls(settings, inventory, probe, ledger, prefix, engine, owns_engine, manager, hashes, counter,
                    ServingStats(), metrics, servable, writer)
@@ -198,6 +199,7 @@ class Runtime:
                 "resident_bytes": self.manager.resident_bytes(m.id) if state is ModelState.LOADED else None,
                 "weight_bytes": m.weight_bytes,
                 "context_length": m.context_length,
+                "vision": m.is_vision,
                 "kv_bytes_per_token": info.kv.max_bytes_per_token,
                 "active_requests": in_flight_by_model.get(m.id, 0),
                 "running": slot.num_running if slot else 0,

@@ -26,6 +26,7 @@ from provider.models import discover
 from provider.slots import ModelManager
 from provider.telemetry import capture_redacted_logs
 from vectors import load as load_vector
+from vision_images import data_uri, png_bytes
 
 NO_EOS = frozenset({10**9})  # the tiny model never stops early: completions have exactly max_tokens
 
@@ -163,7 +164,7 @@ async def test_accept_goes_out_before_the_model_loads(harness):
     (lambda c, r: c.request("bad", chat(content="word " * 3000)), 400, "invalid_request"),  # > context 2048
     (lambda c, r: c.request("bad", chat(content=[  # an image for a text model
         {"type": "text", "text": "what is this"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}])), 415, "unsupported_media"),
+        {"type": "image_url", "image_url": {"url": data_uri(png_bytes(8, 8))}}])), 415, "unsupported_media"),
 ])
 async def test_fast_rejects_have_no_accept(harness, mutate, status, code):
     request = mutate(harness.coordinator, harness.coordinator.request("bad", chat()))

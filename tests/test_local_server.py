@@ -25,6 +25,7 @@ from openai_shape import assert_openai_stream
 
 from protocol.errors import Failure, RejectionReason
 from provider.demo import free_port, wait_ready
+from vision_images import data_uri, png_bytes
 
 CANARY = "CANARY-7f3a9c-do-not-log"
 MODEL = "demo/tiny"
@@ -143,7 +144,7 @@ def test_an_image_for_a_text_model_is_415_unsupported_media(server):
     with pytest.raises(openai.APIStatusError) as err:
         server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
             {"type": "text", "text": "what is this"},
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}], max_tokens=2)
+            {"type": "image_url", "image_url": {"url": data_uri(png_bytes(8, 8))}}]}], max_tokens=2)
     assert err.value.status_code == 415
     assert err.value.response.json()["error"]["code"] == "unsupported_media"
     assert "retry-after" not in err.value.response.headers

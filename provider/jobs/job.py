@@ -1,6 +1,7 @@
 """One ``inference_request``, end to end (protocol.md §7).
 
-    open encrypted_body ─▶ parse OpenAI body ─▶ count prompt ─▶ fast admission ─▶ inference_accepted
+    open encrypted_body ─▶ parse OpenAI body ─▶ count prompt ─▶ check images (headers only)
+      ─▶ fast admission ─▶ inference_accepted
       ─▶ wait for the model + reserve KV (manager.serve) ─▶ stream: one sealed ``data:`` line per chunk
       ─▶ inference_complete (exact usage; the coordinator then ends the consumer's stream with [DONE])
 
@@ -46,6 +47,7 @@ from provider.jobs.lifecycle import JobEvent, JobLifecycle, JobState
 from provider.jobs.stats import ServingStats
 from provider.request.tokens import PromptCounter, PromptError, UnknownModel
 from provider.request.body import ChatBody, InvalidBody, parse_chat_body
+from provider.request.media import NO_MEDIA, MediaPlan, MediaRefused, inspect_images
 from provider.slots import Admission, Admitted, Refused
 from provider.metrics import Metrics, RequestOutcome
 from provider.telemetry import get_logger
@@ -70,10 +72,11 @@ class Slot(Protocol):
 
 
 class ModelManager(Protocol):
-    def admit(self, model_id: str, prompt_tokens: int, max_tokens: int | None = None) -> Admission: ...
+    def admit(self, model_id: str, prompt_tokens: int, max_tokens: int | None = None, *,
+              media: MediaPlan | None = None) -> Admission: ...
 
-    def serve(self, request_id: str, model_id: str, prompt_tokens: int,
-              max_tokens: int | None = None) -> AbstractAsyncContextManager[Slot]: ...
+    def serve(self, request_id: str, model_id: str, prompt_tokens: int, max_tokens: int | None = None, *,
+              media: MediaPlan | None = None) -> AbstractAsyncContextManager[Slot]: ...
 
 
 # --- engine failures in the protocol's vocabulary ------------------------------------------------------
@@ -203,15 +206,20 @@ class Job:
             raise _Rejected(Failure.invalid_request()) from None
 
     async def _admit_and_serve(self, box: RequestBox, body: ChatBody) -> JobOutcome:
-        if body.images:  # no model serves images yet (vision models: issue 17)
-            raise _Rejected(Failure.unsupported_media())
         try:
             prompt_tokens = await self._ctx.counter.count(body.model, body.messages)
         except UnknownModel:
             raise _Rejected(Failure.model_unavailable()) from None
         except PromptError:
             raise _Rejected(Failure.invalid_request()) from None
-        match self._ctx.manager.admit(body.model, prompt_tokens, body.max_tokens):
+        media = NO_MEDIA
+        if body.images:  # bounds before allocation: headers only, nothing decoded
+            try:
+                media = await asyncio.to_thread(inspect_images, body.images)
+            except MediaRefused as refused:
+                log.info("request_refused", reason="media", kind=refused.kind)
+                raise _Rejected(refused.failure) from None
+        match self._ctx.manager.admit(body.model, prompt_tokens, body.max_tokens, media=media):
             case Refused(failure=failure):
                 if self._ctx.metrics is not None:
                     self._ctx.metrics.rejected(failure.rejection or failure.reason or failure.code)
@@ -225,20 +233,21 @@ class Job:
         self._ctx.stats.accepted(self.request_id, body.model)
         log.info("request_accepted", prompt_tokens=prompt_tokens, max_tokens=max_tokens)
         try:
-            return await self._serve(box, body, prompt_tokens, max_tokens)
+            return await self._serve(box, body, prompt_tokens, max_tokens, media)
         finally:
             self._ctx.stats.ended(self.request_id)
 
     # --- after the accept ---------------------------------------------------------------------------
 
-    async def _serve(self, box: RequestBox, body: ChatBody, prompt_tokens: int, max_tokens: int) -> JobOutcome:
+    async def _serve(self, box: RequestBox, body: ChatBody, prompt_tokens: int, max_tokens: int,
+                     media: MediaPlan) -> JobOutcome:
         request = ChatRequest(self.request_id, body.messages, body.sampling(max_tokens))
         remaining = None if self._content_deadline is None else self._content_deadline - self._ctx.monotonic()
         try:
             # [N] first_content_budget_ms: no content by then → give up before any output (rerouted, neutral).
             async with asyncio.timeout(remaining) as self._deadline_guard:
                 async with self._ctx.manager.serve(self.request_id, body.model, prompt_tokens,
-                                                   body.max_tokens) as slot:
+                                                   body.max_tokens, media=media) as slot:
                     stream = slot.submit(request)
                     try:
                         return await self._stream(box, body, stream)

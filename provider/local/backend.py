@@ -6,6 +6,7 @@ has the same admission and memory policy as the coordinator agent (issue 7).
 are the job's (`provider.jobs.job`), minus the encryption:
 
 * count the prompt exactly with the runtime's `PromptCounter` (no model load needed);
+* check the images, if any: bounds before allocation (`provider.request.media`, headers only);
 * fast admission, `ModelManager.admit`: a refusal is the manager's `Failure`;
 * `async with manager.serve(...) as slot`: waits for (or does) the load, evicting idle models
   and prefix-cache entries as the policy says, reserves the request's KV, pins the model;
@@ -16,6 +17,7 @@ Every 503 carries `Retry-After` (a capacity refusal is transient: memory frees a
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -26,6 +28,7 @@ from provider.engine import ChatRequest, RequestStream
 from provider.request import PromptCounter
 from provider.request.tokens import PromptError, UnknownModel
 from provider.request.body import ChatBody
+from provider.request.media import NO_MEDIA, MediaRefused, inspect_images
 from provider.runtime import Runtime
 from provider.slots import Admitted, Refused as AdmissionRefused, SlotRefused
 from provider.telemetry import get_logger
@@ -69,15 +72,20 @@ class RuntimeBackend:
     @asynccontextmanager
     async def open(self, request_id: str, body: ChatBody) -> AsyncIterator[RequestStream]:
         rt = self.runtime
-        if body.images:  # no model serves images yet (vision models: issue 17)
-            raise Refused(Failure.unsupported_media())
         try:
             prompt_tokens = await rt.counter.count(body.model, body.messages)
         except UnknownModel:
             raise Refused(Failure.model_unavailable()) from None
         except PromptError:
             raise Refused(Failure.template_render()) from None
-        match rt.manager.admit(body.model, prompt_tokens, body.max_tokens):
+        media = NO_MEDIA
+        if body.images:  # bounds before allocation: headers only, nothing decoded
+            try:
+                media = await asyncio.to_thread(inspect_images, body.images)
+            except MediaRefused as refused:
+                log.info("request_refused", request_id=request_id, reason="media", kind=refused.kind)
+                raise Refused(refused.failure) from None
+        match rt.manager.admit(body.model, prompt_tokens, body.max_tokens, media=media):
             case AdmissionRefused(failure=failure):
                 raise Refused(failure)
             case Admitted(kv=kv):
@@ -85,7 +93,8 @@ class RuntimeBackend:
         request = ChatRequest(request_id, body.messages, body.sampling(max_tokens))
         rt.stats.accepted(request_id, body.model)
         try:
-            async with rt.manager.serve(request_id, body.model, prompt_tokens, body.max_tokens) as slot:
+            async with rt.manager.serve(request_id, body.model, prompt_tokens, body.max_tokens,
+                                        media=media) as slot:
                 stream = slot.submit(request)
                 rt.metrics.add_tokens(prompt=prompt_tokens)
                 try:
@@ -93,7 +102,7 @@ class RuntimeBackend:
                         yield stream
                 finally:
                     await stream.aclose()  # no-op after a terminal event; a cancel otherwise
-        except SlotRefused as exc:
+        except (SlotRefused, MediaRefused) as exc:  # MediaRefused: an image that would not decode
             raise Refused(exc.failure) from None
         finally:
             rt.stats.ended(request_id)

@@ -11,13 +11,18 @@ millisecond for ordinary prompts). A tokenizer still cold at request time is loa
 
 The count is exact — the same ``apply_chat_template(..., add_generation_prompt=True)`` the engine runs —
 so admission neither over-reserves KV nor refuses a prompt that fits.
+
+Vision models (``vision=`` ids): the count is the prompt *text* as mlx-vlm renders it, one marker per
+image (``provider.engine.vlm.prompt_text_ids``, what the engine renders too); the image soft tokens are
+the policy's to add (``memory.media.vision_span``). For a text model, image markers count as nothing
+(admission refuses the images with 415 before anything is served).
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +50,34 @@ def _mlx_lm_loader(path: Path) -> Any:
     return load_tokenizer(path)
 
 
+class VisionPromptTokenizer:
+    """A VLM's processor behind the one method `_count` calls: the prompt text ids as the engine
+    renders them (mlx-vlm's template helper, one marker per image)."""
+
+    def __init__(self, path: Path) -> None:
+        from mlx_vlm.utils import load_config, load_processor  # the vision extra, only for a VLM
+
+        self._processor = load_processor(path, add_detokenizer=False)
+        self._config = load_config(path)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True) -> list[int]:
+        from provider.engine.vlm import prompt_text_ids
+
+        return prompt_text_ids(self._processor, self._config, messages)
+
+
+def _text_only(messages: Sequence[Mapping[str, object]]) -> list[Mapping[str, object]]:
+    """Messages for a text model's template: image markers dropped, text parts joined."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, (list, tuple)):
+            text = "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping) and p.get("type") == "text")
+            m = {**m, "content": text}
+        out.append(m)
+    return out
+
+
 class _Entry:
     __slots__ = ("lock", "tokenizer")
 
@@ -56,9 +89,12 @@ class _Entry:
 class PromptCounter:
     """Exact prompt lengths per model, counted off the event loop."""
 
-    def __init__(self, paths: Mapping[str, Path], *, loader: TokenizerLoader = _mlx_lm_loader) -> None:
+    def __init__(self, paths: Mapping[str, Path], *, loader: TokenizerLoader = _mlx_lm_loader,
+                 vision: Collection[str] = (), vision_loader: TokenizerLoader = VisionPromptTokenizer) -> None:
         self._paths = dict(paths)
         self._loader = loader
+        self._vision = frozenset(vision)
+        self._vision_loader = vision_loader
         self._entries: dict[str, _Entry] = {}
         self._loading: dict[str, asyncio.Future[_Entry]] = {}
 
@@ -77,7 +113,8 @@ class PromptCounter:
     async def count(self, model_id: str, messages: Sequence[Mapping[str, object]]) -> int:
         """Tokens of the templated prompt. Raises ``PromptError`` or ``UnknownModel``."""
         entry = await self._entry(model_id)
-        return await asyncio.to_thread(_count, entry, list(messages))
+        msgs = list(messages) if model_id in self._vision else _text_only(messages)
+        return await asyncio.to_thread(_count, entry, msgs)
 
     async def _entry(self, model_id: str) -> _Entry:
         entry = self._entries.get(model_id)
@@ -95,7 +132,8 @@ class PromptCounter:
 
     async def _load(self, model_id: str, path: Path) -> _Entry:
         try:
-            tokenizer = await asyncio.to_thread(self._loader, path)
+            loader = self._vision_loader if model_id in self._vision else self._loader
+            tokenizer = await asyncio.to_thread(loader, path)
         finally:
             self._loading.pop(model_id, None)
         entry = self._entries[model_id] = _Entry(tokenizer)

@@ -61,6 +61,7 @@ def advertised_models(
             model_type=model.model_type,
             quantization=quantization_label(model),
             weight_hash=hashes.get(model.id, ""),
+            is_vision=model.is_vision,  # served through mlx-vlm; the verdict's weights include the vision tower
             estimated_memory_gb=round(verdict.weights_bytes / GiB, 3),
             fit_verdict=verdict.verdict.value,
             required_memory_gb=round(verdict.required_bytes / GiB, 3),

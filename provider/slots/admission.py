@@ -22,14 +22,22 @@ blocks, sliding windows capped), which is never less than `kv_bytes_per_token ×
 full-attention model, so the reservation covers the real allocation. What a request reserves on a
 resident model is its share of the model's padded batch, `batchkv.join_share` (the same function
 `ModelManager._reserve_kv` reserves with), read from `SlotView.kv`.
+
+Vision requests (a VLM, `ModelInfo.vision`; memory/media.py is the rule): the KV span is prompt
+text + the image soft tokens, clamped to the context, + the output bound (`vision_need`), in its
+own cache (no batch share); the projected decode bytes of the images are reserved beside it as
+`media`. Media + KV must stay within half the hard cap, must fit now (or after evicting idle
+models) like any request's KV, and at most `max_vision_requests` requests with images may run or
+wait per model. An image for a model that cannot take one is 415 `unsupported_media`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from memory import MIN_KV_BYTES, CapFigures, FitResult, MemorySnapshot, default_max_tokens, fit, pressure
+from memory.media import DEFAULT_MAX_VISION_REQUESTS, VisionSpan, vision_reservation, vision_span
 from protocol.errors import ErrorReason, Failure, FailureCode, RejectionReason
 from provider.models import ALLOC_STEP, ModelInfo, kv_bytes_for_tokens
 from provider.slots.batchkv import join_share
@@ -48,6 +56,24 @@ class KvNeed:
 
 
 @dataclass(frozen=True, slots=True)
+class VisionNeed:
+    """What a request to a vision model reserves: its KV span (own cache) and its media."""
+
+    images: int
+    span: VisionSpan
+    kv_bytes: int
+    media_bytes: int  # projected decode bytes (memory.media.projected_decode_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.kv_bytes + self.media_bytes
+
+    @property
+    def kv(self) -> KvNeed:
+        return KvNeed(self.span.tokens, self.span.max_tokens, self.kv_bytes)
+
+
+@dataclass(frozen=True, slots=True)
 class ManagerView:
     """The manager's state at one instant (only models that are not NOT_LOADED are listed)."""
 
@@ -57,6 +83,8 @@ class ManagerView:
     outstanding_bytes: int  # Σ ledger reservations, every kind
     request_kv_bytes: int  # the part held by in-flight requests (it frees as they finish)
     prefix_cache_bytes: int = 0  # the part held by the RAM prefix cache, evicted before a refusal
+    max_vision_requests: int = DEFAULT_MAX_VISION_REQUESTS  # requests with images per model
+    vision_requests: Mapping[str, int] = field(default_factory=dict)  # in serve() now, any state
 
     @property
     def firm_outstanding_bytes(self) -> int:
@@ -71,6 +99,7 @@ class Admitted:
     kv: KvNeed
     cold: bool  # the model is not resident: a load (and maybe evictions) comes first
     evict: tuple[str, ...] = ()  # idle models the plan would evict, LRU first (advisory)
+    vision: VisionNeed | None = None  # a request to a vision model: `kv` is its span's KV
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +151,28 @@ def kv_need(figures: CapFigures, info: ModelInfo, prompt_tokens: int, max_tokens
     rk = figures.request_kv(kv_bytes_per_token=info.kv.max_bytes_per_token, prompt_tokens=prompt,
                             context_length=context, max_tokens=max_tokens)
     return KvNeed(rk.tokens, rk.max_tokens, kv_bytes_for_tokens(info.kv, rk.tokens))
+
+
+def vision_need(figures: CapFigures, info: ModelInfo, prompt_tokens: int, max_tokens: int | None, *,
+                images: int = 0, media_bytes: int = 0) -> VisionNeed:
+    """A vision model's reservation: span = min(prompt + soft tokens × images, context) + output,
+    in the model's real KV layout; media = the projected decode bytes, as given."""
+    soft = info.vision.soft_tokens_per_image if info.vision is not None else None
+    span = vision_span(prompt_tokens=prompt_tokens, images=images, soft_tokens_per_image=soft,
+                       context_length=info.context_length, max_tokens=max_tokens)
+    return VisionNeed(images, span, kv_bytes_for_tokens(info.kv, span.tokens), max(0, media_bytes))
+
+
+def vision_limit_refusal(figures: CapFigures, need: VisionNeed) -> Refused | None:
+    """Media + KV above half the hard cap: bigger than this node serves (another may)."""
+    if vision_reservation(figures, media_bytes=need.media_bytes, kv_bytes=need.kv_bytes).within_limit:
+        return None
+    kv_alone = need.kv_bytes > figures.single_request_limit_bytes
+    return Refused(Failure.exceeds_node(RejectionReason.TOKEN_BUDGET if kv_alone else RejectionReason.MEMORY_CAP))
+
+
+def vision_queue_full() -> Refused:
+    return Refused(Failure.capacity(RejectionReason.SLOT_STATE, reason=ErrorReason.QUEUE_FULL))
 
 
 def tokens_for_bytes(info: ModelInfo, nbytes: int) -> int:
@@ -242,14 +293,22 @@ def kv_refusal(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot,
 
 
 def decide(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, *, model_id: str,
-           info: ModelInfo | None, prompt_tokens: int, max_tokens: int | None) -> Admission:
-    """Accept or refuse one request, per memory-policy.md §7. Pure: same inputs, same answer."""
+           info: ModelInfo | None, prompt_tokens: int, max_tokens: int | None, images: int = 0,
+           media_bytes: int = 0) -> Admission:
+    """Accept or refuse one request, per memory-policy.md §7. Pure: same inputs, same answer.
+    `images` / `media_bytes`: the request's image count and projected decode bytes."""
     if view.draining:
         return Refused(Failure.draining())
     if info is None:
         return Refused(Failure.model_unavailable())
+    if images and not info.is_vision:
+        return Refused(Failure.unsupported_media())
     if exceeds_context(info, prompt_tokens):
         return Refused(Failure.request_exceeds_context())
+    if info.is_vision:
+        return _decide_vision(view, figures, snapshot, model_id, info,
+                              vision_need(figures, info, prompt_tokens, max_tokens, images=images,
+                                          media_bytes=media_bytes))
     kv = kv_need(figures, info, prompt_tokens, max_tokens)
     if kv.nbytes > figures.single_request_limit_bytes:
         return Refused(Failure.exceeds_node(RejectionReason.TOKEN_BUDGET))
@@ -276,3 +335,30 @@ def decide(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, *, 
     if isinstance(room, Refused):
         return room
     return Admitted(model_id, kv, cold=True, evict=room.victims)
+
+
+def _decide_vision(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, model_id: str,
+                   info: ModelInfo, need: VisionNeed) -> Admission:
+    """A request to a vision model: its own KV span plus its media, no batch share."""
+    refused = vision_limit_refusal(figures, need)
+    if refused is not None:
+        return refused
+    if need.images and view.vision_requests.get(model_id, 0) >= view.max_vision_requests:
+        return vision_queue_full()
+    slot = view.slots.get(model_id)
+    state = slot.state if slot is not None else ModelState.NOT_LOADED
+    if state is ModelState.LOADING:
+        return Admitted(model_id, need.kv, cold=True, vision=need)
+    if state is ModelState.LOADED:
+        if need.total_bytes <= figures.available_bytes(snapshot, view.firm_outstanding_bytes):
+            return Admitted(model_id, need.kv, cold=False, vision=need)
+        plan = plan_kv(view, figures, snapshot, target=model_id, kv_bytes=need.total_bytes)
+        if plan is not None:
+            return Admitted(model_id, need.kv, cold=False, evict=plan.victims, vision=need)
+        return kv_refusal(view, figures, snapshot, info, KvNeed(need.span.tokens, need.span.max_tokens,
+                                                                need.total_bytes))
+    room = plan_room(view, figures, snapshot, target=model_id, weight_bytes_on_disk=info.weight_bytes,
+                     extra_kv_bytes=max(0, need.total_bytes - MIN_KV_BYTES))
+    if isinstance(room, Refused):
+        return room
+    return Admitted(model_id, need.kv, cold=True, evict=room.victims, vision=need)

@@ -7,6 +7,7 @@
   thread, once the cache has left the batch) and the `serve()` exit (event loop, when the request
   never reached the engine). The book may keep part of it while the rest of the batch needs it.
 * `ServeSlot`: what `async with manager.serve(...)` yields.
+* `SlotRefused`: `serve()` could not give the request a slot.
 """
 
 from __future__ import annotations
@@ -15,9 +16,18 @@ import dataclasses
 import threading
 
 from memory import Ledger
+from protocol.errors import Failure
 from provider.engine import ChatRequest, Engine, RequestStream
 from provider.slots.admission import KvNeed
 from provider.slots.state import ModelSlot
+
+
+class SlotRefused(Exception):
+    """`serve()` could not give the request a slot. `failure` becomes the frame (protocol/errors)."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.code.value)
+        self.failure = failure
 
 
 class Claim:

@@ -37,6 +37,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 from kvcache.manager import KvCacheManager
+from memory.media import DEFAULT_MAX_VISION_REQUESTS
 from memory import (
     MIN_KV_BYTES,
     CapFigures,
@@ -58,6 +59,7 @@ from provider.engine import Engine, EngineError, EngineFailure, LoadedModelInfo
 from provider.metrics import EvictionCause, LoadResult, Metrics
 from provider.models import Inventory, ModelInfo
 from provider.progress import ProgressFactory
+from provider.request.media import NO_MEDIA, MediaPlan
 from provider.slots.admission import (
     Admission,
     ManagerView,
@@ -72,17 +74,10 @@ from provider.slots.admission import (
     tokens_for_bytes,
 )
 from provider.slots.capacity import CapacityReport, SlotCapacity, max_concurrency
-from provider.slots.leases import Claim, KvReservation, ServeSlot
+from provider.slots.leases import Claim, KvReservation, ServeSlot, SlotRefused
 from provider.slots.prefix import PrefixRoom, WeightHashes, with_measured_kv
 from provider.slots.state import ModelSlot, ModelState, log
-
-
-class SlotRefused(Exception):
-    """`serve()` could not give the request a slot. `failure` becomes the frame (protocol/errors)."""
-
-    def __init__(self, failure: Failure) -> None:
-        super().__init__(failure.code.value)
-        self.failure = failure
+from provider.slots.vision import VisionServing
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -113,8 +108,9 @@ KvPurge = Callable[[str], Awaitable[None]]
 _PROGRESS_INTERVAL_S = 0.2  # how often a terminal's load progress line is redrawn
 
 
-class ModelManager:
-    """See the package docstring for the API; the module docstring for the load/unload order."""
+class ModelManager(VisionServing):
+    """See the package docstring for the API; the module docstring for the load/unload order.
+    Requests to a vision model are served by `VisionServing` (slots/vision.py)."""
 
     def __init__(
         self,
@@ -125,6 +121,7 @@ class ModelManager:
         probe: Probe,
         *,
         max_model_slots: int = 3,
+        max_vision_requests: int = DEFAULT_MAX_VISION_REQUESTS,
         idle_timeout_s: float | None = 3600.0,
         load_wait_timeout_s: float = 120.0,
         settle_timeout_s: float = 5.0,
@@ -146,6 +143,9 @@ class ModelManager:
         self._ledger = ledger
         self._probe = probe
         self._max_slots = max_model_slots
+        if max_vision_requests < 1:
+            raise ValueError("max_vision_requests must be >= 1")
+        self._max_vision = max_vision_requests
         self._idle_timeout_s = idle_timeout_s if idle_timeout_s else None  # 0 / None = never
         self._load_wait_s = load_wait_timeout_s
         self._settle_s = settle_timeout_s
@@ -167,7 +167,8 @@ class ModelManager:
                       **kwargs) -> ModelManager:
         """Build from `provider.config.Settings` (slots, idle timeout, load wait, settle timeout)."""
         return cls(engine, inventory, ledger, ledger.figures, probe,
-                   max_model_slots=settings.max_model_slots, idle_timeout_s=settings.idle_timeout_s,
+                   max_model_slots=settings.max_model_slots, max_vision_requests=settings.max_vision_requests,
+                   idle_timeout_s=settings.idle_timeout_s,
                    load_wait_timeout_s=settings.load_wait_timeout_s,
                    settle_timeout_s=settings.settle_timeout_s, **kwargs)
 
@@ -192,7 +193,9 @@ class ModelManager:
                  for s in self._slots.values() if s.state is not ModelState.NOT_LOADED}
         return ManagerView(slots, self._max_slots, self._draining, sum(by_kind.values()),
                            by_kind[ReservationKind.REQUEST_KV],
-                           self._prefix.evictable_bytes(by_kind[ReservationKind.PREFIX_CACHE]))
+                           self._prefix.evictable_bytes(by_kind[ReservationKind.PREFIX_CACHE]),
+                           self._max_vision,
+                           {s.model_id: s.vision_requests for s in self._slots.values() if s.vision_requests})
 
     @property
     def prefix_cache(self) -> KvCacheManager | None:
@@ -203,31 +206,41 @@ class ModelManager:
         slot = self._slots.get(model_id)
         return slot.info if slot is not None else None
 
-    def admit(self, model_id: str, prompt_tokens: int, max_tokens: int | None = None) -> Admission:
-        """Accept or refuse before `inference_accepted`: no load, no reservation, no allocation."""
+    def admit(self, model_id: str, prompt_tokens: int, max_tokens: int | None = None, *,
+              media: MediaPlan | None = None) -> Admission:
+        """Accept or refuse before `inference_accepted`: no load, no reservation, no allocation.
+        `media`: the request's checked images (their count and projected decode bytes)."""
         slot = self._slots.get(model_id)
+        plan = media or NO_MEDIA
         return decide(self.view(), self.figures, self._probe.snapshot(), model_id=model_id,
                       info=slot.info if slot is not None else None, prompt_tokens=prompt_tokens,
-                      max_tokens=max_tokens)
+                      max_tokens=max_tokens, images=plan.count, media_bytes=plan.decode_bytes)
 
     # -- serving ------------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
     async def serve(self, request_id: str, model_id: str, prompt_tokens: int,
-                    max_tokens: int | None = None) -> AsyncIterator[ServeSlot]:
+                    max_tokens: int | None = None, *, media: MediaPlan | None = None) -> AsyncIterator[ServeSlot]:
         """Wait for (or do) the load, reserve the request's KV, pin the model; yield a `ServeSlot`.
 
         Raises `SlotRefused` (before yielding) when it cannot. The model is never evicted while a
         request is inside. On exit (cancellation included) a submitted request is cancelled in the
         engine, whose release hook frees its KV; an unsubmitted one's KV is released here.
+        A vision model's request (with `media`, its checked images) goes through `_serve_vision`.
         """
         if self._draining:
             raise SlotRefused(Failure.draining())
         slot = self._slots.get(model_id)
         if slot is None:
             raise SlotRefused(Failure.model_unavailable())
+        if media is not None and media.count and not slot.info.is_vision:
+            raise SlotRefused(Failure.unsupported_media())
         if exceeds_context(slot.info, prompt_tokens):
             raise SlotRefused(Failure.request_exceeds_context())
+        if slot.info.is_vision:
+            async with self._serve_vision(slot, request_id, prompt_tokens, max_tokens, media) as vision:
+                yield vision
+            return
         slot.pins += 1
         reservation: KvReservation | None = None
         handle: ServeSlot | None = None
@@ -335,7 +348,8 @@ class ModelManager:
                 return refusal
             await self._step(LoadStep.CLAIMED, model_id)
             load_fut = asyncio.ensure_future(
-                self._engine.load(model_id, slot.info.path, eos_token_ids=self._eos.get(model_id)))
+                self._engine.load(model_id, slot.info.path, eos_token_ids=self._eos.get(model_id),
+                                  vision=slot.info.is_vision))
             await self._step(LoadStep.ENGINE_LOADING, model_id)
             loaded = await self._await_load(model_id, load_fut)
             await self._step(LoadStep.LOADED, model_id)

@@ -71,6 +71,8 @@ class ModelSlot:
         self.load_task: asyncio.Task | None = None
         self.unload_task: asyncio.Task | None = None
         self.kv_book = KvBook()  # the in-flight requests' KV reservations (batchkv)
+        self.vision_requests = 0  # requests with images inside serve() (capped per model)
+        self.vision_holds: dict[str, KvHold] = {}  # a vision model's requests: each its own cache
 
     @property
     def model_id(self) -> str:
@@ -95,7 +97,7 @@ class ModelSlot:
     # -- KV holds (the book: joins on the loop, departures on the engine thread) ------------
 
     def reservations(self) -> list[KvHold]:
-        return self.kv_book.holds()
+        return self.kv_book.holds() + list(self.vision_holds.values())
 
     # -- views ------------------------------------------------------------------------------
 

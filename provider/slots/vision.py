@@ -1,0 +1,234 @@
+"""Serving a vision model's requests: reserve media and KV before any image is decoded.
+
+`ModelManager.serve()` hands a request for a vision model (`ModelInfo.vision`) to
+`VisionServing._serve_vision`, which, in this order:
+
+1. takes a place among the model's `max_vision_requests` (requests with images only; the next one
+   is refused at once with 503 `queue_full`, so slow consumers cannot pin vision reservations);
+2. waits for (or does) the model load, like any request;
+3. reserves, atomically against one snapshot, the request's KV span (`kv:<id>`, kind
+   `request_kv`) and the projected decode bytes of its images (`media:<id>`, kind `media`) —
+   giving way first to the prefix cache and then evicting idle models, as `_reserve_kv` does;
+4. decodes the images off the event loop (`provider.request.media.decode_images`); if the request
+   is cancelled meanwhile, the media reservation is released only once the decoding thread has
+   finished and its rasters are dropped;
+5. yields a `VisionServeSlot`; `submit()` gives the engine the images, the reserved span and both
+   release hooks: the engine releases `media` once the vision encoder has run (the rasters and
+   the pixel tensor are gone) and the KV when the request ends.
+
+Every exit — finished, cancelled, disconnected, failed, refused — releases both reservations
+exactly once (`VisionLeases`: idempotent, thread-safe, engine thread or event loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import threading
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from memory import Ledger, Rejection, RejectionReason as LedgerRejection, ReservationKind
+from protocol.errors import Failure
+from provider.engine import ChatRequest, Engine, RequestStream
+from provider.metrics import EvictionCause
+from provider.request.media import NO_MEDIA, MediaPlan, decode_images
+from provider.slots.admission import (
+    VisionNeed,
+    kv_refusal,
+    plan_kv,
+    vision_limit_refusal,
+    vision_need,
+    vision_queue_full,
+)
+from provider.slots.batchkv import KvHold
+from provider.slots.leases import SlotRefused
+from provider.slots.state import ModelSlot
+
+if TYPE_CHECKING:
+    from provider.slots.manager import ModelManager
+
+
+class VisionLeases:
+    """One vision request's two ledger reservations, each released exactly once."""
+
+    def __init__(self, ledger: Ledger, slot: ModelSlot, request_id: str) -> None:
+        self.request_id = request_id
+        self.kv_id = f"kv:{request_id}"
+        self.media_id = f"media:{request_id}"
+        self._ledger = ledger
+        self._slot = slot
+        self._lock = threading.Lock()
+        self._held: set[str] = set()
+
+    def hold(self, ledger_id: str) -> None:
+        with self._lock:
+            self._held.add(ledger_id)
+
+    def _release(self, ledger_id: str) -> None:
+        with self._lock:
+            if ledger_id not in self._held:
+                return
+            self._held.discard(ledger_id)
+        self._ledger.release(ledger_id)
+
+    def release_media(self, _request_id: str | None = None) -> None:
+        self._release(self.media_id)
+
+    def release_kv(self, _request_id: str | None = None) -> None:
+        self._slot.vision_holds.pop(self.request_id, None)
+        self._release(self.kv_id)
+
+    def release_all(self) -> None:
+        self.release_media()
+        self.release_kv()
+
+
+class VisionServeSlot:
+    """A vision request's place on a loaded model, valid inside `async with manager.serve(...)`."""
+
+    def __init__(self, engine: Engine, slot: ModelSlot, leases: VisionLeases, need: VisionNeed,
+                 images: list[Any]) -> None:
+        self._engine = engine
+        self._leases = leases
+        self._images = images
+        self.model_id = slot.model_id
+        self.request_id = leases.request_id
+        self.kv = need.kv
+        self.vision = need
+        self.loaded = slot.loaded
+        self._submitted = False
+
+    def submit(self, request: ChatRequest) -> RequestStream:
+        """Start the request with its decoded images; output capped at the reserved span. From
+        here on the engine releases the media (after encoding) and the KV (at the end)."""
+        if self._submitted:
+            raise RuntimeError("a slot serves one request")
+        if request.request_id != self.request_id:
+            raise ValueError("request_id differs from the one reserved")
+        params = request.params
+        if params.max_tokens > self.kv.max_tokens > 0:
+            params = dataclasses.replace(params, max_tokens=self.kv.max_tokens)
+        request = dataclasses.replace(request, params=params, images=tuple(self._images), kv_tokens=self.kv.tokens)
+        self._images = []  # the engine owns them now
+        stream = self._engine.submit(self.model_id, request, on_released=self._leases.release_kv,
+                                     on_media_released=self._leases.release_media)
+        self._submitted = True
+        return stream
+
+    def _close(self) -> None:
+        self._images = []
+        if self._submitted:
+            self._engine.cancel(self.request_id)  # a no-op once finished; the engine releases
+        else:
+            self._leases.release_all()  # never reached the engine
+
+
+class _Decoded:
+    """The decoding thread's output, kept where a cancelled caller can still drop it."""
+
+    def __init__(self) -> None:
+        self.images: list[Any] = []
+
+
+def _decode_into(plan: MediaPlan, box: _Decoded) -> None:
+    box.images = decode_images(plan)
+
+
+async def decode_held(plan: MediaPlan, leases: VisionLeases) -> list[Any]:
+    """Decode off the loop while the media reservation is held. Cancelled or failed: the media
+    reservation is released only after the thread has finished and its rasters are dropped."""
+    box = _Decoded()
+    future = asyncio.get_running_loop().run_in_executor(None, _decode_into, plan, box)
+    try:
+        await asyncio.shield(future)
+    except BaseException:
+        def drop(_: asyncio.Future) -> None:
+            box.images = []
+            leases.release_media()
+
+        future.add_done_callback(drop)
+        raise
+    images, box.images = box.images, []
+    return images
+
+
+class VisionServing:
+    """`ModelManager`'s vision path (a mixin: it uses the manager's ledger, probe, prefix room,
+    load and eviction steps)."""
+
+    @contextlib.asynccontextmanager
+    async def _serve_vision(self: ModelManager, slot: ModelSlot, request_id: str, prompt_tokens: int,
+                            max_tokens: int | None, media: MediaPlan | None) -> AsyncIterator[VisionServeSlot]:
+        plan = media or NO_MEDIA
+        counted = plan.count > 0
+        if counted:
+            if slot.vision_requests >= self._max_vision:
+                raise SlotRefused(vision_queue_full().failure)
+            slot.vision_requests += 1
+        slot.pins += 1
+        leases = VisionLeases(self._ledger, slot, request_id)
+        handle: VisionServeSlot | None = None
+        try:
+            await self._ensure_loaded(slot)
+            need = vision_need(self.figures, slot.info, prompt_tokens, max_tokens, images=plan.count,
+                               media_bytes=plan.decode_bytes)
+            refused = vision_limit_refusal(self.figures, need)
+            if refused is not None:
+                raise SlotRefused(refused.failure)
+            await self._reserve_vision(slot, leases, need)
+            images = await decode_held(plan, leases) if plan.count else []
+            handle = VisionServeSlot(self._engine, slot, leases, need, images)
+            yield handle
+        finally:
+            if handle is not None:
+                handle._close()
+            else:
+                leases.release_kv()
+                if not plan.count:
+                    leases.release_media()
+                # with images, decode_held releases the media (now, or when its thread finishes)
+            slot.pins -= 1
+            if counted:
+                slot.vision_requests -= 1
+            slot.last_used = self._clock()
+
+    async def _reserve_vision(self: ModelManager, slot: ModelSlot, leases: VisionLeases, need: VisionNeed) -> None:
+        """Reserve the KV span and the media together against one snapshot (see the module doc)."""
+        tried_prefix = False
+        while True:
+            if self._draining:
+                raise SlotRefused(Failure.draining())
+            snap = self._probe.snapshot()
+            available = self._ledger.available_bytes(snap)
+            if need.total_bytes <= available:
+                kv = self._ledger.reserve(leases.kv_id, ReservationKind.REQUEST_KV, need.kv_bytes, snapshot=snap)
+                if isinstance(kv, Rejection):
+                    if kv.reason is LedgerRejection.DUPLICATE_ID:
+                        raise SlotRefused(Failure.invalid_request())
+                    continue  # another reservation took the room meanwhile: replan
+                leases.hold(leases.kv_id)
+                slot.vision_holds[leases.request_id] = KvHold(need.span.tokens, need.span.max_tokens, need.kv_bytes)
+                if not need.media_bytes:
+                    return
+                got = self._ledger.reserve(leases.media_id, ReservationKind.MEDIA, need.media_bytes, snapshot=snap)
+                if not isinstance(got, Rejection):
+                    leases.hold(leases.media_id)
+                    return
+                leases.release_kv()
+                if got.reason is LedgerRejection.DUPLICATE_ID:
+                    raise SlotRefused(Failure.invalid_request())
+                continue
+            view = self.view()
+            if not tried_prefix:  # the prefix cache gives way first, then retry once
+                tried_prefix = True
+                if self._prefix.evict_for(need.total_bytes - available, reason="vision"):
+                    continue
+            room = plan_kv(view, self.figures, snap, target=slot.model_id, kv_bytes=need.total_bytes)
+            if room is None or not room.victims:
+                total = dataclasses.replace(need.kv, nbytes=need.total_bytes)
+                raise SlotRefused(kv_refusal(view, self.figures, snap, slot.info, total).failure)
+            async with self._room_lock:
+                await self._evict_if_idle(room.victims[0], EvictionCause.LRU)
+
