@@ -123,6 +123,7 @@ class LoadedModelInfo:
     vocab_size: int
     load_seconds: float
     vision: bool = False  # served through mlx-vlm: takes images
+    image_text_tokens: int = 0  # vision: text tokens the processor adds around each image (measured)
 
 
 @dataclass(frozen=True, slots=True)

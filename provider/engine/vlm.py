@@ -102,6 +102,25 @@ def prompt_text_ids(processor: Any, config: Mapping[str, Any], messages: Sequenc
                                                                                processor)))
 
 
+def image_text_tokens(vlm: LoadedVlm) -> int:
+    """Text tokens the processor puts around each image, beyond the image's marker in the template
+    and its soft tokens (Gemma 3: blank lines and the begin/end-of-image tokens). Measured once at
+    load with an 8×8 image; admission counts them as prompt text."""
+    from PIL import Image
+    from mlx_vlm.utils import prepare_inputs
+
+    messages = [{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image_url"}]}]
+    text = prompt_text_ids(vlm.processor, vlm.config, messages)
+    prompt, _ = render_prompt(vlm.processor, vlm.config, messages)
+    image_token = getattr(vlm.model.config, "image_token_index", None)
+    inputs = prepare_inputs(vlm.processor, images=[Image.new("RGB", (8, 8))], prompts=prompt,
+                            image_token_index=image_token,
+                            add_special_tokens=add_special_tokens(str(vlm.config.get("model_type", "")), vlm.processor))
+    ids = inputs["input_ids"][0].tolist()
+    soft = ids.count(image_token) if image_token is not None else 0
+    return max(0, len(ids) - len(text) - soft)
+
+
 def kv_bytes_per_token(model: Any) -> int:
     """Bytes per token the language model's own caches allocate (see the text path's
     `Worker._kv_bytes_per_token`): one token into a fresh cache, growing layers' bytes / 256."""

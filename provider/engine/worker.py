@@ -235,13 +235,14 @@ class Worker:
         return info
 
     def _load_vision(self, cmd: Load) -> LoadedModelInfo:
-        from provider.engine.vlm import load_vlm  # mlx-vlm: only when a model is a VLM
+        from provider.engine.vlm import image_text_tokens, load_vlm  # mlx-vlm: only when a model is a VLM
 
         before = mx.get_active_memory()
         started = time.monotonic()
         try:
             vlm = load_vlm(cmd.path, cmd.eos_token_ids)
             ctx = context_length(vlm.config)
+            wrapper = image_text_tokens(vlm)
         except Exception:  # an edge: a broken folder (or no mlx-vlm) must not kill the worker
             log.exception("vision model load failed", extra={"model_id": cmd.model_id})
             gc.collect()
@@ -252,7 +253,7 @@ class Worker:
             model_id=cmd.model_id, path=cmd.path, weights_bytes=mx.get_active_memory() - before,
             context_length=ctx, eos_token_ids=frozenset(vlm.tokenizer.eos_token_ids),
             vocab_size=int(text.get("vocab_size") or vlm.config.get("vocab_size") or len(vlm.tokenizer)),
-            load_seconds=time.monotonic() - started, vision=True)
+            load_seconds=time.monotonic() - started, vision=True, image_text_tokens=wrapper)
         self._vision[cmd.model_id] = VisionSlot(info, vlm, emit=self._emit, notify=self._notify_released,
                                                 prefill_step=self._vision_prefill_step, trace=self._trace)
         self.stats[cmd.model_id] = ModelStats(0, 0, 0)

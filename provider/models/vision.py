@@ -43,6 +43,9 @@ _BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "
 class VisionInfo:
     soft_tokens_per_image: int | None  # None: the model states none (the policy's default applies)
     vision_weight_bytes: int  # of the model's weight bytes, those of the vision tower and projector
+    # Text tokens the processor wraps around each image beyond its template marker (Gemma 3: blank
+    # lines, begin/end of image). Not in any config: measured by the engine at load (0 until then).
+    image_text_tokens: int = 0
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -156,10 +156,12 @@ def kv_need(figures: CapFigures, info: ModelInfo, prompt_tokens: int, max_tokens
 def vision_need(figures: CapFigures, info: ModelInfo, prompt_tokens: int, max_tokens: int | None, *,
                 images: int = 0, media_bytes: int = 0) -> VisionNeed:
     """A vision model's reservation: span = min(prompt + soft tokens × images, context) + output,
-    in the model's real KV layout; media = the projected decode bytes, as given."""
+    in the model's real KV layout; media = the projected decode bytes, as given. Prompt text counts
+    the text the processor wraps around each image too (`VisionInfo.image_text_tokens`)."""
     soft = info.vision.soft_tokens_per_image if info.vision is not None else None
-    span = vision_span(prompt_tokens=prompt_tokens, images=images, soft_tokens_per_image=soft,
-                       context_length=info.context_length, max_tokens=max_tokens)
+    wrapper = info.vision.image_text_tokens if info.vision is not None else 0
+    span = vision_span(prompt_tokens=prompt_tokens + max(0, images) * wrapper, images=images,
+                       soft_tokens_per_image=soft, context_length=info.context_length, max_tokens=max_tokens)
     return VisionNeed(images, span, kv_bytes_for_tokens(info.kv, span.tokens), max(0, media_bytes))
 
 

@@ -352,6 +352,9 @@ class ModelManager(VisionServing):
                                   vision=slot.info.is_vision))
             await self._step(LoadStep.ENGINE_LOADING, model_id)
             loaded = await self._await_load(model_id, load_fut)
+            if loaded.vision and slot.info.vision is not None:  # what the processor adds per image
+                slot.info = dataclasses.replace(slot.info, vision=dataclasses.replace(
+                    slot.info.vision, image_text_tokens=loaded.image_text_tokens))
             await self._step(LoadStep.LOADED, model_id)
             await self._check_kv_per_token(slot)
             await self._engine.reclaim()  # mx.clear_cache() on the thread that owns MLX

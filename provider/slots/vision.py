@@ -144,11 +144,14 @@ async def decode_held(plan: MediaPlan, leases: VisionLeases) -> list[Any]:
     try:
         await asyncio.shield(future)
     except BaseException:
-        def drop(_: asyncio.Future) -> None:
+        def drop(_: asyncio.Future | None = None) -> None:
             box.images = []
             leases.release_media()
 
-        future.add_done_callback(drop)
+        if future.done():  # it failed: nothing is decoding any more
+            drop()
+        else:  # cancelled while the thread still decodes: release when it has finished
+            future.add_done_callback(drop)
         raise
     images, box.images = box.images, []
     return images
