@@ -29,7 +29,7 @@ from provider.models import discover, kv_bytes_for_tokens
 from provider.request.body import parse_chat_body
 from provider.slots import ModelManager
 from test_jobs import Coordinator, sse_json
-from vision_images import data_uri, image_part, jpeg_bytes, png_bytes
+from vision_images import data_uri, detokenized, image_part, jpeg_bytes, png_bytes
 
 NO_EOS = frozenset({10**9})
 
@@ -133,7 +133,7 @@ async def test_png_and_jpeg_chat_equals_mlx_vlm_generate(harness, tiny_vlm_path)
     messages = vision_body()["messages"]
     prompt = apply_chat_template(processor, model.config, messages, num_images=2)
     ref = generate(model, processor, prompt, image=[PNG, JPEG], max_tokens=20, temperature=0.0)
-    assert harness.content("v1") == ref.text
+    assert harness.content("v1") == detokenized(tiny_vlm_path, ref.token_ids)  # the same greedy tokens
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (ref.prompt_tokens, ref.generation_tokens)
     assert usage["prompt_tokens"] > 2 * 16  # the images' soft tokens are part of the prompt
 
@@ -247,6 +247,36 @@ async def test_ten_concurrent_vision_requests_admitted_ones_served_the_rest_fast
         assert len(h.ledger) == 0  # media and KV of every request released
         # The places free up: the next requests are served.
         assert await h.run("after", vision_body(max_tokens=4)) is JobOutcome.COMPLETED
+    finally:
+        await h.manager.unload_all()
+        await engine.aclose()
+
+
+async def test_ten_concurrent_large_image_requests_are_admitted_as_memory_allows(tiny_vlm_path, tmp_path):
+    """A 7 GiB machine (effective cap 5 GiB: ~2 GiB left for requests after the load and the 3 GiB
+    activation reserve); each request carries three 4096² images, 768 MiB of projected decode.
+    The place limit is raised to 10, so memory alone decides: as many as fit are served, the others
+    get a 503 before any accept, and nothing stays reserved."""
+    engine = Engine()
+    h = VisionHarness(settings_for(tiny_vlm_path, tmp_path, memory_limit_gb=7.0, max_vision_requests=10), engine,
+                      eos=NO_EOS)
+    big = data_uri(png_bytes(4096, 4096, (90, 90, 200)))
+    body = vision_body(max_tokens=4)
+    body["messages"][1]["content"] = [{"type": "text", "text": "three"}, image_part(big), image_part(big),
+                                      image_part(big)]
+    try:
+        await h.manager.ensure_loaded("vlm")
+        need = projected_decode_bytes([(4096, 4096)] * 3)
+        fits = h.ledger.available_bytes() // need
+        assert 1 <= fits < 10
+        outcomes = await asyncio.gather(*(h.run(f"m{i}", body) for i in range(10)))
+        served = [i for i, o in enumerate(outcomes) if o is JobOutcome.COMPLETED]
+        refused = [i for i, o in enumerate(outcomes) if o is JobOutcome.REJECTED]
+        assert 1 <= len(served) <= fits and len(served) + len(refused) == 10
+        for i in refused:
+            (frame,) = h.of(f"m{i}")  # fast: the error is the only frame, no accept before it
+            assert frame["status_code"] == 503 and frame["rejection_reason"] in ("kv_headroom", "token_budget")
+        assert len(h.ledger) == 0
     finally:
         await h.manager.unload_all()
         await engine.aclose()

@@ -51,3 +51,17 @@ def bomb_png(side: int = 16_000) -> bytes:
 
 def image_part(uri: str) -> dict:
     return {"type": "image_url", "image_url": {"url": uri}}
+
+
+def detokenized(model_path, token_ids: list[int], eos: frozenset[int] = frozenset({1, 4})) -> str:
+    """Token ids as the engine streams them: mlx-lm's streaming detokenizer over the model's
+    tokenizer, EOS left out. (mlx-vlm's own `text` shows invalid UTF-8 from a random model's
+    tokens differently; comparing through one detokenizer compares the tokens.)"""
+    from mlx_lm.utils import load_tokenizer
+
+    detok = load_tokenizer(model_path).detokenizer
+    for token in token_ids:
+        if token not in eos:
+            detok.add_token(token)
+    detok.finalize()
+    return detok.text
