@@ -4,12 +4,22 @@ A vision request commits two kinds of memory that the cap must see *before* they
 
 * **Decoded media.** Image rasters and the processor's pixel arrays are not MLX arrays until late, so
   MLX's counters never show them in time. The projection is the seed's (Darkbloom PR #363):
-  per image `width × height × 4` (an RGBA raster) `× DECODE_OVERHEAD_FACTOR` (4: the raster, the
+  per image `width × height × 4` (an RGBA raster) `× DECODE_OVERHEAD_FACTOR` (the raster, the
   converted copy, the resampled pixel tensor and its MLX copy coexist briefly; the seed measured
-  ~1.8 GB peak for the 1 GB raster of a 16000² decode bomb). Width and height come from the image
+  ~1.8 GB peak for the 1 GB raster of a 16000² decode bomb with CoreImage and set 4).
+  **(ours, measured)** Our decode path — Pillow, then the transformers image processor, which
+  works on the full-resolution image before it resizes — peaks at up to 17.2 bytes per source
+  pixel (4.3× the RGBA raster; 14–15 for the largest images), so the factor here is 5. Width and height come from the image
   *header* only; an unreadable header counts as `MAX_IMAGE_PIXELS`. Pixels are summed over the
   request and clamped to `MAX_REQUEST_IMAGE_PIXELS`, the same ceiling the request bounds enforce,
   so many unreadable headers cannot project past what a request may ever decode.
+  **(ours, measured)** Two terms the seed's rule misses, found by measuring the peak RSS of our
+  decode path (tests/test_vision_memory.py): the processor's tensors are at the *model's* input
+  resolution, not the image's — Gemma 3's 896² input costs ~39 MB per image (~49 bytes per input
+  pixel: float copies and the MLX array) even for a 1×1 image, and puts a 4000×3000 PNG at 17 B/px
+  against the rule's 16 — so each image adds `input_pixels × TENSOR_BYTES_PER_INPUT_PIXEL` (64);
+  and the decoder and processor state is ~0.3 MB whatever the size, so a request with images adds
+  `DECODE_FIXED_BYTES` (1 MiB) once.
 * **The whole KV span** (the seed's false-admit fix): prompt text + `soft tokens per image × images`,
   clamped to the context window, then + the output bound. Soft tokens per image come from the
   model's processor config where it states them (Gemma: 256), else `DEFAULT_SOFT_TOKENS_PER_IMAGE`
@@ -36,13 +46,16 @@ from memory.policy import MAX_BYTES, CapFigures, default_max_tokens, saturate
 MiB = 2**20
 
 RGBA_BYTES_PER_PIXEL = 4
-DECODE_OVERHEAD_FACTOR = 4  # seed: raster + converted copy + resampled tensor + MLX copy at the peak
+DECODE_OVERHEAD_FACTOR = 5  # seed (CoreImage): 4; our Pillow + transformers path measures up to 4.3
 MAX_MEDIA_DECODED_BYTES = 25 * MiB  # one data: URI, computed from its base64 length
 MAX_IMAGES_PER_REQUEST = 8
 MAX_IMAGE_PIXELS = 48 * MiB  # 50.3 Mpx, e.g. 8192 × 6144: a 48 MP phone photo fits, a 16000² bomb does not
 MAX_REQUEST_IMAGE_PIXELS = 2 * MAX_IMAGE_PIXELS  # 100.7 Mpx summed over a request
 DEFAULT_SOFT_TOKENS_PER_IMAGE = 1024  # seed: 4 × Gemma's 256, when the processor config states none
 DEFAULT_MAX_VISION_REQUESTS = 2  # per model, running or waiting (provider setting max_vision_requests)
+TENSOR_BYTES_PER_INPUT_PIXEL = 64  # measured ~49 at Gemma 3's 896² (float32 chain + MLX copy)
+DECODE_FIXED_BYTES = 1 * MiB  # decoder and processor state per request with images, measured ~0.3 MB
+DEFAULT_INPUT_PIXELS = 1024 * 1024  # a model whose processor config states no input size
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +88,16 @@ def request_pixels(sizes: Iterable[tuple[int | None, int | None]], limits: Media
 
 
 def projected_decode_bytes(sizes: Iterable[tuple[int | None, int | None]],
-                           limits: MediaLimits = DEFAULT_LIMITS) -> int:
-    """Projected peak bytes of decoding a request's images: clamped Σ pixels × 4 (RGBA) × 4."""
-    return saturate(request_pixels(sizes, limits) * RGBA_BYTES_PER_PIXEL * DECODE_OVERHEAD_FACTOR)
+                           limits: MediaLimits = DEFAULT_LIMITS, *, input_pixels: int = 0) -> int:
+    """Projected peak bytes of decoding a request's images and making the model's pixel tensors:
+    clamped Σ pixels × 4 (RGBA) × 5, + images × `input_pixels` (the model's input resolution) × 64,
+    + 1 MiB once. No images: 0."""
+    sizes = list(sizes)
+    if not sizes:
+        return 0
+    raster = request_pixels(sizes, limits) * RGBA_BYTES_PER_PIXEL * DECODE_OVERHEAD_FACTOR
+    tensors = len(sizes) * max(0, input_pixels) * TENSOR_BYTES_PER_INPUT_PIXEL
+    return saturate(raster + saturate(tensors) + DECODE_FIXED_BYTES)
 
 
 def decoded_length(base64_length: int, padding: int = 0) -> int:

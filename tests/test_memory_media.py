@@ -9,11 +9,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from memory.media import (
+    DECODE_FIXED_BYTES,
     DECODE_OVERHEAD_FACTOR,
     DEFAULT_SOFT_TOKENS_PER_IMAGE,
     MAX_IMAGE_PIXELS,
     MAX_MEDIA_DECODED_BYTES,
     MAX_REQUEST_IMAGE_PIXELS,
+    TENSOR_BYTES_PER_INPUT_PIXEL,
     MediaLimits,
     decoded_length,
     image_pixels,
@@ -35,31 +37,45 @@ def test_no_images_project_nothing() -> None:
     assert request_pixels([]) == 0
 
 
-def test_one_image_is_rgba_times_four() -> None:
-    assert DECODE_OVERHEAD_FACTOR == 4
-    assert projected_decode_bytes([(640, 480)]) == 640 * 480 * 4 * 4
+FIXED = DECODE_FIXED_BYTES  # once per request with images (measured decoder and processor state)
+
+
+PER_PIXEL = 4 * DECODE_OVERHEAD_FACTOR  # RGBA raster × decode overhead
+
+
+def test_one_image_is_rgba_times_the_decode_overhead() -> None:
+    assert DECODE_OVERHEAD_FACTOR == 5  # the seed's 4, raised to what our decode path measures
+    assert projected_decode_bytes([(640, 480)]) == 640 * 480 * 4 * 5 + FIXED
 
 
 def test_eight_images_sum() -> None:
     sizes = [(1024, 768)] * 8
-    assert projected_decode_bytes(sizes) == 8 * 1024 * 768 * 16
+    assert projected_decode_bytes(sizes) == 8 * 1024 * 768 * PER_PIXEL + FIXED
+
+
+def test_each_image_adds_the_models_input_tensor() -> None:
+    """A 1×1 image still becomes a 896×896 tensor for a Gemma-3 sized processor."""
+    assert TENSOR_BYTES_PER_INPUT_PIXEL == 64
+    assert projected_decode_bytes([(1, 1)], input_pixels=896 * 896) == PER_PIXEL + 896 * 896 * 64 + FIXED
+    assert projected_decode_bytes([(1, 1)] * 3, input_pixels=896 * 896) == 3 * PER_PIXEL + 3 * 896 * 896 * 64 + FIXED
+    assert projected_decode_bytes([], input_pixels=896 * 896) == 0
 
 
 def test_unreadable_header_counts_as_the_per_image_ceiling() -> None:
     assert image_pixels(None, None) == MAX_IMAGE_PIXELS
     assert image_pixels(0, 100) == MAX_IMAGE_PIXELS
-    assert projected_decode_bytes([(None, None)]) == MAX_IMAGE_PIXELS * 16
+    assert projected_decode_bytes([(None, None)]) == MAX_IMAGE_PIXELS * PER_PIXEL + FIXED
     # Two unreadable headers are clamped by the request ceiling, never beyond it.
     limits = MediaLimits(max_image_pixels=100, max_request_pixels=150)
-    assert projected_decode_bytes([(None, None), (None, None)], limits) == 150 * 16
+    assert projected_decode_bytes([(None, None), (None, None)], limits) == 150 * PER_PIXEL + FIXED
 
 
 def test_clamped_at_the_request_ceiling() -> None:
     # A decode bomb's header: 16000² is far above both ceilings; the projection stops at the request one.
-    assert projected_decode_bytes([(16_000, 16_000)]) == MAX_REQUEST_IMAGE_PIXELS * 16
-    assert projected_decode_bytes([(8192, 6144)] * 3) == MAX_REQUEST_IMAGE_PIXELS * 16
+    assert projected_decode_bytes([(16_000, 16_000)]) == MAX_REQUEST_IMAGE_PIXELS * PER_PIXEL + FIXED
+    assert projected_decode_bytes([(8192, 6144)] * 3) == MAX_REQUEST_IMAGE_PIXELS * PER_PIXEL + FIXED
     # Just under the request ceiling: not clamped.
-    assert projected_decode_bytes([(8192, 6144)] * 2) == 2 * 8192 * 6144 * 16
+    assert projected_decode_bytes([(8192, 6144)] * 2) == 2 * 8192 * 6144 * PER_PIXEL + FIXED
 
 
 def test_stated_ceilings() -> None:
@@ -69,11 +85,11 @@ def test_stated_ceilings() -> None:
     assert 16_000 * 16_000 > MAX_REQUEST_IMAGE_PIXELS  # the seed's bomb is refused, not just clamped
 
 
-@given(st.lists(headers, max_size=12))
-def test_projection_properties(sizes: list) -> None:
-    projected = projected_decode_bytes(sizes)
+@given(st.lists(headers, max_size=12), st.integers(0, 4096 * 4096))
+def test_projection_properties(sizes: list, input_pixels: int) -> None:
+    projected = projected_decode_bytes(sizes, input_pixels=input_pixels)
     pixels = request_pixels(sizes)
-    assert projected == pixels * 16
+    assert projected == (pixels * PER_PIXEL + len(sizes) * input_pixels * 64 + FIXED if sizes else 0)
     assert 0 <= pixels <= MAX_REQUEST_IMAGE_PIXELS
     readable = sum(w * h for w, h in sizes if w is not None and h is not None)
     unreadable = sum(1 for w, h in sizes if w is None or h is None)
@@ -178,7 +194,7 @@ def test_reservation_limit_property(media: int, kv: int, physical: int) -> None:
 def test_projection_and_span_together(images: int) -> None:
     """0, 1 and 8 images of 800×600 on a Gemma-like model (256 soft tokens per image)."""
     sizes = [(800, 600)] * images
-    assert projected_decode_bytes(sizes) == images * 800 * 600 * 16
+    assert projected_decode_bytes(sizes) == (images * 800 * 600 * PER_PIXEL + FIXED if images else 0)
     span = vision_span(prompt_tokens=30, images=images, soft_tokens_per_image=256, context_length=131072,
                        max_tokens=200)
     assert span.tokens == 30 + images * 256 + 200

@@ -14,13 +14,14 @@ from memory import figures, fit
 from memory.policy import GiB, padded_weight_bytes
 from memory.snapshot import MemorySnapshot
 from provider.models import inspect_model
-from provider.models.vision import soft_tokens_per_image
+from provider.models.vision import input_pixels, soft_tokens_per_image
 
 
 def test_the_tiny_vlm_is_a_vision_model(tiny_vlm_path: Path, tiny_model_path: Path) -> None:
     vlm = inspect_model(tiny_vlm_path, "tiny-vlm")
     assert vlm.is_vision and vlm.vision is not None
     assert vlm.vision.soft_tokens_per_image == 16  # processor_config.json's image_seq_length
+    assert vlm.vision.input_pixels == 64 * 64  # preprocessor_config.json's size
     assert vlm.context_length == 4096  # from text_config
     assert vlm.kv.full_layers == 1 and vlm.kv.sliding[0].window == 512
     assert not inspect_model(tiny_model_path, "tiny").is_vision
@@ -64,3 +65,14 @@ def test_vision_config_without_a_processor_config_is_a_text_model(tiny_vlm_path:
 ])
 def test_soft_tokens_where_the_model_states_them(config, processors, expected) -> None:
     assert soft_tokens_per_image(config, processors) == expected
+
+
+@pytest.mark.parametrize(("config", "processors", "expected"), [
+    ({}, [{"size": {"height": 896, "width": 896}}], 896 * 896),  # Gemma 3
+    ({}, [{"max_pixels": 12845056}], 12845056),  # Qwen2-VL
+    ({}, [{"size": {"longest_edge": 1540}}], 1540 * 1540),
+    ({"vision_config": {"image_size": 384}}, [{}], 384 * 384),
+    ({}, [{}], 1024 * 1024),  # stated nowhere: the policy default
+])
+def test_input_pixels(config, processors, expected) -> None:
+    assert input_pixels(config, processors) == expected

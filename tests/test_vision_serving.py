@@ -153,7 +153,7 @@ async def test_media_and_the_whole_span_are_reserved_while_the_image_is_encoded(
         assert await h.run("r", vision_body(max_tokens=12)) is JobOutcome.COMPLETED
         at_encode = seen["encode"]
         assert at_encode.count_by_kind[ReservationKind.MEDIA] == 1
-        assert at_encode.bytes_by_kind[ReservationKind.MEDIA] == projected_decode_bytes([(40, 30), (96, 64)])
+        assert at_encode.bytes_by_kind[ReservationKind.MEDIA] == projected_decode_bytes([(40, 30), (96, 64)], input_pixels=64 * 64)
         # The KV covers prompt text (with what the processor wraps around each image) + 2 × 16 soft
         # tokens + the output, not the output alone: exactly the prompt the engine processed + 12.
         prompt_tokens = h.of("r")[-1]["usage"]["prompt_tokens"]
@@ -266,7 +266,7 @@ async def test_ten_concurrent_large_image_requests_are_admitted_as_memory_allows
                                       image_part(big)]
     try:
         await h.manager.ensure_loaded("vlm")
-        need = projected_decode_bytes([(4096, 4096)] * 3)
+        need = projected_decode_bytes([(4096, 4096)] * 3, input_pixels=64 * 64)
         fits = h.ledger.available_bytes() // need
         assert 1 <= fits < 10
         outcomes = await asyncio.gather(*(h.run(f"m{i}", body) for i in range(10)))

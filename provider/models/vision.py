@@ -15,6 +15,10 @@ where the model states them, first match wins:
    with `patch_size` and `merge_size`: at most `max_pixels / (patch_size × merge_size)²` tokens;
 3. otherwise None, and the policy's conservative default (1024) applies.
 
+Input pixels per image (the resolution the processor resizes to; its tensors are that size whatever
+the image's): `size.height × size.width`, else `max_pixels` / `size.max_pixels`, else
+`size.longest_edge²`, else `vision_config.image_size²`, else the policy's 1024² default.
+
 The vision tower's weights are in the same `model*.safetensors` files as the language model, so
 the fit verdict (padded on-disk weights) includes them; `vision_weight_bytes` says how much of the
 total they are, read from the safetensors headers.
@@ -30,6 +34,8 @@ from typing import Any
 
 from safetensors import SafetensorError, safe_open
 
+from memory.media import DEFAULT_INPUT_PIXELS
+
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 _COUNT_KEYS = ("image_seq_length", "mm_tokens_per_image", "num_image_tokens", "image_token_count")
 # Tensor name prefixes of vision towers and projectors across mlx-vlm architectures.
@@ -43,6 +49,7 @@ _BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "
 class VisionInfo:
     soft_tokens_per_image: int | None  # None: the model states none (the policy's default applies)
     vision_weight_bytes: int  # of the model's weight bytes, those of the vision tower and projector
+    input_pixels: int = DEFAULT_INPUT_PIXELS  # the processor's output resolution per image
     # Text tokens the processor wraps around each image beyond its template marker (Gemma 3: blank
     # lines, begin/end of image). Not in any config: measured by the engine at load (0 until then).
     image_text_tokens: int = 0
@@ -82,6 +89,26 @@ def soft_tokens_per_image(config: Mapping[str, Any], processor_configs: Sequence
     return None
 
 
+def input_pixels(config: Mapping[str, Any], processor_configs: Sequence[Mapping[str, Any]]) -> int:
+    """Pixels of one image as the processor hands it to the vision tower (see the module docstring)."""
+    for source in processor_configs:
+        nested = source.get("image_processor")
+        for candidate in (source, nested if isinstance(nested, Mapping) else {}):
+            size = candidate.get("size") if isinstance(candidate.get("size"), Mapping) else {}
+            h, w = _positive_int(size.get("height")), _positive_int(size.get("width"))
+            if h is not None and w is not None:
+                return h * w
+            cap = _positive_int(candidate.get("max_pixels")) or _positive_int(size.get("max_pixels"))
+            if cap is not None:
+                return cap
+            if (edge := _positive_int(size.get("longest_edge"))) is not None:
+                return edge * edge
+    vision = config.get("vision_config") if isinstance(config.get("vision_config"), Mapping) else {}
+    if (side := _positive_int(vision.get("image_size"))) is not None:
+        return side * side
+    return DEFAULT_INPUT_PIXELS
+
+
 def vision_weight_bytes(weight_files: Sequence[Path]) -> int:
     """Bytes of the tensors that belong to the vision tower and projector (headers only)."""
     total = 0
@@ -109,7 +136,9 @@ def vision_info(directory: Path, config: Mapping[str, Any], weight_files: Sequen
     if not present:
         return None
     processors = [_read_json(p) for p in present]
-    return VisionInfo(soft_tokens_per_image(config, processors), vision_weight_bytes(weight_files))
+    return VisionInfo(soft_tokens_per_image(config, processors), vision_weight_bytes(weight_files),
+                      input_pixels(config, processors))
 
 
-__all__ = ["PROCESSOR_FILES", "VisionInfo", "soft_tokens_per_image", "vision_info", "vision_weight_bytes"]
+__all__ = ["PROCESSOR_FILES", "VisionInfo", "input_pixels", "soft_tokens_per_image", "vision_info",
+           "vision_weight_bytes"]

@@ -13,7 +13,7 @@
 4. refuses more than `max_images` images, or a pixel total above the per-request ceiling, 400.
 
 The result, a `MediaPlan`, carries the compressed bytes and header sizes: admission projects the
-decode bytes from it (`memory.media`), and `decode_images(plan)` — run only after the `media`
+decode bytes from it and the model's input resolution (`memory.media`), and `decode_images(plan)` — run only after the `media`
 reservation is in the ledger — makes the RGB rasters (EXIF orientation applied, as mlx-vlm's own
 `load_image` does). Ceilings: `memory.media.MediaLimits` (stated in deploy/README.md).
 
@@ -78,10 +78,10 @@ class MediaPlan:
     def pixels(self) -> int:
         return request_pixels(self.sizes, self.limits)
 
-    @property
-    def decode_bytes(self) -> int:
-        """The projected peak of decoding these images (the `media` reservation)."""
-        return projected_decode_bytes(self.sizes, self.limits)
+    def decode_bytes(self, input_pixels: int) -> int:
+        """The projected peak of decoding these images into a model's pixel tensors of
+        `input_pixels` each (the `media` reservation; memory.media.projected_decode_bytes)."""
+        return projected_decode_bytes(self.sizes, self.limits, input_pixels=input_pixels)
 
 
 NO_MEDIA = MediaPlan(())
@@ -170,7 +170,11 @@ def decode_images(plan: MediaPlan) -> list:
                     raise MediaRefused(Failure.invalid_media(), "image_header")
                 try:
                     ImageOps.exif_transpose(image, in_place=True)  # mlx-vlm's load_image does the same
-                    images.append(image.convert("RGB"))
+                    if image.mode == "RGB":
+                        image.load()  # already RGB: keep this raster rather than copy it
+                        images.append(image)
+                    else:
+                        images.append(image.convert("RGB"))
                 except (OSError, ValueError, SyntaxError, EOFError):
                     raise MediaRefused(Failure.invalid_media(), "image_data") from None
     return images

@@ -212,9 +212,10 @@ class ModelManager(VisionServing):
         `media`: the request's checked images (their count and projected decode bytes)."""
         slot = self._slots.get(model_id)
         plan = media or NO_MEDIA
-        return decide(self.view(), self.figures, self._probe.snapshot(), model_id=model_id,
-                      info=slot.info if slot is not None else None, prompt_tokens=prompt_tokens,
-                      max_tokens=max_tokens, images=plan.count, media_bytes=plan.decode_bytes)
+        info = slot.info if slot is not None else None
+        media_bytes = plan.decode_bytes(info.vision.input_pixels if info is not None and info.vision else 0)
+        return decide(self.view(), self.figures, self._probe.snapshot(), model_id=model_id, info=info,
+                      prompt_tokens=prompt_tokens, max_tokens=max_tokens, images=plan.count, media_bytes=media_bytes)
 
     # -- serving ------------------------------------------------------------------------------
 

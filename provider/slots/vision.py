@@ -176,7 +176,7 @@ class VisionServing:
         try:
             await self._ensure_loaded(slot)
             need = vision_need(self.figures, slot.info, prompt_tokens, max_tokens, images=plan.count,
-                               media_bytes=plan.decode_bytes)
+                               media_bytes=plan.decode_bytes(slot.info.vision.input_pixels))
             refused = vision_limit_refusal(self.figures, need)
             if refused is not None:
                 raise SlotRefused(refused.failure)
