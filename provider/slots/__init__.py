@@ -9,6 +9,8 @@ Modules:
 * `batchkv`   the batch KV rule: `join_share` (what a request reserves to join a model's padded
               batch), `KvBook` (a model's reservations; departures keep what the rest still needs)
 * `capacity`  `CapacityReport` / `SlotCapacity` for heartbeats
+* `vision`    a vision model's requests: place limit, `kv:` + `media:` reservations before the
+              images are decoded, release hooks (`VisionServing`, mixed into the manager)
 
 API for the jobs / session code:
 
@@ -19,14 +21,15 @@ API for the jobs / session code:
     manager = ModelManager.from_settings(settings, engine, inventory, ledger, probe, **kw)
 
     # 1. fast admission, before inference_accepted: synchronous, read-only, no allocation
-    match manager.admit(model_id, prompt_tokens, max_tokens):   # max_tokens None = default
+    #    (media=: the request's checked images, provider.request.media.inspect_images)
+    match manager.admit(model_id, prompt_tokens, max_tokens, media=plan):   # max_tokens None = default
         case Refused() as r:
             send(protocol.errors.inference_error_frame(request_id, r.failure))   # the only way to a frame
         case Admitted(): send(inference_accepted)
 
     # 2. serving: waits for / does the load, reserves the request's KV, pins the model
     try:
-        async with manager.serve(request_id, model_id, prompt_tokens, max_tokens) as slot:
+        async with manager.serve(request_id, model_id, prompt_tokens, max_tokens, media=plan) as slot:
             stream = slot.submit(ChatRequest(request_id, messages, params))
             async for event in stream: ...
     except SlotRefused as exc:       # exc.failure: protocol.errors.Failure
@@ -54,6 +57,9 @@ slot cap reached with nothing evictable → 503 slot_state; resident but KV does
 503 token_budget (in-flight requests hold it; `available_token_budget` says what fits now) or
 kv_headroom (memory itself is short); draining → 503 draining; a model that is loading is accepted
 (the request waits for that load, up to `load_wait_timeout_s`, then 503 capacity_timeout).
+Vision: images for a text model → 415 unsupported_media; media + KV above half the hard cap →
+503 request_exceeds_node; more than `max_vision_requests` requests with images on one model →
+503 queue_full (slot_state).
 """
 
 from provider.slots.admission import (
