@@ -7,7 +7,10 @@ layout that `mlx_vlm.load(path)` loads unchanged, with nothing downloaded:
   one full attention) and a `vision_config` (a SigLIP tower: 64×64 images, 8×8 patches);
   `mm_tokens_per_image` soft tokens per image (the projector average-pools the 8×8 patch grid);
 * `model.safetensors`: a seeded random init of `mlx_vlm.models.gemma3.Model` (language model,
-  vision tower and projector), float32;
+  vision tower and projector), float32. The rows of `<eos>` and `<end_of_turn>` in the (tied)
+  embedding are zero, so their logit is always 0 while the best of the 2046 others is positive:
+  greedy decoding never stops by itself, whatever the BLAS (tests that run the model in another
+  process cannot override the EOS ids as the in-process ones do);
 * `processor_config.json` (`image_seq_length`, the soft tokens per image, as Gemma checkpoints
   state it) and `preprocessor_config.json` (resize to 64×64, rescale, normalise);
 * a byte-level BPE tokenizer trained on the tiny-model corpus (`provider.tinymodel`) with Gemma's
@@ -32,7 +35,7 @@ from pathlib import Path
 
 from provider.tinymodel import train_tokenizer
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 MARKER_FILE = ".tinyvlm.json"
 
 PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
@@ -193,6 +196,8 @@ def _save_weights(out: Path, config: dict, seed: int) -> None:
     # Small embeddings keep a tied random model's logits in a sane range.
     embed = model.language_model.model.embed_tokens
     embed.weight = embed.weight * 0.02
+    never = mx.zeros((embed.weight.shape[0], 1)).at[mx.array(list(EOS_IDS))].add(1.0)
+    embed.weight = embed.weight * (1.0 - never)  # greedy never picks <eos> / <end_of_turn>
     model.update(tree_map(lambda p: p.astype(mx.float32), model.parameters()))
     mx.eval(model.parameters())
     weights = dict(tree_flatten(model.parameters()))
