@@ -13,15 +13,22 @@ Memory: RAM entries are `prefix_cache` reservations in the ledger. When admissio
 room it calls `evict_for(nbytes)` (least recently used first, across models); under RED pressure
 or worse `relieve(level)` drops the whole RAM tier. The SSD tier is never charged to the ledger.
 
-SSD writes are write-through at `store` time: the engine thread copies the prefix to host bytes,
-and the encryption and file write run on `write_executor` when one is given (inline otherwise).
+SSD writes: the engine thread copies a sequence to host bytes, and the encryption and file write
+run on `write_executor` when one is given (inline otherwise). A sequence that starts a new line is
+written through at `store` time. A sequence that extends the entry its request reused (a
+conversation's next turn) is written only once it has stayed quiet for `write_delay_s` (no longer
+turn stored over it, no running request extending it): each turn of a live conversation would
+otherwise encrypt and write the whole conversation again, on the CPU the next turn's prefill needs.
+The engine thread drives this with `write_quiet`; an entry evicted from RAM before it went quiet is
+not written.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from enum import Enum
@@ -30,6 +37,7 @@ from kvcache import state
 from kvcache.host import HostCache
 from kvcache.ram import PrefixCache, StoreOutcome
 from kvcache.ssd import SsdStore, WriteOutcome
+from kvcache.trie import Key
 from memory.ledger import Ledger
 from memory.pressure import PressureLevel
 from memory.snapshot import MemorySnapshot
@@ -44,11 +52,13 @@ class Tier(Enum):
 
 @dataclass(frozen=True, slots=True)
 class Reuse:
-    """What `fetch` found: `cache` holds the first `matched` prompt tokens (None on a miss)."""
+    """What `fetch` found: `cache` holds the first `matched` prompt tokens (None on a miss), cut from
+    the stored sequence `key`."""
 
     cache: list | None
     matched: int
     tier: Tier | None
+    key: Key | None = None
 
     def rest(self, tokens: Sequence[int]) -> list[int]:
         """The prompt tokens still to prefill."""
@@ -81,12 +91,16 @@ class ModelKvCache:
     """One loaded model's prefix cache. `fetch`/`store` on the engine thread only."""
 
     def __init__(self, model_id: str, weight_hash: str, ram: PrefixCache, ssd: SsdStore | None,
-                 write_executor: Executor | None) -> None:
+                 write_executor: Executor | None, *, write_delay_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.model_id = model_id
         self.weight_hash = weight_hash
         self.ram = ram
         self._ssd = ssd
         self._executor = write_executor
+        self._delay = write_delay_s
+        self._clock = clock
+        self._pending: dict[Key, float] = {}  # sequence -> when it is due on SSD (engine thread only)
         self._lock = threading.Lock()
         self._hits = self._partial = self._misses = self._ssd_hits = self._reused = 0
 
@@ -117,34 +131,60 @@ class ModelKvCache:
                 if host is not None:
                     cache = state.from_host(host)
                     self.ram.store(match.key, cache)  # promote; refused is fine
-                    return Reuse(state.prefix_copy(cache, ssd_len), ssd_len, Tier.SSD)
+                    return Reuse(state.prefix_copy(cache, ssd_len), ssd_len, Tier.SSD, match.key)
         if ram_len:
             hit = self.ram.fetch(tokens)
             if hit is not None:
-                return Reuse(hit.cache, hit.matched, Tier.RAM)
+                return Reuse(hit.cache, hit.matched, Tier.RAM, hit.key)
         return MISS
 
-    def store(self, tokens: Sequence[int], cache: Sequence[object]) -> StoreOutcome:
-        """Keep `cache` under the leading `tokens` it holds: RAM, and write-through to SSD.
+    def store(self, tokens: Sequence[int], cache: Sequence[object], *, extends: Key | None = None) -> StoreOutcome:
+        """Keep `cache` under the leading `tokens` it holds: RAM, and SSD (see the module docstring).
 
         `tokens` may run past the cache (a finished request's prompt + completion, when a cache
-        ends before its last token): only the positions the cache really holds are kept."""
+        ends before its last token): only the positions the cache really holds are kept.
+        `extends`: the stored sequence the request reused (`Reuse.key`), if any."""
         if not state.reusable(cache):
             return StoreOutcome.UNSUPPORTED
-        tokens = tokens[: state.cache_tokens(cache)]
-        outcome = self.ram.store(tokens, cache)
+        key = tuple(tokens[: state.cache_tokens(cache)])
+        outcome = self.ram.store(key, cache)
         if self._ssd is None or outcome in (StoreOutcome.UNSUPPORTED, StoreOutcome.CLOSED, StoreOutcome.COVERED):
             return outcome
-        match = self._ssd.lookup(self.model_id, tokens)
-        if match is not None and match.common == len(tokens):
-            return outcome
-        host = state.to_host(cache, len(tokens))
-        key = tuple(tokens)
+        if extends is not None:
+            self._pending.pop(extends, None)  # a later turn replaces it
+            if self._delay > 0 and outcome is StoreOutcome.STORED:
+                self._pending[key] = self._clock() + self._delay
+                return outcome
+        self._write_through(key, cache)
+        return outcome
+
+    def write_quiet(self, in_use: Collection[Key] = ()) -> float | None:
+        """Write the pending sequences that stayed quiet for the delay; `in_use`: the sequences
+        running requests reused (they are about to be extended, so they wait). Engine thread.
+        Returns the seconds until the next one is due, None when nothing is pending."""
+        now = self._clock()
+        next_due = None
+        for key, due in list(self._pending.items()):
+            if key in in_use:
+                due = self._pending[key] = now + self._delay
+            if due > now:
+                next_due = due if next_due is None else min(next_due, due)
+                continue
+            del self._pending[key]
+            cache = self.ram.entry(key)
+            if cache is not None:
+                self._write_through(key, cache)
+        return None if next_due is None else next_due - now
+
+    def _write_through(self, key: Key, cache: Sequence[object]) -> None:
+        match = self._ssd.lookup(self.model_id, key)
+        if match is not None and match.common == len(key):
+            return
+        host = state.to_host(cache, len(key))
         if self._executor is None:
             self._write(key, host)
         else:
             self._executor.submit(self._write, key, host)
-        return outcome
 
     def _write(self, key: tuple[int, ...], host: HostCache) -> WriteOutcome | None:
         try:
@@ -172,9 +212,14 @@ class KvCacheManager:
 
     def __init__(self, ledger: Ledger, *, ssd: SsdStore | None = None,
                  sample_snapshot: Callable[[], MemorySnapshot] | None = None,
-                 ram_max_bytes: int | None = None, write_executor: Executor | None = None) -> None:
+                 ram_max_bytes: int | None = None, write_executor: Executor | None = None,
+                 write_delay_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
+        """`write_delay_s`: how long a conversation's latest turn stays quiet before it goes to the
+        SSD tier (0: at once, like a new sequence)."""
         self._ledger = ledger
         self._ssd = ssd
+        self._delay = write_delay_s
+        self._clock = clock
         self._sample = sample_snapshot
         self._ram_max = ram_max_bytes
         self._executor = write_executor
@@ -190,7 +235,8 @@ class KvCacheManager:
             ram = PrefixCache(model_id, self._ledger, sample_snapshot=self._sample, max_bytes=self._ram_max)
             if self._ssd is not None:
                 self._ssd.open(model_id, weight_hash)
-            mc = ModelKvCache(model_id, weight_hash, ram, self._ssd, self._executor)
+            mc = ModelKvCache(model_id, weight_hash, ram, self._ssd, self._executor,
+                              write_delay_s=self._delay, clock=self._clock)
             self._models[model_id] = mc
             return mc
 

@@ -51,6 +51,7 @@ class _Entry:
 class RamHit:
     cache: list  # a private copy, `matched` positions
     matched: int
+    key: Key  # the stored sequence it was cut from
 
 
 class PrefixCache:
@@ -83,7 +84,7 @@ class PrefixCache:
             self._index.touch(match.key)
             match.value.used = next(_clock)
             source = match.value.cache
-        return RamHit(state.prefix_copy(source, matched), matched)
+        return RamHit(state.prefix_copy(source, matched), matched, match.key)
 
     def longest_match(self, tokens: Sequence[int]) -> int:
         """How many leading tokens `fetch` would reuse (no copy, no LRU update)."""
@@ -123,6 +124,12 @@ class PrefixCache:
             for shorter in self._index.prefixes_of(key):
                 self._evict(shorter)
         return StoreOutcome.STORED
+
+    def entry(self, key: Sequence[int]) -> list | None:
+        """The cache stored under exactly `key` (shared, read-only: the arrays are immutable), or None."""
+        with self._lock:
+            found = self._index.get(tuple(key))
+            return None if found is None else found.cache
 
     # -- any thread --------------------------------------------------------------------------
 

@@ -87,6 +87,11 @@ class WeightHashes:
         return dict(self._done)
 
 
+# A conversation's latest turn goes to the SSD tier once it has been quiet this long (see kvcache.manager):
+# rewriting the whole conversation after every turn would take the CPU the next turn's prefill needs.
+SSD_QUIET_S = 5.0
+
+
 def build_prefix_cache(settings: Settings, ledger: Ledger, probe: Probe,
                        write_executor: ThreadPoolExecutor) -> KvCacheManager:
     """The sweep first (a previous process's files are unreadable by design), then the tiers. A state
@@ -106,7 +111,8 @@ def build_prefix_cache(settings: Settings, ledger: Ledger, probe: Probe,
     except OSError as exc:
         ssd = None
         log.warning("ssd_tier_unavailable", path=str(root), reason=os_error_name(exc))
-    return KvCacheManager(ledger, ssd=ssd, sample_snapshot=probe.snapshot, write_executor=write_executor)
+    return KvCacheManager(ledger, ssd=ssd, sample_snapshot=probe.snapshot, write_executor=write_executor,
+                          write_delay_s=SSD_QUIET_S)
 
 
 @dataclasses.dataclass(slots=True)

@@ -247,3 +247,26 @@ async def test_sequences_finished_inside_a_left_padded_batch_are_kept_exactly(ti
             prompt_tokens, answer, _ = c.turns[0]
             assert manager.stats().reused_tokens - before >= prompt_tokens + len(answer)
     assert [c.turns for c in convs] == [o.turns for o in off]
+
+
+async def test_a_live_conversation_is_written_to_ssd_when_it_goes_quiet(tiny_model_path: Path, tmp_path: Path,
+                                                                       ledger: Ledger) -> None:
+    """Through the engine: turn 1 goes to SSD at once, turns 2 and 3 wait (each would rewrite the
+    whole conversation), and once the delay has passed the idle worker writes the last one."""
+    now = [0.0]
+    ssd = SsdStore(tmp_path / "kv", budget=DiskBudget(tmp_path, GiB))
+    manager = KvCacheManager(ledger, ssd=ssd, write_delay_s=60.0, clock=lambda: now[0])
+    conv = Conversation("on", tiny_model_path)
+    async with Engine(prefix_cache=manager.get) as engine:
+        await engine.load("m", tiny_model_path)
+        manager.attach("m", "weights")
+        for _ in range(3):
+            await conv.turn(engine, "m")
+        first, last = conv.sequence(0), conv.sequence(2)
+        assert ssd.entries("m") == 1 and ssd.lookup("m", last).common == len(first)  # only turn 1 so far
+        now[0] = 61.0
+        for _ in range(2):  # the first command wakes the idle worker, the second comes after its writes
+            await engine.kv_cache_bytes("m")
+        assert ssd.entries("m") == 1 and ssd.lookup("m", last + [5]).common == len(last)
+        await engine.unload("m")
+        manager.purge("m")

@@ -201,6 +201,40 @@ def test_ssd_hit_after_ram_eviction_and_purge_removes_files(tiny, ledger: Ledger
     assert manager.stats().disk_bytes == 0
 
 
+def test_a_conversation_turn_goes_to_ssd_once_it_is_quiet(tiny, ledger: Ledger, tmp_path: Path) -> None:
+    """The first turn is written through; a turn that extends the entry it reused waits until it has
+    been quiet for the delay (not while a running request extends it), and a turn replaced by the
+    next one before then is never written."""
+    now = [0.0]
+    ssd = SsdStore(tmp_path, budget=DiskBudget(tmp_path, GiB))
+    written: list[int] = []
+    write = ssd.write
+    ssd.write = lambda model, weights, tokens, host: written.append(len(tokens)) or write(model, weights, tokens, host)
+    manager = KvCacheManager(ledger, ssd=ssd, write_delay_s=5.0, clock=lambda: now[0])
+    kv = manager.attach("tiny", "w0")
+
+    def turn(previous: list[int] | None, seed: int) -> list[int]:
+        ids = (previous or []) + prompt(seed, 40)
+        reuse = kv.fetch(ids)
+        assert reuse.key == (None if previous is None else tuple(previous))
+        _, cache, sequence = generate(tiny, ids, reuse)
+        assert kv.store(sequence, cache, extends=reuse.key) is StoreOutcome.STORED
+        return list(sequence)
+
+    first = turn(None, 20)
+    assert written == [len(first)]  # a new line: at once
+    second = turn(first, 21)
+    assert written == [len(first)] and kv.write_quiet() == 5.0  # waits
+    third = turn(second, 22)  # replaces the second before it was due
+    now[0] = 4.0
+    assert kv.write_quiet(in_use={tuple(third)}) == 5.0  # a running request extends it: it waits on
+    assert written == [len(first)]
+    now[0] = 9.5
+    assert kv.write_quiet() is None and written == [len(first), len(third)]
+    m = ssd.lookup("tiny", third + [7])
+    assert ssd.entries("tiny") == 1 and m is not None and m.key == tuple(third)  # one file per conversation
+
+
 def test_bfloat16_round_trips_through_host_bytes() -> None:
     from kvcache.state import from_host, prefix_copy, to_host
     from mlx_lm.models.cache import KVCache

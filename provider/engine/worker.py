@@ -5,7 +5,9 @@ While requests are active it drains whatever commands are queued without blockin
 every model that has work by one `BatchGenerator.next()` call (one decode step plus at most one
 prefill chunk, round-robin across models), then hands the step's events to the asyncio loop in
 one `call_soon_threadsafe` per loop. So a command (a cancel, a new request) waits for at most
-one step, and requests join and leave the running batch between any two steps.
+one step, and requests join and leave the running batch between any two steps. Between steps, and
+when the prefix cache has a conversation turn due on its SSD tier while idle (the blocking wait
+then ends at that time), it writes the turns that went quiet (`kvcache.ModelKvCache.write_quiet`).
 
 Vision-language models (`vision.VisionSlot`, loaded with mlx-vlm) are stepped in the same loop,
 after the text batches: every vision request past its prompt decodes one token per loop; the
@@ -90,6 +92,18 @@ class _Active:
     prompt_tokens: int
     completion_ids: list[int] = field(default_factory=list)
     prompt_ids: list[int] = field(default_factory=list)  # with completion_ids: the key its KV is kept under
+    reused_key: tuple[int, ...] | None = None  # the cached sequence its prompt reused, if any
+
+
+@dataclass(slots=True)
+class _Keep:
+    """A finished request's cache waiting to be stored; its `Finished` event waits for the store, so
+    whoever sees a request finish sees its sequence in the prefix cache."""
+
+    model_id: str
+    active: _Active
+    cache: list
+    finished: tuple[EventSink, Event] | None = None
 
 
 @dataclass(slots=True)
@@ -125,6 +139,7 @@ class Worker:
         self._vision: dict[str, VisionSlot] = {}
         self._where: dict[str, tuple[_Slot, int]] = {}  # request_id -> (slot, uid)
         self._outbox: list[tuple[EventSink, Event]] = []
+        self._kept: list[_Keep] = []  # finished sequences to store once the step's tokens are out
         self._stopped = False
         # Read by other threads; only ever replaced item by item (atomic under the GIL).
         self.stats: dict[str, ModelStats] = {}
@@ -137,8 +152,16 @@ class Worker:
                 self._drain_commands()
                 self._step_all()
                 self._step_vision()
-            else:
-                self._handle(self._commands.get())
+                self._flush_outbox()  # every token of the step goes out before the stores below
+                self._store_kept()
+                self._flush_outbox()
+                self._write_quiet()
+                continue
+            try:  # idle: wake for the next command, or when a cached turn is due on SSD
+                command = self._commands.get(timeout=self._write_quiet())
+            except queue.Empty:
+                continue
+            self._handle(command)
             self._flush_outbox()
 
     def _drain_commands(self) -> None:
@@ -350,7 +373,7 @@ class Worker:
             return
         text = CompletionText(slot.tokenizer.detokenizer, request.params.stop)
         slot.requests[uid] = _Active(request.request_id, uid, cmd.sink, cmd.on_released, text, len(ids),
-                                     prompt_ids=ids)
+                                     prompt_ids=ids, reused_key=reuse.key)
         self._where[request.request_id] = (slot, uid)
 
     # -- prefix cache (kvcache/) -------------------------------------------------------------
@@ -373,13 +396,40 @@ class Worker:
         (and `extract` drops the batch's left padding), so the returned cache holds exactly
         prompt + completion, EOS included; `store` keeps it under as many of those tokens as the
         cache holds, so KV is only ever kept under the tokens it was made from."""
-        kv = self._prefix_cache(slot.info.model_id) if self._prefix_cache is not None else None
-        if kv is None or not cache:
-            return
-        try:
-            kv.store(active.prompt_ids + active.completion_ids, cache)
-        except Exception:  # an edge: see _reuse
-            log.exception("prefix cache store failed")
+        if self._prefix_cache is not None and cache:
+            self._kept.append(_Keep(slot.info.model_id, active, cache))
+
+    def _store_kept(self) -> None:
+        kept, self._kept = self._kept, []
+        for keep in kept:
+            kv = self._prefix_cache(keep.model_id)
+            try:
+                if kv is not None:
+                    kv.store(keep.active.prompt_ids + keep.active.completion_ids, keep.cache,
+                             extends=keep.active.reused_key)
+            except Exception:  # an edge: see _reuse
+                log.exception("prefix cache store failed")
+            if keep.finished is not None:
+                self._emit(*keep.finished)
+
+    def _write_quiet(self) -> float | None:
+        """Let each model's prefix cache write its quiet turns to SSD; seconds until the next is due."""
+        if self._prefix_cache is None:
+            return None
+        waits = []
+        for slot in self._slots.values():
+            kv = self._prefix_cache(slot.info.model_id)
+            if kv is None:
+                continue
+            in_use = {a.reused_key for a in slot.requests.values() if a.reused_key is not None}
+            try:
+                wait = kv.write_quiet(in_use)
+            except Exception:  # an edge: see _reuse
+                log.exception("prefix cache write failed")
+                continue
+            if wait is not None:
+                waits.append(max(wait, 0.0))
+        return min(waits, default=None)
 
     def _known(self, request_id: str) -> bool:
         return request_id in self._where or any(request_id in v.runs for v in self._vision.values())
@@ -497,7 +547,11 @@ class Worker:
 
     def _finish(self, slot: _Slot, active: _Active, reason: FinishReason) -> None:
         usage = Usage(active.prompt_tokens, len(active.completion_ids))
-        self._emit(active.sink, Finished(reason, usage, tuple(active.completion_ids)))
+        event = Finished(reason, usage, tuple(active.completion_ids))
+        if self._kept and self._kept[-1].active is active:
+            self._kept[-1].finished = (active.sink, event)  # sent once its sequence is stored
+        else:
+            self._emit(active.sink, event)
         self._retire(slot, active.uid)
 
     def _publish_stats(self, slot: _Slot) -> None:
