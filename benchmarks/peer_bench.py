@@ -24,7 +24,8 @@ ratios. `reuse` = prompt tokens served from the prefix cache / prompt tokens (ou
 `reused_tokens`; mlx_lm.server: `usage.prompt_tokens_details.cached_tokens`).
 
     python benchmarks/peer_bench.py [--preset medium] [--repeats 6] [--concurrency 1,4,8]
-                                    [--workloads w1,w2,chat] [--max-tokens 64] [--turn-tokens 128]
+                                    [--chat-concurrency 1] [--workloads w1,w2,chat]
+                                    [--max-tokens 64] [--turn-tokens 128]
 
 Run it with OpenBLAS preloaded (`sh tools/with-blas.sh .venv/bin/python benchmarks/peer_bench.py`);
 both servers inherit the environment, so they use the same BLAS.
@@ -377,12 +378,15 @@ async def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=None, help="an existing tiny-model folder instead")
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--concurrency", default="1,4,8")
+    parser.add_argument("--chat-concurrency", default=None, help="levels for the chat workload (default: --concurrency)")
     parser.add_argument("--workloads", default="w1,w2,chat")
     parser.add_argument("--max-tokens", type=int, default=64, help="per w1/w2 request")
     parser.add_argument("--turn-tokens", type=int, default=128, help="per chat turn")
     args = parser.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
+    chat_levels = [int(x) for x in (args.chat_concurrency or args.concurrency).split(",")]
     workloads = args.workloads.split(",")
+    cells = [(w, c) for w in workloads for c in (chat_levels if w == "chat" else levels)]
 
     model_path = args.model_dir or build_tiny_model(REPO / ".cache" / "tiny-models" / f"{args.preset}-f32",
                                                     preset=args.preset)
@@ -400,7 +404,7 @@ async def main() -> None:
             await single_shot(server, [prompts.w1(-1, 0)], 4)
         started = time.monotonic()
         for repeat in range(args.repeats):
-            for cell, (workload, c) in enumerate((w, c) for w in workloads for c in levels):
+            for cell, (workload, c) in enumerate(cells):
                 order = [OURS, PEER] if (repeat + cell) % 2 == 0 else [PEER, OURS]
                 cell_runs = runs.setdefault((workload, c), {})
                 if bare is not None and workload != "chat":
