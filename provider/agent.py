@@ -55,6 +55,7 @@ from provider.session.posture import (
     read_host_posture,
 )
 from provider.session.register import RegisterFrame, advertised_models, build_register
+from provider.session.status import SessionStatus
 from provider.slots import ModelManager
 from provider.telemetry import configure_logging, get_logger
 
@@ -103,7 +104,11 @@ class Agent:
         counter, stats, metrics, weight_hashes = rt.counter, rt.stats, rt.metrics, rt.weight_hashes.known()
         hardware = await asyncio.to_thread(detect_hardware, probe.snapshot())
         heartbeat = HeartbeatSource(stats=stats, capacity=manager.capacity, thermal=ThermalSampler())
-        ctx = JobContext(identity=keys.encryption, manager=manager, counter=counter, stats=stats, metrics=metrics)
+        status = SessionStatus(settings.coordinator_url)
+        rt.session = status  # /status and /metrics report the link
+        metrics.watch_session(status.view)
+        ctx = JobContext(identity=keys.encryption, manager=manager, counter=counter, stats=stats, metrics=metrics,
+                         requests=status.requests)
 
         def make_register() -> RegisterFrame:
             snapshot = probe.snapshot()
@@ -127,6 +132,7 @@ class Agent:
             build_heartbeat=heartbeat,
             run_job=lambda request, send: run_job(request, ctx, send),
             connect=connect,
+            status=status,
         )
         manager.on_capacity_change = session.capacity_changed
         log.info("agent_ready", models=list(rt.servable), version=__version__, backend=settings.backend,

@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable
@@ -49,7 +50,7 @@ EX_UNAVAILABLE = 69
 EX_CONFIG = 78
 PROG = "darkbloom-provider"
 _NO_FLAG = frozenset({"auth_token"})  # secrets: environment or file only
-_LIST_FLAGS = frozenset({"model_dirs", "enabled_models"})
+_LIST_FLAGS = frozenset({"model_dirs", "enabled_models", "preload_models"})
 
 
 # --- parser
@@ -242,14 +243,18 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     return EX_OK
 
 
-def render_status(status: dict[str, Any]) -> str:
+def render_status(status: dict[str, Any], now: float | None = None) -> str:
     from provider.doctor import human_bytes
 
     lines = [f"mode {status.get('mode', '?')}, pressure {status.get('pressure', {}).get('level', '?')}, "
              f"in flight {status.get('in_flight', '?')}"]
+    if isinstance(status.get("session"), dict):
+        lines += render_session(status["session"], time.time() if now is None else now)
     for m in status.get("models", []):
         lines.append(f"  {m.get('id')}  {m.get('state')}  {human_bytes(m.get('resident_bytes'))}  "
-                     f"active {m.get('active_requests', 0)}")
+                     f"active {m.get('active_requests', 0)}" + ("  preloaded" if m.get("preloaded") else ""))
+    for model_id, reason in sorted(status.get("preload", {}).get("refused", {}).items()):
+        lines.append(f"  preload of {model_id} refused: {reason}")
     ledger = status.get("ledger", {})
     for kind, nbytes in sorted(ledger.get("bytes_by_kind", {}).items()):
         lines.append(f"  ledger {kind}: {human_bytes(nbytes)}")
@@ -259,6 +264,50 @@ def render_status(status: dict[str, Any]) -> str:
                      f"{kv.get('misses', 0)} misses; RAM {human_bytes(kv.get('ram_bytes'))}, "
                      f"disk {human_bytes(kv.get('disk_bytes'))}")
     return "\n".join(lines)
+
+
+def _ago(at: float | None, now: float) -> str:
+    return "never" if at is None else f"{max(0.0, now - at):.0f} s ago"
+
+
+def _reasons(counts: dict[str, int]) -> str:
+    return ", ".join(f"{reason} {n}" for reason, n in sorted(counts.items())) or "none"
+
+
+def render_session(s: dict[str, Any], now: float) -> list[str]:
+    """The `session` section of /status in a few lines."""
+    state = s.get("state", "?")
+    head = f"coordinator {s.get('url', '?')}: {state}"
+    if s.get("connected_since") is not None:
+        head += f" (connected {_ago(s['connected_since'], now)})"
+    if state == "backing_off" and s.get("backoff_delay_s") is not None:
+        head += f", next attempt in {max(0.0, (s.get('next_attempt_at') or now) - now):.1f} s " \
+                f"(delay {s['backoff_delay_s']:.1f} s)"
+    lines = [head, f"  registrations {s.get('registrations', 0)}, reconnects {s.get('reconnects', 0)}, "
+                   f"connect attempts {s.get('connect_attempts', 0)} ({s.get('connect_failures', 0)} failed"
+                   + (f", last {s['last_connect_error']}" if s.get("last_connect_error") else "") + ")"
+                   + f", heartbeats sent {s.get('heartbeats_sent', 0)}"]
+    ch = s.get("challenges", {})
+    lines.append(f"  challenges received {ch.get('received', 0)} (last {_ago(ch.get('last_received_at'), now)}), "
+                 f"answered {ch.get('answered', 0)} (last {_ago(ch.get('last_answered_at'), now)})")
+    rt = s.get("runtime_status", {})
+    if rt.get("verified") is None:
+        lines.append("  runtime_status: none received on this connection")
+    elif rt["verified"]:
+        lines.append("  runtime_status: verified")
+    else:
+        named = ", ".join(rt.get("mismatches", [])) or "no component named"
+        lines.append(f"  runtime_status: NOT VERIFIED ({named}): the coordinator does not route to this "
+                     "provider until its operator lists this runtime (see `darkbloom-provider doctor`)")
+    close = s.get("last_close")
+    if close:
+        reason = f" \"{close['reason']}\"" if close.get("reason") else ""
+        lines.append(f"  last close: {close.get('code')}{reason}, {close.get('cause')}, {_ago(close.get('at'), now)}")
+    r = s.get("requests", {})
+    lines.append(f"  requests accepted {r.get('accepted', 0)} (completed {r.get('completed', 0)}, "
+                 f"cancelled {r.get('cancelled', 0)}), refused: {_reasons(r.get('refused', {}))}, "
+                 f"failed: {_reasons(r.get('failed', {}))}")
+    return lines
 
 
 def cmd_runtime_hash(args: argparse.Namespace, settings: Settings) -> int:

@@ -43,7 +43,6 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
-    ValidationInfo,
     field_validator,
 )
 
@@ -107,16 +106,17 @@ class Settings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, validate_default=True)
 
-    # Declared first because coordinator_url's check reads it.
     dev_posture: bool = Field(
-        False, description="Development mode: relaxes production-only checks (e.g. ws:// to a remote host).",
-        **_allowed("true or false"),
+        False, description="For a self-hosted coordinator on this machine: report the posture such a coordinator "
+        "requires (SIP, Secure Boot, every privacy capability) whatever the host is. Loopback coordinator URLs only; "
+        "it relaxes nothing else.",
+        **_allowed("true or false (true only with a loopback coordinator_url)"),
     )
 
     # --- coordinator link
     coordinator_url: str = Field(
         DEFAULT_COORDINATOR_URL, description="Coordinator WebSocket endpoint.",
-        **_allowed("a wss:// URL (ws:// only to a loopback host, or with dev_posture)"),
+        **_allowed("a wss:// URL (ws:// only to a loopback host)"),
     )
     auth_token: SecretStr | None = Field(
         None, description="Device-linked provider token sent in `register` (links earnings to an account).",
@@ -154,6 +154,11 @@ class Settings(BaseModel):
     )
     enabled_models: tuple[str, ...] = Field(
         (), description="Model ids to advertise; empty = every discovered model.",
+        **_allowed("a list of model ids"),
+    )
+    preload_models: tuple[str, ...] = Field(
+        (), description="Model ids loaded at start (through the load gate, never past the cap) and kept "
+        "resident: idle_timeout_mins does not unload them, only memory pressure or the slot cap can.",
         **_allowed("a list of model ids"),
     )
 
@@ -247,12 +252,12 @@ class Settings(BaseModel):
 
     @field_validator("coordinator_url")
     @classmethod
-    def _check_coordinator_url(cls, url: str, info: ValidationInfo) -> str:
+    def _check_coordinator_url(cls, url: str) -> str:
         parts = urlsplit(url)
         if parts.scheme not in ("ws", "wss") or not parts.hostname:
             raise ValueError("must be a ws:// or wss:// URL with a host")
-        if parts.scheme == "ws" and not _is_loopback(parts.hostname) and not info.data.get("dev_posture"):
-            raise ValueError("plain ws:// is only allowed to a loopback host unless dev_posture is true")
+        if parts.scheme == "ws" and not _is_loopback(parts.hostname):
+            raise ValueError("plain ws:// is only allowed to a loopback host; use wss:// for a remote coordinator")
         return url
 
     @field_validator("auth_token")
@@ -269,7 +274,7 @@ class Settings(BaseModel):
             raise ValueError("the local server listens on a loopback address only")
         return host
 
-    @field_validator("enabled_models")
+    @field_validator("enabled_models", "preload_models")
     @classmethod
     def _check_model_ids(cls, ids: tuple[str, ...]) -> tuple[str, ...]:
         if any(not i or i != i.strip() for i in ids):
@@ -324,7 +329,7 @@ class Settings(BaseModel):
 
 FIELDS: tuple[str, ...] = tuple(Settings.model_fields)
 _PATH_FIELDS = frozenset({"model_dirs", "hf_cache_dir", "state_dir", "log_file"})
-_LIST_FIELDS = frozenset({"model_dirs", "enabled_models"})
+_LIST_FIELDS = frozenset({"model_dirs", "enabled_models", "preload_models"})
 _SECRET_FIELDS = frozenset({"auth_token"})
 
 

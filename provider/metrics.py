@@ -3,20 +3,25 @@
 Every label takes a value from a closed vocabulary. Callers pass an ``Enum`` (its ``value`` is used)
 or a short identifier; anything else becomes ``other``, so a label can neither leak user text nor
 grow without bound.
+
+The coordinator session's figures (``darkbloom_session_*``) are read from the session status at each
+scrape (``watch_session``), so they are never stale and never counted twice.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from enum import Enum, StrEnum
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
     from kvcache.manager import PrefixCacheStats
+    from provider.session.status import SessionView
 
 NAMESPACE = "darkbloom"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -181,6 +186,11 @@ class Metrics:
         self.prefix_cache_bytes.labels(tier=CacheTier.RAM.value).set(stats.ram_bytes)
         self.prefix_cache_bytes.labels(tier=CacheTier.DISK.value).set(stats.disk_bytes)
 
+    # --- the coordinator session
+    def watch_session(self, source: Callable[[], SessionView]) -> None:
+        """Report the session status ``source()`` returns at every scrape (``darkbloom_session_*``)."""
+        self.registry.register(SessionCollector(source))
+
     def render(self) -> bytes:
         """Prometheus text exposition format (serve with :data:`CONTENT_TYPE`)."""
         return generate_latest(self.registry)
@@ -188,3 +198,72 @@ class Metrics:
     @staticmethod
     def _label_values(gauge: Gauge) -> list[str]:
         return [sample.labels["kind"] for family in gauge.collect() for sample in family.samples]
+
+
+class SessionCollector:
+    """``darkbloom_session_*`` from a ``SessionView``, read at scrape time."""
+
+    def __init__(self, source: Callable[[], SessionView]) -> None:
+        self._source = source
+
+    def describe(self) -> list[Metric]:
+        return []  # families are built at collect time; nothing to pre-register
+
+    def collect(self) -> Iterable[Metric]:
+        v = self._source()
+        ns = f"{NAMESPACE}_session"
+        state = GaugeMetricFamily(f"{ns}_state", "Coordinator link state (1 for the current one).", labels=["state"])
+        for member in type(v.state):
+            state.add_metric([member.value], 1.0 if member is v.state else 0.0)
+        yield state
+        for name, text, value in (
+            ("connect_attempts", "Connection attempts to the coordinator.", v.connect_attempts),
+            ("connect_failures", "Connection attempts that never opened a socket.", v.connect_failures),
+            ("registrations", "register frames sent (one per connection).", v.registrations),
+            ("reconnects", "Connections lost (not drained), each followed by a reconnect.", v.connection_losses),
+            ("heartbeats", "Heartbeats sent.", v.heartbeats_sent),
+        ):
+            yield CounterMetricFamily(f"{ns}_{name}", text, value=value)
+        challenges = CounterMetricFamily(f"{ns}_challenges", "Attestation challenges, received and answered.",
+                                         labels=["result"])
+        challenges.add_metric(["received"], v.challenges_received)
+        challenges.add_metric(["answered"], v.challenges_answered)
+        yield challenges
+        requests = CounterMetricFamily(f"{ns}_requests", "Coordinator requests: accepted, completed, cancelled, "
+                                       "and refused (before the accept) or failed (after it) by reason.",
+                                       labels=["result", "reason"])
+        for result, count in (("accepted", v.accepted), ("completed", v.completed), ("cancelled", v.cancelled)):
+            requests.add_metric([result, ""], count)
+        for result, by_reason in (("refused", v.refused), ("failed", v.failed)):
+            for reason, count in sorted(by_reason.items()):
+                requests.add_metric([result, label(reason)], count)
+        yield requests
+        yield from _optional_gauges(ns, v)
+        mismatch = GaugeMetricFamily(f"{ns}_runtime_mismatch", "Components the last runtime_status named as "
+                                     "not matching the coordinator's manifest.", labels=["component"])
+        for component in v.runtime_mismatches:
+            mismatch.add_metric([label(component)], 1.0)
+        yield mismatch
+
+
+def _optional_gauges(ns: str, v: SessionView) -> Iterator[Metric]:
+    """Gauges with a sample only when the value is known (a missing sample reads as "unknown")."""
+    close = v.last_close
+    verified = None if v.runtime_verified is None else float(v.runtime_verified)
+    for name, text, value in (
+        ("connected_since_seconds", "Unix time the current connection registered.", v.connected_since),
+        ("last_challenge_received_seconds", "Unix time of the last attestation challenge.",
+         v.last_challenge_received_at),
+        ("last_challenge_answered_seconds", "Unix time the last challenge was answered.",
+         v.last_challenge_answered_at),
+        ("last_heartbeat_seconds", "Unix time of the last heartbeat sent.", v.last_heartbeat_at),
+        ("runtime_verified", "1 when the last runtime_status verified our runtime hash, 0 when it did not.",
+         verified),
+        ("backoff_seconds", "Delay before the next connection attempt while backing off.", v.backoff_delay_s),
+        ("last_close_code", "Close code of the last connection that ended (1006: no close frame).",
+         None if close is None else close.code),
+    ):
+        gauge = GaugeMetricFamily(f"{ns}_{name}", text)
+        if value is not None:
+            gauge.add_metric([], float(value))
+        yield gauge

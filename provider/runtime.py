@@ -10,11 +10,18 @@ What it builds, in order: model inventory → memory probe and the one ledger �
 (its prefix-cache lookup is the cache's `get`) → the model manager (same admission and memory
 policy everywhere; it attaches the prefix cache after each load and purges it on every unload)
 → weight hashes and tokenizers of every model that can ever load (`PromptCounter` counts prompts
-exactly before a load).
+exactly before a load) → the `preload_models`, loaded one by one through the manager's own load
+gate and kept warm (the idle reaper skips them). A preload is refused, logged with its reason and
+skipped, when the id is unknown (`unknown_model`), it can never load under the cap (`too_large`),
+the slot cap is full (`slot_cap`), it would only fit by evicting an earlier preload
+(`needs_eviction`), or the load gate says no (its failure reason, e.g. `memory_cap`); the start
+goes on either way. Preloading happens before the agent connects, so the first heartbeat already
+reports those slots `running`.
 
 `status()` is the body of the local `/status` endpoint (loaded models and their states, in-flight
-requests, ledger by kind, pressure, prefix-cache stats); `refresh_metrics()` updates the gauges
-that are sampled rather than counted (ledger bytes, prefix cache), called on each /metrics scrape.
+requests, ledger by kind, pressure, prefix-cache stats, and the coordinator `session` when the
+agent attached its `SessionStatus`); `refresh_metrics()` updates the gauges that are sampled rather
+than counted (ledger bytes, prefix cache), called on each /metrics scrape.
 """
 
 from __future__ import annotations
@@ -39,7 +46,10 @@ from provider.metrics import Metrics
 from provider.models import DigestCache, Inventory, weight_hash
 from provider.models.hashing import CACHE_FILE
 from provider.progress import ProgressFactory, default_progress, terminal_progress
-from provider.slots import ModelManager, ModelState
+from provider.session.status import SessionStatus
+from memory import FitVerdict
+from provider.session.status import failure_reason
+from provider.slots import ModelManager, ModelState, SlotRefused
 from provider.telemetry import get_logger
 
 log = get_logger("provider.runtime")
@@ -131,6 +141,8 @@ class Runtime:
     metrics: Metrics
     servable: tuple[str, ...]  # models that can ever load here (the ones advertised)
     _writer: ThreadPoolExecutor
+    session: SessionStatus | None = None  # the agent's coordinator link (None for `serve --local`)
+    preload_refused: dict[str, str] = dataclasses.field(default_factory=dict)  # model id -> reason
 
     @classmethod
     async def start(cls, settings: Settings, *, engine: Engine | None = None, metrics: Metrics | None = None,
@@ -166,8 +178,42 @@ class Runtime:
         counter = PromptCounter({m.id: m.path for m in inventory.models},
                                 vision={m.id for m in inventory.models if m.is_vision})
         await counter.warm(servable)
-        return cls(settings, inventory, probe, ledger, prefix, engine, owns_engine, manager, hashes, counter,
-                   ServingStats(), metrics, servable, writer)
+        runtime = cls(settings, inventory, probe, ledger, prefix, engine, owns_engine, manager, hashes, counter,
+                      ServingStats(), metrics, servable, writer)
+        await runtime.preload(settings.preload_models)
+        return runtime
+
+    async def preload(self, model_ids: Iterable[str]) -> dict[str, str]:
+        """Load each model through the load gate and keep it warm; returns the refused ones with
+        their reasons (also kept in `preload_refused` and logged)."""
+        for model_id in dict.fromkeys(model_ids):
+            reason = self._preload_refusal(model_id)
+            if reason is None:
+                try:
+                    await self.manager.ensure_loaded(model_id)
+                except SlotRefused as exc:
+                    reason = failure_reason(exc.failure)
+            if reason is not None:
+                self.preload_refused[model_id] = reason
+                log.warning("preload_refused", model=model_id, reason=reason)
+                continue
+            self.manager.keep_warm(model_id)
+            log.info("model_preloaded", model=model_id)
+        return dict(self.preload_refused)
+
+    def _preload_refusal(self, model_id: str) -> str | None:
+        verdict = next((v for m, v in self.manager.verdicts() if m.id == model_id), None)
+        if verdict is None:
+            return "unknown_model"
+        if self.manager.state(model_id) is ModelState.LOADED:
+            return None
+        if not verdict.ever_fits:
+            return "too_large"
+        if len(self.manager.warm_models()) >= self.settings.max_model_slots:
+            return "slot_cap"
+        if verdict.verdict is FitVerdict.FITS_AFTER_EVICTION:
+            return "needs_eviction"  # loading it would unload a model preloaded before it
+        return None
 
     async def aclose(self) -> None:
         """Refuse new work, unload every model (each unload purges its prefix cache), stop the engine
@@ -207,13 +253,17 @@ class Runtime:
                 "context_length": m.context_length,
                 "vision": m.is_vision,
                 "kv_bytes_per_token": info.kv.max_bytes_per_token,
+                "preloaded": m.id in self.manager.kept_warm,
                 "active_requests": in_flight_by_model.get(m.id, 0),
                 "running": slot.num_running if slot else 0,
                 "waiting": slot.num_waiting if slot else 0,
             })
         kv = self.prefix_cache.stats()
         self.refresh_metrics()
+        session = {} if self.session is None else {"session": self.session.view().as_json()}
         return {
+            **session,
+            "preload": {"requested": list(self.settings.preload_models), "refused": dict(self.preload_refused)},
             "models": models,
             "in_flight": len(self.stats.in_flight),
             "ledger": {"bytes_by_kind": {k.value: v for k, v in ledger.bytes_by_kind.items()},

@@ -8,6 +8,7 @@ Override ``double_config`` in a module to shrink timers (``DoubleConfig(first_re
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 import pytest
@@ -25,6 +26,18 @@ def quick_config(**overrides: float | int | str | bool) -> DoubleConfig:
 def consumer_for(double: CoordinatorDouble, *, timeout: float = 60.0) -> AsyncOpenAI:
     """An OpenAI client on the double. No SDK retries: a 5xx from the double is the answer under test."""
     return AsyncOpenAI(base_url=double.http_url + "/v1", api_key="test", max_retries=0, timeout=timeout)
+
+
+def sealed_request(provider_key: str, request_id: str, body: dict) -> str:
+    """An [A]-shaped inference_request frame sealed to ``provider_key`` with a fresh session key."""
+    from coordinator_double.dispatch import inference_request_frame
+    from nacl.public import Box, PrivateKey
+
+    from protocol.crypto import RequestBox, b64encode, parse_public_key
+
+    session = PrivateKey.generate()
+    box = RequestBox(Box(session, parse_public_key(provider_key)), b64encode(bytes(session.public_key)))
+    return inference_request_frame(request_id, box, json.dumps(body).encode())
 
 
 @pytest.fixture

@@ -158,10 +158,31 @@ def test_coordinator_url_rules(home: Path) -> None:
     base = {"HOME": str(home)}
     ok_local = load_settings(env={**base, "DARKBLOOM_COORDINATOR_URL": "ws://127.0.0.1:8080/ws/provider"})
     assert ok_local.coordinator_url.startswith("ws://127.0.0.1")
-    dev = {**base, "DARKBLOOM_COORDINATOR_URL": "ws://coord.lan/ws/provider", "DARKBLOOM_DEV_POSTURE": "1"}
-    assert load_settings(env=dev).coordinator_url == "ws://coord.lan/ws/provider"
     with pytest.raises(ConfigError, match="DARKBLOOM_COORDINATOR_URL.*'ws://coord.lan/ws'.*loopback"):
         load_settings(env={**base, "DARKBLOOM_COORDINATOR_URL": "ws://coord.lan/ws"})
+
+
+def test_a_remote_ws_url_is_refused_with_the_way_out_not_a_dead_end(home: Path) -> None:
+    """Issue 13: the error for a remote ws:// URL says to use wss://; dev_posture does not relax it (it used
+    to be suggested, and then the agent refused dev_posture for a remote coordinator)."""
+    for env in ({"DARKBLOOM_COORDINATOR_URL": "ws://coord.lan/ws/provider"},
+                {"DARKBLOOM_COORDINATOR_URL": "ws://coord.lan/ws/provider", "DARKBLOOM_DEV_POSTURE": "1"}):
+        with pytest.raises(ConfigError) as raised:
+            load_settings(env={"HOME": str(home), **env})
+        message = str(raised.value)
+        assert "use wss:// for a remote coordinator" in message and "dev_posture" not in message
+    assert load_settings(env={"HOME": str(home), "DARKBLOOM_COORDINATOR_URL": "wss://coord.lan/ws/provider"})
+
+
+def test_preload_models_from_every_source(home: Path, tmp_path: Path) -> None:
+    env = {"HOME": str(home), "DARKBLOOM_PRELOAD_MODELS": "org/a, b"}
+    assert load_settings(env=env).preload_models == ("org/a", "b")
+    path = tmp_path / "p.toml"
+    path.write_text('preload_models = ["x"]\n')
+    assert load_settings(config_path=path, env={"HOME": str(home)}).preload_models == ("x",)
+    assert load_settings(env=env, overrides={"preload_models": ["y"]}).preload_models == ("y",)
+    with pytest.raises(ConfigError, match="preload-models"):
+        load_settings(env={"HOME": str(home)}, overrides={"preload_models": [" a"]})
 
 
 # --- bad input: one message naming the source, the value and what is allowed

@@ -35,7 +35,14 @@ from coordinator_double import (
     Rerouted,
 )
 from coordinator_double.events import Disconnected
-from double_fixtures import consumer_for, coordinator_double, double_config, openai_consumer, quick_config  # noqa: F401
+from double_fixtures import (  # noqa: F401
+    consumer_for,
+    coordinator_double,
+    double_config,
+    openai_consumer,
+    quick_config,
+    sealed_request,
+)
 from openai_shape import assert_openai_stream
 
 from memory import Ledger, ReservationKind
@@ -318,16 +325,6 @@ async def test_malformed_oversized_tampered_and_unknown_frames_never_crash_the_s
     assert no_request_reservations(provider.agent.ledger)
 
 
-def sealed_request(provider_key: str, request_id: str, body: dict) -> str:
-    """An [A]-shaped inference_request frame sealed to ``provider_key`` with a fresh session key."""
-    from coordinator_double.dispatch import inference_request_frame
-    from nacl.public import Box, PrivateKey
-
-    from protocol.crypto import RequestBox, b64encode, parse_public_key
-
-    session = PrivateKey.generate()
-    box = RequestBox(Box(session, parse_public_key(provider_key)), b64encode(bytes(session.public_key)))
-    return inference_request_frame(request_id, box, json.dumps(body).encode())
 
 
 async def test_a_replayed_request_is_answered_400_and_not_run_again(coordinator_double, start_agent):

@@ -34,12 +34,14 @@ from provider.session.core import (
     CancelJob,
     InvalidState,
     Log,
+    Note,
     RecentRequestIds,
     Send,
     SessionCore,
     SessionState,
     StartJob,
 )
+from provider.session.status import ChallengeSeen, RequestRefused, RuntimeVerdict
 
 KEY = "tHFZkLURE4Ne6qGImKWQ5P0vHEfBq17lkLkV/Wm2rSU="
 SESSION_KEY = "X6IvWt6JfUs/rZfjNb0jxCJZa33vVeIwJZnkd3fyskg="
@@ -245,7 +247,8 @@ def test_an_empty_or_over_long_challenge_is_logged_and_not_answered(nonce):
     core = open_core()
     actions = core.receive_text(json.dumps({"type": "attestation_challenge", "nonce": nonce,
                                             "timestamp": "2026-04-30T10:41:07Z"}))
-    assert actions and all(isinstance(a, Log) for a in actions)
+    assert actions and all(isinstance(a, Log | Note) for a in actions) and not sends(actions)
+    assert [a.event for a in actions if isinstance(a, Note)] in ([], [ChallengeSeen(answered=False)])
     assert core.state is SessionState.REGISTERED
     (frame,) = sends(core.receive_text('{"type":"attestation_challenge","nonce":"bm9uY2U=","timestamp":""}'))
     assert frame.nonce == "bm9uY2U="
@@ -256,8 +259,11 @@ def test_runtime_status_mismatches_are_logged_by_component():
     actions = core.receive_text(json.dumps({"type": "runtime_status", "verified": False, "mismatches": [
         {"component": "runtime", "expected": "good", "got": "bad"},
         {"component": "template:chatml", "expected": "x", "got": "y"}]}))
-    assert [a.fields["kind"] for a in actions] == ["runtime", "template:chatml"]
-    assert all(a.level is LogLevel.WARNING for a in actions)
+    logs = [a for a in actions if isinstance(a, Log)]
+    assert [a.fields["kind"] for a in logs] == ["runtime", "template:chatml"]
+    assert all(a.level is LogLevel.WARNING for a in logs)
+    assert [a for a in actions if isinstance(a, Note)] == [
+        Note(RuntimeVerdict(verified=False, components=("runtime", "template:chatml")))]
     assert core.state is SessionState.REGISTERED
 
 
@@ -296,7 +302,7 @@ def test_any_frame_yields_actions_not_exceptions(frame):
     core = open_core()
     actions = core.receive_text(frame)
     for action in actions:
-        assert isinstance(action, Send | StartJob | CancelJob | Log)
+        assert isinstance(action, Send | StartJob | CancelJob | Log | Note)
         if isinstance(action, Send):
             decode(encode(action.frame))  # whatever we send is a valid frame
             assert isinstance(action.frame, AttestationResponse | InferenceError)

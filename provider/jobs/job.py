@@ -50,6 +50,7 @@ from provider.request.body import ChatBody, InvalidBody, parse_chat_body
 from provider.request.media import NO_MEDIA, MediaPlan, MediaRefused, inspect_images
 from provider.slots import Admission, Admitted, Refused
 from provider.metrics import Metrics, RequestOutcome
+from provider.session.status import RequestTally
 from provider.telemetry import get_logger
 
 log = get_logger("provider.jobs")
@@ -119,6 +120,7 @@ class JobContext:
     counter: PromptCounter
     stats: ServingStats
     metrics: Metrics | None = None
+    requests: RequestTally | None = None  # the session status's tally (accepted, refused/failed by reason)
     clock: Callable[[], float] = time.time  # the chunks' `created`
     monotonic: Callable[[], float] = time.monotonic  # budgets and durations
 
@@ -231,6 +233,8 @@ class Job:
         self.lifecycle.step(JobEvent.ADMIT)
         self._emit(JobEvent.ACCEPT, InferenceAccepted(request_id=self.request_id))
         self._ctx.stats.accepted(self.request_id, body.model)
+        if self._ctx.requests is not None:
+            self._ctx.requests.accept()
         log.info("request_accepted", prompt_tokens=prompt_tokens, max_tokens=max_tokens)
         try:
             return await self._serve(box, body, prompt_tokens, max_tokens, media)
@@ -326,11 +330,15 @@ class Job:
         outcome = RequestOutcome.REJECTED if rejected else RequestOutcome.FAILED
         if self._ctx.metrics is not None:
             self._ctx.metrics.request_finished(outcome)
+        if self._ctx.requests is not None:
+            (self._ctx.requests.refuse if rejected else self._ctx.requests.fail)(failure)
         log.info("request_failed" if not rejected else "request_rejected", status_code=failure.status_code,
                  failure_code=failure.code, error_reason=failure.reason, rejection_reason=failure.rejection)
 
     def _completed(self, prompt_tokens: int, completion_tokens: int) -> None:
         self._ctx.stats.completed(completion_tokens)
+        if self._ctx.requests is not None:
+            self._ctx.requests.complete()
         if self._ctx.metrics is not None:
             self._ctx.metrics.request_finished(RequestOutcome.COMPLETED)
             self._ctx.metrics.add_tokens(prompt=prompt_tokens, completion=completion_tokens)
@@ -347,6 +355,8 @@ class Job:
         self._ctx.stats.cancellations_received += 1
         if before_output:
             self._ctx.stats.cancellations_before_output += 1
+        if self._ctx.requests is not None:
+            self._ctx.requests.cancel()
         if self._ctx.metrics is not None:
             self._ctx.metrics.request_finished(RequestOutcome.CANCELLED)
         log.info("request_cancelled", phase="before_output" if before_output else "streaming")

@@ -10,11 +10,12 @@
 * ``heartbeat``  ``HeartbeatSource`` (frames from the manager's ``CapacityReport`` and ``ServingStats``)
 * ``identity``   key files under ``state_dir/identity`` (``load_or_create_keys``)
 * ``posture``    host posture, process hardening, ``dev_posture`` rules (``Posture``)
+* ``status``     ``SessionStatus``: what the link is doing, for ``/status`` and ``/metrics``
 """
 
 from provider.session.backoff import backoff_delays, clock_jumped, is_retryable, should_reset_backoff
-from provider.session.connection import Session, SessionConfig, SessionCounters, websocket_connect
-from provider.session.core import Action, CancelJob, InvalidState, Log, Send, SessionCore, SessionState, StartJob
+from provider.session.connection import Session, SessionConfig, websocket_connect
+from provider.session.core import Action, CancelJob, InvalidState, Log, Note, Send, SessionCore, SessionState, StartJob
 from provider.session.heartbeat import HeartbeatSource, ThermalSampler, backend_capacity
 from provider.session.identity import Keys, load_or_create_keys
 from provider.session.posture import (
@@ -27,6 +28,7 @@ from provider.session.posture import (
     read_host_posture,
 )
 from provider.session.register import AdvertisedModel, RegisterFrame, advertised_models, build_register
+from provider.session.status import LinkState, RequestTally, SessionStatus, SessionView
 
 __all__ = [
     "Action",
@@ -45,7 +47,11 @@ __all__ = [
     "Session",
     "SessionConfig",
     "SessionCore",
-    "SessionCounters",
+    "LinkState",
+    "Note",
+    "RequestTally",
+    "SessionStatus",
+    "SessionView",
     "SessionState",
     "StartJob",
     "ThermalSampler",

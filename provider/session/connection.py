@@ -25,6 +25,10 @@ reservation is released before the next connection starts.
 Drain (``stop`` set): new requests get 503 ``draining``, heartbeats say ``draining``, running jobs get
 ``drain_timeout_s`` to finish and are cancelled after it, queued frames are flushed, then the socket
 is closed with 1000 and ``run`` returns.
+
+The shell keeps ``Session.status`` (``status.SessionStatus``) up to date: link state, attempts,
+registrations, how each connection ended (close code and reason, and whose doing), the backoff
+delay, heartbeats sent, and what the core's ``Note`` actions report.
 """
 
 from __future__ import annotations
@@ -46,11 +50,13 @@ from provider.session.core import (
     CancelJob,
     ChallengeAnswerer,
     Log,
+    Note,
     RecentRequestIds,
     Send,
     SessionCore,
     StartJob,
 )
+from provider.session.status import CloseCause, SessionStatus
 from provider.telemetry import get_logger
 
 log = get_logger("provider.session")
@@ -61,6 +67,9 @@ OPEN_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 5.0
 FLUSH_TIMEOUT_S = 5.0
 MAX_FRAME_BYTES = MAX_INBOUND_FRAME_BYTES + (1 << 20)  # the largest request plus room for its envelope
+ABNORMAL_CLOSURE = 1006  # RFC 6455: the socket ended without a close frame
+DRAIN_CLOSE_REASON = "provider shutting down"
+RECONNECT_CLOSE_REASON = "reconnecting"
 COORDINATOR_EVICTION_WINDOW_S = 90.0  # [A] StartEvictionLoop(ctx, 90*time.Second); [N] evicts later (~120 s)
 
 
@@ -126,15 +135,6 @@ class SessionConfig:
     backoff: Callable[[], Iterator[float]] = field(default=backoff_delays)
 
 
-@dataclass(slots=True)
-class SessionCounters:
-    """What happened so far, for tests and status pages."""
-
-    connects: int = 0
-    registrations: int = 0
-    connection_losses: int = 0
-
-
 class Session:
     """Keeps one coordinator connection alive until ``stop`` is set, then drains and returns."""
 
@@ -147,6 +147,7 @@ class Session:
         build_heartbeat: HeartbeatBuilder,
         run_job: JobRunner,
         connect: ConnectFactory | None = None,
+        status: SessionStatus | None = None,
     ) -> None:
         self.config = config
         self._build_register = build_register
@@ -154,10 +155,15 @@ class Session:
         self._build_heartbeat = build_heartbeat
         self._run_job = run_job
         self._connect = connect or websocket_connect()
-        self.counters = SessionCounters()
+        self.status = status if status is not None else SessionStatus(config.url)
         self.recent = RecentRequestIds()  # finished request ids, across connections: replays are refused
         self.registered = asyncio.Event()  # set while a connection is registered (tests wait on it)
         self._capacity_changed = asyncio.Event()
+
+    @property
+    def counters(self) -> SessionStatus:
+        """The status's counters (``connects``, ``registrations``, ``connection_losses``)."""
+        return self.status
 
     def capacity_changed(self) -> None:
         """A model was loaded or unloaded: the next heartbeat goes out now, not at the next tick, so
@@ -168,10 +174,17 @@ class Session:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Connect, serve, reconnect with backoff; return after a drain once ``stop`` is set."""
+        try:
+            await self._run(stop)
+        finally:
+            self.status.stopped()
+
+    async def _run(self, stop: asyncio.Event) -> None:
         delays = self.config.backoff()
         attempt = 0
         while not stop.is_set():
             attempt += 1
+            self.status.connecting()
             log.info("coordinator_connecting", url=self.config.url, attempt=attempt)
             try:
                 transport = await _until_stopped(self._connect(self.config.url), stop)
@@ -183,17 +196,18 @@ class Session:
                     log.warning("coordinator_redirect_refused", status_code=exc.response.status_code)
                 else:
                     log.warning("coordinator_connect_failed", error_type=type(exc).__name__)
+                self.status.connect_failed(type(exc).__name__)
                 transport = None
             if transport is None and stop.is_set():
                 return
             if transport is not None:
-                self.counters.connects += 1
                 registered_for = await self._serve(transport, stop)
                 if stop.is_set():
                     return
                 if should_reset_backoff(registered_for, stable_after_s=self.config.stable_after_s):
                     delays, attempt = self.config.backoff(), 0
             delay = next(delays)
+            self.status.backing_off(delay)
             log.info("coordinator_reconnect_scheduled", delay_s=round(delay, 3))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), delay)
@@ -205,7 +219,7 @@ class Session:
         conn = _Connection(self, transport)
         registered_at = time.monotonic()
         conn.apply(conn.core.connection_made())
-        self.counters.registrations += 1
+        self.status.registered()
         self.registered.set()
         log.info("coordinator_registered")
         if self.config.dev_posture:
@@ -217,17 +231,21 @@ class Session:
             asyncio.create_task(conn.clock_watchdog(), name="session-clock"),
         }
         stopping = asyncio.create_task(stop.wait(), name="session-stop")
+        ended: set[asyncio.Task[None]] = set()
         try:
             done, _ = await asyncio.wait({*tasks, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            if stopping in done and not done & tasks:
+            ended = done & tasks
+            if stopping in done and not ended:
                 await conn.drain(tasks)
         finally:
             self.registered.clear()
             stopping.cancel()
+            code, reason, cause = (1000, DRAIN_CLOSE_REASON, CloseCause.DRAINED) if conn.drained \
+                else _how_it_ended(transport, {t.get_name() for t in ended})
             await conn.close(tasks)
+            self.status.connection_ended(code=code, reason=reason, cause=cause)
             if not conn.drained:
-                self.counters.connection_losses += 1
-                log.warning("coordinator_connection_lost", in_flight=len(conn.jobs))
+                log.warning("coordinator_connection_lost", in_flight=len(conn.jobs), cause=cause, code=code)
         return time.monotonic() - registered_at
 
 
@@ -264,6 +282,8 @@ class _Connection:
                         task.cancel()
                 case Log(level=level, event=event, fields=fields):
                     getattr(log, level.value)(event, **fields)
+                case Note(event=event):
+                    self.session.status.note(event)
 
     def send(self, text: str) -> None:
         if not self._closed:
@@ -314,6 +334,7 @@ class _Connection:
 
     def send_heartbeat(self, draining: bool) -> None:
         self.send(encode(self.session._build_heartbeat(draining)))
+        self.session.status.heartbeat_sent()
 
     async def _later_heartbeats(self) -> None:
         await asyncio.sleep(self.session.config.heartbeat_interval_s)
@@ -335,6 +356,7 @@ class _Connection:
     async def drain(self, tasks: set[asyncio.Task[None]]) -> None:
         """Refuse new work, let running jobs finish (bounded), flush, close with 1000."""
         self.apply(self.core.start_draining())
+        self.session.status.draining()
         for task in tasks:
             if task.get_name() == "session-heartbeat":
                 task.cancel()
@@ -359,7 +381,7 @@ class _Connection:
         with contextlib.suppress(TimeoutError, ConnectionClosed):
             await asyncio.wait_for(asyncio.shield(writer), FLUSH_TIMEOUT_S)
         with contextlib.suppress(ConnectionClosed, OSError):
-            await self.transport.close(1000, "provider shutting down")
+            await self.transport.close(1000, DRAIN_CLOSE_REASON)
         self.drained = True
         log.info("drained")
 
@@ -375,13 +397,31 @@ class _Connection:
         await asyncio.gather(*tasks, return_exceptions=True)
         if not self.drained:
             with contextlib.suppress(ConnectionClosed, OSError):
-                await self.transport.close(1000, "reconnecting")
+                await self.transport.close(1000, RECONNECT_CLOSE_REASON)
 
     async def _cancel_jobs(self) -> None:
         pending = list(self.jobs.values())
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _how_it_ended(transport: Transport, ended: set[str]) -> tuple[int | None, str, CloseCause]:
+    """Close code, reason and cause of a connection that ended without a drain. A task of ours that
+    returned (the stall or clock check) ended it; else the socket's closing handshake says who closed
+    it (websockets keeps both close frames), and no close frame at all is 1006."""
+    if "session-heartbeat" in ended:
+        return 1000, RECONNECT_CLOSE_REASON, CloseCause.STALL
+    if "session-clock" in ended:
+        return 1000, RECONNECT_CLOSE_REASON, CloseCause.CLOCK_JUMP
+    protocol = getattr(transport, "protocol", None)
+    received = getattr(protocol, "close_rcvd", None)
+    sent = getattr(protocol, "close_sent", None)
+    if received is not None and (sent is None or getattr(protocol, "close_rcvd_then_sent", True)):
+        return int(received.code), received.reason, CloseCause.CLOSED_BY_COORDINATOR
+    if sent is not None:
+        return int(sent.code), sent.reason, CloseCause.CLOSED_BY_PROVIDER
+    return ABNORMAL_CLOSURE, "", CloseCause.CONNECTION_LOST
 
 
 async def _wait_all(tasks: list[asyncio.Task[object]]) -> None:
@@ -418,7 +458,6 @@ __all__ = [
     "NoRedirectConnect",
     "Session",
     "SessionConfig",
-    "SessionCounters",
     "Transport",
     "websocket_connect",
 ]

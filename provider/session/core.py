@@ -12,7 +12,8 @@ touches a socket: the asyncio shell (``connection.py``) calls
   when the socket is gone;
 
 and carries out the returned actions in order: ``Send`` (put the frame on the connection's send
-queue), ``StartJob`` / ``CancelJob`` (start or cancel a job task), ``Log``.
+queue), ``StartJob`` / ``CancelJob`` (start or cancel a job task), ``Log``, ``Note`` (update the
+session status).
 
 What the core decides (protocol.md §4, §7.4, §15.5, §15.22):
 
@@ -28,6 +29,8 @@ What the core decides (protocol.md §4, §7.4, §15.5, §15.22):
 * ``attestation_challenge`` → ``Send(attestation_response)`` built by the injected answerer; an empty
   or over-long nonce (the size rule again) is logged and not answered.
 * ``runtime_status`` → logged, naming each mismatched component; we stay connected.
+* what the operator's status page shows (a challenge seen and answered, a ``runtime_status``
+  verdict, a request the core refused itself) → a ``Note`` carrying a ``status`` event.
 * unknown types, [N]-only types and undecodable frames → logged and ignored; the session goes on.
 
 States: CONNECTING → REGISTERED → DRAINING → CLOSED (any state → CLOSED on ``connection_lost``).
@@ -60,6 +63,7 @@ from protocol import (
 )
 from protocol.errors import Failure, inference_error_frame
 from provider.config import LogLevel
+from provider.session.status import ChallengeSeen, RequestRefused, RuntimeVerdict, SessionEvent
 from provider.telemetry import get_logger
 
 log = get_logger("provider.session")
@@ -110,7 +114,14 @@ class Log:
     fields: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
 
-Action = Send | StartJob | CancelJob | Log
+@dataclass(frozen=True, slots=True)
+class Note:
+    """Something the operator's status page shows (``provider.session.status``)."""
+
+    event: SessionEvent
+
+
+Action = Send | StartJob | CancelJob | Log | Note
 
 ChallengeAnswerer = Callable[[AttestationChallenge], AttestationResponse]
 
@@ -210,9 +221,11 @@ class SessionCore:
             case Cancel(request_id=request_id):
                 return self._on_cancel(request_id)
             case AttestationChallenge(nonce=""):
-                return [_log(LogLevel.WARNING, "challenge_ignored", reason="empty_nonce")]
+                return [_log(LogLevel.WARNING, "challenge_ignored", reason="empty_nonce"),
+                        Note(ChallengeSeen(answered=False))]
             case AttestationChallenge():
-                return [Send(self._answer(message)), _log(LogLevel.INFO, "challenge_answered")]
+                return [Send(self._answer(message)), _log(LogLevel.INFO, "challenge_answered"),
+                        Note(ChallengeSeen(answered=True))]
             case RuntimeStatus():
                 return self._on_runtime_status(message)
             case UnknownMessage(type=kind):
@@ -256,6 +269,7 @@ class SessionCore:
             return [
                 Send(inference_error_frame(rid, Failure.draining())),
                 _log(LogLevel.INFO, "request_rejected", request_id=rid, reason="draining"),
+                Note(RequestRefused(Failure.draining())),
             ]
         self._jobs.add(rid)
         return [StartJob(request)]
@@ -270,6 +284,7 @@ class SessionCore:
         return [
             Send(inference_error_frame(rid, Failure.invalid_request())),
             _log(LogLevel.WARNING, "request_rejected", request_id=rid, reason=reason),
+            Note(RequestRefused(Failure.invalid_request())),
         ]
 
     def _on_cancel(self, request_id: str) -> list[Action]:
@@ -280,13 +295,15 @@ class SessionCore:
         return [CancelJob(request_id), _log(LogLevel.INFO, "cancel_received", request_id=request_id)]
 
     def _on_runtime_status(self, status: RuntimeStatus) -> list[Action]:
+        verdict = Note(RuntimeVerdict(status.verified, tuple(m.component for m in status.mismatches)))
         if status.verified:
-            return [_log(LogLevel.INFO, "runtime_status", status="verified")]
+            return [_log(LogLevel.INFO, "runtime_status", status="verified"), verdict]
         if not status.mismatches:
-            return [_log(LogLevel.WARNING, "runtime_status", status="unverified")]
+            return [_log(LogLevel.WARNING, "runtime_status", status="unverified"), verdict]
         return [
-            _log(LogLevel.WARNING, "runtime_status", status="mismatch", kind=m.component)
-            for m in status.mismatches
+            *(_log(LogLevel.WARNING, "runtime_status", status="mismatch", kind=m.component)
+              for m in status.mismatches),
+            verdict,
         ]
 
 
@@ -296,6 +313,7 @@ __all__ = [
     "ChallengeAnswerer",
     "InvalidState",
     "Log",
+    "Note",
     "RecentRequestIds",
     "Send",
     "SessionCore",

@@ -98,8 +98,10 @@ def check_dev_posture(coordinator_url: str, dev_posture: bool) -> None:
     """Raise ``DevPostureRefused`` when ``dev_posture`` is on for a non-loopback coordinator."""
     if dev_posture and not is_loopback_url(coordinator_url):
         raise DevPostureRefused(
-            "dev_posture reports security states this host may not have; it is only allowed with a "
-            "coordinator on a loopback address (ws://127.0.0.1, ws://[::1] or ws://localhost)"
+            "dev_posture reports the posture a self-hosted coordinator requires (SIP, Secure Boot, every "
+            "privacy capability), which this host may not have; it is only allowed with a coordinator on a "
+            "loopback address (ws://127.0.0.1, ws://[::1] or ws://localhost). For any other coordinator "
+            "set dev_posture = false (and use a wss:// URL)"
         )
 
 

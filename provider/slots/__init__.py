@@ -45,6 +45,7 @@ API for the jobs / session code:
     await manager.ensure_loaded(model_id) -> LoadedModelInfo      # warm-up (register / load_model)
     await manager.unload(model_id) -> bool                        # idle models only
     await manager.reap_idle() -> list[str]; await manager.run_idle_reaper()   # idle_timeout
+    manager.keep_warm(model_id); manager.kept_warm                # preloaded: the reaper skips them
     manager.start_draining(); await manager.unload_all()          # shutdown
     manager.capacity() -> CapacityReport; manager.warm_models() -> list[str]
     manager.verdicts() -> list[tuple[ModelInfo, FitResult]]       # register / doctor

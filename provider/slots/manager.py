@@ -160,6 +160,7 @@ class ModelManager(VisionServing):
         self._room_lock = asyncio.Lock()
         self._draining = False
         self.last_unload: UnloadReport | None = None  # the most recent unload's figures
+        self._kept_warm: set[str] = set()  # preloaded: the idle reaper leaves them resident
         self.on_capacity_change: Callable[[], None] | None = None  # called on the loop after a publish/unload
 
     @classmethod
@@ -537,14 +538,23 @@ class ModelManager(VisionServing):
                 return False
             return await self._evict_if_idle(model_id, cause)
 
+    def keep_warm(self, model_id: str) -> None:
+        """Exempt a model from the idle reaper (a preloaded model). Memory pressure and the slot cap
+        can still evict it, as any idle model."""
+        self._kept_warm.add(model_id)
+
+    @property
+    def kept_warm(self) -> frozenset[str]:
+        return frozenset(self._kept_warm)
+
     async def reap_idle(self) -> list[str]:
-        """Unload every model idle for `idle_timeout_s` or more; returns their ids."""
+        """Unload every model idle for `idle_timeout_s` or more, except those kept warm; returns their ids."""
         self._prefix.relieve(pressure(self._probe.snapshot()).level)
         if self._idle_timeout_s is None:
             return []
         now = self._clock()
-        stale = [s.model_id for s in self._slots.values()
-                 if s.view(self._engine.stats(s.model_id)).idle and now - s.last_used >= self._idle_timeout_s]
+        stale = [s.model_id for s in self._slots.values() if s.model_id not in self._kept_warm
+                 and s.view(self._engine.stats(s.model_id)).idle and now - s.last_used >= self._idle_timeout_s]
         reaped = []
         async with self._room_lock:
             for model_id in stale:
