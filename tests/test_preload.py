@@ -1,0 +1,140 @@
+"""Issue 13, warm models: ``preload_models`` are loaded at start through the normal load gate (never past
+the cap; a refusal is logged with its reason and the start goes on), reported ``running`` from the first
+heartbeat, served without a load, and not unloaded by ``idle_timeout_mins``.
+
+A small machine is emulated with ``memory_limit_gb`` (6.25 GiB, reserve 0.5 GiB): the effective cap is
+4.25 GiB and a load needs its padded weights + 4 GiB, so the tiny and small models fit and the medium one
+(≈ 0.42 GiB padded) never does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from coordinator_double import Completed, FrameReceived, Registered
+from double_fixtures import consumer_for, coordinator_double, double_config  # noqa: F401
+
+from provider.agent import Agent
+from provider.config import Settings
+from provider.metrics import LoadResult
+from provider.runtime import Runtime
+from provider.slots import ModelState
+from provider.telemetry import capture_redacted_logs
+
+NO_EOS = frozenset({10**9})
+SMALL_MACHINE = {"memory_limit_gb": 6.25, "memory_reserve_gb": 0.5}
+
+
+def settings_for(tmp_path: Path, models: dict[str, Path], **overrides) -> Settings:
+    return Settings(**{
+        "coordinator_url": "ws://127.0.0.1:9/ws/provider", "dev_posture": True, "state_dir": tmp_path / "state",
+        "hf_cache_dir": tmp_path / "empty-hf-cache", "model_aliases": models, "heartbeat_interval_s": 0.5,
+        "local_enabled": False, "idle_timeout_mins": 0, "kv_ssd_budget_gb": 0, **SMALL_MACHINE, **overrides})
+
+
+def loads(metrics) -> float:
+    return metrics.model_loads_total.labels(result=LoadResult.LOADED.value)._value.get()
+
+
+async def test_preloads_that_cannot_load_are_refused_with_their_reason_and_the_rest_load(
+        tmp_path, tiny_model_path, small_model_path, medium_model_path):
+    models = {"tiny": tiny_model_path, "small": small_model_path, "medium": medium_model_path}
+    settings = settings_for(tmp_path, models, max_model_slots=1,
+                            preload_models=("medium", "ghost", "tiny", "small"))
+    with capture_redacted_logs() as logs:
+        runtime = await Runtime.start(settings)
+    try:
+        verdicts = {m.id: v for m, v in runtime.manager.verdicts()}
+        assert not verdicts["medium"].ever_fits and verdicts["small"].ever_fits  # the premise
+        assert runtime.preload_refused == {"medium": "too_large", "ghost": "unknown_model", "small": "slot_cap"}
+        assert runtime.manager.warm_models() == ["tiny"] and runtime.manager.kept_warm == {"tiny"}
+        refused = {e["model"]: e["reason"] for e in logs if e["event"] == "preload_refused"}
+        assert refused == runtime.preload_refused  # the log says which and why
+        status = runtime.status()
+        assert status["preload"] == {"requested": ["medium", "ghost", "tiny", "small"],
+                                     "refused": runtime.preload_refused}
+        assert [m["id"] for m in status["models"] if m["preloaded"]] == ["tiny"]
+    finally:
+        await runtime.aclose()
+
+
+async def test_a_preload_that_fits_only_by_evicting_an_earlier_one_is_refused(
+        tmp_path, small_model_path, medium_model_path, monkeypatch):
+    """The activation reserve is set so that medium loads on an otherwise empty machine with 10 MiB to
+    spare, so not beside small (≈ 49 MB resident): preloading small then medium would evict small."""
+    import memory
+    from memory import Probe
+    from provider.doctor import discover_models
+
+    settings = settings_for(tmp_path, {"small": small_model_path, "medium": medium_model_path},
+                            memory_limit_gb=7.25, preload_models=("small", "medium"))
+    weights = {m.id: m.weight_bytes for m in discover_models(settings).models}
+    policy = memory.resolve_settings({}, memory_reserve_gb=0.5, memory_limit_gb=7.25)
+    effective = memory.compute_figures(settings.memory_limit_bytes, policy).effective_cap_bytes
+    baseline = Probe(settings.memory_limit_gb).snapshot().mlx_active_bytes
+    activation = effective - memory.MIN_KV_BYTES - memory.padded_weight_bytes(weights["medium"]) - baseline - (10 << 20)
+    monkeypatch.setenv("DARKBLOOM_ACTIVATION_RESERVE_GB", repr(activation / (1 << 30)))
+    runtime = await Runtime.start(settings)
+    try:
+        assert runtime.preload_refused == {"medium": "needs_eviction"}
+        assert runtime.manager.warm_models() == ["small"]
+    finally:
+        await runtime.aclose()
+
+
+async def test_idle_timeout_unloads_other_models_but_not_a_preloaded_one(tmp_path, tiny_model_path,
+                                                                          small_model_path):
+    settings = settings_for(tmp_path, {"tiny": tiny_model_path, "small": small_model_path},
+                            idle_timeout_mins=1e-6, preload_models=("tiny",))
+    runtime = await Runtime.start(settings)
+    try:
+        await runtime.manager.ensure_loaded("small")
+        assert sorted(runtime.manager.warm_models()) == ["small", "tiny"]
+        assert await runtime.manager.reap_idle() == ["small"]  # idle past the timeout (60 µs): unloaded
+        assert runtime.manager.state("tiny") is ModelState.LOADED
+        assert await runtime.manager.reap_idle() == []
+        assert runtime.manager.warm_models() == ["tiny"]
+    finally:
+        await runtime.aclose()
+
+
+async def test_a_preloaded_model_is_running_from_the_first_heartbeat_and_serves_without_a_load(
+        coordinator_double, tmp_path, tiny_model_path, medium_model_path):
+    double = coordinator_double
+    settings = settings_for(tmp_path, {"tiny": tiny_model_path, "medium": medium_model_path},
+                            coordinator_url=double.ws_url, preload_models=("tiny", "medium"))
+    with capture_redacted_logs() as logs:
+        agent = await Agent.start(settings, harden=False, eos_token_ids={"tiny": NO_EOS, "medium": NO_EOS})
+    assert agent.runtime.preload_refused == {"medium": "too_large"}  # refused; the agent started anyway
+    assert any(e["event"] == "preload_refused" and e["reason"] == "too_large" for e in logs)
+    assert loads(agent.metrics) == 1  # tiny, before any connection
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop))
+    try:
+        registered = await double.wait_for(lambda e: isinstance(e, Registered), timeout=15)
+        assert registered.models == ("tiny",)
+        first = await double.wait_for(lambda e: isinstance(e, FrameReceived) and e.message.type == "heartbeat",
+                                      timeout=15)
+        beat = first.message
+        assert beat.warm_models == ("tiny",)
+        assert [(s.model, s.state) for s in beat.backend_capacity.slots] == [("tiny", "running")]
+        await double.wait_routable(model="tiny", timeout=15)
+        async with consumer_for(double) as client:
+            completion = await client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "warm"}], max_tokens=3)
+        assert completion.usage.completion_tokens == 3
+        await double.wait_for(lambda e: isinstance(e, Completed), timeout=10)
+        assert loads(agent.metrics) == 1  # served by the preloaded model: no load
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 30) == 0
+
+
+@pytest.mark.parametrize("value", ["", " tiny"])
+def test_preload_ids_are_validated(tmp_path, value):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError):
+        settings_for(tmp_path, {}, preload_models=(value,))
