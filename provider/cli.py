@@ -196,7 +196,7 @@ def cmd_models(args: argparse.Namespace, settings: Settings) -> int:
     from provider.models import DigestCache, weight_hash_sync
     from provider.models.hashing import CACHE_FILE
 
-    report = run_doctor(settings, check_coordinator_url=False)
+    report = run_doctor(settings, check_coordinator_url=False, explain_routing=False)
     hashes: dict[str, str] = {}
     if args.hash:
         cache = DigestCache.open(settings.state_dir / CACHE_FILE)  # the agent's: shared both ways

@@ -22,13 +22,21 @@ Problems (`Problem`) come in two severities. An ERROR makes `doctor` exit 1:
   (skipped with `--no-coordinator`);
 * ``memory_fatal``          projected utilization is at the FATAL watermark.
 
+* ``dev_posture_refused``   `dev_posture` with a coordinator that is not on loopback: the agent refuses
+  to start (dev_posture is for a self-hosted coordinator on this machine only).
+
 WARNINGs are printed but keep exit 0: ``model_skipped`` (a broken or partial model folder),
 ``unrecognised_env`` (a `DARKBLOOM_*` variable nothing reads), ``runtime_hash_unavailable``,
 ``setting_rejected`` / ``setting_clamped`` (a memory-policy variable that was not usable as given:
 the detail says what was given and what was used instead), ``ssd_tier_unavailable`` (the state
 directory cannot hold the KV SSD tier -- read-only, someone else's, a file in the way: the agent
 starts without it; subject: the OS error's name). That check creates `state_dir/kvcache` (0700) as
-the agent would, and writes and removes one probe file there.
+the agent would, and writes and removes one probe file there. From the routing section
+(`provider/doctor_routing.py`): ``coordinator_untrusted`` (a coordinator will route nothing here:
+the posture or privacy capabilities it requires are reported false -- always so on Linux without
+`dev_posture`; subject: the fields), ``memory_gate_blocks`` (the coordinator's free-memory gate
+refuses requests for a model, cold or always; subject: the model; detail: the fix, e.g. preload it),
+``not_in_catalog`` (the coordinator's catalog does not list the model: it is dropped at register).
 An invalid configuration never reaches this module: the CLI exits 78 with one line first.
 
 `report_json()` is a stable interface (keys are only ever added): ``cap`` holds every
@@ -36,7 +44,13 @@ An invalid configuration never reaches this module: the CLI exits 78 with one li
 ``runtime_hash``, ``models`` [{id, path, source, weight_bytes, quantization, context_length,
 kv_bytes_per_token, verdict, required_bytes, ever_fits}], ``skipped`` [{id, path, reason}],
 ``coordinator`` {url, checked, reachable, detail}, ``machine`` {...}, ``problems`` [{code, severity,
-subject, detail}], ``settings_adjusted`` [{variable, given, used, action, rule}], ``ok``.
+subject, detail}], ``settings_adjusted`` [{variable, given, used, action, rule}], ``ok``, and
+``routing`` (`doctor_routing.routing_json`: ``coordinator_sees`` {backend, runtime_hash, dev_posture,
+posture, privacy_capabilities, total_memory_gb, hardening_probed}, ``trusted``,
+``untrusted_reasons`` [{code, subject}], ``coordinator_must`` [text], ``catalog`` {url, checked,
+reachable, detail, models}, ``models`` [{id, verdict, fix, preloaded, size_source, size_bytes,
+kv_estimate_bytes, total_bytes, cold {required_bytes, free_bytes, passes}, warm {...}}]; null for
+`models`, which does not gather it).
 """
 
 from __future__ import annotations
@@ -69,6 +83,8 @@ from memory import (
 from kvcache.disk import KVCACHE_DIR, check_writable_dir, os_error_name
 from memory.probe import no_mlx_counters
 from provider.config import Settings, unrecognised_env
+from provider.doctor_routing import BLOCKING, RoutingReport, gather_routing, routing_json, routing_lines, untrusted_sentence
+from provider.hardening import Hardening
 from provider.models import Inventory, ModelInfo, Quantization, default_hf_cache, discover
 
 GIB = 1 << 30
@@ -103,6 +119,10 @@ class ProblemCode(StrEnum):
     SETTING_REJECTED = "setting_rejected"
     SETTING_CLAMPED = "setting_clamped"
     SSD_TIER_UNAVAILABLE = "ssd_tier_unavailable"
+    DEV_POSTURE_REFUSED = "dev_posture_refused"
+    COORDINATOR_UNTRUSTED = "coordinator_untrusted"
+    MEMORY_GATE_BLOCKS = "memory_gate_blocks"
+    NOT_IN_CATALOG = "not_in_catalog"
 
 
 _SEVERITY: dict[ProblemCode, Severity] = {
@@ -118,6 +138,10 @@ _SEVERITY: dict[ProblemCode, Severity] = {
     ProblemCode.SETTING_REJECTED: Severity.WARNING,
     ProblemCode.SETTING_CLAMPED: Severity.WARNING,
     ProblemCode.SSD_TIER_UNAVAILABLE: Severity.WARNING,
+    ProblemCode.DEV_POSTURE_REFUSED: Severity.ERROR,
+    ProblemCode.COORDINATOR_UNTRUSTED: Severity.WARNING,
+    ProblemCode.MEMORY_GATE_BLOCKS: Severity.WARNING,
+    ProblemCode.NOT_IN_CATALOG: Severity.WARNING,
 }
 
 _EXPLAIN: dict[ProblemCode, str] = {
@@ -133,6 +157,11 @@ _EXPLAIN: dict[ProblemCode, str] = {
     ProblemCode.SETTING_REJECTED: "value not usable, the default was used",
     ProblemCode.SETTING_CLAMPED: "value out of range, clamped",
     ProblemCode.SSD_TIER_UNAVAILABLE: "state directory not writable: the agent starts without the SSD tier",
+    ProblemCode.DEV_POSTURE_REFUSED: "dev_posture is only allowed with a coordinator on a loopback address: "
+                                     "the agent refuses to start",
+    ProblemCode.COORDINATOR_UNTRUSTED: "a coordinator will treat this machine as untrusted",
+    ProblemCode.MEMORY_GATE_BLOCKS: "the coordinator's free-memory gate refuses requests for this model",
+    ProblemCode.NOT_IN_CATALOG: "not in the coordinator's catalog: dropped at register",
 }
 
 
@@ -191,6 +220,7 @@ class DoctorReport:
     inventory: Inventory
     coordinator: CoordinatorCheck
     problems: tuple[Problem, ...]
+    routing: RoutingReport | None = None
 
     @property
     def ok(self) -> bool:
@@ -287,8 +317,12 @@ def run_doctor(
     timeout_s: float = DEFAULT_COORDINATOR_TIMEOUT_S,
     machine_gb: float | None = None,
     env: Mapping[str, str] | None = None,
+    explain_routing: bool = True,
+    hardening: Hardening | None = None,
 ) -> DoctorReport:
-    """Gather everything `doctor` shows. Blocking (file scans, one network check)."""
+    """Gather everything `doctor` shows. Blocking (file scans, the coordinator and catalog checks, the
+    hardening probe). `explain_routing=False` skips the routing section; `hardening` stands in for the
+    probe's result."""
     env = os.environ if env is None else env
     snapshot, hypothetical = machine_snapshot(settings, machine_gb=machine_gb)
     policy = policy_settings(settings, env)
@@ -306,7 +340,30 @@ def run_doctor(
     rhash = runtime_hash_of(settings)
     no_room = _no_room(settings, snapshot, policy, cap)
     problems = _problems(models, inventory, level, coordinator, rhash, env, policy, no_room) + _ssd_tier(settings)
-    return DoctorReport(snapshot, hypothetical, cap, policy, level, rhash, models, inventory, coordinator, problems)
+    routing = None
+    if explain_routing:
+        routing = gather_routing(settings, total_bytes=snapshot.physical_bytes,
+                                 models=[(r.model, r.fit) for r in models], runtime_hash=rhash,
+                                 check_catalog=check_coordinator_url, timeout_s=timeout_s, hardening=hardening)
+        problems += _routing_problems(routing)
+    return DoctorReport(snapshot, hypothetical, cap, policy, level, rhash, models, inventory, coordinator, problems,
+                        routing)
+
+
+def _routing_problems(routing: RoutingReport) -> tuple[Problem, ...]:
+    found: list[Problem] = []
+    if not routing.dev_posture_allowed:
+        found.append(Problem(ProblemCode.DEV_POSTURE_REFUSED, "dev_posture",
+                             "set dev_posture = false for this coordinator (and use a wss:// URL)"))
+    if not routing.trusted:
+        found.append(Problem(ProblemCode.COORDINATOR_UNTRUSTED, ", ".join(p.subject for p in routing.trust),
+                             untrusted_sentence(routing)))
+    for route in routing.models:
+        if route.gate.verdict in BLOCKING:
+            found.append(Problem(ProblemCode.MEMORY_GATE_BLOCKS, route.model_id, route.fix or ""))
+        elif route.gate.verdict == "not_in_catalog":
+            found.append(Problem(ProblemCode.NOT_IN_CATALOG, route.model_id, route.fix or ""))
+    return tuple(found)
 
 
 def _no_room(settings: Settings, snapshot: MemorySnapshot, policy: PolicySettings, cap: CapFigures) -> Problem | None:
@@ -410,6 +467,7 @@ def report_json(report: DoctorReport) -> dict[str, Any]:
                      for p in report.problems],
         "settings_adjusted": [{"variable": a.variable, "given": a.given, "used": a.used, "action": a.action.value,
                                "rule": a.rule} for a in report.policy.adjustments],
+        "routing": None if report.routing is None else routing_json(report.routing),
     }
 
 
@@ -481,6 +539,8 @@ def render_table(report: DoctorReport) -> str:
     reach = "not checked" if not c.checked else ("reachable" if c.reachable else f"UNREACHABLE ({c.detail.value}"
                                                   + (f", HTTP {c.http_status}" if c.http_status else "") + ")")
     out += ["", f"Coordinator  {c.url}  {reach}", ""]
+    if report.routing is not None:
+        out += routing_lines(report.routing) + [""]
     if report.problems:
         out.append("Problems")
         out += _table([(p.severity.value.upper(), p.code.value, p.subject or "-",

@@ -9,10 +9,8 @@ the host has no RDMA device (Linux: ``/sys/class/infiniband`` is empty; macOS: `
 absent or says disabled). ``hypervisor_active`` comes from ``kern.hv_vmm_present`` / the cpuinfo
 ``hypervisor`` flag.
 
-Hardening (``harden_process``): core dumps off (``RLIMIT_CORE`` 0/0), not dumpable on Linux
-(``prctl(PR_SET_DUMPABLE, 0)``, which also blocks ptrace attach by other users' and non-root
-processes) or ``ptrace(PT_DENY_ATTACH)`` on macOS, and the environment scrubbed of injection hooks
-and secrets (``LD_PRELOAD``, ``DYLD_*``, ``PYTHONSTARTUP``, anything named like a token/secret/key).
+Hardening (``harden_process``, re-exported from ``provider.hardening``): core dumps off, not
+dumpable / no debugger attach, the environment scrubbed of injection hooks and secrets.
 
 ``dev_posture``: a self-hosted development coordinator (protocol.md §13) only routes to providers that
 report SIP, Secure Boot and every privacy capability true. ``dev_posture = true`` reports exactly that;
@@ -21,37 +19,20 @@ it is refused unless the coordinator URL is a loopback address, and the session 
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import ipaddress
-import os
 import re
-import resource
 import subprocess
 import sys
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from protocol import PrivacyCapabilities
 from protocol.attest import SecurityPosture
+from provider.hardening import NO_HARDENING, SCRUBBED_NAMES, Hardening, harden_process, scrub_environment
 
-_PR_SET_DUMPABLE = 4
-_PR_GET_DUMPABLE = 3
-_PT_DENY_ATTACH = 31
 _COMMAND_TIMEOUT_S = 5.0
-
-# Removed from os.environ by harden_process: injection hooks, then anything that looks like a secret.
-SCRUBBED_NAMES = frozenset({
-    "LD_PRELOAD", "LD_AUDIT", "LD_LIBRARY_PATH", "DYLD_INSERT_LIBRARIES", "DYLD_LIBRARY_PATH",
-    "DYLD_FRAMEWORK_PATH", "DYLD_FALLBACK_LIBRARY_PATH", "PYTHONSTARTUP", "PYTHONINSPECT",
-    "PYTHONBREAKPOINT", "SSH_AUTH_SOCK",
-})
-_SECRET_WORDS = frozenset({"TOKEN", "TOKENS", "SECRET", "SECRETS", "PASSWORD", "PASSWD", "CREDENTIAL",
-                           "CREDENTIALS", "APIKEY"})
-_SECRET_PAIRS = ("API_KEY", "PRIVATE_KEY", "ACCESS_KEY", "SECRET_KEY")
-_SECRET_PREFIXES = ("AWS_", "DYLD_")
 
 Runner = Callable[[Sequence[str]], str | None]  # argv -> stdout, None when it cannot run
 
@@ -68,15 +49,6 @@ class HostPosture:
     hypervisor_active: bool
 
 
-@dataclass(frozen=True, slots=True)
-class Hardening:
-    core_dumps_disabled: bool
-    anti_debug_enabled: bool
-    env_scrubbed: bool
-    scrubbed_count: int = 0
-
-
-NO_HARDENING = Hardening(core_dumps_disabled=False, anti_debug_enabled=False, env_scrubbed=False)
 DEV_HOST_POSTURE = HostPosture(sip_enabled=True, secure_boot_enabled=True, rdma_disabled=True,
                                hypervisor_active=False)
 
@@ -165,70 +137,6 @@ def _cpuinfo_has_hypervisor(path: Path) -> bool:
     except OSError:
         return False
     return any(line.startswith("flags") and " hypervisor" in line for line in text.splitlines())
-
-
-# --- hardening our own process ---------------------------------------------------------------------------
-
-
-def harden_process(*, platform: str = sys.platform, environ: MutableMapping[str, str] | None = None) -> Hardening:
-    """Apply every hardening step we can and report each one that verifiably took effect."""
-    environ = os.environ if environ is None else environ
-    scrubbed = scrub_environment(environ)
-    return Hardening(
-        core_dumps_disabled=_disable_core_dumps(),
-        anti_debug_enabled=_deny_debuggers(platform),
-        env_scrubbed=not any(_is_sensitive(name) for name in environ),
-        scrubbed_count=scrubbed,
-    )
-
-
-def scrub_environment(environ: MutableMapping[str, str]) -> int:
-    """Remove injection hooks and secret-looking variables; returns how many were removed."""
-    names = [name for name in environ if _is_sensitive(name)]
-    for name in names:
-        del environ[name]
-    return len(names)
-
-
-def _is_sensitive(name: str) -> bool:
-    """Whole words only: HF_TOKEN and DARKBLOOM_AUTH_TOKEN go, TOKENIZERS_PARALLELISM stays."""
-    upper = name.upper()
-    return (name in SCRUBBED_NAMES or upper.startswith(_SECRET_PREFIXES)
-            or any(pair in upper for pair in _SECRET_PAIRS)
-            or not _SECRET_WORDS.isdisjoint(upper.split("_")))
-
-
-def _disable_core_dumps() -> bool:
-    try:
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        return resource.getrlimit(resource.RLIMIT_CORE) == (0, 0)
-    except (ValueError, OSError):
-        return False
-
-
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name, use_errno=True)
-    except OSError:
-        return None
-
-
-def _deny_debuggers(platform: str) -> bool:
-    libc = _libc()
-    if libc is None:
-        return False
-    if platform.startswith("linux"):
-        prctl = libc.prctl
-        prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-        prctl.restype = ctypes.c_int
-        return prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) == 0 and prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0) == 0
-    if platform == "darwin":
-        ptrace = libc.ptrace
-        ptrace.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-        ptrace.restype = ctypes.c_int
-        return ptrace(_PT_DENY_ATTACH, 0, None, 0) == 0
-    return False
 
 
 # --- what goes on the wire -------------------------------------------------------------------------------

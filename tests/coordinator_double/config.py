@@ -40,6 +40,9 @@ class DoubleConfig:
     # write timeouts ([A] provider.go, consumer.go cancelWriteTimeout)
     control_write_timeout: float = 5.0
     cancel_write_timeout: float = 2.0
+    # model catalog ([A] registry catalog; GET /v1/models/catalog): (id, size_gb) pairs. Empty, as with [A]'s
+    # memory store, filters nothing. Non-empty: register drops models it does not list.
+    catalog: tuple[tuple[str, float], ...] = ()
     # routing
     backend: str = "inprocess-mlx"
     require_secure_boot_present: bool = True  # §13: sip/rdma/secure_boot must be present in the answer

@@ -1,4 +1,5 @@
-"""The consumer HTTP API: ``POST /v1/chat/completions`` (streaming and not) and ``GET /v1/models``.
+"""The consumer HTTP API: ``POST /v1/chat/completions`` (streaming and not), ``GET /v1/models`` and the
+public ``GET /v1/models/catalog`` (``{"models": [{"id", "size_gb"}]}`` from ``DoubleConfig.catalog``).
 
 Status and headers are only decided once the request is committed, so reroutes stay invisible to the
 consumer. A streaming consumer gets each decrypted chunk verbatim followed by a blank line, then the
@@ -24,9 +25,15 @@ from .dispatch import CommittedRequest, ConsumerGone, ConsumerLeft, FailedReques
 from .pending import AcceptedItem, ChunkItem, CompleteItem, ErrorItem
 
 if TYPE_CHECKING:
+    from .config import DoubleConfig
     from .server import CoordinatorDouble
 
 JOB_HEADER = "X-Inference-Job-ID"
+CATALOG_PATH = "/v1/models/catalog"
+
+
+def catalog_document(config: DoubleConfig) -> dict[str, Any]:
+    return {"models": [{"id": model_id, "size_gb": size} for model_id, size in config.catalog]}
 CLIENT_CLOSED = 499
 
 
@@ -36,6 +43,10 @@ def build_app(double: CoordinatorDouble) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await _ChatCompletion(double, request).run()
+
+    @app.get(CATALOG_PATH)
+    async def catalog() -> JSONResponse:
+        return JSONResponse(catalog_document(double.config))
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -5,7 +5,9 @@ A provider is routable for text when it registered with the configured backend, 
 challenge within the freshness window, and is neither untrusted nor evicted. Among eligible providers for a
 model (advertised, slot not crashed/reloading, thermal not critical, in-flight below [A]'s concurrency cap),
 the double picks the fewest in flight, ties broken by registration order — [A] uses a cost model and a random
-tie-break; a deterministic order lets tests decide which provider is tried first.
+tie-break; a deterministic order lets tests decide which provider is tried first. With a model catalog
+(``DoubleConfig.catalog``) a provider's models that it does not list are dropped, as [A] Registry.Register does;
+[A]'s free-memory gate (``freeMemoryAdmits``, which reads the catalog sizes) is not modelled here.
 """
 
 from __future__ import annotations
@@ -76,9 +78,12 @@ class ProviderSession:
     pending: dict[str, PendingRequest] = field(default_factory=dict)
     closed: dict[str, RequestState] = field(default_factory=dict)
 
+    catalog: frozenset[str] = frozenset()  # [A] Registry.Register: with a catalog, unlisted models are dropped
+
     @property
     def models(self) -> tuple[str, ...]:
-        return tuple(m.id for m in self.register.models) if self.register else ()
+        ids = tuple(m.id for m in self.register.models) if self.register else ()
+        return tuple(i for i in ids if i in self.catalog) if self.catalog else ids
 
     @property
     def last_heartbeat(self) -> Heartbeat | None:
@@ -173,7 +178,8 @@ class Registry:
 
     def add(self, provider_id: str, ws: ServerConnection) -> ProviderSession:
         self._order += 1
-        session = ProviderSession(provider_id=provider_id, ws=ws, order=self._order)
+        session = ProviderSession(provider_id=provider_id, ws=ws, order=self._order,
+                                  catalog=frozenset(i for i, _ in self.config.catalog))
         self.sessions[provider_id] = session
         return session
 

@@ -10,6 +10,9 @@ Stricter than Go, on purpose: a provider frame missing a field that our ``protoc
 dropped as ``InvalidFrame(SCHEMA)`` (Go would read a zero value); [N]-only frame types are dropped as
 ``UNKNOWN_TYPE`` because [A] does not know them.
 
+The provider listener also answers the public ``GET /v1/models/catalog`` (the [A] coordinator serves the
+provider socket and its HTTP API on one port, so a provider derives the catalog URL from its own).
+
 Lifecycle: ``async with CoordinatorDouble(config) as double`` starts both listeners; ``kill()`` aborts every
 socket without a close handshake (providers and consumers), forgets all state but the event log;
 ``restart()`` starts again on the same ports.
@@ -52,7 +55,7 @@ from . import events as ev
 from .attestation import IMMEDIATELY_UNTRUSTED, Verdict, attested_p256_key, new_challenge, verify_challenge
 from .chat_wire import check_event, error_body
 from .config import DoubleConfig
-from .consumer_api import build_app
+from .consumer_api import CATALOG_PATH, build_app, catalog_document
 from .dispatch import ConsumerGone, FailedRequest
 from .hostile import HostileCase
 from .pending import PROVIDER_DISCONNECTED, AcceptedItem, ChunkItem, CompleteItem, ErrorItem, PendingRequest, RequestState
@@ -328,6 +331,10 @@ class CoordinatorDouble:
     # --- provider sockets ----------------------------------------------------------------------------------
 
     def _check_path(self, connection: ServerConnection, request: Request) -> Response | None:
+        if request.path == CATALOG_PATH:  # [A] serves /ws/provider and the HTTP API on one port
+            response = connection.respond(200, json.dumps(catalog_document(self.config)))
+            response.headers["Content-Type"] = "application/json"
+            return response
         if request.path != WS_PATH:
             return connection.respond(404, "not found\n")
         return None
