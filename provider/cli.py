@@ -292,7 +292,7 @@ def render_session(s: dict[str, Any], now: float) -> list[str]:
                  f"answered {ch.get('answered', 0)} (last {_ago(ch.get('last_answered_at'), now)})")
     rt = s.get("runtime_status", {})
     if rt.get("verified") is None:
-        lines.append("  runtime_status: none received on this connection")
+        lines.append("  runtime_status: none received on this connection (an [A] coordinator sends it only on a mismatch)")
     elif rt["verified"]:
         lines.append("  runtime_status: verified")
     else:

@@ -60,3 +60,19 @@ def test_the_example_configuration_names_only_real_commands():
     assert "login" not in commands
     named = set(re.findall(r"`darkbloom-provider ([a-z][a-z-]+)", example))
     assert named <= commands, named - commands
+
+
+def test_the_self_hosted_coordinator_section_names_what_exists():
+    """Issue 13: the section names real commands, settings, gate verdicts and status words."""
+    from provider.config import FIELDS
+    from provider.session.gates import GateVerdict
+
+    section = DEPLOY_README[DEPLOY_README.index("## Join a self-hosted coordinator"):]
+    commands = set(build_parser()._subparsers._group_actions[0].choices)
+    assert set(re.findall(r"`darkbloom-provider ([a-z][a-z-]+)", section)) <= commands
+    for setting in ("coordinator_url", "dev_posture", "model_aliases", "preload_models", "runtime_hash"):
+        assert f"`{setting}" in section and setting in FIELDS
+    named = set(re.findall(r"`(passes|blocked_cold|blocked|not_in_catalog|not_gated|passes_preloaded)`", section))
+    assert named and named <= {v.value for v in GateVerdict}
+    for env in ("EIGENINFERENCE_MIN_TRUST=none", "EIGENINFERENCE_KNOWN_RUNTIME_HASHES"):
+        assert env in section
