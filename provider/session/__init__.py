@@ -1,7 +1,7 @@
 """provider/session: the coordinator WebSocket — one connection, forever.
 
 * ``core``       ``SessionCore``: sans-I/O state machine (frame in → ``Send`` / ``StartJob`` / ``CancelJob`` /
-                 ``Log`` actions out), ``SessionState``
+                 ``Log`` / ``Note`` actions out), ``SessionState``
 * ``connection`` ``Session``: the asyncio shell (websockets client, send queue, keepalive, clock watchdog,
                  heartbeats, reconnect with backoff, drain), ``SessionConfig``, ``websocket_connect``
 * ``backoff``    pure reconnect policy: ``backoff_delays``, ``should_reset_backoff``, ``clock_jumped``,
@@ -11,6 +11,7 @@
 * ``identity``   key files under ``state_dir/identity`` (``load_or_create_keys``)
 * ``posture``    host posture, process hardening, ``dev_posture`` rules (``Posture``)
 * ``status``     ``SessionStatus``: what the link is doing, for ``/status`` and ``/metrics``
+* ``gates``      the [A] coordinator's routing rules (trust, catalog, free-memory gate), for ``doctor``
 """
 
 from provider.session.backoff import backoff_delays, clock_jumped, is_retryable, should_reset_backoff
@@ -40,19 +41,19 @@ __all__ = [
     "HostPosture",
     "InvalidState",
     "Keys",
+    "LinkState",
     "Log",
+    "Note",
     "Posture",
     "RegisterFrame",
+    "RequestTally",
     "Send",
     "Session",
     "SessionConfig",
     "SessionCore",
-    "LinkState",
-    "Note",
-    "RequestTally",
+    "SessionState",
     "SessionStatus",
     "SessionView",
-    "SessionState",
     "StartJob",
     "ThermalSampler",
     "advertised_models",
