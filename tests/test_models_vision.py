@@ -76,3 +76,14 @@ def test_soft_tokens_where_the_model_states_them(config, processors, expected) -
 ])
 def test_input_pixels(config, processors, expected) -> None:
     assert input_pixels(config, processors) == expected
+
+
+def test_a_vision_folder_without_the_vision_extra_is_skipped(tiny_vlm_path, tiny_model_path, monkeypatch) -> None:
+    import provider.models.discovery as discovery
+    from provider.models import SkipReason, discover
+
+    monkeypatch.setattr(discovery, "vision_runtime_available", lambda: False)
+    inventory = discover(hf_cache=None, aliases={"vlm": tiny_vlm_path, "text": tiny_model_path})
+    assert [m.id for m in inventory.models] == ["text"]  # never advertised: it could not load
+    (skipped,) = inventory.skipped
+    assert skipped.id == "vlm" and skipped.reason is SkipReason.NO_VISION_RUNTIME

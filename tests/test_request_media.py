@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import re
+import sys
 import tracemalloc
 from pathlib import Path
 
@@ -170,3 +171,10 @@ def test_text_only_parts_still_become_one_string() -> None:
 def test_other_parts_are_invalid(part) -> None:
     with pytest.raises(InvalidBody):
         parse_chat_body({"model": "m", "messages": [{"role": "user", "content": [part]}]})
+
+
+def test_without_the_vision_extra_an_image_is_unsupported_media(monkeypatch) -> None:
+    uri = data_uri(png_bytes(8, 8))
+    monkeypatch.setitem(sys.modules, "PIL", None)  # Pillow not installed
+    err = refused([uri])
+    assert err.failure.code is FailureCode.UNSUPPORTED_MEDIA and err.kind == "no_vision_runtime"

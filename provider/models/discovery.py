@@ -40,7 +40,7 @@ import structlog
 from provider.models import metadata
 from provider.models.kv import KvConfigError, KvLayout, kv_layout
 from provider.models.metadata import DType, MetadataError, MetadataProblem, Quantization
-from provider.models.vision import VisionInfo, vision_info
+from provider.models.vision import VisionInfo, vision_info, vision_runtime_available
 
 log = structlog.get_logger(__name__)
 
@@ -71,6 +71,7 @@ class SkipReason(enum.Enum):
     UNSAFE_LINK = "unsafe_link"  # a hub-cache symlink resolves outside the cache root
     DUPLICATE_ID = "duplicate_id"  # id already provided by a higher-precedence source
     UNREADABLE = "unreadable"  # an OS error (permissions, I/O) while reading
+    NO_VISION_RUNTIME = "no_vision_runtime"  # a vision model, but mlx-vlm (the `vision` extra) is not installed
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +246,10 @@ def _inspect(cand: _Candidate) -> ModelInfo:
 
     _check_tokenizer(directory)
 
+    vision = vision_info(directory, config, weight_files)
+    if vision is not None and not vision_runtime_available():
+        raise _Skip(SkipReason.NO_VISION_RUNTIME,
+                    "a vision model: install the vision extra (pip install 'darkbloom-provider[vision]')")
     weight_bytes = sum(p.stat().st_size for p in weight_files)
     dtype = metadata.activation_dtype(weight_files, config)
     return ModelInfo(
@@ -259,7 +264,7 @@ def _inspect(cand: _Candidate) -> ModelInfo:
         dtype=dtype,
         context_length=metadata.context_length(config),
         kv=kv_layout(config, dtype.nbytes),
-        vision=vision_info(directory, config, weight_files),
+        vision=vision,
     )
 
 

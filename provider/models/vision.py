@@ -26,6 +26,7 @@ total they are, read from the safetensors headers.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -128,6 +129,11 @@ def vision_weight_bytes(weight_files: Sequence[Path]) -> int:
     return total
 
 
+def vision_runtime_available() -> bool:
+    """mlx-vlm and Pillow (the `vision` extra) are installed, so a vision model can load and serve."""
+    return all(importlib.util.find_spec(name) is not None for name in ("mlx_vlm", "PIL"))
+
+
 def vision_info(directory: Path, config: Mapping[str, Any], weight_files: Sequence[Path]) -> VisionInfo | None:
     """VisionInfo for a VLM folder, None for a text-only model."""
     if not isinstance(config.get("vision_config"), Mapping):
@@ -140,5 +146,5 @@ def vision_info(directory: Path, config: Mapping[str, Any], weight_files: Sequen
                       input_pixels(config, processors))
 
 
-__all__ = ["PROCESSOR_FILES", "VisionInfo", "input_pixels", "soft_tokens_per_image", "vision_info",
+__all__ = ["PROCESSOR_FILES", "VisionInfo", "input_pixels", "vision_runtime_available", "soft_tokens_per_image", "vision_info",
            "vision_weight_bytes"]

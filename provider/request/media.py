@@ -111,7 +111,10 @@ def _payload_start(url: str, limits: MediaLimits) -> int:
 
 
 def _read_header(data: bytes, limits: MediaLimits) -> ImageHeader:
-    from PIL import Image, UnidentifiedImageError
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError:  # no `vision` extra: no model here can take an image anyway
+        raise MediaRefused(Failure.unsupported_media(), "no_vision_runtime") from None
 
     try:
         with warnings.catch_warnings():
