@@ -59,11 +59,11 @@ class DutyCycle:
 
     Each text step earns `seconds × share / (1 − share)`; a vision step may start while the credit
     is positive and spends its own duration. So over time vision work takes at most `share` of the
-    worker, whatever the length of one step. The credit is capped (no burst after a long quiet
-    spell) and reset when no text request is running.
+    worker, whatever the length of one step. The credit is capped and the worker resets it whenever
+    no text request is running or no vision work is waiting, so it never piles up into a burst.
     """
 
-    def __init__(self, share: float = VISION_SHARE, max_credit_s: float = 0.25) -> None:
+    def __init__(self, share: float = VISION_SHARE, max_credit_s: float = 0.05) -> None:
         if not 0 < share < 1:
             raise ValueError("share must be in (0, 1)")
         self._ratio = share / (1 - share)

@@ -492,6 +492,8 @@ class Worker:
 
     def _step_vision(self) -> None:
         text_running = bool(self._where)
+        if not any(v.has_pretoken for v in self._vision.values()):
+            self._duty.reset()  # credit is earned only while vision work waits: no burst when it arrives
         for vision in list(self._vision.values()):
             if not vision.runs:
                 continue
