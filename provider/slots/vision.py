@@ -173,6 +173,7 @@ class VisionServing:
         slot.pins += 1
         leases = VisionLeases(self._ledger, slot, request_id)
         handle: VisionServeSlot | None = None
+        decoding = False
         try:
             await self._ensure_loaded(slot)
             need = vision_need(self.figures, slot.info, prompt_tokens, max_tokens, images=plan.count,
@@ -181,6 +182,7 @@ class VisionServing:
             if refused is not None:
                 raise SlotRefused(refused.failure)
             await self._reserve_vision(slot, leases, need)
+            decoding = bool(plan.count)
             images = await decode_held(plan, leases) if plan.count else []
             handle = VisionServeSlot(self._engine, slot, leases, need, images)
             yield handle
@@ -189,9 +191,8 @@ class VisionServing:
                 handle._close()
             else:
                 leases.release_kv()
-                if not plan.count:
+                if not decoding:  # a started decode releases the media itself, once its thread is done
                     leases.release_media()
-                # with images, decode_held releases the media (now, or when its thread finishes)
             slot.pins -= 1
             if counted:
                 slot.vision_requests -= 1
