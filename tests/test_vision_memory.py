@@ -6,7 +6,8 @@ stands for until the vision encoder has run. Two processors: the tiny VLM's (64�
 same one resized to Gemma 3's 896² input (the processor alone; no weights needed).
 
 Measured with the kernel's own peak (`VmHWM`, reset through /proc/self/clear_refs) after returning
-freed heap to the OS (`malloc_trim`), so earlier allocations cannot hide the growth.
+freed heap to the OS (`malloc_trim`), so earlier allocations cannot hide the growth — in a process of
+its own (one spawned worker per processor), so no other test's threads can add to the figure.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ import ctypes
 import gc
 import io
 import json
+import multiprocessing
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -42,7 +46,7 @@ def processor(model_path: Path):
 
 
 @pytest.fixture(scope="module", params=[64, 896], ids=["input-64", "input-896"])
-def processor_dir(request, tiny_vlm_path, tmp_path_factory) -> tuple[Path, int]:
+def processor_dir(request, tiny_vlm_path, tmp_path_factory) -> Iterator[tuple[Path, int, Any]]:
     """The tiny VLM's processor files, its preprocessor resized to `param`² (weights not copied)."""
     side = request.param
     folder = tmp_path_factory.mktemp(f"processor-{side}")
@@ -54,7 +58,8 @@ def processor_dir(request, tiny_vlm_path, tmp_path_factory) -> tuple[Path, int]:
     (folder / "preprocessor_config.json").write_text(json.dumps(pre))
     info_pixels = input_pixels(json.loads((folder / "config.json").read_text()), [pre])
     assert info_pixels == side * side
-    return folder, info_pixels
+    with multiprocessing.get_context("spawn").Pool(1) as worker:  # a clean process: only our decode runs
+        yield folder, info_pixels, worker
 
 
 def rss_kib(field: str) -> int:
@@ -68,6 +73,20 @@ def encoded(width: int, height: int, kind: str) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="JPEG" if kind == "jpeg" else "PNG", **({"quality": 90} if kind == "jpeg" else {}))
     return buf.getvalue()
+
+
+def measure_peak(folder: str, images: list[tuple[int, int, str]]) -> int:
+    """In the worker process: encode the images, warm the processor, then the peak RSS growth (bytes)
+    of decoding them and making the pixel tensor."""
+    uris = [data_uri(encoded(w, h, kind), "image/jpeg" if kind == "jpeg" else "image/png") for w, h, kind in images]
+    decode_and_prepare(Path(folder), uris[:1])  # the processor's lazy state, outside the measurement
+    gc.collect()
+    mx.clear_cache()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")
+    before = rss_kib("VmRSS")
+    decode_and_prepare(Path(folder), uris)
+    return (rss_kib("VmHWM") - before) * 1024
 
 
 def decode_and_prepare(model_path: Path, uris: list[str]) -> None:
@@ -97,15 +116,7 @@ image = st.tuples(side, side, st.sampled_from(["png", "png-rgba", "jpeg"])).filt
 @given(st.lists(image, min_size=1, max_size=3).filter(
     lambda ims: sum(w * h for w, h, _ in ims) <= MAX_REQUEST_IMAGE_PIXELS))
 def test_projection_covers_the_measured_decode_peak(processor_dir, images) -> None:
-    folder, pixels = processor_dir
-    uris = [data_uri(encoded(w, h, kind), "image/jpeg" if kind == "jpeg" else "image/png") for w, h, kind in images]
+    folder, pixels, worker = processor_dir
     projected = projected_decode_bytes([(w, h) for w, h, _ in images], input_pixels=pixels)
-    decode_and_prepare(folder, uris[:1])  # warm the processor's lazy state outside the measurement
-    gc.collect()
-    mx.clear_cache()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")
-    before = rss_kib("VmRSS")
-    decode_and_prepare(folder, uris)
-    grew = (rss_kib("VmHWM") - before) * 1024
+    grew = worker.apply(measure_peak, (str(folder), images))
     assert grew <= projected, f"decode of {images} grew RSS by {grew} bytes, projected {projected}"
