@@ -1,0 +1,309 @@
+"""Extreme requests and request storms (issue 11): admission before any big allocation.
+
+Two rigs, both on real MLX with the suite's tiny models and a small machine emulated with
+`memory_limit_gb`:
+
+* `JobRig`: the agent's job path (`run_job`: decrypt → parse → count → admit → accept → serve) on
+  the shared `Runtime`, frames captured as the coordinator would receive them;
+* `serve --local` in a subprocess, so the process's own peak RSS (`VmHWM`) can be read.
+
+The machine of the issue: `memory_limit_gb = 3.5`, `memory_reserve_gb = 0.5`,
+`DARKBLOOM_ACTIVATION_RESERVE_GB = 0.25` → hard cap = effective cap = 1.5 GiB.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import statistics
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from nacl.public import Box, PrivateKey, PublicKey
+
+from memory import GiB, ReservationKind
+from protocol import EncryptedPayload, InferenceRequest
+from protocol.crypto import ProviderIdentity
+from provider.config import Settings
+from provider.jobs import JobContext, JobOutcome, run_job
+from provider.runtime import Runtime
+from test_local_server import start_server
+
+SMALL_MACHINE = {"memory_limit_gb": 3.5, "memory_reserve_gb": 0.5}
+SMALL_ENV = {"DARKBLOOM_ACTIVATION_RESERVE_GB": "0.25"}
+BIG_PROMPT_CHARS = 15 * 1024 * 1024
+NO_EOS = frozenset({10**9})
+STOP_SOON = ["e", "a", " ", "o"]  # random weights: one of these comes within a few tokens
+
+
+def big_text(chars: int = BIG_PROMPT_CHARS) -> str:
+    words = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor "
+    return (words * (chars // len(words) + 1))[:chars]
+
+
+# --- the job rig ---------------------------------------------------------------------------------------
+
+
+class JobRig:
+    """The coordinator path: sealed requests in, frames out, on the agent's shared Runtime."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.identity = ProviderIdentity.generate()
+        self.session = PrivateKey.generate()
+        self.box = Box(self.session, PublicKey(base64.b64decode(self.identity.public_key_b64)))
+        self.ctx = JobContext(identity=self.identity, manager=runtime.manager, counter=runtime.counter,
+                              stats=runtime.stats, metrics=runtime.metrics)
+        self.frames: list[tuple[float, dict]] = []
+        self.accepted = asyncio.Event()
+
+    def request(self, rid: str, body: dict) -> InferenceRequest:
+        sealed = base64.b64encode(self.box.encrypt(json.dumps(body).encode())).decode()
+        return InferenceRequest(request_id=rid, encrypted_body=EncryptedPayload(
+            ephemeral_public_key=base64.b64encode(bytes(self.session.public_key)).decode(), ciphertext=sealed))
+
+    def send(self, text: str) -> None:
+        frame = json.loads(text)
+        self.frames.append((time.monotonic(), frame))
+        if frame["type"] == "inference_accepted":
+            self.accepted.set()
+
+    async def run(self, request: InferenceRequest) -> JobOutcome:
+        return await run_job(request, self.ctx, self.send)
+
+    def of(self, rid: str) -> list[dict]:
+        return [f for _, f in self.frames if f.get("request_id") == rid]
+
+    def types(self, rid: str) -> list[str]:
+        return [f["type"] for f in self.of(rid)]
+
+    def request_kv_bytes(self) -> int:
+        return self.runtime.ledger.snapshot().bytes_by_kind[ReservationKind.REQUEST_KV]
+
+
+@pytest.fixture
+async def job_rig(tmp_path, monkeypatch) -> AsyncIterator:
+    rigs: list[Runtime] = []
+
+    async def make(models: dict[str, Path], env: dict[str, str] | None = None, **settings) -> JobRig:
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        (tmp_path / "hub").mkdir(exist_ok=True)
+        runtime = await Runtime.start(Settings(**{
+            "state_dir": tmp_path / f"state{len(rigs)}", "hf_cache_dir": tmp_path / "hub", "model_aliases": models,
+            "idle_timeout_mins": 0, "kv_ssd_budget_gb": 0, **settings}),
+            eos_token_ids=dict.fromkeys(models, NO_EOS) if settings.pop("no_eos", False) else None)
+        rigs.append(runtime)
+        return JobRig(runtime)
+
+    yield make
+    for runtime in rigs:
+        await runtime.aclose()
+        assert len(runtime.ledger) == 0, "every reservation must be released after shutdown"
+
+
+def chat(content: str, **extra) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": content}], "temperature": 0, **extra}
+
+
+# --- one big prompt ------------------------------------------------------------------------------------
+
+
+async def test_a_15_mib_prompt_is_refused_at_once_on_the_coordinator_path(job_rig, small_model_path):
+    rig = await job_rig({"m": small_model_path}, env=SMALL_ENV, **SMALL_MACHINE)
+    assert rig.runtime.ledger.figures.effective_cap_bytes == int(1.5 * GiB)
+    await rig.runtime.manager.ensure_loaded("m")
+    small = rig.request("warm", chat("hello", max_tokens=2))
+    assert await rig.run(small) is JobOutcome.COMPLETED
+    for n in range(3):
+        request = rig.request(f"big{n}", chat(big_text()))
+        started = time.monotonic()
+        assert await rig.run(request) is JobOutcome.REJECTED
+        took = time.monotonic() - started
+        (error,) = rig.of(f"big{n}")
+        assert error["type"] == "inference_error" and error["status_code"] == 400
+        assert error["error_reason"] == "request_exceeds_context"
+        # No tokenization: the size bound decides. A tokenizer needs seconds for 15 MiB.
+        assert took < 1.0, took
+        assert len(rig.runtime.ledger) == 0 or rig.request_kv_bytes() == 0
+
+
+def _vm_hwm_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def _reset_hwm(pid: int) -> None:
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # resets the peak RSS to the current RSS
+
+
+def test_big_prompts_keep_the_process_under_the_cap_and_answer_at_once(tmp_path, small_model_path, monkeypatch):
+    """The issue's case through `serve --local`: three 15 MiB prompts in a row, each refused fast with
+    400 request_exceeds_context, the process's peak RSS never above the effective cap (1.5 GiB), the
+    ledger empty afterwards."""
+    monkeypatch.setenv("DARKBLOOM_ACTIVATION_RESERVE_GB", "0.25")
+    server = start_server(tmp_path, small_model_path, "--memory-limit-gb", "3.5", "--memory-reserve-gb", "0.5")
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=120) as client:
+            ok = client.post("/v1/chat/completions", json={**chat("hello", max_tokens=2), "model": "demo/tiny"})
+            assert ok.status_code == 200
+            status = client.get("/status").json()
+            cap = status["cap"]["effective_cap_bytes"]
+            assert cap == int(1.5 * GiB)
+            _reset_hwm(server.proc.pid)
+            payload = json.dumps({**chat(big_text()), "model": "demo/tiny"})
+            took = []
+            for _ in range(3):
+                started = time.monotonic()
+                r = client.post("/v1/chat/completions", content=payload, headers={"content-type": "application/json"})
+                took.append(time.monotonic() - started)
+                assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+                assert r.json()["error"]["reason"] == "request_exceeds_context"
+            peak = _vm_hwm_bytes(server.proc.pid)
+            assert peak <= cap, f"peak RSS {peak / GiB:.2f} GiB above the cap"
+            assert max(took) < 1.0, took  # seconds of tokenizing before: now the size bound answers
+            ledger = client.get("/status").json()["ledger"]
+            assert sum(ledger["bytes_by_kind"].values()) - ledger["bytes_by_kind"]["prefix_cache"] == 0
+    finally:
+        server.stop()
+
+
+def _time_small(client: httpx.Client, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        started = time.monotonic()
+        with client.stream("POST", "/v1/chat/completions",
+                           json={**chat("a short question", max_tokens=1, stream=True), "model": "demo/tiny"}) as r:
+            assert r.status_code in (200, 503)
+            times.append(time.monotonic() - started)  # headers: accepted or refused
+            r.read()
+    return times
+
+
+def test_small_requests_are_not_delayed_by_a_big_prompt_in_flight(tmp_path, small_model_path):
+    """30 small requests alone, then 30 while 15 MiB prompts are sent back to back: each small one is
+    answered (headers) about as fast as alone. Before: up to 14 s behind the tokenizer."""
+    import threading
+
+    server = start_server(tmp_path, small_model_path)
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=120) as client:
+            _time_small(client, 5)  # warm: load, tokenizer, first compile
+            alone = _time_small(client, 30)
+            stop = threading.Event()
+            big_sent = [0]
+            payload = json.dumps({**chat(big_text()), "model": "demo/tiny"})
+
+            def flood() -> None:
+                with httpx.Client(base_url=server.base_url, timeout=120) as big:
+                    while not stop.is_set():
+                        big.post("/v1/chat/completions", content=payload, headers={"content-type": "application/json"})
+                        big_sent[0] += 1
+
+            flooder = threading.Thread(target=flood)
+            flooder.start()
+            try:
+                with_big = _time_small(client, 30)
+            finally:
+                stop.set()
+                flooder.join()
+        assert big_sent[0] >= 1
+        assert statistics.median(with_big) <= 3 * statistics.median(alone), (alone, with_big)
+        assert max(with_big) <= 10 * max(alone), (alone, with_big)
+    finally:
+        server.stop()
+
+
+# --- a cold model and a storm ----------------------------------------------------------------------------
+
+
+async def test_a_storm_on_a_cold_model_is_served_or_refused_before_the_accept(job_rig, small_model_path):
+    """50 concurrent max-context requests for a model that is not loaded, on the 1.5 GiB machine: the
+    KV room after the load holds about 37 of them. Every request either completes or is refused
+    before `inference_accepted`; none is accepted and then failed (before: 12 were)."""
+    rig = await job_rig({"m": small_model_path}, env=SMALL_ENV, **SMALL_MACHINE)
+    requests = [rig.request(f"r{i}", chat(f"question number {i}", stop=STOP_SOON)) for i in range(50)]
+    outcomes = await asyncio.gather(*(rig.run(r) for r in requests))
+    completed = [r.request_id for r, o in zip(requests, outcomes) if o is JobOutcome.COMPLETED]
+    refused = [r.request_id for r, o in zip(requests, outcomes) if o is JobOutcome.REJECTED]
+    assert len(completed) + len(refused) == 50, outcomes
+    assert completed and refused  # the machine holds some but not all
+    for rid in refused:
+        (frame,) = rig.of(rid)  # one error frame, no accept before it
+        assert frame["type"] == "inference_error" and frame["status_code"] == 503
+    for rid in completed:
+        assert rig.types(rid)[0] == "inference_accepted" and rig.types(rid)[-1] == "inference_complete"
+
+
+async def test_admission_never_exceeds_what_the_engine_runs_at_once(job_rig, tiny_model_path):
+    """More concurrent requests than the engine's batch: the ones admitted all run (tokens flow to each
+    while the others are refused at once); the heartbeat advertises the same number."""
+    rig = await job_rig({"m": tiny_model_path}, memory_limit_gb=8.0, memory_reserve_gb=0.5, no_eos=True)
+    manager = rig.runtime.manager
+    await manager.ensure_loaded("m")
+    batch = manager.max_concurrency("m")
+    assert batch >= 1
+    n = batch + 8
+    requests = [rig.request(f"s{i}", chat(f"storm {i}", max_tokens=40)) for i in range(n)]
+    tasks = [asyncio.create_task(rig.run(r)) for r in requests]
+    outcomes = await asyncio.gather(*tasks)
+    accepted = [r.request_id for r in requests if "inference_accepted" in rig.types(r.request_id)]
+    assert 0 < len(accepted) <= batch
+    assert all(o in (JobOutcome.COMPLETED, JobOutcome.REJECTED) for o in outcomes)
+    assert sum(o is JobOutcome.COMPLETED for o in outcomes) == len(accepted)
+    refused = [r.request_id for r in requests if r.request_id not in accepted]
+    assert all(rig.of(rid)[0]["status_code"] == 503 for rid in refused)
+    (slot,) = manager.capacity().slots
+    assert slot.max_concurrency <= batch
+
+
+async def test_a_mass_disconnect_frees_the_room_for_the_next_wave(job_rig, small_model_path):
+    """45 streams fill the KV room; all 45 are cancelled at once; 45 new ones arriving right away are
+    admitted as the first were (before: refused in full while the releases lagged the cancels)."""
+    rig = await job_rig({"m": small_model_path}, env=SMALL_ENV, no_eos=True, max_batch_size=48, **SMALL_MACHINE)
+    manager = rig.runtime.manager
+    await manager.ensure_loaded("m")
+    per_token = manager.info("m").kv.max_bytes_per_token
+    room = manager.capacity().available_bytes
+    tokens = (room // 45) // per_token // 256 * 256 - 256  # whole blocks, a little under room / 45
+    assert tokens >= 512
+
+    async def wave(tag: str) -> tuple[list[str], list[asyncio.Task]]:
+        requests = [rig.request(f"{tag}{i}", chat(f"{tag} {i}", max_tokens=tokens - 64)) for i in range(45)]
+        return [r.request_id for r in requests], [asyncio.create_task(rig.run(r)) for r in requests]
+
+    def streaming(rids: list[str]) -> bool:
+        return all("inference_response_chunk" in rig.types(rid) for rid in rids)
+
+    first, tasks = await wave("a")
+    await wait_until(lambda: streaming(first) or any(t.done() for t in tasks), timeout=120)
+    assert all(rig.types(rid)[0] == "inference_accepted" for rid in first)
+    assert rig.runtime.ledger.figures.available_bytes(rig.runtime.probe.snapshot(),
+                                                      rig.runtime.ledger.outstanding_bytes()) < room // 45
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    second, tasks = await wave("b")
+    await wait_until(lambda: all(rig.of(rid) for rid in second), timeout=60)
+    try:
+        assert [rid for rid in second if rig.types(rid)[0] != "inference_accepted"] == []
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def wait_until(condition, *, timeout: float) -> None:
+    """Wait for a condition the job rig only exposes as state (frames arrive on the loop)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        await asyncio.sleep(0.01)
