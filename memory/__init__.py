@@ -20,7 +20,7 @@ Modules (reference/memory-policy.md is the specification):
 No other package does cap arithmetic; it calls these.
 """
 
-from memory.fit import FitResult, FitVerdict, fit, free_for_load_bytes
+from memory.fit import FitResult, FitVerdict, after_eviction, fit, free_for_load_bytes
 from memory.media import (
     DEFAULT_SOFT_TOKENS_PER_IMAGE,
     MediaLimits,
@@ -86,6 +86,7 @@ __all__ = [
     "SettleResult",
     "VisionReservation",
     "VisionSpan",
+    "after_eviction",
     "compute_figures",
     "default_max_tokens",
     "figures",

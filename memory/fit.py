@@ -47,7 +47,8 @@ def _total(evictable_bytes: int | Iterable[int]) -> int:
     return saturate(sum(saturate(n) for n in evictable_bytes))
 
 
-def _after_eviction(snapshot: MemorySnapshot, evictable: int) -> MemorySnapshot:
+def after_eviction(snapshot: MemorySnapshot, evictable: int) -> MemorySnapshot:
+    """The snapshot as it will be once `evictable` resident bytes have left MLX and gone back to the OS."""
     if evictable == 0:
         return snapshot
     active = max(0, snapshot.mlx_active_bytes - evictable)
@@ -72,7 +73,7 @@ def fit(
     weights = padded_weight_bytes(weight_bytes_on_disk)
     required = figures.required_load_bytes(weights)
     room_now = figures.load_room_bytes(snapshot, outstanding_bytes)
-    room_after = figures.load_room_bytes(_after_eviction(snapshot, _total(evictable_bytes)), outstanding_bytes)
+    room_after = figures.load_room_bytes(after_eviction(snapshot, _total(evictable_bytes)), outstanding_bytes)
     if required <= room_now:
         verdict = FitVerdict.FITS_NOW
     elif required <= room_after:
@@ -94,5 +95,5 @@ def free_for_load_bytes(
 ) -> int:
     """The largest padded weight size loadable now, counting idle models as evictable
     (heartbeat `backend_capacity.free_for_load_gb`). A model fits iff its padded size ≤ this."""
-    room = figures.load_room_bytes(_after_eviction(snapshot, _total(evictable_bytes)), outstanding_bytes)
+    room = figures.load_room_bytes(after_eviction(snapshot, _total(evictable_bytes)), outstanding_bytes)
     return max(0, room - figures.load_headroom_bytes)

@@ -37,6 +37,7 @@ class ReservationKind(StrEnum):
     MEDIA = "media"  # decoded images/video held while a request is prepared
     PENDING_LOAD = "pending_load"  # a model load's allocation permit: weights_est + MIN_KV
     PREFIX_CACHE = "prefix_cache"  # RAM prefix-cache entries (kvcache/ram)
+    PROMPT = "prompt"  # a large request body's working memory while it is parsed and tokenized
 
 
 class RejectionReason(StrEnum):
@@ -119,20 +120,30 @@ class Ledger:
     # -- admitting ---------------------------------------------------------------------------
 
     def reserve(self, rid: str, kind: ReservationKind, nbytes: int, *,
-                snapshot: MemorySnapshot | None = None) -> Lease | Rejection:
-        """Atomically check `nbytes ≤ available` and insert. Never blocks beyond the lock."""
+                snapshot: MemorySnapshot | None = None, donor: str | None = None,
+                donated: int = 0) -> Lease | Rejection:
+        """Atomically check `nbytes ≤ available` and insert. Never blocks beyond the lock.
+
+        `donor`/`donated`: an outstanding reservation gives up to `donated` of its bytes to this
+        one in the same step (a loading model's claim turning its MIN_KV part into a request's KV);
+        nothing changes if the reservation is refused."""
         kind = ReservationKind(kind)
-        if nbytes < 0:
+        if nbytes < 0 or donated < 0:
             return Rejection(rid, kind, nbytes, RejectionReason.INVALID_SIZE, 0)
         with self._lock:
             snap = self._snapshot_for(snapshot)
-            available = self._figures.available_bytes(snap, self._total)
+            giver = self._entries.get(donor) if donor is not None else None
+            gift = min(donated, giver.nbytes) if giver is not None else 0
+            available = self._figures.available_bytes(snap, self._total - gift)
             if rid in self._entries:
                 return Rejection(rid, kind, nbytes, RejectionReason.DUPLICATE_ID, available)
             if kind is ReservationKind.REQUEST_KV and nbytes > self._figures.single_request_limit_bytes:
                 return Rejection(rid, kind, nbytes, RejectionReason.OVER_SINGLE_REQUEST_LIMIT, available)
             if nbytes > available:
                 return Rejection(rid, kind, nbytes, RejectionReason.INSUFFICIENT_MEMORY, available)
+            if giver is not None:
+                giver.nbytes -= gift
+                self._total -= gift
             self._entries[rid] = _Entry(kind, nbytes)
             self._total += nbytes
             return Lease(rid, kind, nbytes)
@@ -182,14 +193,15 @@ class Ledger:
             return self._figures.available_bytes(self._snapshot_for(snapshot), self._total)
 
     def load_is_serveable(self, snapshot: MemorySnapshot | None = None, *,
-                          pending_load_id: str | None = None) -> bool:
-        """Post-load guard: live headroom ≥ MIN_KV + outstanding reservations other than the
-        load's own claim (whose weights are now part of the snapshot's MLX usage)."""
+                          pending_load_id: str | None = None, kv_floor_bytes: int | None = None) -> bool:
+        """Post-load guard: live headroom ≥ the KV floor + outstanding reservations other than the
+        load's own claim (whose weights are now part of the snapshot's MLX usage). The floor is
+        MIN_KV, less what the model's own requests already reserved (`kv_floor_bytes`)."""
         with self._lock:
             snap = self._snapshot_for(snapshot)
             entry = self._entries.get(pending_load_id) if pending_load_id is not None else None
             others = self._total - (entry.nbytes if entry else 0)
-            return self._figures.load_is_serveable(snap, others)
+            return self._figures.load_is_serveable(snap, others, kv_floor_bytes=kv_floor_bytes)
 
     def bytes_of(self, rid: str) -> int | None:
         """Current bytes reserved under `rid`, None when it is not outstanding."""

@@ -297,9 +297,13 @@ class CapFigures:
         """What a load needs free: weights_est + load_headroom (saturating)."""
         return saturate(saturate(weights_estimate_bytes) + self.load_headroom_bytes)
 
-    def load_is_serveable(self, snapshot: MemorySnapshot, outstanding_bytes: int = 0) -> bool:
-        """Post-load guard (§5.5): measured live headroom ≥ MIN_KV + outstanding reservations."""
-        return self.live_headroom_bytes(snapshot) >= self.min_kv_bytes + saturate(outstanding_bytes)
+    def load_is_serveable(self, snapshot: MemorySnapshot, outstanding_bytes: int = 0, *,
+                          kv_floor_bytes: int | None = None) -> bool:
+        """Post-load guard (§5.5): measured live headroom ≥ MIN_KV + outstanding reservations.
+        `kv_floor_bytes` replaces MIN_KV when requests booked with the load already reserve part of
+        it (they are in `outstanding_bytes`): the floor is then what is left of MIN_KV."""
+        floor = self.min_kv_bytes if kv_floor_bytes is None else max(0, min(self.min_kv_bytes, kv_floor_bytes))
+        return self.live_headroom_bytes(snapshot) >= floor + saturate(outstanding_bytes)
 
     def request_kv(self, *, kv_bytes_per_token: int, prompt_tokens: int, context_length: int,
                    max_tokens: int | None = None) -> RequestKv:

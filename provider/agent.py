@@ -36,7 +36,8 @@ from provider import __version__
 from provider.config import ConfigError, Settings, load_settings
 from provider.engine import Engine
 from provider.hardware import available_gb, detect_hardware
-from provider.jobs import JobContext, PromptCounter, ServingStats, run_job
+from provider.jobs import JobContext, ServingStats, run_job
+from provider.request import PromptCounter
 from provider.metrics import Metrics
 from provider.local.server import StatusEndpoint
 from provider.models import Inventory
@@ -108,7 +109,7 @@ class Agent:
         rt.session = status  # /status and /metrics report the link
         metrics.watch_session(status.view)
         ctx = JobContext(identity=keys.encryption, manager=manager, counter=counter, stats=stats, metrics=metrics,
-                         requests=status.requests)
+                         requests=status.requests, intake=rt.intake)
 
         def make_register() -> RegisterFrame:
             snapshot = probe.snapshot()

@@ -176,6 +176,12 @@ class Settings(BaseModel):
     max_model_slots: int = Field(
         3, ge=1, description="Most models resident at once.", **_allowed("an integer >= 1"),
     )
+    max_batch_size: int = Field(
+        32, ge=1, le=1024,
+        description="Requests one model runs at once (the engine's decode batch); admission refuses more "
+                    "with a fast 503, and the heartbeat advertises at most this many.",
+        **_allowed("an integer from 1 to 1024"),
+    )
     idle_timeout_mins: float = Field(
         60.0, ge=0, description="Unload a model idle this long (minutes); 0 = never.",
         **_allowed("a number of minutes >= 0 (0 = never)"),
@@ -238,7 +244,7 @@ class Settings(BaseModel):
     )
 
     @field_validator(
-        "heartbeat_interval_s", "eviction_window_s", "memory_reserve_gb", "memory_limit_gb", "max_model_slots", "idle_timeout_mins",
+        "heartbeat_interval_s", "eviction_window_s", "memory_reserve_gb", "memory_limit_gb", "max_model_slots", "max_batch_size", "idle_timeout_mins",
         "load_wait_timeout_s", "settle_timeout_s", "drain_timeout_s", "kv_ssd_budget_gb", "local_port",
         "max_vision_requests",
         mode="before",

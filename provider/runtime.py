@@ -41,7 +41,9 @@ from memory import Ledger, Probe
 from provider.config import Settings
 from provider.doctor import ROOM_CAUSE_SETTING, discover_models, policy_settings, unlimited_physical_bytes
 from provider.engine import Engine
-from provider.jobs import PromptCounter, ServingStats
+from provider.jobs import ServingStats
+from provider.request import PromptCounter
+from provider.request.intake import Intake
 from provider.metrics import Metrics
 from provider.models import DigestCache, Inventory, weight_hash
 from provider.models.hashing import CACHE_FILE
@@ -137,6 +139,7 @@ class Runtime:
     manager: ModelManager
     weight_hashes: WeightHashes
     counter: PromptCounter
+    intake: Intake
     stats: ServingStats
     metrics: Metrics
     servable: tuple[str, ...]  # models that can ever load here (the ones advertised)
@@ -167,7 +170,7 @@ class Runtime:
         writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-ssd-write")
         prefix = await asyncio.to_thread(build_prefix_cache, settings, ledger, probe, writer)
         owns_engine = engine is None
-        engine = engine or Engine(prefix_cache=prefix.get)
+        engine = engine or Engine(prefix_cache=prefix.get, batch_size=settings.max_batch_size)
         digests = await asyncio.to_thread(DigestCache.open, settings.state_dir / WEIGHT_HASH_CACHE)
         hashes = WeightHashes({m.id: m.path for m in inventory.models}, progress=hash_progress, cache=digests)
         manager = ModelManager.from_settings(settings, engine, inventory, ledger, probe, metrics=metrics,
@@ -178,8 +181,9 @@ class Runtime:
         counter = PromptCounter({m.id: m.path for m in inventory.models},
                                 vision={m.id for m in inventory.models if m.is_vision})
         await counter.warm(servable)
+        intake = Intake(counter, ledger, manager)
         runtime = cls(settings, inventory, probe, ledger, prefix, engine, owns_engine, manager, hashes, counter,
-                      ServingStats(), metrics, servable, writer)
+                      intake, ServingStats(), metrics, servable, writer)
         await runtime.preload(settings.preload_models)
         return runtime
 
@@ -222,6 +226,7 @@ class Runtime:
         await self.manager.unload_all()
         if self.owns_engine:
             await self.engine.aclose()
+        self.counter.lane.close()
         await asyncio.to_thread(self._writer.shutdown, wait=True)
 
     # -- reporting ----------------------------------------------------------------------------

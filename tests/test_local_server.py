@@ -47,10 +47,11 @@ class Server:
         return code, self.log_path.read_text()
 
 
-def start_server(tmp: Path, model: Path, *flags: str) -> Server:
+def start_server(tmp: Path, model: Path, *flags: str, env_extra: dict[str, str] | None = None) -> Server:
     port = free_port()
     (tmp / "hub").mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DARKBLOOM_")}
+    env.update(env_extra or {})
     env.update(HOME=str(tmp), DARKBLOOM_LOG_FORMAT="json", DARKBLOOM_HF_CACHE_DIR=str(tmp / "hub"))
     log_path = tmp / f"server-{port}.log"
     with open(log_path, "wb") as log:
@@ -108,7 +109,7 @@ def test_models_health_and_status(server):
     status = httpx.get(server.base_url + "/status").json()
     assert status["mode"] == "local" and status["in_flight"] == 0
     assert [(m["id"], m["state"]) for m in status["models"]] in ([(MODEL, "loaded")], [(MODEL, "not_loaded")])
-    assert set(status["ledger"]["bytes_by_kind"]) == {"request_kv", "media", "pending_load", "prefix_cache"}
+    assert set(status["ledger"]["bytes_by_kind"]) == {"request_kv", "media", "pending_load", "prefix_cache", "prompt"}
     assert status["pressure"]["level"] in ("green", "yellow", "red", "fatal")
     assert status["cap"]["effective_cap_bytes"] > 0
     assert set(status["prefix_cache"]) >= {"hits", "partial_hits", "misses", "ram_bytes", "disk_bytes"}

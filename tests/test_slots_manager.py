@@ -277,7 +277,8 @@ async def test_two_requests_for_one_cold_model_share_one_load(rigs, small_model_
     first = asyncio.create_task(serve_once(m, "r1", "medium"))
     await at_claim.wait()
     assert m.state("medium") is ModelState.LOADING
-    assert "load:medium" in rig.ledger and len(rig.ledger) == 1  # the pending-load claim
+    # booked together at admission: the pending-load claim and r1's KV
+    assert "load:medium" in rig.ledger and "kv:r1" in rig.ledger and len(rig.ledger) == 2
     assert isinstance(m.admit("medium", PROMPT, 2), Admitted)  # loading → accept, it will wait
     assert m.capacity().slots[0].state.value == "reloading"
     second = asyncio.create_task(serve_once(m, "r2", "medium"))

@@ -54,7 +54,7 @@ from provider.engine.types import (
 )
 from provider.engine.vision import Trace
 from provider.engine.vlm import DEFAULT_PREFILL_STEP
-from provider.engine.worker import PrefixCacheLookup, Worker
+from provider.engine.worker import DEFAULT_BATCH_SIZE, PrefixCacheLookup, Worker
 
 
 def _wait_for_os_thread_exit(native_id: int | None, limit: float = 2.0) -> None:
@@ -142,15 +142,19 @@ class Engine:
     """Owns the MLX worker thread. Create it on the event loop that will consume its streams."""
 
     def __init__(self, *, thread_name: str = "mlx-engine", prefix_cache: PrefixCacheLookup | None = None,
-                 vision_prefill_step: int = DEFAULT_PREFILL_STEP, trace: Trace | None = None):
+                 vision_prefill_step: int = DEFAULT_PREFILL_STEP, trace: Trace | None = None,
+                 batch_size: int = DEFAULT_BATCH_SIZE):
         """`prefix_cache`: model id -> its `kvcache.ModelKvCache` (e.g. `KvCacheManager.get`); the
         worker reuses cached prompt prefixes on submit and stores them when a request ends.
         `vision_prefill_step`: prompt tokens per prefill step of a vision request (each step is
         interleaved with the text batch). `trace(model_id, request_id, phase)`: called on the
-        worker thread before every step (request_id None for a text batch step); for tests."""
+        worker thread before every step (request_id None for a text batch step); for tests.
+        `batch_size`: sequences one model decodes at once (mlx-lm's `completion_batch_size`)."""
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._worker = Worker(self._commands, prefix_cache=prefix_cache, vision_prefill_step=vision_prefill_step,
-                              trace=trace)
+                              trace=trace, batch_size=batch_size)
         self._streams: dict[str, RequestStream] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._worker.run, name=thread_name, daemon=True)
@@ -211,16 +215,24 @@ class Engine:
         self._commands.put(Submit(model_id, request, stream, on_released, on_media_released))
         return stream
 
-    def cancel(self, request_id: str) -> None:
-        """Stop a request: its stream ends with no further event. Unknown ids are ignored."""
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request: its stream ends with no further event. Unknown ids are ignored.
+        True when a cancel went to the worker (the request had not ended yet)."""
         stream = self._streams.pop(request_id, None)
         if stream is not None and stream._close_local():
             self._commands.put(Cancel(request_id))
+            return True
+        return False
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
     # -- observation -------------------------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        """How many requests one model runs at once; more wait in mlx-lm's queue without tokens."""
+        return self._worker.batch_size
 
     def stats(self, model_id: str) -> ModelStats | None:
         """Snapshot from the last step; cheap, never blocks."""

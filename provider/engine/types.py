@@ -64,13 +64,18 @@ class ChatRequest:
     For a vision model: `images` are the decoded RGB images (PIL), in the order of the messages'
     image markers, and `kv_tokens` is the KV span reserved for the request: the output is clamped
     so the processed prompt plus output never exceeds it.
-    """
+
+    `prompt_ids`: the templated prompt already tokenized by the caller (`provider.request`'s counter,
+    with the same tokenizer and template the model loads with), so the engine thread never spends a
+    step on tokenizing; None: the worker renders and tokenizes `messages` itself (always for a
+    vision request, whose processor places the image tokens)."""
 
     request_id: str
     messages: Sequence[Mapping[str, object]]
     params: SamplingParams
     images: tuple[Any, ...] = field(default=(), repr=False)
     kv_tokens: int | None = None
+    prompt_ids: Sequence[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -117,8 +117,15 @@ class _Slot:
     requests: dict[int, _Active] = field(default_factory=dict)  # by BatchGenerator uid
 
 
-def _new_generator(model, eos_token_ids: frozenset[int]) -> BatchGenerator:
-    return BatchGenerator(model, stop_tokens=[[t] for t in sorted(eos_token_ids)] or None)
+DEFAULT_BATCH_SIZE = 32  # mlx-lm's own BatchGenerator default (completion_batch_size)
+_PREFILL_BATCH = 8  # mlx-lm's prefill_batch_size default
+
+
+def _new_generator(model, eos_token_ids: frozenset[int], batch_size: int) -> BatchGenerator:
+    # completion_batch_size is how many sequences decode at once; admission never admits more
+    # concurrent requests per model than this, so no admitted request waits without tokens.
+    return BatchGenerator(model, stop_tokens=[[t] for t in sorted(eos_token_ids)] or None,
+                          completion_batch_size=batch_size, prefill_batch_size=min(_PREFILL_BATCH, batch_size))
 
 
 def _release_native_heap() -> None:
@@ -129,12 +136,14 @@ def _release_native_heap() -> None:
 
 class Worker:
     def __init__(self, commands: queue.SimpleQueue[Command], *, prefix_cache: PrefixCacheLookup | None = None,
-                 vision_prefill_step: int = DEFAULT_PREFILL_STEP, trace: Trace | None = None):
+                 vision_prefill_step: int = DEFAULT_PREFILL_STEP, trace: Trace | None = None,
+                 batch_size: int = DEFAULT_BATCH_SIZE):
         self._commands = commands
         self._prefix_cache = prefix_cache
         self._vision_prefill_step = vision_prefill_step
         self._trace = trace
         self._duty = DutyCycle()
+        self.batch_size = batch_size
         self._slots: dict[str, _Slot] = {}
         self._vision: dict[str, VisionSlot] = {}
         self._where: dict[str, tuple[_Slot, int]] = {}  # request_id -> (slot, uid)
@@ -165,12 +174,24 @@ class Worker:
             self._flush_outbox()
 
     def _drain_commands(self) -> None:
+        """Handle every queued command. Consecutive cancels are removed from their batches in one
+        `remove` per model: after a mass disconnect, one filter of the batch KV instead of one per
+        request (each copies the whole batch), so the ledger hears of every release within a step."""
+        cancels: list[str] = []
         while not self._stopped:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
+            if isinstance(command, Cancel):
+                cancels.append(command.request_id)
+                continue
+            if cancels:
+                self._cancel_many(cancels)
+                cancels = []
             self._handle(command)
+        if cancels:
+            self._cancel_many(cancels)
 
     def _handle(self, command: Command) -> None:
         match command:
@@ -253,7 +274,7 @@ class Worker:
             vocab_size=int(config.get("vocab_size") or len(tokenizer)),
             load_seconds=time.monotonic() - started,
         )
-        self._slots[cmd.model_id] = _Slot(info, model, tokenizer, _new_generator(model, eos))
+        self._slots[cmd.model_id] = _Slot(info, model, tokenizer, _new_generator(model, eos, self.batch_size))
         self.stats[cmd.model_id] = ModelStats(0, 0, 0)
         return info
 
@@ -353,7 +374,7 @@ class Worker:
             if request.images:  # a text model cannot take images
                 raise EngineError(EngineFailure.INVALID_REQUEST)
             slot = self._slot(cmd.model_id)
-            ids = self._prompt_ids(slot, request.messages)
+            ids = list(request.prompt_ids) if request.prompt_ids else self._prompt_ids(slot, request.messages)
             ctx = slot.info.context_length
             room = request.params.max_tokens if ctx is None else ctx - len(ids)
             if room < 1:
@@ -435,17 +456,25 @@ class Worker:
         return request_id in self._where or any(request_id in v.runs for v in self._vision.values())
 
     def _cancel(self, request_id: str) -> None:
+        self._cancel_many([request_id])
+
+    def _cancel_many(self, request_ids: Sequence[str]) -> None:
         # Unknown ids are normal: the request may have finished in the previous step.
-        found = self._where.get(request_id)
-        if found is None:
+        by_slot: dict[str, tuple[_Slot, list[int]]] = {}
+        for request_id in dict.fromkeys(request_ids):
+            found = self._where.get(request_id)
+            if found is not None:
+                slot, uid = found
+                by_slot.setdefault(slot.info.model_id, (slot, []))[1].append(uid)
+                continue
             for vision in self._vision.values():
                 if vision.cancel(request_id):
                     self.stats[vision.info.model_id] = vision.stats()
-                    return
-            return
-        slot, uid = found
-        slot.generator.remove([uid])
-        self._retire(slot, uid)
+                    break
+        for slot, uids in by_slot.values():
+            slot.generator.remove(uids)
+            for uid in uids:
+                self._retire(slot, uid)
 
     def _fail_all(self, slot: _Slot, code: EngineFailure) -> None:
         uids = list(slot.requests)
@@ -515,7 +544,7 @@ class Worker:
             log.exception("decode step failed", extra={"model_id": slot.info.model_id})
             self._fail_all(slot, EngineFailure.INTERNAL_ERROR)
             slot.generator.close()
-            slot.generator = _new_generator(slot.model, slot.info.eos_token_ids)
+            slot.generator = _new_generator(slot.model, slot.info.eos_token_ids, self.batch_size)
         self._publish_stats(slot)
 
     def _on_token(self, slot: _Slot, active: _Active, token: int, finish: str | None,

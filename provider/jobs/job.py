@@ -1,9 +1,16 @@
 """One ``inference_request``, end to end (protocol.md §7).
 
-    open encrypted_body ─▶ parse OpenAI body ─▶ count prompt ─▶ check images (headers only)
-      ─▶ fast admission ─▶ inference_accepted
-      ─▶ wait for the model + reserve KV (manager.serve) ─▶ stream: one sealed ``data:`` line per chunk
-      ─▶ inference_complete (exact usage; the coordinator then ends the consumer's stream with [DONE])
+    open encrypted_body ─▶ parse OpenAI body ─▶ size bound ─▶ count prompt ─▶ check images (headers only)
+      ─▶ admission + booking
+      ─▶ inference_accepted ─▶ wait for the model (manager.serve) ─▶ stream: one sealed ``data:``
+      line per chunk ─▶ inference_complete (exact usage; the coordinator then ends the consumer's
+      stream with [DONE])
+
+Before any big allocation (issue 11, `provider.request.intake`): a large body is opened, parsed and
+counted in the bulk lane with its working memory reserved, never on the loop; a prompt whose size
+alone proves it too long for the context (400) or for the room the ledger has (503) is refused
+before it is tokenized; admission books the request's KV (and a cold model's load) in the ledger
+in the same step as it decides, so what is accepted is what the memory can hold.
 
 Every frame goes out through ``_emit``, which steps the job's ``JobLifecycle`` first: a frame the
 transition table does not allow raises instead of being sent, so each request gets exactly one
@@ -45,10 +52,12 @@ from protocol.sse import ChunkFactory, CompletionUsage, FinishReason, data_line
 from provider.engine import ChatRequest, EngineError, EngineFailure, Failed, Finished, RequestStream, TextDelta
 from provider.jobs.lifecycle import JobEvent, JobLifecycle, JobState
 from provider.jobs.stats import ServingStats
-from provider.request.tokens import PromptCounter, PromptError, UnknownModel
 from provider.request.body import ChatBody, InvalidBody, parse_chat_body
+from provider.request.intake import Intake, Refusal, Ticket
 from provider.request.media import NO_MEDIA, MediaPlan, MediaRefused, inspect_images
-from provider.slots import Admission, Admitted, Refused
+from provider.request.tokens import PromptCounter
+from provider.slots import Refused
+from provider.slots.leases import Booking
 from provider.metrics import Metrics, RequestOutcome
 from provider.session.status import RequestTally
 from provider.telemetry import get_logger
@@ -73,11 +82,16 @@ class Slot(Protocol):
 
 
 class ModelManager(Protocol):
-    def admit(self, model_id: str, prompt_tokens: int, max_tokens: int | None = None, *,
-              media: MediaPlan | None = None) -> Admission: ...
+    def precheck(self, model_id: str, prompt_tokens: int, max_tokens: int | None = None) -> Failure | None: ...
+
+    async def book_when_released(self, request_id: str, model_id: str, prompt_tokens: int,
+                                 max_tokens: int | None = None, *,
+                                 media: MediaPlan | None = None) -> Booking | Refused: ...
+
+    def context_length(self, model_id: str) -> int | None: ...
 
     def serve(self, request_id: str, model_id: str, prompt_tokens: int, max_tokens: int | None = None, *,
-              media: MediaPlan | None = None) -> AbstractAsyncContextManager[Slot]: ...
+              booking: Booking | None = None) -> AbstractAsyncContextManager[Slot]: ...
 
 
 # --- engine failures in the protocol's vocabulary ------------------------------------------------------
@@ -123,14 +137,14 @@ class JobContext:
     requests: RequestTally | None = None  # the session status's tally (accepted, refused/failed by reason)
     clock: Callable[[], float] = time.time  # the chunks' `created`
     monotonic: Callable[[], float] = time.monotonic  # budgets and durations
+    intake: Intake | None = None  # default: on the counter and the manager's ledger
+
+    def __post_init__(self) -> None:
+        if self.intake is None:
+            self.intake = Intake(self.counter, self.manager.ledger, self.manager)
 
 
-class _Rejected(Exception):
-    """Internal: refuse before acceptance with this failure."""
-
-    def __init__(self, failure: Failure) -> None:
-        super().__init__(failure.code.value)
-        self.failure = failure
+_Rejected = Refusal  # internal shorthand: refuse before acceptance with this failure
 
 
 class _EncryptionFailed(Exception):
@@ -175,20 +189,28 @@ class Job:
 
     async def _run(self) -> JobOutcome:
         try:
-            box, body = self._open()
-            # The model string is the consumer's: it reaches the logs only once it names one of ours.
-            with bound_contextvars(**({"model": body.model} if self._ctx.counter.knows(body.model) else {})):
-                return await self._admit_and_serve(box, body)
-        except _Rejected as rejected:
+            sealed = self._request.encrypted_body
+            if sealed is None:
+                raise _Rejected(Failure.invalid_request())
+            intake = self._ctx.intake
+            assert intake is not None
+            async with intake.ticket(self.request_id, len(sealed.ciphertext)) as ticket:
+                box, body = await ticket.run(self._open, intake)
+                # The model string is the consumer's: it reaches the logs only once it names one of ours.
+                with bound_contextvars(**({"model": body.model} if self._ctx.counter.knows(body.model) else {})):
+                    prompt_ids, media = await self._count(ticket, body)
+            with bound_contextvars(model=body.model):
+                return await self._admit_and_serve(box, body, prompt_ids, media)
+        except Refusal as rejected:
             self._fail(rejected.failure)
             return JobOutcome.REJECTED
 
     # --- before the accept --------------------------------------------------------------------------
 
-    def _open(self) -> tuple[RequestBox, ChatBody]:
+    def _open(self, intake: Intake) -> tuple[RequestBox, ChatBody]:
+        """Decrypt and parse (on the loop for a small body, in the bulk lane for a large one)."""
         sealed = self._request.encrypted_body
-        if sealed is None:
-            raise _Rejected(Failure.invalid_request())
+        assert sealed is not None
         try:
             box, plaintext = self._ctx.identity.open_request(sealed)
         except CryptoError:
@@ -201,57 +223,66 @@ class Job:
         if isinstance(data, dict) and data.get("endpoint", CHAT_ENDPOINT) != CHAT_ENDPOINT:
             log.info("request_refused", reason="unsupported_endpoint")
             raise _Rejected(Failure.invalid_request())
+        intake.precheck(data)
         try:
             return box, parse_chat_body(data)
         except InvalidBody as exc:
             log.info("request_refused", reason="invalid_body", kind=exc.field)
             raise _Rejected(Failure.invalid_request()) from None
 
-    async def _admit_and_serve(self, box: RequestBox, body: ChatBody) -> JobOutcome:
+    async def _count(self, ticket: Ticket, body: ChatBody) -> tuple[list[int], MediaPlan]:
+        """The size bound first (no tokenizing a prompt that cannot be served), then the exact ids;
+        the images' headers (bounds before any decoding; on the loop or in the lane, by body size)."""
+        intake = self._ctx.intake
+        assert intake is not None
         try:
-            prompt_tokens = await self._ctx.counter.count(body.model, body.messages)
-        except UnknownModel:
-            raise _Rejected(Failure.model_unavailable()) from None
-        except PromptError:
-            raise _Rejected(Failure.invalid_request()) from None
-        media = NO_MEDIA
-        if body.images:  # bounds before allocation: headers only, nothing decoded
-            try:
-                media = await asyncio.to_thread(inspect_images, body.images)
-            except MediaRefused as refused:
-                log.info("request_refused", reason="media", kind=refused.kind)
-                raise _Rejected(refused.failure) from None
-        match self._ctx.manager.admit(body.model, prompt_tokens, body.max_tokens, media=media):
-            case Refused(failure=failure):
-                if self._ctx.metrics is not None:
-                    self._ctx.metrics.rejected(failure.rejection or failure.reason or failure.code)
-                raise _Rejected(failure)
-            case Admitted(kv=kv):
-                max_tokens = kv.max_tokens  # the request's own, or the model's default, clamped to context
-        if self._content_deadline is not None and self._ctx.monotonic() >= self._content_deadline:
-            raise _Rejected(Failure.deadline_unreachable())
-        self.lifecycle.step(JobEvent.ADMIT)
-        self._emit(JobEvent.ACCEPT, InferenceAccepted(request_id=self.request_id))
+            media = await ticket.run(_inspect, body.images) if body.images else NO_MEDIA
+            return await intake.prompt_ids(ticket, body), media
+        except Refusal as refusal:
+            self._count_rejection(refusal.failure)
+            raise
+
+    def _count_rejection(self, failure: Failure) -> None:
+        if self._ctx.metrics is not None:
+            self._ctx.metrics.rejected(failure.rejection or failure.reason or failure.code)
+
+    async def _admit_and_serve(self, box: RequestBox, body: ChatBody, prompt_ids: list[int],
+                               media: MediaPlan) -> JobOutcome:
+        booked = await self._ctx.manager.book_when_released(self.request_id, body.model, len(prompt_ids),
+                                                            body.max_tokens, media=media)
+        if isinstance(booked, Refused):
+            self._count_rejection(booked.failure)
+            raise _Rejected(booked.failure)
+        try:
+            if self._content_deadline is not None and self._ctx.monotonic() >= self._content_deadline:
+                raise _Rejected(Failure.deadline_unreachable())
+            self.lifecycle.step(JobEvent.ADMIT)
+            self._emit(JobEvent.ACCEPT, InferenceAccepted(request_id=self.request_id))
+        except BaseException:
+            booked.release()
+            raise
+        max_tokens = booked.kv.max_tokens  # the request's own, or the model's default, clamped to context
         self._ctx.stats.accepted(self.request_id, body.model)
         if self._ctx.requests is not None:
             self._ctx.requests.accept()
-        log.info("request_accepted", prompt_tokens=prompt_tokens, max_tokens=max_tokens)
+        log.info("request_accepted", prompt_tokens=len(prompt_ids), max_tokens=max_tokens)
         try:
-            return await self._serve(box, body, prompt_tokens, max_tokens, media)
+            return await self._serve(box, body, prompt_ids, booked)
         finally:
             self._ctx.stats.ended(self.request_id)
 
     # --- after the accept ---------------------------------------------------------------------------
 
-    async def _serve(self, box: RequestBox, body: ChatBody, prompt_tokens: int, max_tokens: int,
-                     media: MediaPlan) -> JobOutcome:
-        request = ChatRequest(self.request_id, body.messages, body.sampling(max_tokens))
+    async def _serve(self, box: RequestBox, body: ChatBody, prompt_ids: list[int], booking: Booking) -> JobOutcome:
+        # A vision model's processor places the image tokens itself: it gets the messages, not ids.
+        ids = prompt_ids if booking.reservation is not None else None
+        request = ChatRequest(self.request_id, body.messages, body.sampling(booking.kv.max_tokens), prompt_ids=ids)
         remaining = None if self._content_deadline is None else self._content_deadline - self._ctx.monotonic()
         try:
             # [N] first_content_budget_ms: no content by then → give up before any output (rerouted, neutral).
             async with asyncio.timeout(remaining) as self._deadline_guard:
-                async with self._ctx.manager.serve(self.request_id, body.model, prompt_tokens,
-                                                   body.max_tokens, media=media) as slot:
+                async with self._ctx.manager.serve(self.request_id, body.model, len(prompt_ids),
+                                                   body.max_tokens, booking=booking) as slot:
                     stream = slot.submit(request)
                     try:
                         return await self._stream(box, body, stream)
@@ -360,6 +391,15 @@ class Job:
         if self._ctx.metrics is not None:
             self._ctx.metrics.request_finished(RequestOutcome.CANCELLED)
         log.info("request_cancelled", phase="before_output" if before_output else "streaming")
+
+
+def _inspect(images: tuple[str, ...]) -> MediaPlan:
+    """The images' headers only (nothing decoded); a refusal names its kind, never the data."""
+    try:
+        return inspect_images(images)
+    except MediaRefused as refused:
+        log.info("request_refused", reason="media", kind=refused.kind)
+        raise Refusal(refused.failure) from None
 
 
 async def run_job(request: InferenceRequest, ctx: JobContext, send: Callable[[str], None]) -> JobOutcome:

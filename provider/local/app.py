@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any, Protocol
 
@@ -36,7 +36,7 @@ from protocol.sse import DONE
 from provider.engine import EngineFailure, Failed, Finished, RequestStream, TextDelta
 from provider.engine.openai import ChatChunks, chat_completion
 from provider.local.backend import Refused
-from provider.request.body import ChatBody, InvalidBody, parse_chat_body
+from provider.request.body import ChatBody, InvalidBody
 from provider.metrics import CONTENT_TYPE, CapFigure, Metrics, RequestOutcome
 from provider.telemetry import get_logger
 
@@ -50,7 +50,7 @@ class Backend(Protocol):
     def figures(self) -> CapFigures: ...
 
     def model_ids(self) -> list[str]: ...
-    def open(self, request_id: str, body: ChatBody) -> Any: ...  # async context manager -> RequestStream
+    def open(self, request_id: str, raw: bytes) -> Any: ...  # async context manager -> (ChatBody, RequestStream)
     def status(self) -> dict[str, Any]: ...
     def refresh_metrics(self) -> None: ...
 
@@ -168,22 +168,20 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         request_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        try:
-            body = parse_chat_body(json.loads(await request.body()))
-        except (InvalidBody, ValueError) as exc:  # json's errors are ValueErrors
-            invalid = exc if isinstance(exc, InvalidBody) else InvalidBody("body", "is not valid JSON")
-            log.info("request_invalid", request_id=request_id, reason=invalid.field)
-            metrics.request_finished(RequestOutcome.REJECTED)
-            return invalid_body_response(invalid)
+        raw = await request.body()
         if state.draining:
             return error_response(Failure.draining(), 5)
-        opened = backend.open(request_id, body)
+        opened = backend.open(request_id, raw)
         try:
-            stream: RequestStream = await opened.__aenter__()
+            body, stream = await opened.__aenter__()
+        except InvalidBody as exc:
+            log.info("request_invalid", request_id=request_id, reason=exc.field)
+            metrics.request_finished(RequestOutcome.REJECTED)
+            return invalid_body_response(exc)
         except Refused as refused:
             failure = refused.failure
-            log.info("request_refused", request_id=request_id, code=failure.code, reason=failure.reason,
-                     rejection_reason=failure.rejection, **_model_field(body.model, backend.model_ids()))
+            log.info("request_refused", request_id=request_id, code=failure.code,
+                     reason=failure.reason, rejection_reason=failure.rejection)
             if failure.rejection is not None:
                 metrics.rejected(failure.rejection)
             metrics.request_finished(RequestOutcome.REJECTED)
@@ -197,12 +195,6 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
             await opened.__aexit__(None, None, None)
 
     return app
-
-
-def _model_field(model: str, ours: Iterable[str]) -> dict[str, str]:
-    """``model`` for a log line only when it names one of our models: otherwise it is a string the client
-    chose (it may be anything, prompt text included), and it is left out, as the coordinator path does."""
-    return {"model": model} if model in ours else {}
 
 
 async def _complete(stream: RequestStream, request_id: str, body: ChatBody, metrics: Metrics) -> Response:

@@ -5,11 +5,12 @@ has the same admission and memory policy as the coordinator agent (issue 7).
 (a typed `protocol.errors.Failure`, nothing else) or yields the request's event stream. The steps
 are the job's (`provider.jobs.job`), minus the encryption:
 
-* count the prompt exactly with the runtime's `PromptCounter` (no model load needed);
+* read the body through the runtime's `Intake` (a large one in the bulk lane, its working memory
+  reserved), refuse by the size bound, count the prompt exactly (no model load needed);
 * check the images, if any: bounds before allocation (`provider.request.media`, headers only);
-* fast admission, `ModelManager.admit`: a refusal is the manager's `Failure`;
-* `async with manager.serve(...) as slot`: waits for (or does) the load, evicting idle models
-  and prefix-cache entries as the policy says, reserves the request's KV, pins the model;
+* admission books the request (`ModelManager.book_when_released`): its KV and, for a cold model,
+  the load's claim, in one step; a refusal is the manager's `Failure`;
+* `async with manager.serve(..., booking=...) as slot`: waits for the load, pins the model;
   `slot.submit(...)` starts it; leaving the block cancels it if it is still running.
 
 Every 503 carries `Retry-After` (a capacity refusal is transient: memory frees as requests finish).
@@ -17,7 +18,7 @@ Every 503 carries `Retry-After` (a capacity refusal is transient: memory frees a
 
 from __future__ import annotations
 
-import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -26,11 +27,11 @@ from memory import CapFigures
 from protocol.errors import Failure
 from provider.engine import ChatRequest, RequestStream
 from provider.request import PromptCounter
-from provider.request.tokens import PromptError, UnknownModel
-from provider.request.body import ChatBody
-from provider.request.media import NO_MEDIA, MediaRefused, inspect_images
+from provider.request.body import ChatBody, InvalidBody, parse_chat_body
+from provider.request.intake import Intake, Refusal
+from provider.request.media import NO_MEDIA, MediaPlan, MediaRefused, inspect_images
 from provider.runtime import Runtime
-from provider.slots import Admitted, Refused as AdmissionRefused, SlotRefused
+from provider.slots import Refused as AdmissionRefused, SlotRefused
 from provider.telemetry import get_logger
 
 log = get_logger(__name__)
@@ -70,36 +71,32 @@ class RuntimeBackend:
         return list(self.runtime.servable)
 
     @asynccontextmanager
-    async def open(self, request_id: str, body: ChatBody) -> AsyncIterator[RequestStream]:
+    async def open(self, request_id: str, raw: bytes) -> AsyncIterator[tuple[ChatBody, RequestStream]]:
+        """Parse `raw` (inline or in the bulk lane, by its size), count, book, wait for the model,
+        submit; yields the body and its event stream. Raises `InvalidBody` or `Refused`."""
         rt = self.runtime
         try:
-            prompt_tokens = await rt.counter.count(body.model, body.messages)
-        except UnknownModel:
-            raise Refused(Failure.model_unavailable()) from None
-        except PromptError:
-            raise Refused(Failure.template_render()) from None
-        media = NO_MEDIA
-        if body.images:  # bounds before allocation: headers only, nothing decoded
-            try:
-                media = await asyncio.to_thread(inspect_images, body.images)
-            except MediaRefused as refused:
-                log.info("request_refused", request_id=request_id, reason="media", kind=refused.kind)
-                raise Refused(refused.failure) from None
-        match rt.manager.admit(body.model, prompt_tokens, body.max_tokens, media=media):
-            case AdmissionRefused(failure=failure):
-                raise Refused(failure)
-            case Admitted(kv=kv):
-                max_tokens = kv.max_tokens
-        request = ChatRequest(request_id, body.messages, body.sampling(max_tokens))
+            async with rt.intake.ticket(request_id, len(raw)) as ticket:
+                body = await ticket.run(_parse, rt.intake, raw)
+                media = await ticket.run(_inspect, request_id, body.images) if body.images else NO_MEDIA
+                prompt_ids = await rt.intake.prompt_ids(ticket, body)
+        except Refusal as refusal:
+            raise Refused(refusal.failure) from None
+        booked = await rt.manager.book_when_released(request_id, body.model, len(prompt_ids), body.max_tokens,
+                                                     media=media)
+        if isinstance(booked, AdmissionRefused):
+            raise Refused(booked.failure)
+        ids = prompt_ids if booked.reservation is not None else None  # a VLM's processor places its images
+        request = ChatRequest(request_id, body.messages, body.sampling(booked.kv.max_tokens), prompt_ids=ids)
         rt.stats.accepted(request_id, body.model)
         try:
-            async with rt.manager.serve(request_id, body.model, prompt_tokens, body.max_tokens,
-                                        media=media) as slot:
+            async with rt.manager.serve(request_id, body.model, len(prompt_ids), body.max_tokens,
+                                        booking=booked) as slot:
                 stream = slot.submit(request)
-                rt.metrics.add_tokens(prompt=prompt_tokens)
+                rt.metrics.add_tokens(prompt=len(prompt_ids))
                 try:
                     with rt.metrics.in_flight():
-                        yield stream
+                        yield body, stream
                 finally:
                     await stream.aclose()  # no-op after a terminal event; a cancel otherwise
         except (SlotRefused, MediaRefused) as exc:  # MediaRefused: an image that would not decode
@@ -112,3 +109,22 @@ class RuntimeBackend:
 
     def refresh_metrics(self) -> None:
         self.runtime.refresh_metrics()
+
+
+def _parse(intake: Intake, raw: bytes) -> ChatBody:
+    """JSON, the message-count precheck, then the one validator (`InvalidBody` names the field)."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise InvalidBody("body", "is not valid JSON") from None
+    intake.precheck(data)
+    return parse_chat_body(data)
+
+
+def _inspect(request_id: str, images: tuple[str, ...]) -> MediaPlan:
+    """The images' headers only (nothing decoded); a refusal names its kind, never the data."""
+    try:
+        return inspect_images(images)
+    except MediaRefused as refused:
+        log.info("request_refused", request_id=request_id, reason="media", kind=refused.kind)
+        raise Refusal(refused.failure) from None

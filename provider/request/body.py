@@ -166,6 +166,7 @@ class ChatBody:
     seed: int | None
     stop: tuple[str, ...]
     images: tuple[str, ...] = ()  # image URLs in order of appearance (never logged)
+    chars: int = 0  # characters of message text: what the size bound of provider.request.bounds reads
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
@@ -202,6 +203,7 @@ def parse_chat_body(data: Any) -> ChatBody:
         raise InvalidBody("stop", _FIELD_RULES["stop"])
     images: list[str] = []
     messages = tuple({"role": m.role, "content": _content(m.content, images)} for m in body.messages)
+    chars = sum(len(m["content"]) for m in messages if isinstance(m["content"], str))
     return ChatBody(
         model=body.model,
         messages=messages,
@@ -213,4 +215,5 @@ def parse_chat_body(data: Any) -> ChatBody:
         seed=body.seed,
         stop=tuple(stop[:4]),
         images=tuple(images),
+        chars=chars,
     )

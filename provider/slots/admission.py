@@ -36,11 +36,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from memory import MIN_KV_BYTES, CapFigures, FitResult, MemorySnapshot, default_max_tokens, fit, pressure
+from memory import (
+    MIN_KV_BYTES,
+    CapFigures,
+    FitResult,
+    MemorySnapshot,
+    default_max_tokens,
+    fit,
+    padded_weight_bytes,
+    pressure,
+)
 from memory.media import DEFAULT_MAX_VISION_REQUESTS, VisionSpan, vision_reservation, vision_span
 from protocol.errors import ErrorReason, Failure, FailureCode, RejectionReason
 from provider.models import ALLOC_STEP, ModelInfo, kv_bytes_for_tokens
-from provider.slots.batchkv import join_share
+from provider.slots.batchkv import EMPTY, join_share
 from provider.slots.state import ModelState, SlotView
 
 _NO_CONTEXT_OUTPUT = default_max_tokens(2**62)  # the 8192 default when the config names no context
@@ -85,6 +94,7 @@ class ManagerView:
     prefix_cache_bytes: int = 0  # the part held by the RAM prefix cache, evicted before a refusal
     max_vision_requests: int = DEFAULT_MAX_VISION_REQUESTS  # requests with images per model
     vision_requests: Mapping[str, int] = field(default_factory=dict)  # in serve() now, any state
+    batch_size: int = 2**31  # requests one model runs at once (the engine's decode batch)
 
     @property
     def firm_outstanding_bytes(self) -> int:
@@ -98,8 +108,10 @@ class Admitted:
     model_id: str
     kv: KvNeed
     cold: bool  # the model is not resident: a load (and maybe evictions) comes first
-    evict: tuple[str, ...] = ()  # idle models the plan would evict, LRU first (advisory)
-    vision: VisionNeed | None = None  # a request to a vision model: `kv` is its span's KV
+    evict: tuple[str, ...] = ()  # idle models to evict first, LRU first
+    share: int = 0  # the request's ledger reservation: its share of the model's batch KV
+    claim_bytes: int = 0  # > 0: the model is not loaded; its load's claim, booked with the request
+    vision: VisionNeed | None = None  # a request to a vision model: `kv` is its span's KV (reserved in serve)
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,7 +310,26 @@ def decide(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, *, 
            info: ModelInfo | None, prompt_tokens: int, max_tokens: int | None, images: int = 0,
            media_bytes: int = 0) -> Admission:
     """Accept or refuse one request, per memory-policy.md §7. Pure: same inputs, same answer.
-    `images` / `media_bytes`: the request's image count and projected decode bytes."""
+
+    What an `Admitted` says is exactly what `ModelManager.book` then reserves in the ledger, in the
+    same step: the request's share of its model's batch KV (`share`) and, for a model that is not
+    resident, the load's claim (`claim_bytes`). Everything already booked — requests waiting for a
+    load included — is in `view` (their reservations, the loading model's claim), so a storm on a
+    cold model is refused here, before the accept, once the room is spoken for.
+
+    * at most `view.batch_size` requests per model (the engine's decode batch): a request beyond
+      it would be accepted and then wait without tokens (503 queue_full);
+    * resident (or loading, claim held): the share must fit what is available — for a loading
+      model, the part of its claim kept for KV (`SlotView.claim_kv_bytes`, MIN_KV less what its
+      requests already reserved) becomes this request's first, so the two are not counted twice;
+    * not resident: the load must fit with `max(MIN_KV, share)` of KV beside the weights (evicting
+      idle models, LRU first, if needed); the claim is then `weights_est + MIN_KV − min(share, MIN_KV)`;
+    * a model being unloaded right now is refused (503 slot_state): another provider serves it
+      sooner than this one reloads it.
+
+    `images` / `media_bytes`: the request's image count and projected decode bytes; a vision model's
+    requests are decided by `_decide_vision` (their KV and media are reserved when served).
+    """
     if view.draining:
         return Refused(Failure.draining())
     if info is None:
@@ -317,26 +348,31 @@ def decide(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, *, 
 
     slot = view.slots.get(model_id)
     state = slot.state if slot is not None else ModelState.NOT_LOADED
-    if state is ModelState.LOADING:
-        return Admitted(model_id, kv, cold=True)  # it waits for the load in progress
-    if state is ModelState.LOADED:
+    batch = slot.kv if slot is not None else EMPTY
+    if batch.members >= view.batch_size:
+        return Refused(Failure.capacity(RejectionReason.SLOT_STATE, reason=ErrorReason.QUEUE_FULL))
+    share = join_share(info.kv, kv.tokens, kv.nbytes, batch)  # the batch's padding, as reserved
+    if share > figures.single_request_limit_bytes:  # the ledger would refuse it: in-flight holds it
+        return kv_refusal(view, figures, snapshot, info, kv)
+    if state is ModelState.UNLOADING:
+        return Refused(Failure.capacity(RejectionReason.SLOT_STATE))
+
+    if state in (ModelState.LOADED, ModelState.LOADING):
         assert slot is not None
-        share = join_share(info.kv, kv.tokens, kv.nbytes, slot.kv)  # the batch's padding, as reserved
-        if share > figures.single_request_limit_bytes:  # the ledger would refuse it: in-flight holds it
-            return kv_refusal(view, figures, snapshot, info, kv)
-        if share <= figures.available_bytes(snapshot, view.firm_outstanding_bytes):
-            return Admitted(model_id, kv, cold=False)
-        plan = plan_kv(view, figures, snapshot, target=model_id, kv_bytes=share)
+        need = max(0, share - slot.claim_kv_bytes)
+        if need <= figures.available_bytes(snapshot, view.firm_outstanding_bytes):
+            return Admitted(model_id, kv, cold=state is ModelState.LOADING, share=share)
+        plan = plan_kv(view, figures, snapshot, target=model_id, kv_bytes=need)
         if plan is not None:
-            return Admitted(model_id, kv, cold=False, evict=plan.victims)
+            return Admitted(model_id, kv, cold=state is ModelState.LOADING, evict=plan.victims, share=share)
         return kv_refusal(view, figures, snapshot, info, kv)
 
-    # Cold (or unloading, so cold soon): the load's MIN_KV covers the first GiB of this request's KV.
     room = plan_room(view, figures, snapshot, target=model_id, weight_bytes_on_disk=info.weight_bytes,
-                     extra_kv_bytes=max(0, kv.nbytes - MIN_KV_BYTES))
+                     extra_kv_bytes=max(0, share - MIN_KV_BYTES))
     if isinstance(room, Refused):
         return room
-    return Admitted(model_id, kv, cold=True, evict=room.victims)
+    claim = padded_weight_bytes(info.weight_bytes) + MIN_KV_BYTES - min(share, MIN_KV_BYTES)
+    return Admitted(model_id, kv, cold=True, evict=room.victims, share=share, claim_bytes=claim)
 
 
 def _decide_vision(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, model_id: str,

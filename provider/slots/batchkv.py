@@ -106,17 +106,35 @@ class KvBook:
             return bool(self._holds)
 
     def reserve(self, ledger: Ledger, layout: KvLayout, request_id: str, ledger_id: str, tokens: int,
-                max_tokens: int, own_bytes: int, *, snapshot: MemorySnapshot | None = None
-                ) -> tuple[Lease | Rejection, int]:
-        """Reserve the request's share of the batch; returns the ledger's answer and the share."""
+                max_tokens: int, own_bytes: int, *, snapshot: MemorySnapshot | None = None,
+                donor: str | None = None, donated: int = 0) -> tuple[Lease | Rejection, int]:
+        """Reserve the request's share of the batch; returns the ledger's answer and the share.
+        `donor`/`donated` as in `Ledger.reserve` (a loading model's claim giving its KV part)."""
         with self._lock:
             share = join_share(layout, tokens, own_bytes, BatchKv(len(self._holds), self._high, self._reserved))
-            result = ledger.reserve(ledger_id, ReservationKind.REQUEST_KV, share, snapshot=snapshot)
+            result = ledger.reserve(ledger_id, ReservationKind.REQUEST_KV, share, snapshot=snapshot,
+                                    donor=donor, donated=min(donated, share))
             if not isinstance(result, Rejection):
                 self._holds[request_id] = (ledger_id, KvHold(tokens, max_tokens, share))
                 self._high = max(self._high, tokens)
                 self._reserved += share
             return result, share
+
+    def top_up(self, ledger: Ledger, layout: KvLayout, ledger_id: str, *,
+               snapshot: MemorySnapshot | None = None) -> bool:
+        """After a model's KV bytes per token were measured higher than estimated (memory-policy §4),
+        reserve what its booked requests now lack, held as residue until the batch drains. False
+        when the ledger cannot give it (nothing is reserved then)."""
+        with self._lock:
+            deficit = batch_bytes(layout, len(self._holds), self._high) - self._reserved
+            if deficit <= 0 or not self._holds:
+                return True
+            result = ledger.reserve(ledger_id, ReservationKind.REQUEST_KV, deficit, snapshot=snapshot)
+            if isinstance(result, Rejection):
+                return False
+            self._residue[ledger_id] = self._residue.get(ledger_id, 0) + deficit
+            self._reserved += deficit
+            return True
 
     def release(self, ledger: Ledger, layout: KvLayout, request_id: str) -> None:
         """The request left the batch: release its bytes but what the rest still needs."""

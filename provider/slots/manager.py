@@ -39,21 +39,22 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from kvcache.manager import KvCacheManager
 from memory.media import DEFAULT_MAX_VISION_REQUESTS
 from memory import (
-    MIN_KV_BYTES,
     CapFigures,
     FitResult,
     Ledger,
     Probe,
+    MemorySnapshot,
     Rejection,
     RejectionReason as LedgerRejection,
     ReservationKind,
+    after_eviction,
     fit,
     free_for_load_bytes,
     padded_weight_bytes,
     pressure,
     settle,
 )
-from protocol.errors import Failure, RejectionReason
+from protocol.errors import ErrorReason, Failure, RejectionReason
 from protocol.vocab import SlotState
 from provider.engine import Engine, EngineError, EngineFailure, LoadedModelInfo
 from provider.metrics import EvictionCause, LoadResult, Metrics
@@ -62,19 +63,16 @@ from provider.progress import ProgressFactory
 from provider.request.media import NO_MEDIA, MediaPlan
 from provider.slots.admission import (
     Admission,
+    Admitted,
     ManagerView,
     Refused,
     decide,
-    exceeds_context,
-    kv_need,
-    kv_refusal,
-    plan_kv,
     plan_room,
     pressure_victim,
     tokens_for_bytes,
 )
 from provider.slots.capacity import CapacityReport, SlotCapacity, max_concurrency
-from provider.slots.leases import Claim, KvReservation, ServeSlot, SlotRefused
+from provider.slots.leases import Booking, Claim, KvReservation, ServeSlot, SlotRefused
 from provider.slots.prefix import PrefixRoom, WeightHashes, with_measured_kv
 from provider.slots.state import ModelSlot, ModelState, log
 from provider.slots.vision import VisionServing
@@ -159,6 +157,10 @@ class ModelManager(VisionServing):
         self._slots: dict[str, ModelSlot] = {m.id: ModelSlot(m) for m in inventory.models}
         self._room_lock = asyncio.Lock()
         self._draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._releasing: set[str] = set()  # cancelled in the engine, KV not yet released
+        self._release_waiters: list[asyncio.Future[None]] = []
+        self._topups = 0
         self.last_unload: UnloadReport | None = None  # the most recent unload's figures
         self._kept_warm: set[str] = set()  # preloaded: the idle reaper leaves them resident
         self.on_capacity_change: Callable[[], None] | None = None  # called on the loop after a publish/unload
@@ -181,6 +183,14 @@ class ModelManager(VisionServing):
     def draining(self) -> bool:
         return self._draining
 
+    @property
+    def ledger(self) -> Ledger:
+        return self._ledger
+
+    def context_length(self, model_id: str) -> int | None:
+        slot = self._slots.get(model_id)
+        return slot.info.context_length if slot is not None else None
+
     def state(self, model_id: str) -> ModelState:
         slot = self._slots.get(model_id)
         return slot.state if slot is not None else ModelState.NOT_LOADED
@@ -196,7 +206,12 @@ class ModelManager(VisionServing):
                            by_kind[ReservationKind.REQUEST_KV],
                            self._prefix.evictable_bytes(by_kind[ReservationKind.PREFIX_CACHE]),
                            self._max_vision,
-                           {s.model_id: s.vision_requests for s in self._slots.values() if s.vision_requests})
+                           {s.model_id: s.vision_requests for s in self._slots.values() if s.vision_requests},
+                           batch_size=self._engine.batch_size)
+
+    def max_concurrency(self, model_id: str) -> int:
+        """Requests one model runs at once: the engine's decode batch (admission's ceiling)."""
+        return self._engine.batch_size
 
     @property
     def prefix_cache(self) -> KvCacheManager | None:
@@ -209,7 +224,8 @@ class ModelManager(VisionServing):
 
     def admit(self, model_id: str, prompt_tokens: int, max_tokens: int | None = None, *,
               media: MediaPlan | None = None) -> Admission:
-        """Accept or refuse before `inference_accepted`: no load, no reservation, no allocation.
+        """Would this request be admitted now? Read-only: no load, no reservation, no allocation
+        (callers use it with a lower bound on the prompt, before counting it exactly).
         `media`: the request's checked images (their count and projected decode bytes)."""
         slot = self._slots.get(model_id)
         plan = media or NO_MEDIA
@@ -218,80 +234,248 @@ class ModelManager(VisionServing):
         return decide(self.view(), self.figures, self._probe.snapshot(), model_id=model_id, info=info,
                       prompt_tokens=prompt_tokens, max_tokens=max_tokens, images=plan.count, media_bytes=media_bytes)
 
+    def precheck(self, model_id: str, prompt_tokens: int, max_tokens: int | None = None) -> Failure | None:
+        """The refusal a request of at least `prompt_tokens` would get now, before it is counted
+        exactly (the intake's size bound); None when it may be admitted, or when only room that
+        cancelled requests are about to give back stands in the way (`book_when_released` waits)."""
+        decision = self.admit(model_id, prompt_tokens, max_tokens)
+        if not isinstance(decision, Refused):
+            return None
+        if self._releasing and _room_refusal(decision.failure):
+            return None
+        return decision.failure
+
+    # -- booking: admission that reserves (before inference_accepted) ---------------------------
+
+    def book(self, request_id: str, model_id: str, prompt_tokens: int,
+             max_tokens: int | None = None, *, media: MediaPlan | None = None) -> Booking | Refused:
+        """Admit and reserve in one synchronous step: the request's KV share and, for a model that
+        is not resident, its load's claim (the load starts now); idle victims start unloading now.
+        What is booked is in the ledger before the next request is decided, so concurrent
+        admissions never promise the same bytes twice. Release with `Booking.release()` unless it
+        is handed to `serve(booking=...)`."""
+        slot = self._slots.get(model_id)
+        if slot is not None and slot.info.is_vision:  # reserved in `_serve_vision` (slots/vision.py)
+            checked = self.admit(model_id, prompt_tokens, max_tokens, media=media)
+            return checked if isinstance(checked, Refused) else Booking(model_id, checked.kv, None, media=media)
+        if media is not None and media.count:
+            return Refused(Failure.unsupported_media())
+        snap = self._probe.snapshot()
+        decision = decide(self.view(), self.figures, snap, model_id=model_id,
+                          info=slot.info if slot is not None else None, prompt_tokens=prompt_tokens,
+                          max_tokens=max_tokens)
+        if isinstance(decision, Refused):
+            return decision
+        assert slot is not None
+        for victim in decision.evict:
+            self._start_unload(self._slots[victim], EvictionCause.LRU)
+        leaving = [s for s in self._slots.values() if s.state is ModelState.UNLOADING and s.unload_task is not None]
+        # Memory committed to leave (idle models unloading now) counts as free for this booking;
+        # its KV is allocated only after those unloads end (`Booking.waits`, awaited in serve).
+        booked_on = after_eviction(snap, sum(s.resident_bytes for s in leaving)) if leaving else snap
+        if decision.claim_bytes > 0 and not self._book_load(slot, decision, snapshot=booked_on):
+            return Refused(Failure.capacity(RejectionReason.MEMORY_CAP))
+        reservation = KvReservation(self._ledger, slot, request_id, decision.kv, on_release=self._released)
+        failure = self._reserve_share(slot, reservation, decision, booked_on)
+        if failure is not None:  # a load booked just now goes on: the model then idles, LRU-evictable
+            return Refused(failure)
+        return Booking(model_id, decision.kv, reservation, tuple(s.unload_task for s in leaving))
+
+    async def book_when_released(self, request_id: str, model_id: str, prompt_tokens: int,
+                                 max_tokens: int | None = None, *, media: MediaPlan | None = None,
+                                 wait_s: float = 1.0) -> Booking | Refused:
+        """`book`, but a refusal for room that cancelled requests are about to give back (the engine
+        removes them before its next step) waits for those releases first, up to `wait_s`: after
+        a mass disconnect, the next wave is admitted as the first was, never refused for KV that is
+        already on its way out. Waits on release events, never on a clock tick."""
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while True:
+            result = self.book(request_id, model_id, prompt_tokens, max_tokens, media=media)
+            if not isinstance(result, Refused) or not self._releasing or not _room_refusal(result.failure):
+                return result
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return result
+            waiter = asyncio.get_running_loop().create_future()
+            self._release_waiters.append(waiter)
+            try:
+                await asyncio.wait_for(waiter, remaining)
+            except TimeoutError:
+                return result
+            finally:
+                if waiter in self._release_waiters:
+                    self._release_waiters.remove(waiter)
+
+    def _reserve_share(self, slot: ModelSlot, reservation: KvReservation, decision: Admitted,
+                       snapshot: MemorySnapshot) -> Failure | None:
+        """Reserve the request's share through the model's book (a loading model's claim gives its
+        KV part first); the prefix cache gives way once if the ledger is short."""
+        info, kv = slot.info, decision.kv
+        for attempt in range(2):
+            claim = slot.claim
+            donor, gift = (claim.id, claim.kv_bytes) if claim is not None and claim.held else (None, 0)
+            result, share = slot.kv_book.reserve(self._ledger, info.kv, reservation.request_id, reservation.ledger_id,
+                                                 kv.tokens, kv.max_tokens, kv.nbytes, snapshot=snapshot,
+                                                 donor=donor, donated=gift)
+            if not isinstance(result, Rejection):
+                if claim is not None and donor is not None:
+                    claim.gave(min(gift, share))
+                reservation.nbytes = share
+                return None
+            if result.reason is LedgerRejection.DUPLICATE_ID:
+                return Failure.invalid_request()
+            if attempt == 0 and self._prefix.evict_for(share - result.available_bytes, reason="request_kv"):
+                continue
+            break
+        return Failure.capacity(RejectionReason.KV_HEADROOM)
+
+    def _book_load(self, slot: ModelSlot, decision: Admitted | None, *, snapshot: MemorySnapshot) -> bool:
+        """Claim the load (padded weights + what MIN_KV its first request does not cover) and start
+        it: LOADING from now on, so the next admission sees the claim and waits for this load."""
+        claim = Claim(self._ledger, slot.model_id)
+        weights = padded_weight_bytes(slot.info.weight_bytes)
+        kv_part = (decision.claim_bytes - weights) if decision is not None else self.figures.min_kv_bytes
+        for attempt in range(2):
+            if claim.take(weights, kv_part, snapshot=snapshot):
+                break
+            if attempt == 0 and self._prefix.evict_for(weights + kv_part, reason="load"):
+                continue
+            return False
+        slot.claim = claim
+        slot.state = ModelState.LOADING
+        slot.load_task = asyncio.create_task(self._load(slot), name=f"load:{slot.model_id}")
+        return True
+
+    def _released(self, request_id: str) -> None:
+        """A request's KV went back to the ledger (any thread): wake admissions waiting for room."""
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(self._wake_waiters, request_id)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    def _wake_waiters(self, request_id: str) -> None:
+        self._releasing.discard(request_id)
+        waiters, self._release_waiters = self._release_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _cancelling(self, request_id: str) -> None:
+        self._releasing.add(request_id)
+
     # -- serving ------------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def serve(self, request_id: str, model_id: str, prompt_tokens: int,
-                    max_tokens: int | None = None, *, media: MediaPlan | None = None) -> AsyncIterator[ServeSlot]:
-        """Wait for (or do) the load, reserve the request's KV, pin the model; yield a `ServeSlot`.
+    async def serve(self, request_id: str, model_id: str, prompt_tokens: int, max_tokens: int | None = None,
+                    *, booking: Booking | None = None, media: MediaPlan | None = None) -> AsyncIterator[ServeSlot]:
+        """Wait for the model (and for any unload its booking relies on), pin it, yield a `ServeSlot`.
 
-        Raises `SlotRefused` (before yielding) when it cannot. The model is never evicted while a
-        request is inside. On exit (cancellation included) a submitted request is cancelled in the
-        engine, whose release hook frees its KV; an unsubmitted one's KV is released here.
-        A vision model's request (with `media`, its checked images) goes through `_serve_vision`.
+        Without a `booking`, books first (`SlotRefused` when admission refuses). Raises `SlotRefused`
+        before yielding when the load fails or takes longer than `load_wait_timeout_s`. The model is
+        never evicted while a request is inside. On exit (cancellation included) a submitted
+        request is cancelled in the engine, whose release hook frees its KV; an unsubmitted one's
+        KV is released here. A vision model's request (with its checked images, `media`) goes
+        through `_serve_vision`, which reserves its KV and media there.
         """
-        if self._draining:
-            raise SlotRefused(Failure.draining())
-        slot = self._slots.get(model_id)
-        if slot is None:
-            raise SlotRefused(Failure.model_unavailable())
-        if media is not None and media.count and not slot.info.is_vision:
-            raise SlotRefused(Failure.unsupported_media())
-        if exceeds_context(slot.info, prompt_tokens):
-            raise SlotRefused(Failure.request_exceeds_context())
-        if slot.info.is_vision:
-            async with self._serve_vision(slot, request_id, prompt_tokens, max_tokens, media) as vision:
+        self._loop = asyncio.get_running_loop()
+        if booking is None:
+            result = self.book(request_id, model_id, prompt_tokens, max_tokens, media=media)
+            if isinstance(result, Refused):
+                raise SlotRefused(result.failure)
+            booking = result
+        slot = self._slots[booking.model_id]
+        if booking.reservation is None:  # a vision model
+            async with self._serve_vision(slot, request_id, prompt_tokens, max_tokens, booking.media) as vision:
                 yield vision
             return
         slot.pins += 1
-        reservation: KvReservation | None = None
         handle: ServeSlot | None = None
         try:
-            await self._ensure_loaded(slot)
-            reservation = await self._reserve_kv(slot, request_id, prompt_tokens, max_tokens)
-            handle = ServeSlot(self._engine, slot, reservation)
+            deadline = asyncio.get_running_loop().time() + self._load_wait_s
+            for task in booking.waits:
+                await self._wait(task, deadline)
+            await self._ensure_loaded(slot, deadline)
+            handle = ServeSlot(self._engine, slot, booking.reservation, on_cancel=self._cancelling)
             yield handle
         finally:
             if handle is not None:
                 handle._close()
-            elif reservation is not None:
-                reservation.release()
+            else:
+                booking.release()
             slot.pins -= 1
             slot.last_used = self._clock()
 
     async def ensure_loaded(self, model_id: str) -> LoadedModelInfo:
         """Load a model (or wait for its load) without serving anything; raises `SlotRefused`."""
+        self._loop = asyncio.get_running_loop()
         slot = self._slots.get(model_id)
         if slot is None:
             raise SlotRefused(Failure.model_unavailable())
         slot.pins += 1
         try:
-            await self._ensure_loaded(slot)
+            await self._wait_loaded(slot)
             assert slot.loaded is not None
             return slot.loaded
         finally:
             slot.pins -= 1
             slot.last_used = self._clock()
 
-    async def _ensure_loaded(self, slot: ModelSlot) -> None:
+    async def _wait_loaded(self, slot: ModelSlot) -> None:
+        """Load the model if no booking did (planning room, evicting and settling as needed), or wait
+        for the load under way; up to `load_wait_timeout_s`. Raises `SlotRefused`."""
         deadline = asyncio.get_running_loop().time() + self._load_wait_s
+        while slot.state is ModelState.UNLOADING and slot.unload_task is not None:
+            await self._wait(slot.unload_task, deadline)
+        if slot.state is ModelState.NOT_LOADED:
+            if self._draining:
+                raise SlotRefused(Failure.draining())
+            failure = await self._plan_and_book_load(slot)
+            if failure is not None:
+                raise SlotRefused(failure)
+        await self._ensure_loaded(slot, deadline)
+
+    async def _plan_and_book_load(self, slot: ModelSlot) -> Failure | None:
+        """A load nobody's request booked (warm-up): plan room (evicting idle models and settling),
+        then book it in one step. None once the load is started (or already under way)."""
+        async with self._room_lock:
+            while True:
+                if slot.state is not ModelState.NOT_LOADED:
+                    return None
+                if self._draining:
+                    return Failure.draining()
+                leaving = [s.unload_task for s in self._slots.values()
+                           if s.state is ModelState.UNLOADING and s.unload_task is not None]
+                if leaving:
+                    await asyncio.gather(*(asyncio.shield(t) for t in leaving), return_exceptions=True)
+                    continue
+                snap = self._probe.snapshot()
+                plan = plan_room(self.view(), self.figures, snap, target=slot.model_id,
+                                 weight_bytes_on_disk=slot.info.weight_bytes)
+                if isinstance(plan, Refused):
+                    return plan.failure
+                if plan.victims:
+                    await self._evict_if_idle(plan.victims[0], EvictionCause.LRU)
+                    continue
+                if not self._book_load(slot, None, snapshot=snap):
+                    return Failure.capacity(RejectionReason.MEMORY_CAP)
+                return None
+
+    async def _ensure_loaded(self, slot: ModelSlot, deadline: float) -> None:
+        """Wait for the load a booking started (or that another request started)."""
         while True:
             match slot.state:
                 case ModelState.LOADED:
                     return
-                case ModelState.UNLOADING:
-                    assert slot.unload_task is not None
-                    await self._wait(slot.unload_task, deadline)
                 case ModelState.LOADING:
                     assert slot.load_task is not None
                     failure = await self._wait(slot.load_task, deadline)
                     if failure is not None:
                         raise SlotRefused(failure)
-                case ModelState.NOT_LOADED:
-                    if self._draining:
-                        raise SlotRefused(Failure.draining())
-                    slot.state = ModelState.LOADING
-                    slot.load_task = asyncio.create_task(self._load(slot), name=f"load:{slot.model_id}")
+                case _:  # the load this request was booked with failed (its failure said so) or was undone
+                    raise SlotRefused(Failure.model_load_failed())
 
     async def _wait(self, task: asyncio.Task, deadline: float):
         """Await a shared load/unload task without cancelling it for the others, up to `deadline`."""
@@ -301,53 +485,21 @@ class ModelManager(VisionServing):
         except TimeoutError:
             raise SlotRefused(Failure.admission_timeout()) from None
 
-    async def _reserve_kv(self, slot: ModelSlot, request_id: str, prompt_tokens: int,
-                          max_tokens: int | None) -> KvReservation:
-        """Reserve the request's share of the model's batch KV (`batchkv.join_share`)."""
-        kv = kv_need(self.figures, slot.info, prompt_tokens, max_tokens)
-        reservation = KvReservation(self._ledger, slot, request_id, kv)
-        tried_prefix = False
-        while True:
-            if self._draining:
-                raise SlotRefused(Failure.draining())
-            snap = self._probe.snapshot()
-            result, share = slot.kv_book.reserve(self._ledger, slot.info.kv, request_id, reservation.ledger_id,
-                                                 kv.tokens, kv.max_tokens, kv.nbytes, snapshot=snap)
-            if not isinstance(result, Rejection):
-                reservation.nbytes = share
-                return reservation
-            if result.reason is LedgerRejection.DUPLICATE_ID:
-                raise SlotRefused(Failure.invalid_request())
-            view = self.view()
-            if result.reason is LedgerRejection.OVER_SINGLE_REQUEST_LIMIT:
-                if kv.nbytes > self.figures.single_request_limit_bytes:
-                    raise SlotRefused(Failure.exceeds_node(RejectionReason.TOKEN_BUDGET))
-                raise SlotRefused(kv_refusal(view, self.figures, snap, slot.info, kv).failure)  # the batch's part
-            if not tried_prefix:  # the prefix cache gives way first, then retry once
-                tried_prefix = True
-                if self._prefix.evict_for(share - result.available_bytes, reason="request_kv"):
-                    continue
-            plan = plan_kv(view, self.figures, snap, target=slot.model_id, kv_bytes=share)
-            if plan is None or not plan.victims:
-                raise SlotRefused(kv_refusal(view, self.figures, snap, slot.info, kv).failure)
-            async with self._room_lock:
-                await self._evict_if_idle(plan.victims[0], EvictionCause.LRU)
-
     # -- loading ------------------------------------------------------------------------------
 
     async def _load(self, slot: ModelSlot) -> Failure | None:
-        """The single-flight load task. Returns None when published, else the failure to report."""
+        """The single-flight load task, started with its claim held (`_book_load`). Returns None
+        when published, else the failure to report to the requests that wait for it."""
         model_id = slot.model_id
-        claim = Claim(self._ledger, model_id)
+        claim = slot.claim
+        assert claim is not None and claim.held
         load_fut: asyncio.Future[LoadedModelInfo] | None = None
         started = self._clock()
         try:
             async with self._room_lock:
-                refusal = await self._make_room_and_claim(slot, claim)
-            if refusal is not None:
-                self._count_load(LoadResult.REFUSED)
-                log.info("model_load_refused", model=model_id, reason=refusal.rejection or refusal.reason)
-                return refusal
+                await self._settle_leaving_and_pressure(slot)
+            if self._draining:
+                return Failure.draining()
             await self._step(LoadStep.CLAIMED, model_id)
             load_fut = asyncio.ensure_future(
                 self._engine.load(model_id, slot.info.path, eos_token_ids=self._eos.get(model_id),
@@ -358,16 +510,20 @@ class ModelManager(VisionServing):
                 slot.info = dataclasses.replace(slot.info, vision=dataclasses.replace(
                     slot.info.vision, image_text_tokens=loaded.image_text_tokens))
             await self._step(LoadStep.LOADED, model_id)
-            await self._check_kv_per_token(slot)
+            if not await self._check_kv_per_token(slot):
+                self._count_load(LoadResult.REFUSED)
+                return Failure.capacity(RejectionReason.MEMORY_CAP)
             await self._engine.reclaim()  # mx.clear_cache() on the thread that owns MLX
             snap = self._probe.snapshot()
             await self._step(LoadStep.GUARD, model_id)
             if self._draining:
                 return Failure.draining()
-            if not self._ledger.load_is_serveable(snap, pending_load_id=claim.id):
+            # MIN_KV of room beyond every reservation, less the KV its own requests already reserved.
+            floor = max(0, self.figures.min_kv_bytes - slot.kv_book.view().reserved_bytes)
+            if not self._ledger.load_is_serveable(snap, pending_load_id=claim.id, kv_floor_bytes=floor):
                 log.warning("post_load_guard_refused", model=model_id, weights_bytes=loaded.weights_bytes,
                             headroom_bytes=self.figures.live_headroom_bytes(snap),
-                            required_bytes=MIN_KV_BYTES + self._ledger.outstanding_bytes(excluding=claim.id))
+                            required_bytes=floor + self._ledger.outstanding_bytes(excluding=claim.id))
                 self._count_load(LoadResult.REFUSED)
                 await self._step(LoadStep.GUARD_UNLOAD, model_id)
                 return Failure.capacity(RejectionReason.MEMORY_CAP)
@@ -376,6 +532,7 @@ class ModelManager(VisionServing):
                 return Failure.draining()
             self._prefix.attach(model_id, weight_hash)  # same step as the publish: no await between
             claim.release()
+            slot.claim = None
             slot.loaded = loaded
             slot.last_used = self._clock()
             slot.state = ModelState.LOADED
@@ -397,53 +554,42 @@ class ModelManager(VisionServing):
             if slot.state is ModelState.LOADING:  # anything but a publish: undo, release, forget
                 await self._undo_engine_load(model_id, load_fut)
                 claim.release()
+                slot.claim = None
                 slot.state = ModelState.NOT_LOADED
 
-    async def _make_room_and_claim(self, slot: ModelSlot, claim: Claim) -> Failure | None:
-        """Steps 1–3 of a load, under `_room_lock`. Returns a failure, or None with the claim held."""
+    async def _settle_leaving_and_pressure(self, slot: ModelSlot) -> None:
+        """Before the engine allocates: wait until the models the booking counted as leaving have
+        settled, and (§8) while the load would run at pressure YELLOW or worse, evict idle models
+        one at a time; under RED the RAM prefix tier goes first."""
         estimate = padded_weight_bytes(slot.info.weight_bytes)
-        tried_prefix = False
         while True:
             leaving = [s.unload_task for s in self._slots.values()
                        if s.state is ModelState.UNLOADING and s.unload_task is not None]
-            if leaving:  # their memory is about to be free: plan on the settled figures
+            if leaving:
                 await asyncio.gather(*(asyncio.shield(t) for t in leaving), return_exceptions=True)
                 continue
-            if self._draining:
-                return Failure.draining()
             snap = self._probe.snapshot()
             if self._prefix.relieve(pressure(snap, incoming_bytes=estimate).level):
-                continue  # the RAM tier went: resample
-            plan = plan_room(self.view(), self.figures, snap, target=slot.model_id,
-                             weight_bytes_on_disk=slot.info.weight_bytes)
-            if isinstance(plan, Refused):
-                return plan.failure
-            if plan.victims:
-                await self._evict_if_idle(plan.victims[0], EvictionCause.LRU)
-                continue  # settled inside; resample and replan
-            victim = pressure_victim(self.view(), snap, target=slot.model_id, incoming_bytes=estimate)
-            if victim is not None:
-                await self._evict_if_idle(victim, EvictionCause.PRESSURE)
                 continue
-            # Same snapshot, no await since planning: the claim checks exactly what the plan saw.
-            result = self._ledger.claim_pending_load(claim.id, estimate + MIN_KV_BYTES, snapshot=snap)
-            if isinstance(result, Rejection):
-                if not tried_prefix:  # the plan counted the prefix cache as room: make it so, once
-                    tried_prefix = True
-                    if self._prefix.evict_for(result.nbytes - result.available_bytes, reason="load"):
-                        continue
-                return Failure.capacity(RejectionReason.MEMORY_CAP)
-            claim.held = True
-            return None
+            victim = pressure_victim(self.view(), snap, target=slot.model_id, incoming_bytes=estimate)
+            if victim is None or not await self._evict_if_idle(victim, EvictionCause.PRESSURE):
+                return
 
-    async def _check_kv_per_token(self, slot: ModelSlot) -> None:
-        """memory-policy.md §4: the engine's real KV growth vs the config's; keep the larger."""
+    async def _check_kv_per_token(self, slot: ModelSlot) -> bool:
+        """memory-policy.md §4: the engine's real KV growth vs the config's; keep the larger. The
+        requests booked with the load reserved at the estimate: top them up, or fail the load
+        (False) when the ledger cannot."""
         try:
             measured = await self._engine.kv_bytes_per_token(slot.model_id)
         except EngineError as exc:  # the config estimate stands
             log.warning("kv_bytes_per_token_unmeasured", model=slot.model_id, code=exc.code)
-            return
+            return True
+        before = slot.info
         slot.info = with_measured_kv(slot.info, measured)
+        if slot.info is before:
+            return True
+        self._topups += 1
+        return slot.kv_book.top_up(self._ledger, slot.info.kv, f"kvtopup:{slot.model_id}:{self._topups}")
 
     async def _await_load(self, model_id: str, load_fut: asyncio.Future[LoadedModelInfo]) -> LoadedModelInfo:
         """The engine's load, with a progress line on a terminal: MLX active-memory growth against
@@ -491,10 +637,14 @@ class ModelManager(VisionServing):
         await self._unload_slot(slot, cause)
         return True
 
-    async def _unload_slot(self, slot: ModelSlot, cause: EvictionCause) -> None:
+    def _start_unload(self, slot: ModelSlot, cause: EvictionCause) -> asyncio.Task:
+        """UNLOADING from this step on (its memory counts as leaving); the unload runs as a task."""
         slot.state = ModelState.UNLOADING
         slot.unload_task = asyncio.create_task(self._unload(slot, cause), name=f"unload:{slot.model_id}")
-        await asyncio.shield(slot.unload_task)
+        return slot.unload_task
+
+    async def _unload_slot(self, slot: ModelSlot, cause: EvictionCause) -> None:
+        await asyncio.shield(self._start_unload(slot, cause))
 
     async def _unload(self, slot: ModelSlot, cause: EvictionCause) -> None:
         model_id = slot.model_id
@@ -639,7 +789,7 @@ class ModelManager(VisionServing):
                 num_waiting=stats.num_waiting if stats else 0,
                 active_tokens=stats.active_tokens if stats else 0,
                 max_tokens_potential=sum(h.max_tokens for h in holds),
-                max_concurrency=max_concurrency(budget_max, slot.info.context_length),
+                max_concurrency=min(self._engine.batch_size, max_concurrency(budget_max, slot.info.context_length)),
                 kv_bytes_per_token=slot.info.kv_bytes_per_token,
                 active_token_budget_used=used,
                 active_token_budget_max=budget_max,
@@ -665,3 +815,11 @@ class ModelManager(VisionServing):
             self._metrics.set_loaded_models(len(self.warm_models()))
         if self.on_capacity_change is not None:
             self.on_capacity_change()
+
+
+def _room_refusal(failure: Failure) -> bool:
+    """A refusal that releases of in-flight requests can lift (their KV, their place in the batch)."""
+    return failure.rejection in (RejectionReason.TOKEN_BUDGET, RejectionReason.KV_HEADROOM,
+                                 RejectionReason.MEMORY_CAP, RejectionReason.SLOT_STATE) \
+        and failure.reason is not ErrorReason.REQUEST_EXCEEDS_NODE \
+        and failure.reason is not ErrorReason.REQUEST_EXCEEDS_NODE_BUDGET

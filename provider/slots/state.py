@@ -15,10 +15,15 @@ import asyncio
 import enum
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from provider.engine import LoadedModelInfo, ModelStats
 from provider.models import ModelInfo
 from provider.slots.batchkv import EMPTY, BatchKv, KvBook, KvHold
 from provider.telemetry import get_logger
+
+if TYPE_CHECKING:
+    from provider.slots.leases import Claim
 
 log = get_logger("provider.slots")
 
@@ -52,6 +57,7 @@ class SlotView:
     last_used: float  # clock() of the last request to leave it (LRU order)
     resident_bytes: int  # measured weights (0 unless LOADED / UNLOADING)
     kv: BatchKv = EMPTY  # its in-flight KV as reserved (batchkv.join_share reads it)
+    claim_kv_bytes: int = 0  # loading: the part of its load claim still kept for KV (MIN_KV less bookings)
 
     @property
     def idle(self) -> bool:
@@ -73,6 +79,7 @@ class ModelSlot:
         self.kv_book = KvBook()  # the in-flight requests' KV reservations (batchkv)
         self.vision_requests = 0  # requests with images inside serve() (capped per model)
         self.vision_holds: dict[str, KvHold] = {}  # a vision model's requests: each its own cache
+        self.claim: Claim | None = None  # while LOADING: the load's claim, booked with its first request
 
     @property
     def model_id(self) -> str:
@@ -107,4 +114,4 @@ class ModelSlot:
 
     def view(self, stats: ModelStats | None) -> SlotView:
         return SlotView(self.model_id, self._state, self.busy(stats), self.last_used, self.resident_bytes,
-                        self.kv_book.view())
+                        self.kv_book.view(), self.claim.kv_bytes if self.claim is not None else 0)

@@ -175,7 +175,7 @@ class VisionServing:
         handle: VisionServeSlot | None = None
         decoding = False
         try:
-            await self._ensure_loaded(slot)
+            await self._wait_loaded(slot)
             need = vision_need(self.figures, slot.info, prompt_tokens, max_tokens, images=plan.count,
                                media_bytes=plan.decode_bytes(slot.info.vision.input_pixels))
             refused = vision_limit_refusal(self.figures, need)

@@ -1,0 +1,178 @@
+"""From request bytes to a validated chat body and its prompt ids, before any big allocation.
+
+Both front doors (the coordinator's jobs and the local server) take a request through the same
+steps, each cheap check before the costly step it guards (issue 11):
+
+1. the body's size decides where it is read: up to `INLINE_BYTES` on the event loop (a few
+   hundred microseconds), beyond that in the bulk lane (`lanes.BulkLane`), with its working memory
+   reserved in the ledger first (`ReservationKind.PROMPT`: the body's copies while it is decrypted,
+   parsed and rendered, and the tokenizer's per-token state, bounded by the context window because
+   a longer prompt is given up early); no room → 503 at once;
+2. `precheck` on the parsed JSON, before the full validation: a message list too long for the
+   model's context window at its template's per-message cost is refused with 400 without building
+   a single message object;
+3. the size bound (`bounds.TokenBounds.lower_bound`) is handed to admission by the caller, which
+   refuses a prompt that surely exceeds the context (400) or what the ledger can give (503);
+4. `PromptCounter.prompt_ids`: exact ids, short prompts inline, long ones in the lane.
+
+`Ticket` holds the working-memory reservation from step 1 until every lane task it started has
+finished on the thread (a cancelled caller does not free memory the thread still uses).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from typing import Any, Protocol, TypeVar
+
+from memory import Ledger, Rejection, ReservationKind
+from protocol.errors import ErrorReason, Failure, RejectionReason
+from provider.request.lanes import LaneFull
+from provider.request.body import ChatBody
+from provider.request.tokens import CHUNK_CHARS, PromptCounter, PromptError, PromptTooLong, UnknownModel
+
+T = TypeVar("T")
+
+INLINE_BYTES = 16 * 1024  # bodies read on the loop; larger ones go to the bulk lane
+BODY_COPIES = 4  # the sealed body, its plaintext, the parsed strings, the rendered prompt
+TOKEN_WORKING_BYTES = 320  # per token while a tokenizer encodes (measured ~270 B with the id list)
+
+
+class Refusal(Exception):
+    """Refuse before acceptance; `failure` becomes the error (protocol/errors)."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.code.value)
+        self.failure = failure
+
+
+def working_bytes(body_bytes: int, max_context_tokens: int) -> int:
+    """The working memory one large body may use while it is read and counted."""
+    tokens = min(max(0, body_bytes), CHUNK_CHARS + max(0, max_context_tokens))
+    return BODY_COPIES * max(0, body_bytes) + TOKEN_WORKING_BYTES * tokens
+
+
+def lane_full() -> Failure:
+    return Failure.capacity(RejectionReason.SLOT_STATE, reason=ErrorReason.QUEUE_FULL)
+
+
+class Ticket:
+    """One request's passage through the intake: runs its steps inline or in the lane."""
+
+    def __init__(self, intake: Intake, request_id: str, inline: bool) -> None:
+        self._intake = intake
+        self.request_id = request_id
+        self.inline = inline
+        self._open_tasks = 0
+        self._closed = False
+        self._ledger_id = f"prompt:{request_id}"
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)`: on the loop for a small body, in the bulk lane for a large one."""
+        if self.inline:
+            return fn(*args)
+        return await self.in_lane(fn, *args)
+
+    async def in_lane(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in the bulk lane; a large body's reservation outlives it until it ends."""
+        track = not self.inline
+        if track:
+            self._open_tasks += 1
+        try:
+            return await self._intake.counter.lane.run(fn, *args, on_done=self._task_done if track else None)
+        except LaneFull:
+            if track:
+                self._open_tasks -= 1
+            raise Refusal(lane_full()) from None
+
+    async def prompt_ids(self, model_id: str, messages, *, chars: int, limit: int | None) -> list[int]:
+        """Exact prompt ids (`PromptCounter.prompt_ids`); its lane work counts as this ticket's."""
+        return await self._intake.counter.prompt_ids(model_id, messages, chars=chars, limit=limit, run=self.in_lane)
+
+    def _task_done(self) -> None:
+        self._open_tasks -= 1
+        self._maybe_release()
+
+    def _close(self) -> None:
+        self._closed = True
+        self._maybe_release()
+
+    def _maybe_release(self) -> None:
+        if self._closed and self._open_tasks <= 0:
+            self._intake.ledger.release(self._ledger_id)
+
+
+class Admits(Protocol):
+    """What the intake asks of the model manager (`provider.slots.ModelManager`)."""
+
+    def precheck(self, model_id: str, prompt_tokens: int, max_tokens: int | None = None) -> Failure | None: ...
+
+    def context_length(self, model_id: str) -> int | None: ...
+
+
+class Intake:
+    def __init__(self, counter: PromptCounter, ledger: Ledger, manager: Admits) -> None:
+        self.counter = counter
+        self.ledger = ledger
+        self._manager = manager
+        self._context_of = manager.context_length
+
+    def max_context_tokens(self) -> int:
+        return max((self._context_of(m) or 0 for m in self.counter.models()), default=0)
+
+    @asynccontextmanager
+    async def ticket(self, request_id: str, body_bytes: int) -> AsyncIterator[Ticket]:
+        """A ticket for a body of `body_bytes`; a large one reserves its working memory first."""
+        inline = body_bytes <= INLINE_BYTES
+        ticket = Ticket(self, request_id, inline)
+        if not inline:
+            if not self.counter.lane.has_room():
+                raise Refusal(lane_full())
+            nbytes = working_bytes(body_bytes, self.max_context_tokens())
+            if isinstance(self.ledger.reserve(ticket._ledger_id, ReservationKind.PROMPT, nbytes), Rejection):
+                raise Refusal(Failure.capacity(RejectionReason.MEMORY_CAP))
+        try:
+            yield ticket
+        finally:
+            if not inline:
+                ticket._close()
+
+    def precheck(self, data: Any) -> None:
+        """Before validation: a message list the model's template cannot fit in its window is a 400
+        now, without building thousands of message objects. Anything else is left to the validator."""
+        if not isinstance(data, Mapping):
+            return
+        model, messages = data.get("model"), data.get("messages")
+        if not isinstance(model, str) or not isinstance(messages, list) or not self.counter.knows(model):
+            return
+        context = self._context_of(model)
+        if context is not None and self.counter.bounds(model).lower_bound(0, len(messages)) >= context:
+            raise Refusal(Failure.request_exceeds_context())
+
+    def lower_bound(self, model_id: str, chars: int, messages: int) -> int:
+        """Tokens the prompt has at least, from its size alone (0 when the tokenizer claims no bound)."""
+        return self.counter.bounds(model_id).lower_bound(chars, messages)
+
+    async def prompt_ids(self, ticket: Ticket, body: ChatBody) -> list[int]:
+        """Steps 3 and 4: the size bound through admission (read-only), then the exact ids.
+        Raises `Refusal`: 404 for a model that is not ours, 400 request_exceeds_context, 503 when
+        even the bound does not fit, 422 when the template cannot render the messages."""
+        if not self.counter.knows(body.model):
+            raise Refusal(Failure.model_unavailable())
+        lower = self.lower_bound(body.model, body.chars, len(body.messages))
+        if lower > 0:
+            refused = self._manager.precheck(body.model, lower, body.max_tokens)
+            if refused is not None:
+                raise Refusal(refused)
+        try:
+            return await ticket.prompt_ids(body.model, body.messages, chars=body.chars,
+                                           limit=self._context_of(body.model))
+        except UnknownModel:
+            raise Refusal(Failure.model_unavailable()) from None
+        except PromptTooLong:
+            raise Refusal(Failure.request_exceeds_context()) from None
+        except PromptError:
+            raise Refusal(Failure.template_render()) from None
+
+
+__all__ = ["INLINE_BYTES", "Intake", "PromptTooLong", "Refusal", "Ticket", "working_bytes"]
