@@ -106,6 +106,7 @@ class Ledger:
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._total = 0
+        self._peak = 0  # high-water mark of Σ outstanding since construction or `reset_peak`
 
     @property
     def figures(self) -> CapFigures:
@@ -146,6 +147,7 @@ class Ledger:
                 self._total -= gift
             self._entries[rid] = _Entry(kind, nbytes)
             self._total += nbytes
+            self._peak = max(self._peak, self._total)
             return Lease(rid, kind, nbytes)
 
     def claim_pending_load(self, rid: str, nbytes: int, *,
@@ -202,6 +204,16 @@ class Ledger:
             entry = self._entries.get(pending_load_id) if pending_load_id is not None else None
             others = self._total - (entry.nbytes if entry else 0)
             return self._figures.load_is_serveable(snap, others, kv_floor_bytes=kv_floor_bytes)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most ever outstanding at once (since construction or `reset_peak`)."""
+        with self._lock:
+            return self._peak
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self._peak = self._total
 
     def bytes_of(self, rid: str) -> int | None:
         """Current bytes reserved under `rid`, None when it is not outstanding."""

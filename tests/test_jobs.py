@@ -178,7 +178,7 @@ async def test_an_unexpected_failure_before_the_accept_still_gets_exactly_one_an
     async def broken_count(*args, **kwargs):
         raise RuntimeError("a bug somewhere below the job")
 
-    monkeypatch.setattr(harness.ctx.counter, "count", broken_count)
+    monkeypatch.setattr(harness.ctx.counter, "prompt_ids", broken_count)
     with capture_redacted_logs() as logs:
         assert await harness.run(harness.coordinator.request("oops", chat())) is JobOutcome.REJECTED
     (frame,) = harness.of("oops")

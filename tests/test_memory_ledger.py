@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from memory.ledger import Lease, Ledger, Rejection, RejectionReason, ReservationKind
-from memory.policy import GiB, MIN_KV_BYTES, figures
+from memory.policy import GiB, MIN_KV_BYTES, compute_figures, figures
 from memory.snapshot import MemorySnapshot
 
 MiB = 2**20
@@ -325,3 +325,24 @@ async def test_threads_and_tasks_lose_no_update() -> None:
     for rid in held_threads + held_tasks:
         ledger.release(rid)
     assert ledger.outstanding_bytes() == 0 and len(ledger) == 0
+
+
+def test_a_donor_gives_bytes_to_a_reservation_in_the_same_step() -> None:
+    """A loading model's claim turns part of its MIN_KV into a request's KV: atomically, and not at
+    all when the reservation is refused."""
+    figs = compute_figures(16 * GiB)
+    snap = MemorySnapshot(physical_bytes=16 * GiB, available_bytes=16 * GiB)
+    ledger = Ledger(figs)
+    room = figs.available_bytes(snap)
+    assert isinstance(ledger.reserve("load:m", ReservationKind.PENDING_LOAD, room, snapshot=snap), Lease)
+    assert isinstance(ledger.reserve("kv:r1", ReservationKind.REQUEST_KV, GiB, snapshot=snap), Rejection)
+    lease = ledger.reserve("kv:r1", ReservationKind.REQUEST_KV, GiB, snapshot=snap, donor="load:m", donated=GiB)
+    assert isinstance(lease, Lease)
+    assert ledger.bytes_of("load:m") == room - GiB and ledger.outstanding_bytes() == room
+    # refused (more than the gift and the room): nothing moves
+    refused = ledger.reserve("kv:r2", ReservationKind.REQUEST_KV, 2 * GiB, snapshot=snap, donor="load:m", donated=GiB)
+    assert isinstance(refused, Rejection) and ledger.bytes_of("load:m") == room - GiB
+    # a gift never exceeds what the donor holds
+    ledger.reduce("load:m", room - GiB - MiB)
+    lease = ledger.reserve("kv:r3", ReservationKind.REQUEST_KV, MiB, snapshot=snap, donor="load:m", donated=GiB)
+    assert isinstance(lease, Lease) and ledger.bytes_of("load:m") == 0

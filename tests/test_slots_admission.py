@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from memory import GiB, Ledger, MemorySnapshot, ReservationKind, figures, fit, padded_weight_bytes
 from protocol.errors import ErrorReason, FailureCode, RejectionReason
 from provider.models import DType, KvAccuracy, KvLayout, ModelInfo, ModelSource
-from provider.slots import Admitted, ManagerView, ModelState, Refused, RoomPlan, SlotView, decide, plan_room
+from provider.slots import Admitted, BatchKv, ManagerView, ModelState, Refused, RoomPlan, SlotView, decide, plan_room
 from provider.slots.leases import KvReservation
 from provider.slots.state import InvalidTransition, ModelSlot
 
@@ -102,11 +102,44 @@ def test_slot_cap_with_nothing_evictable_is_slot_state():
     assert isinstance(r, Admitted) and r.evict == ("a",)
 
 
-def test_a_loading_model_is_accepted_even_when_its_claim_holds_the_memory():
-    """m's pending-load claim (padded 6 GiB + MIN_KV) leaves no room for a second load of m."""
-    m = slot("m", state=ModelState.LOADING)
-    r = admit(view(m, outstanding=7 * GiB), snap(), model("m", 5 * GiB))
-    assert isinstance(r, Admitted) and r.cold
+def test_a_loading_model_admits_what_its_claim_and_the_room_can_hold():
+    """m loads: its claim (padded 6 GiB + 1 GiB of KV) and 1.5 GiB of requests booked with it are
+    outstanding: available = 12 − 3 − 8.5 = 0.5 GiB. A request waiting for the load counts like one
+    on a resident model (issue 11: before, every request for a loading model was accepted)."""
+    info = model("m", 5 * GiB)
+    loading = SlotView("m", ModelState.LOADING, True, 0.0, 0, BatchKv(3, 512, int(1.5 * GiB)))
+    r = admit(view(loading, outstanding=int(8.5 * GiB)), snap(), info, prompt=100, max_tokens=100)
+    assert isinstance(r, Admitted) and r.cold and r.claim_bytes == 0  # 512 tokens of 1 MiB each fit in 0.5 GiB
+    # 1024 tokens pad the batch of four to 4 GiB: a 2.5 GiB share does not fit
+    r = admit(view(loading, outstanding=int(8.5 * GiB)), snap(), info, prompt=900, max_tokens=124)
+    assert isinstance(r, Refused) and r.rejection_reason in (RejectionReason.TOKEN_BUDGET, RejectionReason.KV_HEADROOM)
+    # the claim's KV part (MIN_KV not yet taken by requests) becomes this request's first
+    with_kv_part = SlotView("m", ModelState.LOADING, True, 0.0, 0, BatchKv(3, 512, int(1.5 * GiB)),
+                            claim_kv_bytes=2 * GiB)
+    r = admit(view(with_kv_part, outstanding=int(8.5 * GiB)), snap(), info, prompt=900, max_tokens=124)
+    assert isinstance(r, Admitted) and r.share == int(2.5 * GiB)
+
+
+def test_a_cold_model_books_its_claim_with_the_first_request():
+    info = model("m", 5 * GiB)
+    r = admit(view(), snap(), info, prompt=100, max_tokens=100)  # 200 tokens → one 256-token block
+    assert isinstance(r, Admitted) and r.cold and r.share == 256 * MiB
+    assert r.claim_bytes == padded_weight_bytes(5 * GiB) + GiB - 256 * MiB  # MIN_KV less its own share
+
+
+def test_no_more_requests_than_the_engine_runs_at_once():
+    m = SlotView("m", ModelState.LOADED, True, 0.0, GiB, BatchKv(4, 256, 4 * 256 * MiB))
+    full = ManagerView({"m": m}, 3, False, GiB, GiB, batch_size=4)
+    r = admit(full, snap(m), model("m", GiB), prompt=10, max_tokens=10)
+    assert isinstance(r, Refused) and r.status_code == 503 and r.error_reason is ErrorReason.QUEUE_FULL
+    room = ManagerView({"m": m}, 3, False, GiB, GiB, batch_size=5)
+    assert isinstance(admit(room, snap(m), model("m", GiB), prompt=10, max_tokens=10), Admitted)
+
+
+def test_a_model_being_unloaded_is_refused_with_slot_state():
+    m = slot("m", state=ModelState.UNLOADING, resident=GiB)
+    r = admit(view(m), snap(m), model("m", GiB))
+    assert isinstance(r, Refused) and r.rejection_reason is RejectionReason.SLOT_STATE
 
 
 def test_resident_model_kv_token_budget_vs_kv_headroom():

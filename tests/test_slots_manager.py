@@ -140,7 +140,9 @@ async def test_a_load_that_fits_is_published_and_serves(rigs, tiny_model_path, s
     assert m.state("tiny") is ModelState.LOADED and m.warm_models() == ["tiny"]
     assert len(rig.ledger) == 0  # the engine released the request's KV when it left the batch
     resident = mx.get_active_memory() - baseline
-    assert abs(resident - weights_bytes(tiny_model_path)) < 256 * 1024
+    # The weights, give or take what a first forward pass leaves in MLX's process-wide state (seen up to
+    # ~300 KB when another test module ran first: graph constants, RNG state), never a second model.
+    assert abs(resident - weights_bytes(tiny_model_path)) < 1024 * 1024
 
 
 async def test_lru_idle_model_is_evicted_to_make_room(rigs, tiny_model_path, small_model_path, medium_model_path):

@@ -1,0 +1,153 @@
+"""provider.request.intake and lanes: large bodies in their own lane, with their working memory in the
+ledger until the thread is really done with them (issue 11)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from memory import GiB, Ledger, ReservationKind, compute_figures
+from memory.snapshot import MemorySnapshot
+from protocol.errors import ErrorReason, FailureCode, RejectionReason
+from provider.request import PromptCounter
+from provider.request.intake import INLINE_BYTES, Intake, Refusal, working_bytes
+from provider.request.lanes import BulkLane, LaneFull
+
+
+def snapshot(physical: int) -> MemorySnapshot:
+    return MemorySnapshot(physical_bytes=physical, available_bytes=physical)
+
+
+class Manager:
+    """The two questions the intake asks of the model manager."""
+
+    def __init__(self, context: int = 2048) -> None:
+        self.context = context
+
+    def precheck(self, model_id, prompt_tokens, max_tokens=None):
+        return None
+
+    def context_length(self, model_id):
+        return self.context
+
+
+def ledger_of(physical_gib: float) -> Ledger:
+    physical = int(physical_gib * GiB)
+    return Ledger(compute_figures(physical), sample=lambda: snapshot(physical))
+
+
+@pytest.fixture
+def counter(tiny_model_path: Path):
+    c = PromptCounter({"m": tiny_model_path}, lane=BulkLane(max_waiting=1))
+    yield c
+    c.lane.close()
+
+
+async def test_a_large_body_holds_its_working_memory_until_the_lane_is_done(counter):
+    ledger = ledger_of(64)
+    intake = Intake(counter, ledger, Manager())
+    started, release = threading.Event(), threading.Event()
+
+    def slow() -> str:
+        started.set()
+        release.wait(10)
+        return "parsed"
+
+    async def request() -> str:
+        async with intake.ticket("big", INLINE_BYTES + 1) as ticket:
+            return await ticket.run(slow)
+
+    task = asyncio.create_task(request())
+    await asyncio.to_thread(started.wait, 10)
+    assert ledger.bytes_of("prompt:big") == working_bytes(INLINE_BYTES + 1, 2048)
+    task.cancel()  # the caller gives up; the thread cannot
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert "prompt:big" in ledger  # still working: the memory is still in use
+    release.set()
+    while counter.lane.busy:
+        await asyncio.sleep(0.01)
+    assert "prompt:big" not in ledger and len(ledger) == 0
+
+
+async def test_a_small_body_runs_inline_and_reserves_nothing(counter):
+    ledger = ledger_of(64)
+    intake = Intake(counter, ledger, Manager())
+    async with intake.ticket("small", 100) as ticket:
+        assert ticket.inline and await ticket.run(threading.get_ident) == threading.get_ident()
+        assert len(ledger) == 0
+
+
+async def test_a_full_lane_refuses_at_once_with_queue_full(counter):
+    intake = Intake(counter, ledger_of(64), Manager())
+    gate = threading.Event()
+    busy = [asyncio.create_task(counter.lane.run(gate.wait, 10)) for _ in range(2)]  # 1 running + 1 waiting
+    await asyncio.sleep(0)
+    try:
+        assert not counter.lane.has_room()
+        with pytest.raises(Refusal) as refused:
+            async with intake.ticket("third", INLINE_BYTES * 10):
+                pass
+        assert refused.value.failure.reason is ErrorReason.QUEUE_FULL
+        with pytest.raises(LaneFull):
+            await counter.lane.run(lambda: None)
+    finally:
+        gate.set()
+        await asyncio.gather(*busy)
+
+
+async def test_working_memory_the_ledger_cannot_give_is_a_503(counter):
+    ledger = ledger_of(2.2)  # hard cap 0.2 GiB, activation reserve 3 GiB: nothing is available
+    intake = Intake(counter, ledger, Manager())
+    with pytest.raises(Refusal) as refused:
+        async with intake.ticket("big", 16 * 2**20):
+            pass
+    assert refused.value.failure.code is FailureCode.CAPACITY
+    assert refused.value.failure.rejection is RejectionReason.MEMORY_CAP
+    assert len(ledger) == 0
+
+
+async def test_too_many_messages_for_the_context_are_refused_before_validation(counter):
+    await counter.warm(["m"])
+    intake = Intake(counter, ledger_of(64), Manager(context=2048))
+    per_message = counter.bounds("m").per_message_tokens
+    assert per_message >= 1
+    fits = {"model": "m", "messages": [{"role": "user", "content": "x"}] * 10}
+    intake.precheck(fits)  # nothing to say
+    storm = {"model": "m", "messages": [{"role": "user", "content": "x"}] * (2048 // per_message + 1)}
+    with pytest.raises(Refusal) as refused:
+        intake.precheck(storm)
+    assert refused.value.failure.reason is ErrorReason.REQUEST_EXCEEDS_CONTEXT
+    intake.precheck({"model": "not ours", "messages": storm["messages"]})  # not ours: the 404 comes later
+    intake.precheck(["not", "a", "dict"])
+
+
+async def test_a_long_prompt_is_given_up_in_the_lane_as_soon_as_it_is_surely_over(counter):
+    """Counting stops early: no tokenizing of megabytes past the window."""
+    from provider.request.tokens import PromptTooLong
+
+    await counter.warm(["m"])
+    words = "lorem ipsum dolor sit amet consectetur adipiscing elit "
+    long = [{"role": "user", "content": words * 40_000}]  # ~2.2 M chars, far over 2048 tokens
+    with pytest.raises(PromptTooLong):
+        await counter.prompt_ids("m", long, limit=2048)
+    short = [{"role": "user", "content": words * 20}]  # ~1.1 k chars: inline, exact
+    ids = await counter.prompt_ids("m", short, limit=2048)
+    assert ids == await counter.prompt_ids("m", short)
+
+
+def test_piecewise_counting_stops_early_and_is_close_to_the_real_count(tiny_model_path):
+    from mlx_lm.utils import load_tokenizer
+
+    from provider.request.tokens import BOUNDARY_SLACK_TOKENS, CHUNK_CHARS, _surely_over
+
+    tokenizer = load_tokenizer(tiny_model_path)
+    words = "lorem ipsum dolor sit amet, consectetur adipiscing elit; sed do eiusmod tempor. "
+    text = words * (3 * CHUNK_CHARS // len(words))  # three pieces and a bit
+    exact = len(tokenizer.encode(text, add_special_tokens=False))
+    pieces = 4
+    assert _surely_over(tokenizer, text, exact - pieces * BOUNDARY_SLACK_TOKENS)  # over: said so
+    assert not _surely_over(tokenizer, text, exact + 1)  # never claims a prompt that fits is over
