@@ -310,3 +310,36 @@ async def wait_until(condition, *, timeout: float) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("condition not reached")
         await asyncio.sleep(0.01)
+
+
+async def test_a_stream_that_fails_before_its_first_token_is_an_http_error_not_a_200(tmp_path, tiny_model_path):
+    """`serve --local` sends the 200 with the first output, once the request really runs: a model whose
+    load fails after admission booked it (its weights went bad on disk) is a retryable 503 with the
+    reason, never a 200 followed by an error event, and its booking is released."""
+    import shutil
+
+    from provider.local.app import create_app
+    from provider.local.backend import RuntimeBackend
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    (tmp_path / "hub").mkdir()
+    runtime = await Runtime.start(Settings(state_dir=tmp_path / "state", hf_cache_dir=tmp_path / "hub",
+                                           model_aliases={"m": model}, memory_limit_gb=8.0, memory_reserve_gb=0.5,
+                                           idle_timeout_mins=0, kv_ssd_budget_gb=0))
+    try:
+        for weights in model.glob("*.safetensors"):
+            weights.write_bytes(b"not weights any more")
+        app = create_app(RuntimeBackend(runtime), runtime.metrics)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://local") as client:
+            reply = await client.post("/v1/chat/completions", json={**chat("hello", max_tokens=2), "stream": True})
+        assert reply.status_code == 503 and reply.headers["content-type"].startswith("application/json")
+        assert reply.json()["error"]["reason"] == "model_load"
+        assert rig_request_kv(runtime) == 0
+    finally:
+        await runtime.aclose()
+    assert len(runtime.ledger) == 0
+
+
+def rig_request_kv(runtime: Runtime) -> int:
+    return runtime.ledger.snapshot().bytes_by_kind[ReservationKind.REQUEST_KV]

@@ -17,6 +17,7 @@ stream has started, it ends with an error event instead.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -33,7 +34,7 @@ from memory import CapFigures
 from protocol.errors import Failure
 from protocol import sse
 from protocol.sse import DONE
-from provider.engine import EngineFailure, Failed, Finished, RequestStream, TextDelta
+from provider.engine import EngineFailure, Event, Failed, Finished, RequestStream, TextDelta
 from provider.engine.openai import ChatChunks, chat_completion
 from provider.local.backend import Refused
 from provider.request.body import ChatBody, InvalidBody
@@ -187,7 +188,19 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
             metrics.request_finished(RequestOutcome.REJECTED)
             return error_response(failure, refused.retry_after_s)
         if body.stream:
-            return StreamingResponse(_sse(opened, stream, request_id, body, metrics),
+            # The 200 goes out with the first output: anything that fails before it (a load, the
+            # engine) is still a plain HTTP error a client or balancer can retry elsewhere, and in
+            # a storm the refusals are never answered later than the work that was admitted.
+            first = await _first_event(stream, request)
+            if first is None or isinstance(first, Failed):
+                await opened.__aexit__(None, None, None)
+                if first is None:
+                    metrics.request_finished(RequestOutcome.CANCELLED)
+                    return error_response(Failure.cancelled())
+                log.info("request_failed", request_id=request_id, code=first.code)
+                metrics.request_finished(RequestOutcome.FAILED)
+                return error_response(_failure_for(first.code))
+            return StreamingResponse(_sse(opened, stream, request_id, body, metrics, first),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         try:
             return await _complete(stream, request_id, body, metrics)
@@ -214,13 +227,39 @@ async def _complete(stream: RequestStream, request_id: str, body: ChatBody, metr
             return error_response(Failure.cancelled())
 
 
+async def _first_event(stream: RequestStream, request: Request) -> Event | None:
+    """The stream's first event, or None when the client leaves (or the stream is closed) first."""
+    first = asyncio.ensure_future(anext(stream, None))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not first.done():
+        first.cancel()
+        return None
+    return first.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _events(first: Event, stream: RequestStream) -> AsyncIterator[Event]:
+    yield first
+    if not isinstance(first, Finished | Failed):
+        async for event in stream:
+            yield event
+
+
 async def _sse(opened: Any, stream: RequestStream, request_id: str, body: ChatBody,
-               metrics: Metrics) -> AsyncIterator[bytes]:
+               metrics: Metrics, first: Event) -> AsyncIterator[bytes]:
     chunks = ChatChunks(request_id, body.model)
     outcome = RequestOutcome.CANCELLED  # the client went away unless we reach a terminal event
     try:
         yield _event(chunks.role())
-        async for event in stream:
+        async for event in _events(first, stream):
             match event:
                 case TextDelta():
                     yield _event(chunks.for_event(event))
