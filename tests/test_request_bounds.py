@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from provider.request.bounds import NO_BOUND, TokenBounds, normalizer_shrink
+from provider.request.bounds import NO_BOUND, TokenBounds, countable_chars, normalizer_shrink
 from provider.request.tokens import measure_bounds
 
 
@@ -48,8 +48,7 @@ def test_the_lower_bound_never_exceeds_the_real_count(tokenizer, bounds, content
     roles = ["user", "assistant"]
     messages = [{"role": roles[i % 2], "content": c} for i, c in enumerate(contents)]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    chars = sum(len(c) for c in contents)
-    assert bounds.lower_bound(chars, len(messages)) <= len(ids)
+    assert bounds.lower_bound(countable_chars(messages), len(messages)) <= len(ids)
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert bounds.lower_bound(len(rendered)) <= len(ids)
 
@@ -90,3 +89,10 @@ def test_no_bound_claims_nothing():
 ])
 def test_normalizer_shrink(tokenizer_json, shrink):
     assert normalizer_shrink(tokenizer_json) == shrink
+
+
+def test_countable_chars_leave_out_what_templates_may_drop():
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "a b"}]},
+                {"role": "assistant", "content": "<think>" + "x" * 10_000 + "</think>hi"},  # may be dropped
+                {"role": "tool", "content": "  \n\t 42  "}, {"role": "user", "content": None}, "junk"]
+    assert countable_chars(messages) == len("bebrief") + len("ab") + len("42")

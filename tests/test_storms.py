@@ -215,12 +215,37 @@ def test_small_requests_are_not_delayed_by_a_big_prompt_in_flight(tmp_path, smal
                 stop.set()
                 flooder.join()
         # Before: up to 14 s behind the tokenizer (1000x). Now the big ones are read in their own lane and
-        # refused by their size; what remains is CPU and GIL sharing with that lane on two cores.
+        # refused by their size; what remains is CPU and GIL sharing with that lane on two cores (the
+        # structural guarantee is the next test's).
         assert big_sent[0] >= 1
-        assert statistics.median(with_big) <= 5 * statistics.median(alone), (alone, with_big)
-        assert max(with_big) <= 10 * max(alone), (alone, with_big)
+        assert statistics.median(with_big) <= 10 * statistics.median(alone), (alone, with_big)
     finally:
         server.stop()
+
+
+async def test_small_requests_never_wait_for_the_bulk_lane(job_rig, tiny_model_path):
+    """Deterministic: the bulk lane is held busy; a large request queues behind it; 30 small requests
+    are all accepted, served and done while the lane still holds the large one."""
+    import threading
+
+    rig = await job_rig({"m": tiny_model_path}, memory_limit_gb=8.0, memory_reserve_gb=0.5)
+    await rig.runtime.manager.ensure_loaded("m")
+    gate = threading.Event()
+    lane = rig.runtime.counter.lane
+    held = asyncio.create_task(lane.run(gate.wait, 60))
+    big = asyncio.create_task(rig.run(rig.request("big", chat("x " * 40_000, max_tokens=2))))
+    while lane.busy < 2:  # the large body is queued behind the held task
+        await asyncio.sleep(0.01)
+    try:
+        small = [rig.request(f"s{i}", chat(f"question {i}", max_tokens=2)) for i in range(30)]
+        outcomes = await asyncio.gather(*(rig.run(r) for r in small))
+        assert set(outcomes) == {JobOutcome.COMPLETED}
+        assert not big.done() and rig.of("big") == []  # still waiting for the lane
+    finally:
+        gate.set()
+    await held
+    assert await big is JobOutcome.REJECTED  # 80 k chars: over the 2048-token window by its size
+    assert rig.of("big")[0]["error_reason"] == "request_exceeds_context"
 
 
 # --- a cold model and a storm ----------------------------------------------------------------------------

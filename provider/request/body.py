@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic_core import PydanticCustomError
 
 from provider.engine import SamplingParams
+from provider.request.bounds import countable_chars
 
 
 class InvalidBody(ValueError):
@@ -166,7 +167,7 @@ class ChatBody:
     seed: int | None
     stop: tuple[str, ...]
     images: tuple[str, ...] = ()  # image URLs in order of appearance (never logged)
-    chars: int = 0  # characters of message text: what the size bound of provider.request.bounds reads
+    chars: int = 0  # message text every template keeps (bounds.countable_chars): the size bound reads it
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
@@ -203,7 +204,7 @@ def parse_chat_body(data: Any) -> ChatBody:
         raise InvalidBody("stop", _FIELD_RULES["stop"])
     images: list[str] = []
     messages = tuple({"role": m.role, "content": _content(m.content, images)} for m in body.messages)
-    chars = sum(len(m["content"]) for m in messages if isinstance(m["content"], str))
+    chars = countable_chars(messages)
     return ChatBody(
         model=body.model,
         messages=messages,

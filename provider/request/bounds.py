@@ -16,7 +16,10 @@ can be told from its length, because no token covers more than the tokenizer's l
 * `per_message`: template tokens every message adds at least (role markers), measured by rendering
   the model's own chat template.
 
-Counting characters (not UTF-8 bytes) keeps the bound valid for any text and costs O(1) in CPython.
+Which characters count (`countable_chars`): only what a chat template copies into the prompt as it
+is. Templates may drop parts of earlier *assistant* turns (e.g. a reasoning model's thinking) and
+may trim whitespace, so assistant messages and ASCII whitespace are left out: the bound stays a
+lower bound for any template. Counting characters (not UTF-8 bytes) keeps it valid for any text.
 Everything here is pure: the tokenizer-facing measurements live in `tokens.py`.
 """
 
@@ -61,6 +64,29 @@ class TokenBounds:
 
 
 NO_BOUND = TokenBounds(longest_token_chars=1, shrink=None)
+
+_VERBATIM_ROLES = frozenset({"system", "developer", "user", "tool"})  # copied as they are by templates
+
+
+def countable_chars(messages: Sequence[Any]) -> int:
+    """Characters of message text every template keeps (see the module docstring): non-whitespace
+    characters of the string content and text parts of non-assistant messages. Takes validated
+    messages or a raw JSON list alike; anything unexpected counts 0."""
+    total = 0
+    for message in messages:
+        if not isinstance(message, Mapping) or message.get("role") not in _VERBATIM_ROLES:
+            continue
+        content = message.get("content")
+        if isinstance(content, str):
+            total += _non_space(content)
+        elif isinstance(content, list):
+            total += sum(_non_space(p["text"]) for p in content
+                         if isinstance(p, Mapping) and isinstance(p.get("text"), str))
+    return total
+
+
+def _non_space(text: str) -> int:
+    return len(text) - text.count(" ") - text.count("\n") - text.count("\t") - text.count("\r")
 
 
 def normalizer_shrink(tokenizer_json: Mapping[str, Any]) -> float | None:
@@ -115,4 +141,4 @@ def _pre_tokenizer_shrink(step: Mapping[str, Any]) -> float | None:
     return 1.0
 
 
-__all__ = ["NO_BOUND", "TokenBounds", "normalizer_shrink"]
+__all__ = ["NO_BOUND", "TokenBounds", "countable_chars", "normalizer_shrink"]

@@ -29,6 +29,7 @@ from memory import Ledger, Rejection, ReservationKind
 from protocol.errors import ErrorReason, Failure, RejectionReason
 from provider.request.lanes import LaneFull
 from provider.request.body import ChatBody
+from provider.request.bounds import countable_chars
 from provider.request.tokens import CHUNK_CHARS, PromptCounter, PromptError, PromptTooLong, UnknownModel
 
 T = TypeVar("T")
@@ -85,9 +86,9 @@ class Ticket:
                 self._open_tasks -= 1
             raise Refusal(lane_full()) from None
 
-    async def prompt_ids(self, model_id: str, messages, *, chars: int, limit: int | None) -> list[int]:
+    async def prompt_ids(self, model_id: str, messages, *, limit: int | None) -> list[int]:
         """Exact prompt ids (`PromptCounter.prompt_ids`); its lane work counts as this ticket's."""
-        return await self._intake.counter.prompt_ids(model_id, messages, chars=chars, limit=limit, run=self.in_lane)
+        return await self._intake.counter.prompt_ids(model_id, messages, limit=limit, run=self.in_lane)
 
     def _task_done(self) -> None:
         self._open_tasks -= 1
@@ -138,15 +139,16 @@ class Intake:
                 ticket._close()
 
     def precheck(self, data: Any) -> None:
-        """Before validation: a message list the model's template cannot fit in its window is a 400
-        now, without building thousands of message objects. Anything else is left to the validator."""
+        """Before validation: a prompt whose size alone (its text and its message count at the
+        template's per-message cost) cannot fit the model's window is a 400 now, without building
+        message objects or copying megabytes of text. Anything else is left to the validator."""
         if not isinstance(data, Mapping):
             return
         model, messages = data.get("model"), data.get("messages")
         if not isinstance(model, str) or not isinstance(messages, list) or not self.counter.knows(model):
             return
         context = self._context_of(model)
-        if context is not None and self.counter.bounds(model).lower_bound(0, len(messages)) >= context:
+        if context is not None and self.counter.bounds(model).lower_bound(countable_chars(messages), len(messages)) >= context:
             raise Refusal(Failure.request_exceeds_context())
 
     def lower_bound(self, model_id: str, chars: int, messages: int) -> int:
@@ -165,8 +167,7 @@ class Intake:
             if refused is not None:
                 raise Refusal(refused)
         try:
-            return await ticket.prompt_ids(body.model, body.messages, chars=body.chars,
-                                           limit=self._context_of(body.model))
+            return await ticket.prompt_ids(body.model, body.messages, limit=self._context_of(body.model))
         except UnknownModel:
             raise Refusal(Failure.model_unavailable()) from None
         except PromptTooLong:

@@ -157,8 +157,8 @@ class PromptCounter:
     async def prompt_ids(self, model_id: str, messages: Sequence[Mapping[str, object]], *,
                          chars: int | None = None, limit: int | None = None,
                          run: LaneRunner | None = None) -> list[int]:
-        """The templated prompt's token ids. ``chars``: the messages' text length if the caller has
-        it; ``limit``: the context window — ``PromptTooLong`` as soon as the prompt surely reaches it;
+        """The templated prompt's token ids. ``chars``: the messages' whole text length if the caller
+        has it (it decides inline or lane); ``limit``: the context window — ``PromptTooLong`` as soon as the prompt surely reaches it;
         ``run``: how to run lane work (``intake.Ticket.in_lane``, which keeps the request's working
         memory reserved until the thread is done), default the lane itself.
         Raises ``PromptError``, ``PromptTooLong``, ``UnknownModel`` or ``lanes.LaneFull``."""
