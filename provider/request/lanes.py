@@ -23,7 +23,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-MAX_WAITING = 2  # big bodies queued behind the one in progress; more are refused
+MAX_WAITING = 16  # bodies queued behind the one in progress (their memory is in the ledger); more are refused
 
 
 class LaneFull(Exception):

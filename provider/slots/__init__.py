@@ -20,26 +20,30 @@ API for the jobs / session code:
                            metrics=None, eos_token_ids=None, fault=None)
     manager = ModelManager.from_settings(settings, engine, inventory, ledger, probe, **kw)
 
-    # 1. fast admission, before inference_accepted: synchronous, read-only, no allocation
-    #    (media=: the request's checked images, provider.request.media.inspect_images)
-    match manager.admit(model_id, prompt_tokens, max_tokens, media=plan):   # max_tokens None = default
+    # 1. before inference_accepted: admission that books what it admits (one synchronous step)
+    match await manager.book_when_released(request_id, model_id, prompt_tokens, max_tokens):
         case Refused() as r:
             send(protocol.errors.inference_error_frame(request_id, r.failure))   # the only way to a frame
-        case Admitted(): send(inference_accepted)
+        case Booking() as booking:   # its KV share (and a cold model's load claim) are in the ledger
+            send(inference_accepted)
+    manager.admit(...) is the read-only form (the intake's size-bound check); manager.book(...) the
+    synchronous one without the wait for releases; `booking.release()` if the request ends before
+    it is served.
 
-    # 2. serving: waits for / does the load, reserves the request's KV, pins the model
+    # 2. serving: waits for the load (and for unloads the booking counted on), pins the model
     try:
-        async with manager.serve(request_id, model_id, prompt_tokens, max_tokens, media=plan) as slot:
-            stream = slot.submit(ChatRequest(request_id, messages, params))
+        async with manager.serve(request_id, model_id, prompt_tokens, max_tokens, booking=booking) as slot:
+            stream = slot.submit(ChatRequest(request_id, messages, params, prompt_ids=ids))
             async for event in stream: ...
     except SlotRefused as exc:       # exc.failure: protocol.errors.Failure
         send(inference_error_frame(request_id, exc.failure))
 
-    `prompt_tokens` should come from `engine.count_prompt_tokens` (the count the engine uses).
+    `prompt_tokens` come from `provider.request`'s counter (the ids the engine then uses as they are).
     The request reserves its share of the model's left-padded batch (`batchkv.join_share`), which
-    can exceed its own tokens' KV. The request's KV reservation is released exactly once: by the engine (`on_released`, engine
-    thread) once its cache has left the batch, or by the context exit if it never reached the
-    engine. Leaving the block early cancels the engine request.
+    can exceed its own tokens' KV. The reservation is released exactly once: by the engine
+    (`on_released`, engine thread) once its cache has left the batch, or by the context exit (or
+    `Booking.release`) if it never reached the engine. Leaving the block early cancels the engine
+    request; admissions refused only for room such cancels are giving back wait for it (≤ 1 s).
 
     # 3. lifecycle and reporting
     await manager.ensure_loaded(model_id) -> LoadedModelInfo      # warm-up (register / load_model)
@@ -54,10 +58,11 @@ API for the jobs / session code:
 
 Refusals (memory-policy.md §7): unknown model → 404 model_unavailable; could never fit →
 503 request_exceeds_node + memory_cap; cannot fit after evicting every idle model → 503 memory_cap;
-slot cap reached with nothing evictable → 503 slot_state; resident but KV does not fit →
-503 token_budget (in-flight requests hold it; `available_token_budget` says what fits now) or
-kv_headroom (memory itself is short); draining → 503 draining; a model that is loading is accepted
-(the request waits for that load, up to `load_wait_timeout_s`, then 503 capacity_timeout).
+slot cap reached with nothing evictable → 503 slot_state; resident (or loading) but KV does not
+fit → 503 token_budget (in-flight requests hold it; `available_token_budget` says what fits now)
+or kv_headroom (memory itself is short); `max_batch_size` requests on the model already → 503
+queue_full; being unloaded → 503 slot_state; draining → 503 draining. An admitted request waits
+for its model's load up to `load_wait_timeout_s`, then 503 capacity_timeout.
 Vision: images for a text model → 415 unsupported_media; media + KV above half the hard cap →
 503 request_exceeds_node; more than `max_vision_requests` requests with images on one model →
 503 queue_full (slot_state).
@@ -78,6 +83,7 @@ from provider.slots.admission import (
 )
 from provider.slots.batchkv import BatchKv, KvBook, KvHold, join_share
 from provider.slots.capacity import CapacityReport, SlotCapacity
+from provider.slots.leases import Booking
 from provider.slots.manager import LoadStep, ModelManager, ServeSlot, SlotRefused, UnloadReport
 from provider.slots.state import InvalidTransition, ModelSlot, ModelState, SlotView
 
@@ -85,6 +91,7 @@ __all__ = [
     "Admission",
     "Admitted",
     "BatchKv",
+    "Booking",
     "KvBook",
     "KvHold",
     "CapacityReport",
