@@ -98,6 +98,10 @@ class Agent:
         hardening = harden_process() if harden else NO_HARDENING
         host = await asyncio.to_thread(read_host_posture)
         posture = Posture(host, hardening, dev=settings.dev_posture)
+        if host.secure_boot_enabled is None:  # left out of every challenge answer, never guessed
+            log.warning("secure_boot_unknown")
+        if host.virtual_machine:  # a guest isolates nothing: hypervisor_active stays false
+            log.info("host_is_virtual_machine")
         keys = await asyncio.to_thread(load_or_create_keys, settings.state_dir)
         rhash = await asyncio.to_thread(runtime_hash, settings.runtime_hash)
         rt = await Runtime.start(settings, engine=engine, metrics=metrics, eos_token_ids=eos_token_ids)

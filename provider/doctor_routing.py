@@ -86,6 +86,7 @@ class RoutingReport:
     catalog: CatalogCheck
     total_bytes: int
     models: tuple[ModelRoute, ...]
+    virtual_machine: bool | None = None  # the host is a VM guest (a fact for the operator, not sent)
 
     @property
     def trusted(self) -> bool:
@@ -134,7 +135,7 @@ def gather_routing(settings: Settings, *, total_bytes: int, models: Iterable[tup
         dev_posture_allowed=not settings.dev_posture or is_loopback_url(settings.coordinator_url),
         security=security, privacy=privacy, hardening_probed=probed is not None,
         trust=trust_problems(backend=settings.backend, privacy=privacy, security=security),
-        catalog=catalog, total_bytes=total_bytes, models=routes)
+        catalog=catalog, total_bytes=total_bytes, models=routes, virtual_machine=host.virtual_machine)
 
 
 def _route(model, sizes: dict[str, int | None] | None, total_bytes: int, preload: tuple[str, ...]) -> ModelRoute:
@@ -196,6 +197,7 @@ def routing_json(report: RoutingReport) -> dict[str, Any]:
             "total_memory_gb": round(report.total_bytes / GiB, 4),
             "hardening_probed": report.hardening_probed,
         },
+        "virtual_machine": report.virtual_machine,
         "trusted": report.trusted,
         "untrusted_reasons": [{"code": p.issue.value, "subject": p.subject} for p in report.trust],
         "required_privacy_capabilities": list(REQUIRED_PRIVACY_FLAGS),
@@ -230,9 +232,11 @@ def routing_lines(report: RoutingReport) -> list[str]:
     flags = ", ".join(f"{name} {str(getattr(p, name)).lower()}" for name in REQUIRED_PRIVACY_FLAGS)
     out.append(f"  backend {report.backend}, runtime hash {report.runtime_hash or 'unavailable'}, "
                f"total memory {report.total_bytes / GiB:.1f} GiB" + (", dev_posture" if report.dev_posture else ""))
+    secure_boot = "unknown (not sent)" if s.secure_boot_enabled is None else str(s.secure_boot_enabled).lower()
     out.append(f"  posture: sip_enabled {str(s.sip_enabled).lower()}, secure_boot_enabled "
-               f"{str(s.secure_boot_enabled).lower()}, rdma_disabled {str(s.rdma_disabled).lower()}, "
-               f"hypervisor_active {str(s.hypervisor_active).lower()}")
+               f"{secure_boot}, rdma_disabled {str(s.rdma_disabled).lower()}, "
+               f"hypervisor_active {str(s.hypervisor_active).lower()} (this agent does not isolate model "
+               "memory in a hypervisor" + (", and a VM guest is not that" if report.virtual_machine else "") + ")")
     out.append(f"  privacy capabilities: {flags}")
     if report.trusted:
         out.append("  trust: a coordinator with the settings below will route to it")

@@ -1,16 +1,27 @@
-"""What machine this is, for ``register.hardware`` (protocol.md §3.1): chip, memory, cores.
+"""What machine this is, for ``register.hardware`` (protocol.md §3.1): chip, memory, cores, bandwidth.
 
-macOS: ``sysctl`` (``hw.model``, ``machdep.cpu.brand_string``, per-performance-level core counts) and
-the GPU core count from ``ioreg``. Elsewhere: ``/proc/cpuinfo`` / ``platform`` for a name, psutil for
-cores, the DMI product name for the machine model; chip family and tier are ``Unknown``, GPU cores 0.
+macOS: ``sysctl`` (``hw.model``, ``machdep.cpu.brand_string``, ``hw.physicalcpu`` and the performance
+levels ``hw.nperflevels`` / ``hw.perflevelN.name`` / ``hw.perflevelN.physicalcpu``) and the GPU core
+count from ``ioreg -rc AGXAccelerator -d 1`` (``"gpu-core-count" = 40``). Elsewhere: ``/proc/cpuinfo``
+/ ``platform`` for a name, psutil for cores, the DMI product name for the machine model; chip family and
+tier are ``Unknown``, GPU cores 0.
+
+Cores: the wire has two kinds, performance and efficiency. macOS names its levels (fastest first):
+``Performance`` + ``Efficiency`` on M1–M4, ``Super`` + ``Efficiency`` on the M5, ``Super`` +
+``Performance`` and no efficiency cores on the M5 Pro and Max, ``Standard`` in a virtual machine. So
+efficiency = the cores of levels named ``Efficiency``, performance = every other core. macOS 12 had
+the levels but not their names; there level 0 is the performance cores and the others efficiency
+(``sys/sysctl.h``: "perflevel 0 always refers to the highest performance core type").
 
 Memory is the policy's ``P`` (machine RAM lowered to the cgroup limit and ``memory_limit_gb``), so a
 provider told to act as a 16 GiB machine tells the coordinator it is one. Integer fields are ints
 (Go decodes them into int: a 64.0 would drop the whole frame).
 
-``memory_bandwidth_gbs`` comes from Apple's published figures per chip (the coordinator's fallback
-decode-speed estimate is √bandwidth); unknown chips report 0. Binned variants with lower bandwidth
-(e.g. the 14-core M3 Max, 300 GB/s) cannot be told apart from ``brand_string`` and report the full figure.
+``memory_bandwidth_gbs`` comes from ``BANDWIDTH_GBS``: Apple's published figure per chip *and GPU core
+count*, because binned parts have fewer memory channels (the 30-core M3 Max has 300 GB/s, the 40-core
+400). A chip not in the table, a binned chip whose GPU core count could not be read, and a virtual
+machine (``Apple M1 (Virtual)``: the host's chip is not known) report 0 — the coordinator then uses
+its own default — rather than another chip's figure.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ from __future__ import annotations
 import platform as _platform
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,17 +38,30 @@ import psutil
 from memory import MemorySnapshot
 from memory.policy import GiB
 from protocol import CpuCores, Hardware
-from provider.session.posture import Runner, run_command
+from provider.hostcmd import Runner, read_sysctl, run_command
 
 UNKNOWN = "Unknown"
-_TIERS = ("Ultra", "Max", "Pro")
-# Apple's published unified-memory bandwidth, GB/s.
-_BANDWIDTH_GBS: dict[tuple[str, str], float] = {
-    ("M1", "Base"): 68.25, ("M1", "Pro"): 200, ("M1", "Max"): 400, ("M1", "Ultra"): 800,
-    ("M2", "Base"): 100, ("M2", "Pro"): 200, ("M2", "Max"): 400, ("M2", "Ultra"): 800,
-    ("M3", "Base"): 100, ("M3", "Pro"): 150, ("M3", "Max"): 400, ("M3", "Ultra"): 819,
-    ("M4", "Base"): 120, ("M4", "Pro"): 273, ("M4", "Max"): 546,
-    ("M5", "Base"): 153,
+EFFICIENCY_LEVEL = "Efficiency"
+_MAX_LEVELS = 8  # hw.nperflevels is 1–3 on every Mac so far; never trust it to size a loop
+
+# (family, tier) -> ((least GPU cores of the variant, GB/s), ...): the variant with the most cores that
+# is <= the Mac's count applies. Least 0 = one figure for every variant. Sources: Apple's newsroom
+# and technical specifications pages for each chip (M1 Nov 2020 — 68.25 GB/s is AnandTech's figure for
+# its 128-bit LPDDR4X-4266; M1 Pro/Max Oct 2021; M1 Ultra Mar 2022; M2 Jun 2022; M2 Pro/Max Jan 2023;
+# M2 Ultra Jun 2023; M3 family Oct 2023, the 14-core-CPU/30-core-GPU M3 Max at 300 GB/s; M3 Ultra
+# Mar 2025; M4 May 2024; M4 Pro/Max Oct 2024, the 32-core-GPU M4 Max at 410 GB/s; M5 Oct 2025; M5
+# Pro/Max 2026, the 32-core-GPU M5 Max at 460 GB/s, the 40-core at 614), cross-checked with
+# Darkbloom's provider (provider/src/hardware.rs, lookup_bandwidth, Layr-Labs/d-inference) and
+# 0xBakeer/inference-atlas#194 (M5 Max: 614 GB/s for the 40-core GPU, 460 for the 32-core).
+BANDWIDTH_GBS: dict[tuple[str, str], tuple[tuple[int, float], ...]] = {
+    ("M1", "Base"): ((0, 68.25),), ("M1", "Pro"): ((0, 200),), ("M1", "Max"): ((0, 400),),
+    ("M1", "Ultra"): ((0, 800),),
+    ("M2", "Base"): ((0, 100),), ("M2", "Pro"): ((0, 200),), ("M2", "Max"): ((0, 400),),
+    ("M2", "Ultra"): ((0, 800),),
+    ("M3", "Base"): ((0, 100),), ("M3", "Pro"): ((0, 150),), ("M3", "Max"): ((30, 300), (40, 400)),
+    ("M3", "Ultra"): ((0, 819),),
+    ("M4", "Base"): ((0, 120),), ("M4", "Pro"): ((0, 273),), ("M4", "Max"): ((32, 410), (40, 546)),
+    ("M5", "Base"): ((0, 153),), ("M5", "Pro"): ((0, 307),), ("M5", "Max"): ((32, 460), (40, 614)),
 }
 
 
@@ -45,19 +70,64 @@ class Chip:
     name: str
     family: str  # M1 … M6 or Unknown
     tier: str  # Base, Pro, Max, Ultra or Unknown
+    virtual: bool = False  # a virtual machine's CPU ("Apple M1 (Virtual)")
 
 
 def parse_chip(brand: str) -> Chip:
-    """``Apple M3 Max`` → (M3, Max); ``Apple M2`` → (M2, Base); anything else → Unknown."""
+    """``Apple M3 Max`` → (M3, Max); ``Apple M2`` → (M2, Base); a VM's or anything else → Unknown."""
     name = brand.strip() or UNKNOWN
+    if "(Virtual)" in name:
+        return Chip(name, UNKNOWN, UNKNOWN, virtual=True)
     match = re.search(r"\bApple (M\d+)(?: (Pro|Max|Ultra))?\b", name)
     if match is None:
         return Chip(name, UNKNOWN, UNKNOWN)
     return Chip(name, match.group(1), match.group(2) or "Base")
 
 
-def memory_bandwidth_gbs(chip: Chip) -> float:
-    return float(_BANDWIDTH_GBS.get((chip.family, chip.tier), 0.0))
+def memory_bandwidth_gbs(chip: Chip, gpu_cores: int = 0) -> float:
+    """Apple's figure for this chip with this many GPU cores; 0 when it is not known."""
+    variants = BANDWIDTH_GBS.get((chip.family, chip.tier), ())
+    figures = [gbs for least, gbs in variants if least <= gpu_cores]
+    return float(figures[-1]) if figures else 0.0
+
+
+def parse_gpu_cores(output: str | None) -> int:
+    """``"gpu-core-count" = 40`` in ``ioreg -rc AGXAccelerator -d 1``; 0 when absent (Intel, a VM)."""
+    match = re.search(r'"gpu-core-count"\s*=\s*(\d+)', output or "")
+    return int(match.group(1)) if match else 0
+
+
+def _int(text: str | None, default: int = 0) -> int:
+    try:
+        return int((text or "").strip())
+    except ValueError:
+        return default
+
+
+def cpu_cores(values: Mapping[str, str], fallback_total: int = 0) -> CpuCores:
+    """Performance and efficiency cores from ``hw.physicalcpu`` and the named performance levels."""
+    levels = []
+    for i in range(_MAX_LEVELS):
+        if f"hw.perflevel{i}.physicalcpu" not in values:
+            break
+        levels.append((values.get(f"hw.perflevel{i}.name"), _int(values[f"hw.perflevel{i}.physicalcpu"])))
+    total = _int(values.get("hw.physicalcpu"), sum(count for _, count in levels) or fallback_total)
+    efficiency = sum(count for i, (name, count) in enumerate(levels)
+                     if name == EFFICIENCY_LEVEL or (name is None and i > 0))
+    efficiency = min(efficiency, total)
+    return CpuCores(total=total, performance=total - efficiency, efficiency=efficiency)
+
+
+def read_darwin_sysctl(run: Runner) -> dict[str, str]:
+    """Every sysctl the hardware report reads: the performance levels until one is missing (at most
+    ``hw.nperflevels``, when macOS says it)."""
+    values = read_sysctl(run, "hw.model", "machdep.cpu.brand_string", "hw.physicalcpu", "hw.nperflevels")
+    for i in range(min(_int(values.get("hw.nperflevels"), _MAX_LEVELS), _MAX_LEVELS)):
+        level = read_sysctl(run, f"hw.perflevel{i}.physicalcpu", f"hw.perflevel{i}.name")
+        if f"hw.perflevel{i}.physicalcpu" not in level:
+            break
+        values.update(level)
+    return values
 
 
 def detect_hardware(snapshot: MemorySnapshot, *, platform: str = sys.platform, run: Runner = run_command,
@@ -77,7 +147,7 @@ def detect_hardware(snapshot: MemorySnapshot, *, platform: str = sys.platform, r
         memory_available_gb=available_gb(snapshot),
         cpu_cores=cores,
         gpu_cores=gpu,
-        memory_bandwidth_gbs=memory_bandwidth_gbs(chip),
+        memory_bandwidth_gbs=memory_bandwidth_gbs(chip, gpu),
     )
 
 
@@ -86,22 +156,11 @@ def available_gb(snapshot: MemorySnapshot) -> float:
     return round(min(snapshot.available_bytes, snapshot.physical_bytes) / GiB, 2)
 
 
-def _int(text: str | None, default: int = 0) -> int:
-    try:
-        return int((text or "").strip())
-    except ValueError:
-        return default
-
-
 def _darwin(run: Runner) -> tuple[str, str, CpuCores, int]:
-    machine = (run(["sysctl", "-n", "hw.model"]) or "").strip()
-    brand = (run(["sysctl", "-n", "machdep.cpu.brand_string"]) or "").strip()
-    total = _int(run(["sysctl", "-n", "hw.physicalcpu"]), psutil.cpu_count(logical=False) or 0)
-    perf = _int(run(["sysctl", "-n", "hw.perflevel0.physicalcpu"]), total)
-    eff = _int(run(["sysctl", "-n", "hw.perflevel1.physicalcpu"]), 0)
-    gpu_match = re.search(r'"gpu-core-count"\s*=\s*(\d+)', run(["ioreg", "-rc", "AGXAccelerator", "-d", "1"]) or "")
-    gpu = int(gpu_match.group(1)) if gpu_match else 0
-    return machine, brand, CpuCores(total=total, performance=perf, efficiency=eff), gpu
+    values = read_darwin_sysctl(run)
+    cores = cpu_cores(values, psutil.cpu_count(logical=False) or 0)
+    gpu = parse_gpu_cores(run(["ioreg", "-rc", "AGXAccelerator", "-d", "1"]))
+    return values.get("hw.model", ""), values.get("machdep.cpu.brand_string", ""), cores, gpu
 
 
 def _generic(sys_root: Path) -> tuple[str, str, CpuCores, int]:
@@ -122,4 +181,5 @@ def _generic(sys_root: Path) -> tuple[str, str, CpuCores, int]:
         CpuCores(total=total, performance=total, efficiency=0), 0
 
 
-__all__ = ["UNKNOWN", "Chip", "available_gb", "detect_hardware", "memory_bandwidth_gbs", "parse_chip"]
+__all__ = ["BANDWIDTH_GBS", "EFFICIENCY_LEVEL", "UNKNOWN", "Chip", "available_gb", "cpu_cores", "detect_hardware",
+           "memory_bandwidth_gbs", "parse_chip", "parse_gpu_cores", "read_darwin_sysctl"]

@@ -34,7 +34,7 @@ from provider.session.gates import (
 from provider.session.posture import HostPosture, Posture
 
 GIB = 1 << 30
-LINUX_HOST = HostPosture(sip_enabled=False, secure_boot_enabled=False, rdma_disabled=True, hypervisor_active=False)
+LINUX_HOST = HostPosture(sip_enabled=False, secure_boot_enabled=False, rdma_disabled=True, virtual_machine=False)
 HARDENED = Hardening(core_dumps_disabled=True, anti_debug_enabled=True, env_scrubbed=True)
 
 

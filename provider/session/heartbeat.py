@@ -7,65 +7,23 @@
 * ``warm_models`` — loaded models (from the model manager).
 * ``system_metrics`` — ``memory_pressure`` = ``memory.pressure(snapshot).wire_value`` (the report's); ``cpu_usage`` =
   psutil's system-wide ``cpu_percent(None)`` / 100 (non-blocking: the share since the previous call);
-  ``thermal_state`` from ``ThermalSampler``.
+  ``thermal_state`` from ``ThermalSampler`` (``session/thermal.py``).
 * ``backend_capacity`` — from the model manager (slots, token budgets, MLX memory, ``free_for_load_gb``).
-
-Thermal state: Linux has no equivalent of macOS's thermal pressure, so it is ``nominal``. On macOS
-``pmset -g therm`` reports ``CPU_Speed_Limit``; 100 → nominal, ≥ 80 → fair, ≥ 50 → serious, lower →
-critical. It runs a process, so it is sampled off the event loop at most every ``THERMAL_TTL_S``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import re
-import sys
-import time
 from collections.abc import Callable
 
 import psutil
 
 from memory.policy import GiB
-from protocol import BackendCapacity, BackendSlotCapacity, Heartbeat, HeartbeatStatus, SystemMetrics, ThermalState
+from protocol import BackendCapacity, BackendSlotCapacity, Heartbeat, HeartbeatStatus, SystemMetrics
 from provider.jobs.stats import ServingStats
 from provider.slots import CapacityReport
-from provider.session.posture import Runner, run_command
+from provider.session.thermal import THERMAL_TTL_S, ThermalSampler
 
-THERMAL_TTL_S = 30.0
 MAX_TOKENS_POTENTIAL = 1_000_000  # the coordinator clamps to this; we never send more
-
-
-def parse_pmset_therm(output: str | None) -> ThermalState:
-    match = re.search(r"CPU_Speed_Limit\s*=\s*(\d+)", output or "")
-    if match is None:
-        return ThermalState.NOMINAL
-    limit = int(match.group(1))
-    if limit >= 100:
-        return ThermalState.NOMINAL
-    if limit >= 80:
-        return ThermalState.FAIR
-    if limit >= 50:
-        return ThermalState.SERIOUS
-    return ThermalState.CRITICAL
-
-
-class ThermalSampler:
-    """The host's thermal state, refreshed off the loop; ``state`` is always the last reading."""
-
-    def __init__(self, *, platform: str = sys.platform, run: Runner = run_command,
-                 ttl_s: float = THERMAL_TTL_S) -> None:
-        self._darwin = platform == "darwin"
-        self._run = run
-        self._ttl = ttl_s
-        self._sampled_at = float("-inf")
-        self.state = ThermalState.NOMINAL
-
-    async def refresh(self) -> ThermalState:
-        if self._darwin and time.monotonic() - self._sampled_at >= self._ttl:
-            self._sampled_at = time.monotonic()
-            output = await asyncio.to_thread(self._run, ["pmset", "-g", "therm"])
-            self.state = parse_pmset_therm(output)
-        return self.state
 
 
 def backend_capacity(report: CapacityReport) -> BackendCapacity:
@@ -143,5 +101,4 @@ class HeartbeatSource:
         )
 
 
-__all__ = ["MAX_TOKENS_POTENTIAL", "THERMAL_TTL_S", "HeartbeatSource", "ThermalSampler", "backend_capacity",
-           "parse_pmset_therm"]
+__all__ = ["MAX_TOKENS_POTENTIAL", "THERMAL_TTL_S", "HeartbeatSource", "ThermalSampler", "backend_capacity"]

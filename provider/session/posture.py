@@ -1,13 +1,34 @@
 """Host posture (what the machine is) and process hardening (what we make of our own process).
 
 Honesty rules: a posture flag is true only when it was read from the host and said so; a hardening
-flag is true only when the step was carried out and verified. On macOS SIP comes from ``csrutil
-status`` and Secure Boot from the ``AppleSecureBootPolicy`` NVRAM variable (Full Security = ``%02``;
-when the variable cannot be read — e.g. Apple silicon without privileges — it is reported false, never
-guessed). Elsewhere SIP and Secure Boot are false: they do not exist. ``rdma_disabled`` is true when
-the host has no RDMA device (Linux: ``/sys/class/infiniband`` is empty; macOS: ``rdma_ctl status`` is
-absent or says disabled). ``hypervisor_active`` comes from ``kern.hv_vmm_present`` / the cpuinfo
-``hypervisor`` flag.
+flag is true only when the step was carried out and verified; a fact that cannot be read is
+unknown (``None``), never a guessed ``false`` or ``true``.
+
+macOS (each reader is tested on real output published by others: ``tests/macos_samples/``):
+
+* SIP: ``csrutil status``; only ``status: enabled.`` is enabled. A custom configuration
+  (``enabled (Custom Configuration)`` on older macOS, ``unknown (Custom Configuration)`` on Apple
+  silicon) has protections switched off, so it is not.
+* Secure Boot: ``system_profiler SPiBridgeDataType -json``, key ``ibridge_secure_boot`` (as osquery's
+  ``secureboot`` table and Darkbloom's Swift provider read it; the same report exists on Intel Macs
+  with a T2 chip). The coordinator means Full Security by ``secure_boot_enabled`` (its MDM cross-check
+  compares it with ``SecureBootLevel == "full"``), so ``Full Security`` is true, a lowered level
+  (``Reduced``/``Permissive``, T2: ``Medium``/``No Security``) is false, and anything else — no
+  report, an empty one, a value ``system_profiler`` translated on a non-English Mac — is unknown: the
+  field is left out of the challenge answer (the coordinator only acts on a present ``false``) and
+  the agent logs ``secure_boot_unknown``. (The ``nvram …:AppleSecureBootPolicy`` variable exists on T2
+  Macs only, not on Apple silicon.)
+* RDMA: ``rdma_ctl status`` absent or ``disabled`` → disabled.
+* Virtual machine: ``sysctl kern.hv_vmm_present`` (``1`` inside a VM; the name exists from macOS
+  11.3). Reported in the log, not on the wire: see ``hypervisor_active`` below.
+
+Elsewhere SIP and Secure Boot are false (they do not exist), ``rdma_disabled`` is true when
+``/sys/class/infiniband`` is empty, and the cpuinfo ``hypervisor`` flag says "virtual machine".
+
+``hypervisor_active`` is Darkbloom's name for the provider's own memory isolation: its Rust provider
+maps model weights, activations and KV into a Hypervisor.framework VM's stage-2 page tables so RDMA
+cannot read them, and the coordinator accepts ``rdma_disabled: false`` only with it. This agent has
+no such isolation, so it reports ``false`` everywhere; running *inside* a VM isolates nothing.
 
 Hardening (``harden_process``, re-exported from ``provider.hardening``): core dumps off, not
 dumpable / no debugger attach, the environment scrubbed of injection hooks and secrets.
@@ -20,10 +41,9 @@ it is refused unless the coordinator URL is a loopback address, and the session 
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
-import subprocess
 import sys
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -31,10 +51,9 @@ from urllib.parse import urlsplit
 from protocol import PrivacyCapabilities
 from protocol.attest import SecurityPosture
 from provider.hardening import NO_HARDENING, SCRUBBED_NAMES, Hardening, harden_process, scrub_environment
+from provider.hostcmd import Runner, read_sysctl, run_command
 
-_COMMAND_TIMEOUT_S = 5.0
-
-Runner = Callable[[Sequence[str]], str | None]  # argv -> stdout, None when it cannot run
+MEMORY_ISOLATION = False  # `hypervisor_active`: we do not isolate model memory in a hypervisor (see above)
 
 
 class DevPostureRefused(ValueError):
@@ -44,13 +63,13 @@ class DevPostureRefused(ValueError):
 @dataclass(frozen=True, slots=True)
 class HostPosture:
     sip_enabled: bool
-    secure_boot_enabled: bool
+    secure_boot_enabled: bool | None  # None: could not be read (left out of the challenge answer)
     rdma_disabled: bool
-    hypervisor_active: bool
+    virtual_machine: bool | None = None  # this host is a VM guest (None: unknown); not a wire field
 
 
 DEV_HOST_POSTURE = HostPosture(sip_enabled=True, secure_boot_enabled=True, rdma_disabled=True,
-                               hypervisor_active=False)
+                               virtual_machine=False)
 
 
 # --- dev posture ---------------------------------------------------------------------------------------
@@ -80,16 +99,6 @@ def check_dev_posture(coordinator_url: str, dev_posture: bool) -> None:
 # --- reading the host ----------------------------------------------------------------------------------
 
 
-def run_command(argv: Sequence[str]) -> str | None:
-    """stdout of a short system command, or None if it is missing, fails or hangs."""
-    try:
-        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=_COMMAND_TIMEOUT_S,
-                              check=False, env={"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "LANG": "C"})
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout if done.returncode == 0 else None
-
-
 def read_host_posture(*, platform: str = sys.platform, run: Runner = run_command,
                       sys_root: Path = Path("/")) -> HostPosture:
     """What the host says about itself. Blocking (runs commands): call it off the event loop."""
@@ -99,7 +108,7 @@ def read_host_posture(*, platform: str = sys.platform, run: Runner = run_command
         sip_enabled=False,
         secure_boot_enabled=False,
         rdma_disabled=not _has_entries(sys_root / "sys" / "class" / "infiniband"),
-        hypervisor_active=_cpuinfo_has_hypervisor(sys_root / "proc" / "cpuinfo"),
+        virtual_machine=_cpuinfo_has_hypervisor(sys_root / "proc" / "cpuinfo"),
     )
 
 
@@ -108,19 +117,42 @@ def parse_csrutil(output: str | None) -> bool:
     return output is not None and re.search(r"status:\s*enabled\.\s*$", output.strip(), re.IGNORECASE) is not None
 
 
-def parse_secure_boot_policy(output: str | None) -> bool:
-    """``nvram …:AppleSecureBootPolicy`` prints ``…\\t%02`` for Full Security."""
-    return output is not None and output.strip().endswith("%02")
+# `ibridge_secure_boot` values (osquery's secureboot table; Darkbloom's BootPolicyDiagnostic).
+_FULL_SECURITY = "fullsecurity"
+_LOWERED_SECURITY = frozenset({"reducedsecurity", "permissivesecurity", "mediumsecurity", "nosecurity"})
+
+
+def parse_secure_boot(output: str | None) -> bool | None:
+    """``system_profiler SPiBridgeDataType -json``: True for Full Security, False for a lowered level,
+    None when there is no readable English level (no report, an empty one, a translated value)."""
+    try:
+        items = json.loads(output or "").get("SPiBridgeDataType")
+    except (ValueError, AttributeError):
+        return None
+    levels = [item.get("ibridge_secure_boot") for item in items or () if isinstance(item, dict)]
+    for level in levels:
+        if isinstance(level, str):
+            normalized = "".join(level.split()).lower()
+            if normalized == _FULL_SECURITY:
+                return True
+            if normalized in _LOWERED_SECURITY:
+                return False
+    return None
+
+
+def parse_vmm_present(values: dict[str, str]) -> bool | None:
+    """``kern.hv_vmm_present: 1`` inside a virtual machine, ``0`` on a real Mac; absent: unknown."""
+    value = values.get("kern.hv_vmm_present")
+    return None if value not in ("0", "1") else value == "1"
 
 
 def _darwin_posture(run: Runner) -> HostPosture:
     rdma = run(["rdma_ctl", "status"])
     return HostPosture(
         sip_enabled=parse_csrutil(run(["csrutil", "status"])),
-        secure_boot_enabled=parse_secure_boot_policy(
-            run(["nvram", "94b73556-2ba1-4f56-8cfd-1ad8d5c5bb7d:AppleSecureBootPolicy"])),
+        secure_boot_enabled=parse_secure_boot(run(["system_profiler", "SPiBridgeDataType", "-json"])),
         rdma_disabled=rdma is None or "disabled" in rdma.lower(),
-        hypervisor_active=(run(["sysctl", "-n", "kern.hv_vmm_present"]) or "").strip() == "1",
+        virtual_machine=parse_vmm_present(read_sysctl(run, "kern.hv_vmm_present")),
     )
 
 
@@ -158,7 +190,7 @@ class Posture:
         """The posture fields of every ``attestation_response``."""
         host = self.reported_host
         return SecurityPosture(sip_enabled=host.sip_enabled, secure_boot_enabled=host.secure_boot_enabled,
-                               rdma_disabled=host.rdma_disabled, hypervisor_active=host.hypervisor_active)
+                               rdma_disabled=host.rdma_disabled, hypervisor_active=MEMORY_ISOLATION)
 
     def privacy_capabilities(self) -> PrivacyCapabilities:
         """``register.privacy_capabilities``. In-process MLX with no text proxy is what we are; we do not
@@ -173,12 +205,13 @@ class Posture:
             anti_debug_enabled=dev or hard.anti_debug_enabled,
             core_dumps_disabled=dev or hard.core_dumps_disabled,
             env_scrubbed=dev or hard.env_scrubbed,
-            hypervisor_active=host.hypervisor_active,
+            hypervisor_active=MEMORY_ISOLATION,
         )
 
 
 __all__ = [
     "DEV_HOST_POSTURE",
+    "MEMORY_ISOLATION",
     "NO_HARDENING",
     "SCRUBBED_NAMES",
     "DevPostureRefused",
@@ -189,8 +222,8 @@ __all__ = [
     "harden_process",
     "is_loopback_url",
     "parse_csrutil",
-    "parse_secure_boot_policy",
+    "parse_secure_boot",
+    "parse_vmm_present",
     "read_host_posture",
-    "run_command",
     "scrub_environment",
 ]
