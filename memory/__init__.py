@@ -8,13 +8,15 @@ Modules (reference/memory-policy.md is the specification):
              values were rejected or clamped (`PolicySettings.adjustments`); the room left for
              weights (`room_for_weights`, `largest_loadable_bytes`) and what leaves none
              (`no_room_causes`)
-* `snapshot` `MemorySnapshot`, the one value everything else reads
+* `snapshot` `MemorySnapshot`, the one value everything else reads, and the one rule for MLX's
+             buffer cache (counted as used everywhere, reclaimed before any refusal or eviction)
 * `probe`    the only module that reads the machine (psutil, MLX counters, cgroup v1/v2 files):
              `memory.probe.snapshot()` or a long-lived `Probe`
 * `ledger`   the one process-wide reservation ledger (atomic check-and-insert, typed leases)
 * `fit`      fit verdicts and `free_for_load_bytes` for register, heartbeat and doctor
 * `media`    vision requests: projected decode bytes, the KV span, the request ceilings
 * `pressure` GREEN / YELLOW / RED / FATAL watermarks of projected utilization
+* `mlx_limits` MLX's memory, buffer-cache and wired limits from the cap figures
 * `settle`   the settle barrier after an unload
 
 No other package does cap arithmetic; it calls these.
@@ -52,6 +54,7 @@ from memory.policy import (
     resolve_settings,
     room_for_weights,
 )
+from memory.mlx_limits import MlxLimits, mlx_limits
 from memory.pressure import Pressure, PressureLevel, pressure
 from memory.probe import Probe
 from memory.settle import SettleResult, settle
@@ -74,6 +77,7 @@ __all__ = [
     "MediaLimits",
     "MemorySnapshot",
     "MlxCounters",
+    "MlxLimits",
     "PolicySettings",
     "Pressure",
     "PressureLevel",
@@ -94,6 +98,7 @@ __all__ = [
     "free_for_load_bytes",
     "gib",
     "largest_loadable_bytes",
+    "mlx_limits",
     "no_room_causes",
     "padded_weight_bytes",
     "pressure",

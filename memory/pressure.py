@@ -1,8 +1,11 @@
 """Pressure watermarks of projected utilization (memory-policy.md §8, from the oMLX hardening PR).
 
-    u = (mlx_used − reclaimable_cache + incoming + overhead) / P
+    u = (mlx_used + incoming + overhead) / P
 
-MLX's cache is reclaimable (`mx.clear_cache()`), so `mlx_used − cache` is MLX's active bytes.
+`mlx_used` counts MLX's buffer cache, as every other figure does (the one rule in
+`memory/snapshot.py`; §8 discounted the cache here while the cap math counted it, so the heartbeat's
+pressure disagreed with admission). The cache is reclaimable all the same: the model manager clears
+it before it evicts for pressure, and decides again.
 GREEN < 65 % ≤ YELLOW < 80 % ≤ RED < 90 % ≤ FATAL. YELLOW or worse before a load means: evict idle
 models one at a time, re-checking after each. Heartbeats report `utilization` clamped to [0, 1]
 (`system_metrics.memory_pressure`); `doctor` prints the level.
@@ -55,10 +58,10 @@ def level_for(utilization: float) -> PressureLevel:
 
 
 def projected_utilization(snapshot: MemorySnapshot, *, incoming_bytes: int = 0, overhead_bytes: int = 0) -> float:
-    """`(mlx_used − cache + incoming + overhead) / P`; 1.0 when `P` is 0."""
+    """`(mlx_used + incoming + overhead) / P`; 1.0 when `P` is 0."""
     if snapshot.physical_bytes <= 0:
         return 1.0
-    used = snapshot.mlx_active_bytes + max(0, incoming_bytes) + max(0, overhead_bytes)
+    used = snapshot.mlx_used_bytes + max(0, incoming_bytes) + max(0, overhead_bytes)
     return used / snapshot.physical_bytes
 
 

@@ -3,11 +3,23 @@
 `memory.probe` produces these; everything else in `memory/` only reads them, so the policy, the
 ledger, fit verdicts and pressure levels are pure functions of a snapshot and tests build snapshots
 by hand instead of faking MLX or the OS.
+
+The one rule for MLX's buffer cache (freed buffers MLX keeps for reuse, `mx.get_cache_memory()`):
+
+* it is counted as used, everywhere: `mlx_used_bytes` (active + cache) is what the cap math, the
+  ledger, fit verdicts, `free_for_load_gb` *and* the pressure watermark read, because the memory is
+  resident until cleared and the OS's available figure already counts it as taken;
+* it is reclaimable (`reclaimable_bytes`): one `mx.clear_cache()` on the engine thread frees it, and
+  `after_reclaim()` is the snapshot as it will be then. So nothing refuses a request or evicts a model
+  while the cache holds bytes: the model manager clears it first and decides again, and a decision
+  that only predicts (fast admission) is taken on `after_reclaim()` when the real snapshot refuses;
+* it is bounded: the engine caps it (`memory.mlx_limits`), so it cannot grow to tens of GiB between
+  two decisions.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,3 +61,14 @@ class MemorySnapshot:
     def mlx_used_bytes(self) -> int:
         """`mlx_used` = MLX active + cache: every resident model's weights and KV, plus freed-but-kept buffers."""
         return self.mlx_active_bytes + self.mlx_cache_bytes
+
+    @property
+    def reclaimable_bytes(self) -> int:
+        """What `mx.clear_cache()` gives back now: MLX's buffer cache."""
+        return self.mlx_cache_bytes
+
+    def after_reclaim(self) -> MemorySnapshot:
+        """This snapshot as it will be once the cache is cleared: the cache is gone and the OS has it."""
+        if not self.mlx_cache_bytes:
+            return self
+        return replace(self, mlx_cache_bytes=0, available_bytes=self.available_bytes + self.mlx_cache_bytes)

@@ -102,15 +102,24 @@ def test_watermarks(u: float, level: PressureLevel) -> None:
     assert level_for(u) is level
 
 
-def test_projected_pressure_discounts_cache_and_adds_the_load() -> None:
+def test_projected_pressure_counts_the_cache_like_the_cap_math_and_adds_the_load() -> None:
+    """Issue 18.4: one rule for MLX's buffer cache. It counts as used in pressure exactly as in the cap
+    math (both read `mlx_used_bytes`), and `after_reclaim()` is what a clear would make of it."""
     snap = MemorySnapshot(physical_bytes=100 * GiB, available_bytes=50 * GiB,
                           mlx_active_bytes=40 * GiB, mlx_cache_bytes=20 * GiB)
-    assert projected_utilization(snap) == 0.40  # the 20 GiB cache is reclaimable
-    now = pressure(snap)
+    assert projected_utilization(snap) == 0.60 == snap.mlx_used_bytes / snap.physical_bytes
+    cleared = snap.after_reclaim()
+    assert (cleared.mlx_cache_bytes, cleared.available_bytes, cleared.mlx_active_bytes) == (0, 70 * GiB, 40 * GiB)
+    assert snap.reclaimable_bytes == 20 * GiB and cleared.reclaimable_bytes == 0 and cleared.after_reclaim() is cleared
+    now = pressure(cleared)
     assert now.level is PressureLevel.GREEN and not now.evict_before_load and now.wire_value == 0.4
-    load = pressure(snap, incoming_bytes=30 * GiB, overhead_bytes=3 * GiB)
+    assert pressure(snap).level is PressureLevel.GREEN and pressure(snap).wire_value == 0.6
+    load = pressure(cleared, incoming_bytes=30 * GiB, overhead_bytes=3 * GiB)
     assert math.isclose(load.utilization, 0.73) and load.level is PressureLevel.YELLOW and load.evict_before_load
-    over = pressure(snap, incoming_bytes=80 * GiB)
+    over = pressure(cleared, incoming_bytes=80 * GiB)
     assert over.level is PressureLevel.FATAL and over.utilization > 1 and over.wire_value == 1.0
+    f = figures(100 * GiB, env={})
+    # The cap math sees the same 60 GiB and the room a clear would give.
+    assert f.load_room_bytes(cleared) - f.load_room_bytes(snap) == 20 * GiB
     assert pressure(MemorySnapshot(physical_bytes=0, available_bytes=0)).level is PressureLevel.FATAL
     assert PressureLevel.RED > PressureLevel.YELLOW > PressureLevel.GREEN

@@ -36,6 +36,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
 from kvcache.manager import MISS, ModelKvCache, Reuse
+from memory.mlx_limits import MlxLimits
 from memory.settle import reclaim
 from provider.engine.commands import (
     Cancel,
@@ -51,6 +52,7 @@ from provider.engine.commands import (
     Submit,
     Unload,
 )
+from provider.engine.device import DeviceLimits
 from provider.engine.sampling import sampler_for
 from provider.engine.textstream import CompletionText
 from provider.engine.vision import DutyCycle, Trace, VisionSlot
@@ -137,13 +139,14 @@ def _release_native_heap() -> None:
 class Worker:
     def __init__(self, commands: queue.SimpleQueue[Command], *, prefix_cache: PrefixCacheLookup | None = None,
                  vision_prefill_step: int = DEFAULT_PREFILL_STEP, trace: Trace | None = None,
-                 batch_size: int = DEFAULT_BATCH_SIZE):
+                 batch_size: int = DEFAULT_BATCH_SIZE, limits: MlxLimits | None = None):
         self._commands = commands
         self._prefix_cache = prefix_cache
         self._vision_prefill_step = vision_prefill_step
         self._trace = trace
         self._duty = DutyCycle()
         self.batch_size = batch_size
+        self._device = DeviceLimits(limits)  # MLX's memory/cache limits, and the wired limit (device.py)
         self._slots: dict[str, _Slot] = {}
         self._vision: dict[str, VisionSlot] = {}
         self._where: dict[str, tuple[_Slot, int]] = {}  # request_id -> (slot, uid)
@@ -154,6 +157,14 @@ class Worker:
         self.stats: dict[str, ModelStats] = {}
 
     # -- main loop -------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        """The engine thread: `run` under MLX's memory settings, put back as found when it ends."""
+        self._device.start()
+        try:
+            self.run()
+        finally:
+            self._device.stop()
 
     def run(self) -> None:
         while not self._stopped:
@@ -274,7 +285,7 @@ class Worker:
             vocab_size=int(config.get("vocab_size") or len(tokenizer)),
             load_seconds=time.monotonic() - started,
         )
-        self._slots[cmd.model_id] = _Slot(info, model, tokenizer, _new_generator(model, eos, self.batch_size))
+        self._slots[cmd.model_id] = _Slot(info, model, tokenizer, self._generator(model, eos))
         self.stats[cmd.model_id] = ModelStats(0, 0, 0)
         return info
 
@@ -300,8 +311,25 @@ class Worker:
             load_seconds=time.monotonic() - started, vision=True, image_text_tokens=wrapper)
         self._vision[cmd.model_id] = VisionSlot(info, vlm, emit=self._emit, notify=self._notify_released,
                                                 prefill_step=self._vision_prefill_step, trace=self._trace)
+        self._device.wire()  # a vision model is resident too (its steps are ours: nothing else wires)
         self.stats[cmd.model_id] = ModelStats(0, 0, 0)
         return info
+
+    def _generator(self, model, eos_token_ids: frozenset[int]) -> BatchGenerator:
+        """A model's generator, under the engine's wired limit: wired before (so the generator records
+        it as the value its `close()` restores) and again after (it has just wired its own)."""
+        self._device.wire()
+        try:
+            generator = _new_generator(model, eos_token_ids, self.batch_size)
+        except BaseException:
+            self._unwire_if_empty()
+            raise
+        self._device.wire()
+        return generator
+
+    def _unwire_if_empty(self) -> None:
+        if not self._slots and not self._vision:
+            self._device.unwire()  # no model resident: the wired limit found before the first one
 
     def _kv_bytes_per_token(self, model_id: str) -> int:
         """Bytes per token the model's own caches allocate: one token into a fresh prompt cache makes
@@ -326,6 +354,7 @@ class Worker:
             self.stats.pop(model_id, None)
             vision.vlm = None
             del vision
+            self._unwire_if_empty()
             gc.collect()
             mx.clear_cache()
             _release_native_heap()
@@ -337,6 +366,7 @@ class Worker:
         self.stats.pop(model_id, None)
         slot.model = slot.tokenizer = slot.generator = None
         del slot
+        self._unwire_if_empty()
         gc.collect()
         mx.clear_cache()
         _release_native_heap()
@@ -544,7 +574,7 @@ class Worker:
             log.exception("decode step failed", extra={"model_id": slot.info.model_id})
             self._fail_all(slot, EngineFailure.INTERNAL_ERROR)
             slot.generator.close()
-            slot.generator = _new_generator(slot.model, slot.info.eos_token_ids, self.batch_size)
+            slot.generator = self._generator(slot.model, slot.info.eos_token_ids)
         self._publish_stats(slot)
 
     def _on_token(self, slot: _Slot, active: _Active, token: int, finish: str | None,
