@@ -4,6 +4,12 @@ Decide synchronously, then do I/O: every decision (admit, what to evict, whether
 memory) is a pure function in `admission.py` over a `ManagerView` and one snapshot; this module
 performs the loads, unloads and settles that follow, on the engine thread or in `to_thread`.
 
+MLX's buffer cache counts as used (memory/snapshot.py) but never costs a request or a model: when a
+decision would refuse or evict while the cache holds bytes, it is taken again on the snapshot as it
+will be once the cache is cleared, and the clear is done first — queued on the engine thread by a
+booking (ahead of that request's load and KV, `Engine.request_reclaim`), awaited by a load's
+pressure step, a warm-up plan and the idle reaper's prefix relief.
+
 Load, in this order (memory-policy.md §5), inside one single-flight task per model:
   1. sample memory; plan: `required = padded weights + A + MIN_KV`; if short, check first that
      evicting every idle model could reach it (refuse if not), then evict the LRU idle model,
@@ -42,6 +48,7 @@ from memory import (
     CapFigures,
     FitResult,
     Ledger,
+    PressureLevel,
     Probe,
     MemorySnapshot,
     Rejection,
@@ -66,6 +73,7 @@ from provider.slots.admission import (
     Admitted,
     ManagerView,
     Refused,
+    RoomPlan,
     decide,
     plan_room,
     pressure_victim,
@@ -231,8 +239,14 @@ class ModelManager(VisionServing):
         plan = media or NO_MEDIA
         info = slot.info if slot is not None else None
         media_bytes = plan.decode_bytes(info.vision.input_pixels if info is not None and info.vision else 0)
-        return decide(self.view(), self.figures, self._probe.snapshot(), model_id=model_id, info=info,
-                      prompt_tokens=prompt_tokens, max_tokens=max_tokens, images=plan.count, media_bytes=media_bytes)
+        view, snap = self.view(), self._probe.snapshot()
+        verdict = decide(view, self.figures, snap, model_id=model_id, info=info, prompt_tokens=prompt_tokens,
+                         max_tokens=max_tokens, images=plan.count, media_bytes=media_bytes)
+        if _gives_way(verdict, snap):  # a booking would clear MLX's buffer cache first: judge as then
+            verdict = decide(view, self.figures, snap.after_reclaim(), model_id=model_id, info=info,
+                             prompt_tokens=prompt_tokens, max_tokens=max_tokens, images=plan.count,
+                             media_bytes=media_bytes)
+        return verdict
 
     def precheck(self, model_id: str, prompt_tokens: int, max_tokens: int | None = None) -> Failure | None:
         """The refusal a request of at least `prompt_tokens` would get now, before it is counted
@@ -260,10 +274,17 @@ class ModelManager(VisionServing):
             return checked if isinstance(checked, Refused) else Booking(model_id, checked.kv, None, media=media)
         if media is not None and media.count:
             return Refused(Failure.unsupported_media())
-        snap = self._probe.snapshot()
-        decision = decide(self.view(), self.figures, snap, model_id=model_id,
-                          info=slot.info if slot is not None else None, prompt_tokens=prompt_tokens,
+        snap, view = self._probe.snapshot(), self.view()
+        info = slot.info if slot is not None else None
+        decision = decide(view, self.figures, snap, model_id=model_id, info=info, prompt_tokens=prompt_tokens,
                           max_tokens=max_tokens)
+        if _gives_way(decision, snap):
+            # MLX's buffer cache goes before a refusal or an eviction (memory/snapshot.py). The clear is
+            # queued on the engine thread now, ahead of this request's load and KV allocations.
+            self._engine.request_reclaim()
+            snap = snap.after_reclaim()
+            decision = decide(view, self.figures, snap, model_id=model_id, info=info, prompt_tokens=prompt_tokens,
+                              max_tokens=max_tokens)
         if isinstance(decision, Refused):
             return decision
         assert slot is not None
@@ -454,6 +475,9 @@ class ModelManager(VisionServing):
                 snap = self._probe.snapshot()
                 plan = plan_room(self.view(), self.figures, snap, target=slot.model_id,
                                  weight_bytes_on_disk=slot.info.weight_bytes)
+                if _gives_way(plan, snap):  # MLX's buffer cache goes first (memory/snapshot.py)
+                    await self._engine.reclaim()
+                    continue
                 if isinstance(plan, Refused):
                     return plan.failure
                 if plan.victims:
@@ -569,6 +593,9 @@ class ModelManager(VisionServing):
                 await asyncio.gather(*(asyncio.shield(t) for t in leaving), return_exceptions=True)
                 continue
             snap = self._probe.snapshot()
+            if snap.reclaimable_bytes and pressure(snap, incoming_bytes=estimate).evict_before_load:
+                await self._engine.reclaim()  # MLX's buffer cache goes before the prefix tier or a model
+                snap = self._probe.snapshot()
             if self._prefix.relieve(pressure(snap, incoming_bytes=estimate).level):
                 continue
             victim = pressure_victim(self.view(), snap, target=slot.model_id, incoming_bytes=estimate)
@@ -699,7 +726,11 @@ class ModelManager(VisionServing):
 
     async def reap_idle(self) -> list[str]:
         """Unload every model idle for `idle_timeout_s` or more, except those kept warm; returns their ids."""
-        self._prefix.relieve(pressure(self._probe.snapshot()).level)
+        snap = self._probe.snapshot()
+        if snap.reclaimable_bytes and pressure(snap).level >= PressureLevel.RED:
+            await self._engine.reclaim()  # MLX's buffer cache goes before the prefix tier (memory/snapshot.py)
+            snap = self._probe.snapshot()
+        self._prefix.relieve(pressure(snap).level)
         if self._idle_timeout_s is None:
             return []
         now = self._clock()
@@ -815,6 +846,15 @@ class ModelManager(VisionServing):
             self._metrics.set_loaded_models(len(self.warm_models()))
         if self.on_capacity_change is not None:
             self.on_capacity_change()
+
+
+def _gives_way(decision: Admission | RoomPlan, snapshot: MemorySnapshot) -> bool:
+    """The decision would refuse or evict while MLX's buffer cache holds bytes a clear gives back."""
+    if not snapshot.reclaimable_bytes:
+        return False
+    if isinstance(decision, Refused):
+        return True
+    return bool(decision.evict if isinstance(decision, Admitted) else decision.victims)
 
 
 def _room_refusal(failure: Failure) -> bool:
