@@ -47,14 +47,25 @@ class FakeCache:
         return MlxCounters(mx.get_active_memory(), mx.get_cache_memory() + self.nbytes, mx.get_peak_memory())
 
     def wrap(self, engine: Engine) -> None:
-        real = engine.reclaim
+        """Whichever way the engine is asked to clear (awaited, or queued by a booking), the fake
+        empties when the engine thread has run the clear, as the real cache does."""
+        real, real_soon = engine.reclaim, engine.request_reclaim
 
-        async def reclaim() -> None:
+        def cleared(_future=None) -> None:
             self.nbytes = 0
             self.clears += 1
+
+        async def reclaim() -> None:
             await real()
+            cleared()
+
+        def request_reclaim():
+            future = real_soon()
+            future.add_done_callback(cleared)
+            return future
 
         engine.reclaim = reclaim  # type: ignore[method-assign]
+        engine.request_reclaim = request_reclaim  # type: ignore[method-assign]
 
 
 class CacheRig:
@@ -124,8 +135,8 @@ async def test_a_request_is_not_refused_for_memory_held_in_the_cache(make_rig, t
     rig.cache.nbytes = rig.figures.effective_cap_bytes - snap.mlx_used_bytes
     assert rig.figures.available_bytes(rig.probe.snapshot()) == 0
     verdict = rig.manager.admit("tiny", 32, 2)
-    assert isinstance(verdict, Admitted), verdict  # judged as after the clear serve() makes
-    await serve(rig.manager, "r2", "tiny")  # the reservation clears the cache, then fits
+    assert isinstance(verdict, Admitted), verdict  # judged as after the clear a booking makes
+    await serve(rig.manager, "r2", "tiny")  # the booking queues the clear ahead of its KV, and fits
     assert rig.cache.clears == clears + 1 and rig.cache.nbytes == 0
 
 

@@ -189,11 +189,16 @@ class Engine:
         """gc + `mx.clear_cache()` + `malloc_trim(0)` on the engine thread, between decode steps."""
         await self._call(Reclaim)
 
-    def request_reclaim(self) -> None:
+    def request_reclaim(self) -> Future:
         """Queue a `reclaim` and return at once: the engine thread runs it before any command queued
-        after this one (a booking's load, its request's KV). Ignored once the engine is closed."""
-        if not self._closed:
-            self._commands.put(Reclaim(Future()))
+        after this one (a booking's load, its request's KV). The future is done when it has run;
+        after the engine closed it is cancelled (nothing to clear)."""
+        reply: Future = Future()
+        if self._closed:
+            reply.cancel()
+        else:
+            self._commands.put(Reclaim(reply))
+        return reply
 
     def reclaim_blocking(self) -> None:
         """`reclaim` for a blocking caller off the loop (e.g. the settle barrier in a worker thread)."""
