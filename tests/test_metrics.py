@@ -154,3 +154,31 @@ def test_prefix_cache_stats_feed_counters_by_delta_and_gauges_by_value() -> None
     assert value(m, "darkbloom_prefix_cache_lookups_total", result="miss") == 3
     assert value(m, "darkbloom_prefix_cache_bytes", tier="ram") == 1024
     assert value(m, "darkbloom_prefix_cache_bytes", tier="disk") == 0
+
+
+def test_session_figures_are_read_at_each_scrape_with_closed_labels():
+    """Issue 13: darkbloom_session_* come from the session status when scraped; a reason or component
+    name that is not a short identifier becomes ``other``."""
+    from protocol.errors import Failure, RejectionReason
+    from provider.session.status import RuntimeVerdict, SessionStatus
+
+    metrics = Metrics()
+    status = SessionStatus("wss://coord.example/ws/provider")
+    metrics.watch_session(status.view)
+    before = metrics.render().decode()
+    assert 'darkbloom_session_state{state="connecting"} 1.0' in before
+    assert "\ndarkbloom_session_runtime_verified " not in before  # no sample: unknown until the coordinator says
+    status.registered()
+    status.requests.refuse(Failure.capacity(RejectionReason.MEMORY_CAP))
+    status.requests.refuse(Failure.draining())
+    status.requests.accept()
+    status.requests.fail(Failure.generation_failed())
+    status.note(RuntimeVerdict(False, ("runtime", "template:chat ml")))
+    text = metrics.render().decode()
+    assert 'darkbloom_session_state{state="registered"} 1.0' in text
+    assert 'darkbloom_session_requests_total{reason="memory_cap",result="refused"} 1.0' in text
+    assert 'darkbloom_session_requests_total{reason="draining",result="refused"} 1.0' in text
+    assert 'darkbloom_session_requests_total{reason="",result="accepted"} 1.0' in text
+    assert 'darkbloom_session_requests_total{reason="generation_failure",result="failed"} 1.0' in text
+    assert 'darkbloom_session_runtime_mismatch{component="other"} 1.0' in text
+    assert "darkbloom_session_runtime_verified 0.0" in text and "darkbloom_session_registrations_total 1.0" in text
