@@ -3,7 +3,6 @@ include the vision tower."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -87,3 +86,16 @@ def test_a_vision_folder_without_the_vision_extra_is_skipped(tiny_vlm_path, tiny
     assert [m.id for m in inventory.models] == ["text"]  # never advertised: it could not load
     (skipped,) = inventory.skipped
     assert skipped.id == "vlm" and skipped.reason is SkipReason.NO_VISION_RUNTIME
+
+
+def test_register_advertises_is_vision(tiny_vlm_path: Path, tiny_model_path: Path) -> None:
+    from provider.models import discover
+    from provider.session.register import advertised_models
+
+    inventory = discover(hf_cache=None, aliases={"vlm": tiny_vlm_path, "text": tiny_model_path})
+    cap = figures(16 * GiB, env={})
+    snap = MemorySnapshot(16 * GiB, 14 * GiB)
+    by_id = {m.id: m for m in advertised_models([(m, fit(cap, snap, m.weight_bytes)) for m in inventory.models])}
+    assert by_id["vlm"].is_vision is True and by_id["text"].is_vision is False
+    assert '"is_vision":true' in by_id["vlm"].model_dump_json(exclude_defaults=True)
+    assert "is_vision" not in by_id["text"].model_dump_json(exclude_defaults=True)

@@ -12,9 +12,7 @@ mlx-vlm, the tiny VLM, the real model manager and ledger on an emulated machine.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
-import threading
 from pathlib import Path
 
 import pytest

@@ -24,7 +24,6 @@ request (`ChatRequest.kv_tokens`).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -253,8 +252,3 @@ class VisionSlot:
         hook, active.on_released = active.on_released, None
         self._notify(hook, active.request_id)
 
-
-def timed(fn: Callable[[], object]) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
