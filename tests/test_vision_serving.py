@@ -284,3 +284,25 @@ async def test_a_text_request_on_the_vlm_is_served_without_media(harness):
     body = {"model": "vlm", "max_tokens": 5, "temperature": 0, "messages": [{"role": "user", "content": "hello"}]}
     assert await harness.run("t", body) is JobOutcome.COMPLETED
     assert harness.of("t")[-1]["usage"]["completion_tokens"] >= 1
+
+
+async def test_places_are_taken_at_booking_and_given_back_by_release(harness):
+    """The place among `max_vision_requests` is part of the booking (before the accept), not of
+    serving: a third booking with images is refused while two are held, whatever runs in between."""
+    from provider.request.media import inspect_images
+    from provider.slots import Refused
+
+    plan = inspect_images([PNG])
+    first = harness.manager.book("b1", "vlm", 40, 8, media=plan)
+    second = harness.manager.book("b2", "vlm", 40, 8, media=plan)
+    assert not isinstance(first, Refused) and not isinstance(second, Refused)
+    third = harness.manager.book("b3", "vlm", 40, 8, media=plan)
+    assert isinstance(third, Refused) and third.failure.reason.value == "queue_full"
+    assert not isinstance(harness.manager.book("t", "vlm", 40, 8), Refused)  # text on the VLM: no place needed
+    first.release()
+    first.release()  # idempotent
+    again = harness.manager.book("b4", "vlm", 40, 8, media=plan)
+    assert not isinstance(again, Refused)
+    second.release()
+    again.release()
+    assert harness.manager.view().vision_requests == {}

@@ -6,6 +6,8 @@
   any failure path, whichever comes first.
 * `Booking`: what admission reserved for one request (its KV, and the victims' unloads it must
   wait for before its KV may be allocated), from before `inference_accepted` to the engine.
+* `VisionPlace`: a request with images' place among its vision model's `max_vision_requests`,
+  taken at booking and given back exactly once when the request ends.
 * `KvReservation`: one request's share of its model's batch KV (`batchkv.KvBook`). `release` is
   idempotent and thread-safe because two paths may call it: the engine's `on_released` hook (engine
   thread, once the cache has left the batch) and the `serve()` exit (event loop, when the request
@@ -95,6 +97,20 @@ class KvReservation:
             self._on_release(self.request_id)
 
 
+class VisionPlace:
+    """One of a vision model's `max_vision_requests` places; `leave()` is idempotent (event loop)."""
+
+    def __init__(self, slot: ModelSlot) -> None:
+        self._slot = slot
+        self._held = True
+        slot.vision_requests += 1
+
+    def leave(self) -> None:
+        if self._held:
+            self._held = False
+            self._slot.vision_requests -= 1
+
+
 @dataclasses.dataclass(slots=True)
 class Booking:
     """What admission reserved for one request: hand it to `ModelManager.serve(booking=...)`, or
@@ -105,10 +121,13 @@ class Booking:
     reservation: KvReservation | None  # None: a vision model's request, reserved when it is served
     waits: tuple[asyncio.Task, ...] = ()  # unloads to finish before its KV may be allocated
     media: MediaPlan | None = None  # the request's checked images (vision models)
+    place: VisionPlace | None = None  # a request with images: its place on the vision model
 
     def release(self) -> None:
         if self.reservation is not None:
             self.reservation.release()
+        if self.place is not None:
+            self.place.leave()
 
 
 class ServeSlot:

@@ -80,7 +80,7 @@ from provider.slots.admission import (
     tokens_for_bytes,
 )
 from provider.slots.capacity import CapacityReport, SlotCapacity, max_concurrency
-from provider.slots.leases import Booking, Claim, KvReservation, ServeSlot, SlotRefused
+from provider.slots.leases import Booking, Claim, KvReservation, ServeSlot, SlotRefused, VisionPlace
 from provider.slots.prefix import PrefixRoom, WeightHashes, with_measured_kv
 from provider.slots.state import ModelSlot, ModelState, log
 from provider.slots.vision import VisionServing
@@ -269,9 +269,12 @@ class ModelManager(VisionServing):
         admissions never promise the same bytes twice. Release with `Booking.release()` unless it
         is handed to `serve(booking=...)`."""
         slot = self._slots.get(model_id)
-        if slot is not None and slot.info.is_vision:  # reserved in `_serve_vision` (slots/vision.py)
+        if slot is not None and slot.info.is_vision:  # KV and media reserved in `_serve_vision` (slots/vision.py)
             checked = self.admit(model_id, prompt_tokens, max_tokens, media=media)
-            return checked if isinstance(checked, Refused) else Booking(model_id, checked.kv, None, media=media)
+            if isinstance(checked, Refused):
+                return checked
+            place = VisionPlace(slot) if media is not None and media.count else None  # checked just now
+            return Booking(model_id, checked.kv, None, media=media, place=place)
         if media is not None and media.count:
             return Refused(Failure.unsupported_media())
         snap, view = self._probe.snapshot(), self.view()
@@ -409,7 +412,7 @@ class ModelManager(VisionServing):
             booking = result
         slot = self._slots[booking.model_id]
         if booking.reservation is None:  # a vision model
-            async with self._serve_vision(slot, request_id, prompt_tokens, max_tokens, booking.media) as vision:
+            async with self._serve_vision(slot, request_id, prompt_tokens, max_tokens, booking) as vision:
                 yield vision
             return
         slot.pins += 1

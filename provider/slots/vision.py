@@ -3,8 +3,9 @@
 `ModelManager.serve()` hands a request for a vision model (`ModelInfo.vision`) to
 `VisionServing._serve_vision`, which, in this order:
 
-1. takes a place among the model's `max_vision_requests` (requests with images only; the next one
-   is refused at once with 503 `queue_full`, so slow consumers cannot pin vision reservations);
+1. holds the place among the model's `max_vision_requests` its booking took (requests with images
+   only; admission refuses the next one at once with 503 `queue_full`, so slow consumers cannot
+   pin vision reservations), and gives it back when the request ends;
 2. waits for (or does) the model load, like any request;
 3. reserves, atomically against one snapshot, the request's KV span (`kv:<id>`, kind
    `request_kv`) and the projected decode bytes of its images (`media:<id>`, kind `media`) —
@@ -40,10 +41,9 @@ from provider.slots.admission import (
     plan_kv,
     vision_limit_refusal,
     vision_need,
-    vision_queue_full,
 )
 from provider.slots.batchkv import KvHold
-from provider.slots.leases import SlotRefused
+from provider.slots.leases import Booking, SlotRefused
 from provider.slots.state import ModelSlot
 
 if TYPE_CHECKING:
@@ -163,13 +163,8 @@ class VisionServing:
 
     @contextlib.asynccontextmanager
     async def _serve_vision(self: ModelManager, slot: ModelSlot, request_id: str, prompt_tokens: int,
-                            max_tokens: int | None, media: MediaPlan | None) -> AsyncIterator[VisionServeSlot]:
-        plan = media or NO_MEDIA
-        counted = plan.count > 0
-        if counted:
-            if slot.vision_requests >= self._max_vision:
-                raise SlotRefused(vision_queue_full().failure)
-            slot.vision_requests += 1
+                            max_tokens: int | None, booking: Booking) -> AsyncIterator[VisionServeSlot]:
+        plan = booking.media or NO_MEDIA
         slot.pins += 1
         leases = VisionLeases(self._ledger, slot, request_id)
         handle: VisionServeSlot | None = None
@@ -194,8 +189,7 @@ class VisionServing:
                 if not decoding:  # a started decode releases the media itself, once its thread is done
                     leases.release_media()
             slot.pins -= 1
-            if counted:
-                slot.vision_requests -= 1
+            booking.release()  # its place among the vision requests (no KV booked at admission)
             slot.last_used = self._clock()
 
     async def _reserve_vision(self: ModelManager, slot: ModelSlot, leases: VisionLeases, need: VisionNeed) -> None:
