@@ -5,7 +5,8 @@ Both servers run as their own processes on the same tiny model folder (`provider
 SDK, streaming, greedy, `stream_options.include_usage`). Three workloads, each at concurrency
 1 / 4 / 8:
 
-* ``w1``: distinct ~110-token chats (fresh prompts every repeat: no prefix reuse anywhere);
+* ``w1``: distinct ~110-token chats (fresh prompts for every cell and repeat: nothing to reuse but
+  the template's first tokens);
 * ``w2``: one shared 709-token system prompt and distinct short questions;
 * ``chat``: a 6-turn conversation per client (a ~1,500-token first message, short follow-ups),
   each turn sending back the previous answer as the server streamed it.
@@ -16,6 +17,12 @@ every request's `usage.prompt_tokens` must be equal on both sides (else the run 
 ceiling for w1 and w2. Per run the table below the results shows the 1-minute load average and
 the CPU seconds used by processes other than the two servers and this driver, so a noisy run can
 be seen.
+
+Reading the chat rows: a turn can reuse the previous answer only when the template renders the
+streamed answer back to the tokens the model generated. The tiny random models often generate
+token runs their BPE tokenizer would split differently (and mlx-lm's detokenizer drops an answer's
+leading space), so there both servers reuse the previous prompt only; `reuse` shows which case a
+run was.
 
 Columns: aggregate tok/s = completion tokens of all requests / wall time from t0 to the last
 stream's end; TTFT = t0 (or the turn's send) to the first content delta, p50 over the requests;
@@ -90,12 +97,12 @@ class Prompts:
             words.pop()
         return " ".join(words)
 
-    def w1(self, repeat: int, i: int) -> list[dict[str, str]]:
-        text = self._text_for(W1_TOKENS, random.Random(f"w1/{repeat}/{i}"))
+    def w1(self, c: int, repeat: int, i: int) -> list[dict[str, str]]:
+        text = self._text_for(W1_TOKENS, random.Random(f"w1/{c}/{repeat}/{i}"))
         return [{"role": "user", "content": text}]
 
-    def w2(self, repeat: int, i: int) -> list[dict[str, str]]:
-        rng = random.Random(f"w2/{repeat}/{i}")
+    def w2(self, c: int, repeat: int, i: int) -> list[dict[str, str]]:
+        rng = random.Random(f"w2/{c}/{repeat}/{i}")
         return [self.system, {"role": "user", "content": "Tell me about " + " ".join(rng.choices(WORDS, k=6)) + "."}]
 
     def first_message(self, c: int, repeat: int, i: int) -> str:
@@ -314,7 +321,7 @@ async def server_run(server: Server, prompts: Prompts, workload: str, c: int, re
     if workload == "chat":
         wall, requests = await conversations(server, prompts, c, repeat, args.turn_tokens)
     else:
-        batch = [getattr(prompts, workload)(repeat, i) for i in range(c)]
+        batch = [getattr(prompts, workload)(c, repeat, i) for i in range(c)]
         wall, requests = await single_shot(server, batch, args.max_tokens)
     after = server.reused_tokens()
     return Run(server.name, workload, c, repeat, wall, requests,
@@ -401,14 +408,14 @@ async def main() -> None:
     log: list[Run] = []
     try:
         for server in servers.values():  # warm-up: ours loads the model on its first request
-            await single_shot(server, [prompts.w1(-1, 0)], 4)
+            await single_shot(server, [prompts.w1(0, -1, 0)], 4)
         started = time.monotonic()
         for repeat in range(args.repeats):
             for cell, (workload, c) in enumerate(cells):
                 order = [OURS, PEER] if (repeat + cell) % 2 == 0 else [PEER, OURS]
                 cell_runs = runs.setdefault((workload, c), {})
                 if bare is not None and workload != "chat":
-                    batch = [getattr(prompts, workload)(repeat, i) for i in range(c)]
+                    batch = [getattr(prompts, workload)(c, repeat, i) for i in range(c)]
                     cell_runs[(BARE, repeat)] = await watch.around(
                         lambda: asyncio.to_thread(bare.run, batch, args.max_tokens, workload, c, repeat))
                     log.append(cell_runs[(BARE, repeat)])
