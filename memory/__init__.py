@@ -55,7 +55,7 @@ from memory.policy import (
     room_for_weights,
 )
 from memory.mlx_limits import MlxLimits, mlx_limits
-from memory.pressure import Pressure, PressureLevel, pressure
+from memory.pressure import Pressure, PressureLevel, pressure, pressure_thresholds
 from memory.probe import Probe
 from memory.settle import SettleResult, settle
 from memory.snapshot import MemorySnapshot, MlxCounters
@@ -102,6 +102,7 @@ __all__ = [
     "no_room_causes",
     "padded_weight_bytes",
     "pressure",
+    "pressure_thresholds",
     "projected_decode_bytes",
     "resolve_settings",
     "room_for_weights",

@@ -46,6 +46,11 @@ class Pressure:
         return self.level >= PressureLevel.YELLOW
 
 
+def pressure_thresholds() -> tuple[float, float, float]:
+    """Where YELLOW, RED and FATAL begin (fractions of physical memory)."""
+    return YELLOW_AT, RED_AT, FATAL_AT
+
+
 def level_for(utilization: float) -> PressureLevel:
     """Map a utilization fraction to its watermark (NaN counts as FATAL: unknown is not safe)."""
     if math.isnan(utilization) or utilization >= FATAL_AT:

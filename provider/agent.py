@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import os
 import signal
 import sys
 from collections.abc import Callable, Mapping
@@ -33,7 +35,7 @@ from protocol import AttestationChallenge, AttestationResponse
 from protocol.attest import RuntimeHashes, answer_challenge
 from protocol.crypto import KeyFileError
 from provider import __version__
-from provider.config import ConfigError, Settings, load_settings
+from provider.config import ConfigError, SelfRestart, Settings, load_settings
 from provider.engine import Engine
 from provider.hardware import available_gb, detect_hardware
 from provider.jobs import JobContext, ServingStats, run_job
@@ -58,12 +60,16 @@ from provider.session.posture import (
 from provider.session.register import RegisterFrame, advertised_models, build_register
 from provider.session.status import SessionStatus
 from provider.slots import ModelManager
+from provider.supervision import under_service_manager
 from provider.telemetry import configure_logging, get_logger
 
 log = get_logger("provider.agent")
 
 EXIT_OK = 0
 EXIT_CONFIG = 78  # EX_CONFIG, as the CLI uses for configuration errors
+# EX_TEMPFAIL: a memory restart (issue 20). launchd (KeepAlive, SuccessfulExit false) and the systemd
+# unit (Restart=on-failure) start the agent again; the crash-loop guard counts it like any abnormal exit.
+EXIT_RESTART = 75
 
 
 @dataclass(slots=True)
@@ -87,6 +93,7 @@ class Agent:
     weight_hashes: Mapping[str, str]
     metrics: Metrics
     runtime: Runtime
+    exit_code: int = EXIT_OK  # EXIT_RESTART once a memory restart was decided
 
     @classmethod
     async def start(cls, settings: Settings, *, engine: Engine | None = None, harden: bool = True,
@@ -148,7 +155,10 @@ class Agent:
                    stats, counter, heartbeat, session, weight_hashes, metrics, rt)
 
     async def run(self, stop: asyncio.Event) -> int:
-        """Serve until ``stop`` is set, then drain, unload every model and return the exit code."""
+        """Serve until ``stop`` is set, then drain, unload every model and return the exit code
+        (``EXIT_RESTART`` when a needed memory restart set ``stop``, see `_restart_if_needed`)."""
+        if self_restart_enabled(self.settings, os.environ):
+            self.manager.baseline_listeners.append(functools.partial(self._restart_if_needed, stop))
         background = [asyncio.create_task(self._refresh_thermal(), name="agent-thermal"),
                       asyncio.create_task(self.manager.run_idle_reaper(), name="agent-idle-reaper")]
         endpoint = StatusEndpoint.start(self.runtime, self.settings) if self.settings.local_enabled else None
@@ -165,8 +175,24 @@ class Agent:
             finally:
                 if endpoint is not None:
                     await endpoint.aclose()
-        log.info("agent_stopped", count=self.stats.requests_served, tokens_total=self.stats.tokens_generated)
-        return EXIT_OK
+        log.info("agent_stopped", count=self.stats.requests_served, tokens_total=self.stats.tokens_generated,
+                 code=self.exit_code)
+        return self.exit_code
+
+    def _restart_if_needed(self, stop: asyncio.Event) -> None:
+        """After each baseline sample: when memory that did not come back costs a model
+        (`memory.diagnostics`: needed), stop taking jobs (503 draining), let in-flight ones finish
+        within the drain timeout, close the session and exit with EXIT_RESTART."""
+        if self.exit_code == EXIT_RESTART or stop.is_set():
+            return
+        advice = self.manager.restart_advice()
+        if not advice.needed:
+            return
+        log.warning("self_restart", reason=advice.reason, drift_bytes=advice.drift.mlx_active_bytes,
+                    code=EXIT_RESTART)
+        self.exit_code = EXIT_RESTART
+        self.manager.start_draining()
+        stop.set()
 
     async def close(self) -> None:
         await self.runtime.aclose()
@@ -222,6 +248,13 @@ async def run_agent(settings: Settings, *, stop: asyncio.Event | None = None, en
             remove()
 
 
+def self_restart_enabled(settings: Settings, env: Mapping[str, str]) -> bool:
+    """`self_restart`: on, off, or (auto) only under a service manager that starts the agent again."""
+    if settings.self_restart is SelfRestart.AUTO:
+        return under_service_manager(env)
+    return settings.self_restart is SelfRestart.ON
+
+
 def main_serve(settings: Settings) -> int:
     """Synchronous entry point: run the agent to completion and return the process exit code."""
     try:
@@ -249,5 +282,5 @@ if __name__ == "__main__":
         sys.exit(main())
 
 
-__all__ = ["EXIT_CONFIG", "EXIT_OK", "Agent", "challenge_answerer", "install_stop_signals", "main", "main_serve",
+__all__ = ["EXIT_CONFIG", "EXIT_OK", "EXIT_RESTART", "self_restart_enabled", "Agent", "challenge_answerer", "install_stop_signals", "main", "main_serve",
            "run_agent"]

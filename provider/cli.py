@@ -258,12 +258,31 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
     ledger = status.get("ledger", {})
     for kind, nbytes in sorted(ledger.get("bytes_by_kind", {}).items()):
         lines.append(f"  ledger {kind}: {human_bytes(nbytes)}")
+    lines += render_diagnostics(status.get("diagnostics"), time.time() if now is None else now)
     kv = status.get("prefix_cache")
     if kv:
         lines.append(f"  prefix cache: {kv.get('hits', 0)} hits, {kv.get('partial_hits', 0)} partial, "
                      f"{kv.get('misses', 0)} misses; RAM {human_bytes(kv.get('ram_bytes'))}, "
                      f"disk {human_bytes(kv.get('disk_bytes'))}")
     return "\n".join(lines)
+
+
+def render_diagnostics(d: Any, now: float) -> list[str]:
+    """The `diagnostics` section of /status: the restart verdict, the baseline, the last unloads."""
+    from provider.doctor import human_bytes
+
+    if not isinstance(d, dict):
+        return []
+    restart, baseline = d.get("restart", {}), d.get("baseline", {})
+    reason = f" ({restart['reason']})" if restart.get("reason") else ""
+    lines = [f"  restart {restart.get('recommendation', '?')}{reason}; no-model baseline drift "
+             f"{human_bytes(baseline.get('drift_bytes'))} ({baseline.get('drift_pct', 0)} % of the cap), "
+             f"RSS drift {human_bytes(baseline.get('rss_drift_bytes'))}, {baseline.get('samples', 0)} samples"]
+    for u in d.get("unloads", [])[:3]:
+        lines.append(f"  unloaded {u.get('model')} ({u.get('cause')}) {_ago(u.get('at'), now)}: freed "
+                     f"{human_bytes(u.get('freed_bytes'))} of {human_bytes(u.get('resident_bytes'))}, "
+                     f"{'settled' if u.get('settled') else 'NOT settled'} in {u.get('settle_s', 0)} s")
+    return lines
 
 
 def _ago(at: float | None, now: float) -> str:

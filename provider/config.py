@@ -68,6 +68,12 @@ class LogLevel(StrEnum):
     ERROR = "error"
 
 
+class SelfRestart(StrEnum):
+    AUTO = "auto"  # on under a service manager (launchd, systemd), off otherwise
+    ON = "on"
+    OFF = "off"
+
+
 class LogFormat(StrEnum):
     AUTO = "auto"  # console on a terminal, JSON lines otherwise (launchd, systemd)
     JSON = "json"
@@ -204,6 +210,27 @@ class Settings(BaseModel):
         **_allowed("a number of seconds >= 0"),
     )
 
+    # --- memory diagnostics and the restart recommendation (memory/diagnostics.py)
+    restart_drift_fraction: float = Field(
+        0.05, gt=0, le=1, description="Advise a restart once the no-model baseline has grown by this share of "
+                                      "the effective cap (or restart_drift_gb, whichever is smaller).",
+        **_allowed("a fraction in (0, 1]"),
+    )
+    restart_drift_gb: float = Field(
+        1.0, gt=0, description="Advise a restart once the no-model baseline has grown by this many GiB "
+                               "(or restart_drift_fraction of the cap, whichever is smaller).",
+        **_allowed("a number of GiB > 0"),
+    )
+    restart_failed_settles: int = Field(
+        2, ge=1, description="Advise a restart after this many unloads in a row whose memory did not settle.",
+        **_allowed("an integer >= 1"),
+    )
+    self_restart: SelfRestart = Field(
+        SelfRestart.AUTO, description="When a restart is needed: drain and exit with the restart code "
+                                      "(auto = only under launchd or systemd, which start it again).",
+        **_allowed("auto, on or off"),
+    )
+
     # --- local state
     state_dir: Path = Field(
         default_factory=lambda: default_state_dir(Path.home()),
@@ -245,7 +272,8 @@ class Settings(BaseModel):
 
     @field_validator(
         "heartbeat_interval_s", "eviction_window_s", "memory_reserve_gb", "memory_limit_gb", "max_model_slots", "max_batch_size", "idle_timeout_mins",
-        "load_wait_timeout_s", "settle_timeout_s", "drain_timeout_s", "kv_ssd_budget_gb", "local_port",
+        "load_wait_timeout_s", "settle_timeout_s", "drain_timeout_s", "restart_drift_fraction", "restart_drift_gb",
+        "restart_failed_settles", "kv_ssd_budget_gb", "local_port",
         "max_vision_requests",
         mode="before",
     )

@@ -57,11 +57,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import platform
 import socket
 import ssl
 import sys
+import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -123,6 +125,8 @@ class ProblemCode(StrEnum):
     COORDINATOR_UNTRUSTED = "coordinator_untrusted"
     MEMORY_GATE_BLOCKS = "memory_gate_blocks"
     NOT_IN_CATALOG = "not_in_catalog"
+    RESTART_ADVISED = "restart_advised"
+    RESTART_NEEDED = "restart_needed"
 
 
 _SEVERITY: dict[ProblemCode, Severity] = {
@@ -142,6 +146,8 @@ _SEVERITY: dict[ProblemCode, Severity] = {
     ProblemCode.COORDINATOR_UNTRUSTED: Severity.WARNING,
     ProblemCode.MEMORY_GATE_BLOCKS: Severity.WARNING,
     ProblemCode.NOT_IN_CATALOG: Severity.WARNING,
+    ProblemCode.RESTART_ADVISED: Severity.WARNING,
+    ProblemCode.RESTART_NEEDED: Severity.ERROR,
 }
 
 _EXPLAIN: dict[ProblemCode, str] = {
@@ -162,6 +168,8 @@ _EXPLAIN: dict[ProblemCode, str] = {
     ProblemCode.COORDINATOR_UNTRUSTED: "a coordinator will treat this machine as untrusted",
     ProblemCode.MEMORY_GATE_BLOCKS: "the coordinator's free-memory gate refuses requests for this model",
     ProblemCode.NOT_IN_CATALOG: "not in the coordinator's catalog: dropped at register",
+    ProblemCode.RESTART_ADVISED: "the running agent advises a restart (memory does not come back after unloads)",
+    ProblemCode.RESTART_NEEDED: "the running agent needs a restart: memory that did not come back costs a model",
 }
 
 
@@ -221,6 +229,7 @@ class DoctorReport:
     coordinator: CoordinatorCheck
     problems: tuple[Problem, ...]
     routing: RoutingReport | None = None
+    agent: dict[str, Any] | None = None  # the running agent's /status diagnostics, when one answers
 
     @property
     def ok(self) -> bool:
@@ -319,6 +328,7 @@ def run_doctor(
     env: Mapping[str, str] | None = None,
     explain_routing: bool = True,
     hardening: Hardening | None = None,
+    check_running_agent: bool = True,
 ) -> DoctorReport:
     """Gather everything `doctor` shows. Blocking (file scans, the coordinator and catalog checks, the
     hardening probe). `explain_routing=False` skips the routing section; `hardening` stands in for the
@@ -346,8 +356,32 @@ def run_doctor(
                                  models=[(r.model, r.fit) for r in models], runtime_hash=rhash,
                                  check_catalog=check_coordinator_url, timeout_s=timeout_s, hardening=hardening)
         problems += _routing_problems(routing)
+    agent = running_agent_diagnostics(settings) if check_running_agent else None
+    problems += _restart_problems(agent)
     return DoctorReport(snapshot, hypothetical, cap, policy, level, rhash, models, inventory, coordinator, problems,
-                        routing)
+                        routing, agent)
+
+
+def running_agent_diagnostics(settings: Settings, timeout_s: float = 2.0) -> dict[str, Any] | None:
+    """The memory diagnostics of an agent running with these settings (its loopback /status), or
+    None when none answers. The same figures and recommendation the agent acts on."""
+    try:
+        with urllib.request.urlopen(settings.local_base_url + "/status", timeout=timeout_s) as resp:
+            status = json.loads(resp.read())
+    except (OSError, ValueError):
+        return None
+    diagnostics = status.get("diagnostics") if isinstance(status, dict) else None
+    return diagnostics if isinstance(diagnostics, dict) else None
+
+
+def _restart_problems(agent: dict[str, Any] | None) -> tuple[Problem, ...]:
+    restart = (agent or {}).get("restart") or {}
+    code = {"advised": ProblemCode.RESTART_ADVISED, "needed": ProblemCode.RESTART_NEEDED}.get(restart.get("recommendation"))
+    if code is None:
+        return ()
+    baseline = agent.get("baseline", {}) if agent else {}
+    detail = f"{restart.get('reason')}; baseline drift {human_bytes(baseline.get('drift_bytes'))} since start"
+    return (Problem(code, "agent", detail),)
 
 
 def _routing_problems(routing: RoutingReport) -> tuple[Problem, ...]:
@@ -468,6 +502,9 @@ def report_json(report: DoctorReport) -> dict[str, Any]:
         "settings_adjusted": [{"variable": a.variable, "given": a.given, "used": a.used, "action": a.action.value,
                                "rule": a.rule} for a in report.policy.adjustments],
         "routing": None if report.routing is None else routing_json(report.routing),
+        "agent": {"running": report.agent is not None,
+                  "restart": None if report.agent is None else report.agent.get("restart"),
+                  "baseline": None if report.agent is None else report.agent.get("baseline")},
     }
 
 
@@ -492,6 +529,8 @@ def _model_json(r: ModelReport) -> dict[str, Any]:
 def human_bytes(n: int | None) -> str:
     if n is None:
         return "-"
+    if n < 0:
+        return "-" + human_bytes(-n)
     for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
             return f"{n / size:.1f} {unit}"
@@ -541,6 +580,11 @@ def render_table(report: DoctorReport) -> str:
     out += ["", f"Coordinator  {c.url}  {reach}", ""]
     if report.routing is not None:
         out += routing_lines(report.routing) + [""]
+    if report.agent is not None:
+        restart, baseline = report.agent.get("restart", {}), report.agent.get("baseline", {})
+        reason = f" ({restart['reason']})" if restart.get("reason") else ""
+        out += [f"Running agent  restart {restart.get('recommendation', '?')}{reason}; no-model baseline drift "
+                f"{human_bytes(baseline.get('drift_bytes'))} ({baseline.get('drift_pct', 0)} % of the cap) since start", ""]
     if report.problems:
         out.append("Problems")
         out += _table([(p.severity.value.upper(), p.code.value, p.subject or "-",

@@ -108,6 +108,11 @@ class Metrics:
                                                   ["result"], namespace=ns, registry=r)
         self.prefix_cache_bytes = Gauge("prefix_cache_bytes", "Bytes held by the prefix KV cache, by tier.",
                                         ["tier"], namespace=ns, registry=r)
+        self.baseline_drift_bytes = Gauge("baseline_drift_bytes", "Growth of MLX active memory with no model "
+                                          "resident since start (memory/diagnostics).", namespace=ns, registry=r)
+        self.restart_recommendation = Gauge("restart_recommendation", "1 for the current restart recommendation "
+                                            "(none, advised, needed), 0 for the others.", ["level"],
+                                            namespace=ns, registry=r)
         self._prefix_seen = dict.fromkeys(PrefixLookup, 0)
         # Known label values exist from the start at 0, so rate() and absent() behave.
         for outcome in RequestOutcome:
@@ -172,6 +177,12 @@ class Metrics:
     def set_cap_figures(self, figures: Mapping[CapFigure, int]) -> None:
         for figure, value in figures.items():
             self.cap_bytes.labels(figure=label(figure)).set(value)
+
+    def set_restart(self, recommendation: str, drift_bytes: int) -> None:
+        """The restart recommendation (`memory.diagnostics.Recommendation` values) and the baseline drift."""
+        self.baseline_drift_bytes.set(drift_bytes)
+        for level in ("none", "advised", "needed"):
+            self.restart_recommendation.labels(level=level).set(1 if level == recommendation else 0)
 
     def set_prefix_cache(self, stats: PrefixCacheStats) -> None:
         """Feed `kvcache.manager.PrefixCacheStats` (cumulative lookups, current bytes): the counters

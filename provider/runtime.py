@@ -185,6 +185,7 @@ class Runtime:
         intake = Intake(counter, ledger, manager)
         runtime = cls(settings, inventory, probe, ledger, prefix, engine, owns_engine, manager, hashes, counter,
                       intake, ServingStats(), metrics, servable, writer)
+        manager.diagnostics.sample(probe.snapshot())  # the no-model baseline at start
         await runtime.preload(settings.preload_models)
         return runtime
 
@@ -232,6 +233,21 @@ class Runtime:
 
     # -- reporting ----------------------------------------------------------------------------
 
+    def diagnostics(self) -> dict[str, Any]:
+        """The memory diagnostics of /status (issue 20): last unloads, pressure and its figures, the
+        no-model baseline and its drift, and the restart recommendation with its reason."""
+        snap = self.probe.snapshot()
+        level = memory.pressure(snap)
+        advice = self.manager.restart_advice()
+        self.metrics.set_restart(advice.recommendation.value, advice.drift.mlx_active_bytes)
+        return {**self.manager.diagnostics.as_json(advice),
+                "pressure": {"level": level.level.name.lower(), "utilization": round(level.utilization, 4),
+                             "mlx_active_bytes": snap.mlx_active_bytes, "mlx_cache_bytes": snap.mlx_cache_bytes,
+                             "physical_bytes": snap.physical_bytes,
+                             "thresholds": {"yellow": memory.pressure_thresholds()[0],
+                                            "red": memory.pressure_thresholds()[1],
+                                            "fatal": memory.pressure_thresholds()[2]}}}
+
     def refresh_metrics(self) -> None:
         self.metrics.set_ledger_bytes(dict(self.ledger.snapshot().bytes_by_kind))
         self.metrics.set_prefix_cache(self.prefix_cache.stats())
@@ -269,6 +285,7 @@ class Runtime:
         session = {} if self.session is None else {"session": self.session.view().as_json()}
         return {
             **session,
+            "diagnostics": self.diagnostics(),
             "preload": {"requested": list(self.settings.preload_models), "refused": dict(self.preload_refused)},
             "models": models,
             "in_flight": len(self.stats.in_flight),

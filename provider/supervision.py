@@ -50,6 +50,12 @@ def under_launchd(env: Mapping[str, str]) -> bool:
     return env.get(SERVICE_MANAGER_ENV) == "launchd"
 
 
+def under_service_manager(env: Mapping[str, str]) -> bool:
+    """launchd (the plist's marker) or systemd (it sets INVOCATION_ID for every unit it starts):
+    something that starts the agent again after it exits non-zero."""
+    return under_launchd(env) or bool(env.get("INVOCATION_ID"))
+
+
 def launchd_log_dir(home: Path) -> Path:
     """Where the launchd agent's logs (and the exit record) live."""
     return home / "Library" / "Logs" / "darkbloom"

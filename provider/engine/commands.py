@@ -73,6 +73,13 @@ class KvCacheBytes:
 
 
 @dataclass(frozen=True, slots=True)
+class MemoryReading:
+    """MLX active bytes and the KV every loaded model's batch holds, read together between steps."""
+
+    reply: Future
+
+
+@dataclass(frozen=True, slots=True)
 class KvBytesPerToken:
     """Measure a loaded model's real KV growth: a one-token prefill into a fresh prompt cache."""
 

@@ -35,6 +35,7 @@ from provider.engine.commands import (
     CountPromptTokens,
     KvBytesPerToken,
     KvCacheBytes,
+    MemoryReading,
     Load,
     Reclaim,
     ReleaseHook,
@@ -255,6 +256,11 @@ class Engine:
     async def kv_cache_bytes(self, model_id: str) -> int:
         """Bytes held by the model's batch KV caches right now (measured on the worker)."""
         return await self._call(lambda reply: KvCacheBytes(model_id, reply))
+
+    async def memory_reading(self) -> tuple[int, int]:
+        """(MLX active bytes, Σ KV bytes every loaded model's batch holds), read together on the
+        worker between two steps (the manager's no-model baseline subtracts the second)."""
+        return await self._call(MemoryReading)
 
     async def kv_bytes_per_token(self, model_id: str) -> int:
         """The loaded model's real KV cost per token, measured on its own cache classes (cheap: one

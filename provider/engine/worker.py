@@ -45,6 +45,7 @@ from provider.engine.commands import (
     EventSink,
     KvBytesPerToken,
     KvCacheBytes,
+    MemoryReading,
     Load,
     Reclaim,
     ReleaseHook,
@@ -214,6 +215,8 @@ class Worker:
                 self._reply(reply, lambda: self._count_prompt(model_id, messages))
             case KvCacheBytes(model_id, reply):
                 self._reply(reply, lambda: self._kv_cache_bytes(model_id))
+            case MemoryReading(reply):
+                self._reply(reply, self._memory_reading)
             case KvBytesPerToken(model_id, reply):
                 self._reply(reply, lambda: self._kv_bytes_per_token(model_id))
             case Load():
@@ -248,6 +251,11 @@ class Worker:
         if vision is not None:
             return vision.count_prompt(messages)
         return len(self._prompt_ids(self._slot(model_id), messages))
+
+    def _memory_reading(self) -> tuple[int, int]:
+        """(MLX active bytes, Σ KV held by every model's batch), between two steps: consistent."""
+        kv = sum(self._kv_cache_bytes(model_id) for model_id in [*self._slots, *self._vision])
+        return mx.get_active_memory(), kv
 
     def _kv_cache_bytes(self, model_id: str) -> int:
         vision = self._vision.get(model_id)

@@ -129,6 +129,7 @@ class StatusEndpoint:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((settings.local_host, settings.local_port))
+            sock.listen(128)  # from now on a client is queued, not refused, while uvicorn starts
         except OSError as exc:  # the agent serves the coordinator without it; say why once
             sock.close()
             log.warning("status_endpoint_unavailable", host=settings.local_host, port=settings.local_port,

@@ -43,8 +43,10 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 from kvcache.manager import KvCacheManager
+from memory.diagnostics import RestartAdvice, RestartThresholds
 from memory.media import DEFAULT_MAX_VISION_REQUESTS
 from memory import (
+    GiB,
     CapFigures,
     FitResult,
     Ledger,
@@ -79,6 +81,7 @@ from provider.slots.admission import (
     pressure_victim,
     tokens_for_bytes,
 )
+from provider.slots.diagnostics import MemoryDiagnostics, UnloadEvent
 from provider.slots.capacity import CapacityReport, SlotCapacity, max_concurrency
 from provider.slots.leases import Booking, Claim, KvReservation, ServeSlot, SlotRefused, VisionPlace
 from provider.slots.prefix import PrefixRoom, WeightHashes, with_measured_kv
@@ -135,6 +138,7 @@ class ModelManager(VisionServing):
         prefix_cache: KvCacheManager | None = None,
         weight_hash: WeightHashes | None = None,
         clock: Callable[[], float] = time.monotonic,
+        restart_thresholds: RestartThresholds | None = None,
         metrics: Metrics | None = None,
         eos_token_ids: Mapping[str, frozenset[int]] | None = None,
         fault: FaultHook | None = None,
@@ -170,6 +174,9 @@ class ModelManager(VisionServing):
         self._release_waiters: list[asyncio.Future[None]] = []
         self._topups = 0
         self.last_unload: UnloadReport | None = None  # the most recent unload's figures
+        self.baseline_listeners: list[Callable[[], None]] = []  # called on the loop after each baseline sample
+        self.diagnostics = MemoryDiagnostics(lambda: self._ledger.figures, restart_thresholds or RestartThresholds(),
+                                             wall_clock=time.time)
         self._kept_warm: set[str] = set()  # preloaded: the idle reaper leaves them resident
         self.on_capacity_change: Callable[[], None] | None = None  # called on the loop after a publish/unload
 
@@ -181,7 +188,11 @@ class ModelManager(VisionServing):
                    max_model_slots=settings.max_model_slots, max_vision_requests=settings.max_vision_requests,
                    idle_timeout_s=settings.idle_timeout_s,
                    load_wait_timeout_s=settings.load_wait_timeout_s,
-                   settle_timeout_s=settings.settle_timeout_s, **kwargs)
+                   settle_timeout_s=settings.settle_timeout_s,
+                   restart_thresholds=RestartThresholds(drift_fraction=settings.restart_drift_fraction,
+                                                        drift_bytes=int(settings.restart_drift_gb * GiB),
+                                                        failed_settles=settings.restart_failed_settles),
+                   **kwargs)
 
     @property
     def figures(self) -> CapFigures:
@@ -704,6 +715,10 @@ class ModelManager(VisionServing):
         report = UnloadReport(model_id, cause, resident, result.freed_bytes, result.settled, result.seconds,
                               self._clock() - started)
         self.last_unload = report
+        self.diagnostics.unloaded(UnloadEvent(time.time(), model_id, str(cause), resident, result.freed_bytes,
+                                              result.settled, result.seconds))
+        if result.settled:
+            await self._sample_baseline()
         if self._metrics is not None:
             self._metrics.model_evicted(cause)
             self._metrics.settled(result.seconds)
@@ -790,6 +805,30 @@ class ModelManager(VisionServing):
     def _evictable_bytes(self, *, also: str | None = None) -> int:
         return sum(s.resident_bytes for s in self._slots.values()
                    if s.view(self._engine.stats(s.model_id)).idle or (also == s.model_id and s.loaded))
+
+    async def _sample_baseline(self) -> None:
+        """After a full settle: the no-model baseline. With nothing resident it is MLX's active memory;
+        with models still resident, what is left of it once their measured weights, the KV their
+        batches hold (read on the engine thread with the active figure, between two steps) and the
+        RAM prefix cache are taken out. Skipped while a load is under way (its weights are half in)."""
+        if any(s.state in (ModelState.LOADING, ModelState.UNLOADING) for s in self._slots.values()):
+            return
+        try:
+            active, batch_kv = await self._engine.memory_reading()
+        except EngineError:
+            return
+        weights = sum(s.resident_bytes for s in self._slots.values() if s.state is ModelState.LOADED)
+        prefix = self._ledger.snapshot().bytes_by_kind[ReservationKind.PREFIX_CACHE]
+        snap = self._probe.snapshot()
+        baseline = max(0, active - weights - batch_kv - prefix)
+        self.diagnostics.sample(dataclasses.replace(snap, mlx_active_bytes=baseline))
+        for listener in list(self.baseline_listeners):
+            listener()
+
+    def restart_advice(self) -> RestartAdvice:
+        """memory.diagnostics' verdict: the baseline's drift against the largest model advertised here."""
+        largest = max((v.required_bytes for _, v in self.verdicts() if v.ever_fits), default=0)
+        return self.diagnostics.advice(largest)
 
     def verdicts(self) -> list[tuple[ModelInfo, FitResult]]:
         """Fit verdict per inventory model (register, doctor): could it load here now, or after
