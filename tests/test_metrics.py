@@ -56,6 +56,8 @@ def test_fresh_metrics_expose_every_family_with_known_labels_at_zero() -> None:
         "darkbloom_in_flight_requests": "gauge",
         "darkbloom_prefix_cache_lookups": "counter",
         "darkbloom_prefix_cache_bytes": "gauge",
+        "darkbloom_baseline_drift_bytes": "gauge",
+        "darkbloom_restart_recommendation": "gauge",
     }
     for outcome in RequestOutcome:
         assert value(m, "darkbloom_requests_total", outcome=outcome.value) == 0

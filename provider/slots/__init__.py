@@ -43,7 +43,8 @@ API for the jobs / session code:
     can exceed its own tokens' KV. The reservation is released exactly once: by the engine
     (`on_released`, engine thread) once its cache has left the batch, or by the context exit (or
     `Booking.release`) if it never reached the engine. Leaving the block early cancels the engine
-    request; admissions refused only for room such cancels are giving back wait for it (≤ 1 s).
+    request; admissions refused only for room such cancels are giving back wait for it (the engine's next step; at most
+    `RELEASE_WAIT_S`).
 
     # 3. lifecycle and reporting
     await manager.ensure_loaded(model_id) -> LoadedModelInfo      # warm-up (register / load_model)

@@ -114,6 +114,9 @@ class LoadStep(enum.Enum):
 
 FaultHook = Callable[[LoadStep, str], Awaitable[None]]
 KvPurge = Callable[[str], Awaitable[None]]
+# How long an admission waits for KV that cancelled requests are giving back (the engine removes them
+# before its next step: in practice one step, tens of milliseconds; the bound covers a slow step).
+RELEASE_WAIT_S = 5.0
 _PROGRESS_INTERVAL_S = 0.2  # how often a terminal's load progress line is redrawn
 
 
@@ -318,7 +321,7 @@ class ModelManager(VisionServing):
 
     async def book_when_released(self, request_id: str, model_id: str, prompt_tokens: int,
                                  max_tokens: int | None = None, *, media: MediaPlan | None = None,
-                                 wait_s: float = 1.0) -> Booking | Refused:
+                                 wait_s: float = RELEASE_WAIT_S) -> Booking | Refused:
         """`book`, but a refusal for room that cancelled requests are about to give back (the engine
         removes them before its next step) waits for those releases first, up to `wait_s`: after
         a mass disconnect, the next wave is admitted as the first was, never refused for KV that is
