@@ -1,0 +1,83 @@
+"""What `ModelManager` reports: fit verdicts (register, doctor), heartbeat capacity, residency and the
+restart verdict (a mixin of slots/manager.py; everything here reads, nothing allocates)."""
+
+from __future__ import annotations
+
+from memory import (
+    FitResult,
+    fit,
+    free_for_load_bytes,
+    pressure,
+)
+from memory.diagnostics import RestartAdvice
+from protocol.vocab import SlotState
+from provider.models import ModelInfo
+from provider.slots.admission import tokens_for_bytes
+from provider.slots.capacity import CapacityReport, SlotCapacity, max_concurrency
+from provider.slots.state import ModelState
+
+
+class Reporting:
+    """Read-only figures of the manager (used by `ModelManager`; state lives there)."""
+
+
+    def resident_bytes(self, model_id: str) -> int:
+        slot = self._slots.get(model_id)
+        return slot.resident_bytes if slot is not None else 0
+
+    def warm_models(self) -> list[str]:
+        return [s.model_id for s in self._slots.values() if s.state is ModelState.LOADED]
+
+    def _evictable_bytes(self, *, also: str | None = None) -> int:
+        return sum(s.resident_bytes for s in self._slots.values()
+                   if s.view(self._engine.stats(s.model_id)).idle or (also == s.model_id and s.loaded))
+
+    def restart_advice(self) -> RestartAdvice:
+        """memory.diagnostics' verdict: the baseline's drift against the largest model advertised here."""
+        largest = max((v.required_bytes for _, v in self.verdicts() if v.ever_fits), default=0)
+        return self.diagnostics.advice(largest)
+
+    def verdicts(self) -> list[tuple[ModelInfo, FitResult]]:
+        """Fit verdict per inventory model (register, doctor): could it load here now, or after
+        evicting idle models? A resident model is judged as if it were reloaded."""
+        snap = self._probe.snapshot()
+        outstanding = self.view().firm_outstanding_bytes
+        return [(s.info, fit(self.figures, snap, s.info.weight_bytes,
+                             evictable_bytes=self._evictable_bytes(also=s.model_id),
+                             outstanding_bytes=outstanding))
+                for s in self._slots.values()]
+
+    def capacity(self) -> CapacityReport:
+        """The heartbeat's `backend_capacity` figures, from one snapshot."""
+        snap = self._probe.snapshot()
+        figures = self.figures
+        ledger = self._ledger.snapshot()
+        firm = self.view().firm_outstanding_bytes  # the prefix cache gives way to requests and loads
+        available = figures.available_bytes(snap, firm)
+        slots = []
+        for slot in self._slots.values():
+            if slot.state not in (ModelState.LOADED, ModelState.LOADING):
+                continue
+            stats = self._engine.stats(slot.model_id)
+            holds = slot.reservations()
+            used = sum(h.tokens for h in holds)
+            budget_max = used + tokens_for_bytes(slot.info, available)
+            slots.append(SlotCapacity(
+                model=slot.model_id,
+                state=SlotState.RUNNING if slot.state is ModelState.LOADED else SlotState.RELOADING,
+                num_running=stats.num_running if stats else 0,
+                num_waiting=stats.num_waiting if stats else 0,
+                active_tokens=stats.active_tokens if stats else 0,
+                max_tokens_potential=sum(h.max_tokens for h in holds),
+                max_concurrency=min(self._engine.batch_size, max_concurrency(budget_max, slot.info.context_length)),
+                kv_bytes_per_token=slot.info.kv_bytes_per_token,
+                active_token_budget_used=used,
+                active_token_budget_max=budget_max,
+                model_load_time_ms=round(slot.loaded.load_seconds * 1000) if slot.loaded else None,
+            ))
+        return CapacityReport(
+            slots=tuple(slots), mlx_active_bytes=snap.mlx_active_bytes, mlx_peak_bytes=snap.mlx_peak_bytes,
+            mlx_cache_bytes=snap.mlx_cache_bytes, total_memory_bytes=snap.physical_bytes,
+            free_for_load_bytes=free_for_load_bytes(figures, snap, evictable_bytes=self._evictable_bytes(),
+                                                    outstanding_bytes=firm),
+            available_bytes=available, pressure=pressure(snap), ledger=ledger)
