@@ -19,7 +19,7 @@ A vision request commits two kinds of memory that the cap must see *before* they
   pixel: float copies and the MLX array) even for a 1×1 image, and puts a 4000×3000 PNG at 17 B/px
   against the rule's 16 — so each image adds `input_pixels × TENSOR_BYTES_PER_INPUT_PIXEL` (64);
   and the decoder and processor state is ~0.3 MB whatever the size, so a request with images adds
-  `DECODE_FIXED_BYTES` (1 MiB) once.
+  `DECODE_FIXED_BYTES` (4 MiB) once.
 * **The whole KV span** (the seed's false-admit fix): prompt text + `soft tokens per image × images`,
   clamped to the context window, then + the output bound. Soft tokens per image come from the
   model's processor config where it states them (Gemma: 256), else `DEFAULT_SOFT_TOKENS_PER_IMAGE`
@@ -54,7 +54,7 @@ MAX_REQUEST_IMAGE_PIXELS = 2 * MAX_IMAGE_PIXELS  # 100.7 Mpx summed over a reque
 DEFAULT_SOFT_TOKENS_PER_IMAGE = 1024  # seed: 4 × Gemma's 256, when the processor config states none
 DEFAULT_MAX_VISION_REQUESTS = 2  # per model, running or waiting (provider setting max_vision_requests)
 TENSOR_BYTES_PER_INPUT_PIXEL = 64  # measured ~49 at Gemma 3's 896² (float32 chain + MLX copy)
-DECODE_FIXED_BYTES = 1 * MiB  # decoder and processor state per request with images, measured ~0.3 MB
+DECODE_FIXED_BYTES = 4 * MiB  # decoder and processor state (~0.3 MB) + allocator slack (measured up to 1.5 MB)
 DEFAULT_INPUT_PIXELS = 1024 * 1024  # a model whose processor config states no input size
 
 
@@ -91,7 +91,7 @@ def projected_decode_bytes(sizes: Iterable[tuple[int | None, int | None]],
                            limits: MediaLimits = DEFAULT_LIMITS, *, input_pixels: int = 0) -> int:
     """Projected peak bytes of decoding a request's images and making the model's pixel tensors:
     clamped Σ pixels × 4 (RGBA) × 5, + images × `input_pixels` (the model's input resolution) × 64,
-    + 1 MiB once. No images: 0."""
+    + 4 MiB once. No images: 0."""
     sizes = list(sizes)
     if not sizes:
         return 0
