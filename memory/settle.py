@@ -72,16 +72,23 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return None
 
 
-def reclaim() -> None:
-    """One aggressive round: collect cycles, drop MLX's buffer cache, return freed heap to the OS
-    (glibc keeps freed weight buffers otherwise; mlx-notes §4)."""
+def clear_buffer_cache() -> None:
+    """Drop MLX's buffer cache and return freed heap to the OS (glibc keeps freed weight buffers
+    otherwise; mlx-notes §4). No cycle collection: what the cache rule and loads need, cheaply."""
     import mlx.core as mx
 
-    gc.collect()
     mx.clear_cache()
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+def reclaim() -> None:
+    """One aggressive round: collect cycles, then `clear_buffer_cache`. A full collection holds the
+    GIL for ~0.1 s in the agent (more in a big process), so it is kept for after an unload and the
+    settle barrier's last rounds."""
+    gc.collect()
+    clear_buffer_cache()
 
 
 def settle(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -127,6 +128,22 @@ def build_prefix_cache(settings: Settings, ledger: Ledger, probe: Probe,
                           write_delay_s=SSD_QUIET_S)
 
 
+_startup_heap_frozen = False
+
+
+def freeze_startup_heap() -> None:
+    """Once per process, when start-up is done: collect, then move every surviving object (imports,
+    tokenizers, settings: they live for the whole run) into the collector's permanent generation.
+    Without it every later full collection (after an unload, in the settle barrier) walks them again:
+    ~0.13 s with the GIL held in the agent, measured, which stalls the event loop and every fast 503.
+    Frozen objects are still freed by reference counting."""
+    global _startup_heap_frozen
+    if not _startup_heap_frozen:
+        _startup_heap_frozen = True
+        gc.collect()
+        gc.freeze()
+
+
 @dataclasses.dataclass(slots=True)
 class Runtime:
     settings: Settings
@@ -186,6 +203,7 @@ class Runtime:
         runtime = cls(settings, inventory, probe, ledger, prefix, engine, owns_engine, manager, hashes, counter,
                       intake, ServingStats(), metrics, servable, writer)
         manager.diagnostics.sample(probe.snapshot())  # the no-model baseline at start
+        freeze_startup_heap()
         await runtime.preload(settings.preload_models)
         return runtime
 

@@ -1,7 +1,8 @@
 """Memory diagnostics and the safe self-restart (issue 20), on real MLX and the tiny models.
 
-* a 20-switch soak: the restart recommendation stays `none` and the baseline drift the manager
-  reports is exactly what MLX reports;
+* a 20-switch soak (tiny and small, alternating): every unload returns MLX's active memory to where
+  it started (within 1 % of the model's size) with an empty cache and no reservation; the restart
+  recommendation stays `none` and the baseline drift the manager reports is exactly what MLX reports;
 * /status and `darkbloom-provider status` show the unloads, the baseline and the verdict;
 * end to end under the coordinator double: memory that does not come back (an MLX buffer the test
   keeps alive, as a leak would) is found by the baseline after an unload; the restart is needed, so
@@ -54,6 +55,14 @@ async def test_a_20_switch_soak_recommends_nothing_and_reports_what_mlx_reports(
                 _, done = await slot.submit(ChatRequest(f"r{i}", chat("switch"), SamplingParams(max_tokens=2))).collect()
             assert done is not None
             assert await rt.manager.unload(model)
+            # each unload gives everything back: MLX active memory within 1 % of the model's size of
+            # where it started, an empty buffer cache, no reservation left
+            size = weights_bytes(tiny_model_path if model == "tiny" else small_model_path)
+            report = rt.manager.last_unload
+            assert report.model_id == model and report.settled and report.resident_bytes >= size * 0.99
+            assert abs(mx.get_active_memory() - start) <= size // 100, i
+            assert mx.get_cache_memory() == 0
+            assert len(rt.ledger) == 0
         advice = rt.manager.restart_advice()
         assert advice.recommendation is Recommendation.NONE, advice
         assert len(rt.manager.diagnostics.baseline) == 21  # at start, then after every settle

@@ -113,25 +113,30 @@ async def test_close_fails_running_requests_and_ends_the_thread(tiny_model_path)
 
 
 async def test_reclaim_runs_on_the_engine_thread_and_empties_the_mlx_cache(tiny_model_path):
+    """A plain reclaim (the cache rule's, a load's) clears MLX's cache without a full collection —
+    that holds the GIL for ~0.1 s and stalls the event loop; the settle barrier's blocking reclaim
+    collects first. Both run on the engine thread; full collections are counted by the collector's
+    own callbacks on that thread."""
+    import gc
     import threading
 
-    import provider.engine.worker as worker_module
+    full: list[str] = []
 
-    seen: list[str] = []
-    original = worker_module.reclaim
-
-    def spy() -> None:
-        seen.append(threading.current_thread().name)
-        original()
+    def count(phase: str, info: dict) -> None:
+        if phase == "start" and info["generation"] == 2 and threading.current_thread().name == "mlx-reclaim-test":
+            full.append(threading.current_thread().name)
 
     async with Engine(thread_name="mlx-reclaim-test") as engine:
-        worker_module.reclaim, saved = spy, worker_module.reclaim
+        await engine.load("tiny", tiny_model_path)
+        gc.callbacks.append(count)
         try:
-            await engine.load("tiny", tiny_model_path)
-            await engine.unload("tiny")
+            await engine.unload("tiny")  # drops the model: one full collection
+            assert len(full) == 1
             await engine.reclaim()
+            assert len(full) == 1 and mx.get_cache_memory() == 0
+            await engine.reclaim(collect=True)
+            assert len(full) == 2
             await asyncio.to_thread(engine.reclaim_blocking)
-            assert mx.get_cache_memory() == 0
+            assert len(full) == 3 and mx.get_cache_memory() == 0
         finally:
-            worker_module.reclaim = saved
-    assert seen == ["mlx-reclaim-test", "mlx-reclaim-test"]
+            gc.callbacks.remove(count)

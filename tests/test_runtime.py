@@ -102,3 +102,23 @@ async def test_a_busy_port_leaves_the_status_endpoint_off(tmp_path, tiny_model_p
             await endpoint.aclose()
         finally:
             await runtime.aclose()
+
+
+async def test_start_freezes_the_startup_heap_once(tmp_path, tiny_model_path):
+    """After start-up the collector no longer walks the imports and tokenizers at every full
+    collection (gc.freeze); a second start in the same process does not freeze again (what the
+    first froze stays frozen, and later objects stay collectable)."""
+    import gc
+
+    from provider.runtime import freeze_startup_heap
+
+    (tmp_path / "hub").mkdir()
+    runtime = await Runtime.start(Settings(state_dir=tmp_path / "state", hf_cache_dir=tmp_path / "hub",
+                                           model_aliases={"tiny": tiny_model_path}, kv_ssd_budget_gb=0))
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 10_000
+        freeze_startup_heap()
+        assert gc.get_freeze_count() == frozen
+    finally:
+        await runtime.aclose()

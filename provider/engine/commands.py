@@ -89,9 +89,11 @@ class KvBytesPerToken:
 
 @dataclass(frozen=True, slots=True)
 class Reclaim:
-    """gc + `mx.clear_cache()` + glibc `malloc_trim(0)`, on the thread that owns MLX."""
+    """`mx.clear_cache()` + glibc `malloc_trim(0)` on the thread that owns MLX; with `collect`, a
+    full gc first (memory.settle.reclaim)."""
 
     reply: Future
+    collect: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -186,12 +186,13 @@ class Engine:
         """Fail the model's requests (MODEL_UNLOADED), drop every reference, gc, clear MLX's cache."""
         await self._call(lambda reply: Unload(model_id, reply))
 
-    async def reclaim(self) -> None:
-        """gc + `mx.clear_cache()` + `malloc_trim(0)` on the engine thread, between decode steps."""
-        await self._call(Reclaim)
+    async def reclaim(self, *, collect: bool = False) -> None:
+        """`mx.clear_cache()` + `malloc_trim(0)` on the engine thread, between decode steps; with
+        `collect`, a full gc first (it stalls the event loop too: the engine thread holds the GIL)."""
+        await self._call(lambda reply: Reclaim(reply, collect))
 
     def request_reclaim(self) -> Future:
-        """Queue a `reclaim` and return at once: the engine thread runs it before any command queued
+        """Queue a cache-only `reclaim` and return at once: the engine thread runs it before any command queued
         after this one (a booking's load, its request's KV). The future is done when it has run;
         after the engine closed it is cancelled (nothing to clear)."""
         reply: Future = Future()
@@ -202,11 +203,12 @@ class Engine:
         return reply
 
     def reclaim_blocking(self) -> None:
-        """`reclaim` for a blocking caller off the loop (e.g. the settle barrier in a worker thread)."""
+        """A full `reclaim` (gc first) for a blocking caller off the loop: the settle barrier's last
+        rounds, in a worker thread."""
         if self._closed:
             raise EngineError(EngineFailure.ENGINE_CLOSED)
         reply: Future = Future()
-        self._commands.put(Reclaim(reply))
+        self._commands.put(Reclaim(reply, collect=True))
         reply.result()
 
     # -- requests ----------------------------------------------------------------------------

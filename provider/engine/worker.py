@@ -37,7 +37,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make
 
 from kvcache.manager import MISS, ModelKvCache, Reuse
 from memory.mlx_limits import MlxLimits
-from memory.settle import reclaim
+from memory.settle import clear_buffer_cache, reclaim
 from provider.engine.commands import (
     Cancel,
     Command,
@@ -223,8 +223,8 @@ class Worker:
                 self._reply(command.reply, lambda: self._load(command))
             case Unload(model_id, reply):
                 self._reply(reply, lambda: self._unload(model_id))
-            case Reclaim(reply):
-                self._reply(reply, reclaim)
+            case Reclaim(reply, collect):
+                self._reply(reply, reclaim if collect else clear_buffer_cache)
             case Stop(reply):
                 self._reply(reply, self._stop)
 
