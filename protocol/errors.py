@@ -160,6 +160,18 @@ class Failure:
         return cls(FailureCode.CAPACITY, ErrorReason.DRAINING)
 
     @classmethod
+    def paused(cls, retry_after_s: int) -> Failure:
+        """The owner's Mac is not serving now (outside its serving windows, in use, on battery, hot):
+        a ``draining`` refusal, which [N] fails over without using the capacity allowance, with
+        ``feasible_after_ms`` saying when to come back."""
+        return cls(FailureCode.CAPACITY, ErrorReason.DRAINING, feasible_after_ms=max(0, retry_after_s) * 1000)
+
+    @property
+    def retry_after_s(self) -> int | None:
+        """Whole seconds in ``feasible_after_ms`` (the HTTP Retry-After), None when it says nothing."""
+        return None if not self.feasible_after_ms else -(-self.feasible_after_ms // 1000)
+
+    @classmethod
     def deadline_unreachable(cls) -> Failure:
         """``first_content_budget_ms`` cannot be met: 503, rerouted without using the capacity allowance."""
         return cls(FailureCode.CAPACITY, ErrorReason.DEADLINE_UNREACHABLE, RejectionReason.DEADLINE)

@@ -11,7 +11,9 @@ Startup order (each blocking step in a worker thread): refuse ``dev_posture`` un
 on loopback; harden the process; read the host posture; load or create the identity keys; compute the
 runtime hash; then the shared ``provider.runtime.Runtime`` (models, ledger, prefix KV cache, engine,
 model manager, weight hashes and warm tokenizers: the same assembly ``serve --local`` runs); detect
-the hardware. While running, the local status endpoints (``/healthz``, ``/status``, ``/metrics`` on
+the hardware. The guest monitor (provider/guest: serving windows, the owner's activity, battery, heat)
+is built first and handed to the runtime, so admission refuses while the Mac is paused, the
+heartbeat says ``draining`` then, and a change sends a heartbeat at once. While running, the local status endpoints (``/healthz``, ``/status``, ``/metrics`` on
 ``local_host:local_port``) answer ``darkbloom-provider status``.
 
 Shutdown: the session drains (new requests 503 ``draining``, running ones get ``drain_timeout_s``, then
@@ -37,6 +39,7 @@ from protocol.crypto import KeyFileError
 from provider import __version__
 from provider.config import ConfigError, SelfRestart, Settings, load_settings
 from provider.engine import Engine
+from provider.guest.monitor import GuestMonitor
 from provider.hardware import available_gb, detect_hardware
 from provider.jobs import JobContext, ServingStats, run_job
 from provider.request import PromptCounter
@@ -93,14 +96,17 @@ class Agent:
     weight_hashes: Mapping[str, str]
     metrics: Metrics
     runtime: Runtime
+    guest: GuestMonitor
     exit_code: int = EXIT_OK  # EXIT_RESTART once a memory restart was decided
 
     @classmethod
     async def start(cls, settings: Settings, *, engine: Engine | None = None, harden: bool = True,
                     connect: ConnectFactory | None = None, metrics: Metrics | None = None,
-                    eos_token_ids: Mapping[str, frozenset[int]] | None = None) -> Agent:
+                    eos_token_ids: Mapping[str, frozenset[int]] | None = None,
+                    guest: GuestMonitor | None = None) -> Agent:
         """Build everything; nothing connects yet. ``harden=False`` leaves this process as it is
-        (for running an agent inside a test process); the posture then reports no hardening."""
+        (for running an agent inside a test process); the posture then reports no hardening.
+        ``guest``: the owner's rules (default: from the settings, on the wall clock)."""
         check_dev_posture(settings.coordinator_url, settings.dev_posture)
         hardening = harden_process() if harden else NO_HARDENING
         host = await asyncio.to_thread(read_host_posture)
@@ -111,11 +117,14 @@ class Agent:
             log.info("host_is_virtual_machine")
         keys = await asyncio.to_thread(load_or_create_keys, settings.state_dir)
         rhash = await asyncio.to_thread(runtime_hash, settings.runtime_hash)
-        rt = await Runtime.start(settings, engine=engine, metrics=metrics, eos_token_ids=eos_token_ids)
+        metrics = metrics or Metrics()
+        thermal = ThermalSampler()
+        guest = guest or GuestMonitor.from_settings(settings, thermal=lambda: thermal.state, metrics=metrics)
+        rt = await Runtime.start(settings, engine=engine, metrics=metrics, eos_token_ids=eos_token_ids, guest=guest)
         inventory, probe, ledger, manager = rt.inventory, rt.probe, rt.ledger, rt.manager
         counter, stats, metrics, weight_hashes = rt.counter, rt.stats, rt.metrics, rt.weight_hashes.known()
         hardware = await asyncio.to_thread(detect_hardware, probe.snapshot())
-        heartbeat = HeartbeatSource(stats=stats, capacity=manager.capacity, thermal=ThermalSampler())
+        heartbeat = HeartbeatSource(stats=stats, capacity=manager.capacity, thermal=thermal, paused=guest.is_paused)
         status = SessionStatus(settings.coordinator_url)
         rt.session = status  # /status and /metrics report the link
         metrics.watch_session(status.view)
@@ -147,12 +156,13 @@ class Agent:
             status=status,
         )
         manager.on_capacity_change = session.capacity_changed
+        guest.on_change(lambda _: session.capacity_changed())  # a heartbeat at once: draining, or idle again
         log.info("agent_ready", models=list(rt.servable), version=__version__, backend=settings.backend,
                  url=settings.coordinator_url, state="dev_posture" if settings.dev_posture else "honest_posture",
                  hardening_count=sum((hardening.core_dumps_disabled, hardening.anti_debug_enabled,
                                       hardening.env_scrubbed)))
         return cls(settings, keys, posture, rhash, inventory, probe, ledger, rt.engine, rt.owns_engine, manager,
-                   stats, counter, heartbeat, session, weight_hashes, metrics, rt)
+                   stats, counter, heartbeat, session, weight_hashes, metrics, rt, guest)
 
     async def run(self, stop: asyncio.Event) -> int:
         """Serve until ``stop`` is set, then drain, unload every model and return the exit code
@@ -160,7 +170,8 @@ class Agent:
         if self_restart_enabled(self.settings, os.environ):
             self.manager.baseline_listeners.append(functools.partial(self._restart_if_needed, stop))
         background = [asyncio.create_task(self._refresh_thermal(), name="agent-thermal"),
-                      asyncio.create_task(self.manager.run_idle_reaper(), name="agent-idle-reaper")]
+                      asyncio.create_task(self.manager.run_idle_reaper(), name="agent-idle-reaper"),
+                      asyncio.create_task(self.guest.run(), name="agent-guest")]
         endpoint = StatusEndpoint.start(self.runtime, self.settings) if self.settings.local_enabled else None
         try:
             await self.session.run(stop)

@@ -50,7 +50,7 @@ EX_UNAVAILABLE = 69
 EX_CONFIG = 78
 PROG = "darkbloom-provider"
 _NO_FLAG = frozenset({"auth_token"})  # secrets: environment or file only
-_LIST_FLAGS = frozenset({"model_dirs", "enabled_models", "preload_models"})
+_LIST_FLAGS = frozenset({"model_dirs", "enabled_models", "preload_models", "serve_windows"})
 
 
 # --- parser

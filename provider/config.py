@@ -231,6 +231,36 @@ class Settings(BaseModel):
         **_allowed("auto, on or off"),
     )
 
+    # --- the owner's Mac: when to serve, and when to step aside (provider/guest)
+    serve_windows: tuple[str, ...] = Field(
+        (), description="When the Mac serves, in local time: \"[DAYS ]HH:MM-HH:MM\" entries, e.g. \"22:00-07:30\", "
+        "\"sat 00:00-24:00\", \"mon-fri 19:00-23:00\"; a window crossing midnight ends the next day. Outside every "
+        "window new requests get a fast 503 and the models are unloaded after pause_unload_grace_mins. Empty = always.",
+        **_allowed("a list of [DAYS ]HH:MM-HH:MM windows (days: mon..sun or a range like mon-fri)"),
+    )
+    serve_timezone: str | None = Field(
+        None, description="IANA time zone of serve_windows (e.g. Europe/Paris); unset = this machine's zone.",
+        **_allowed("an IANA time zone name"),
+    )
+    pause_when_active_mins: float = Field(
+        0.0, ge=0, description="Take no new requests until the keyboard and mouse have been idle this long "
+        "(minutes); 0 = off.",
+        **_allowed("a number of minutes >= 0 (0 = off)"),
+    )
+    pause_on_battery: bool = Field(
+        False, description="Take no new requests while the Mac runs on battery (or a UPS).",
+        **_allowed("true or false"),
+    )
+    pause_on_thermal: bool = Field(
+        True, description="Take no new requests while the thermal state is serious or critical.",
+        **_allowed("true or false"),
+    )
+    pause_unload_grace_mins: float = Field(
+        5.0, ge=0, description="Outside the serving windows, or while the owner is at the keyboard, unload every "
+        "model once paused this long (minutes), so the owner gets the memory back; 0 = as soon as it is idle.",
+        **_allowed("a number of minutes >= 0"),
+    )
+
     # --- local state
     state_dir: Path = Field(
         default_factory=lambda: default_state_dir(Path.home()),
@@ -274,7 +304,7 @@ class Settings(BaseModel):
         "heartbeat_interval_s", "eviction_window_s", "memory_reserve_gb", "memory_limit_gb", "max_model_slots", "max_batch_size", "idle_timeout_mins",
         "load_wait_timeout_s", "settle_timeout_s", "drain_timeout_s", "restart_drift_fraction", "restart_drift_gb",
         "restart_failed_settles", "kv_ssd_budget_gb", "local_port",
-        "max_vision_requests",
+        "max_vision_requests", "pause_when_active_mins", "pause_unload_grace_mins",
         mode="before",
     )
     @classmethod
@@ -314,6 +344,25 @@ class Settings(BaseModel):
         if any(not i or i != i.strip() for i in ids):
             raise ValueError("model ids must be non-empty and have no surrounding spaces")
         return ids
+
+    @field_validator("serve_windows")
+    @classmethod
+    def _check_windows(cls, windows: tuple[str, ...]) -> tuple[str, ...]:
+        from provider.guest.windows import parse_windows  # pure; imported here to keep config light
+
+        return tuple(w.text for w in parse_windows(windows))
+
+    @field_validator("serve_timezone")
+    @classmethod
+    def _check_zone(cls, name: str | None) -> str | None:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        if name is not None:
+            try:
+                ZoneInfo(name)
+            except (ZoneInfoNotFoundError, ValueError):
+                raise ValueError("not a known IANA time zone") from None
+        return name
 
     @field_validator("model_aliases")
     @classmethod
@@ -356,6 +405,15 @@ class Settings(BaseModel):
         return None if self.idle_timeout_mins == 0 else self.idle_timeout_mins * 60.0
 
     @property
+    def pause_when_active_s(self) -> float | None:
+        """Seconds of keyboard/mouse idleness required before serving; None = off."""
+        return self.pause_when_active_mins * 60.0 or None
+
+    @property
+    def pause_unload_grace_s(self) -> float:
+        return self.pause_unload_grace_mins * 60.0
+
+    @property
     def local_base_url(self) -> str:
         host = f"[{self.local_host}]" if ":" in self.local_host else self.local_host
         return f"http://{host}:{self.local_port}"
@@ -363,7 +421,7 @@ class Settings(BaseModel):
 
 FIELDS: tuple[str, ...] = tuple(Settings.model_fields)
 _PATH_FIELDS = frozenset({"model_dirs", "hf_cache_dir", "state_dir", "log_file"})
-_LIST_FIELDS = frozenset({"model_dirs", "enabled_models", "preload_models"})
+_LIST_FIELDS = frozenset({"model_dirs", "enabled_models", "preload_models", "serve_windows"})
 _SECRET_FIELDS = frozenset({"auth_token"})
 
 

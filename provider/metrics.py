@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from provider.guest.availability import PauseReason
+
 if TYPE_CHECKING:
     from kvcache.manager import PrefixCacheStats
     from provider.session.status import SessionView
@@ -54,6 +56,7 @@ class EvictionCause(StrEnum):
     IDLE = "idle"  # idle_timeout_mins
     PRESSURE = "pressure"  # memory watermark
     SHUTDOWN = "shutdown"
+    PAUSED = "paused"  # the owner's Mac stopped serving (provider/guest): its memory goes back
 
 
 class PrefixLookup(StrEnum):
@@ -113,6 +116,9 @@ class Metrics:
         self.restart_recommendation = Gauge("restart_recommendation", "1 for the current restart recommendation "
                                             "(none, advised, needed), 0 for the others.", ["level"],
                                             namespace=ns, registry=r)
+        self.paused = Gauge("paused", "1 for the reason the agent takes no new requests now (provider/guest), "
+                            "0 for the others.", ["reason"], namespace=ns, registry=r)
+        self.pauses_total = Counter("pauses", "Pauses begun, by reason.", ["reason"], namespace=ns, registry=r)
         self._prefix_seen = dict.fromkeys(PrefixLookup, 0)
         # Known label values exist from the start at 0, so rate() and absent() behave.
         for outcome in RequestOutcome:
@@ -127,6 +133,9 @@ class Metrics:
             self.prefix_cache_lookups_total.labels(result=result.value)
         for tier in CacheTier:
             self.prefix_cache_bytes.labels(tier=tier.value).set(0)
+        for reason in PauseReason:
+            self.paused.labels(reason=reason.value).set(0)
+            self.pauses_total.labels(reason=reason.value)
 
     # --- requests
     def request_finished(self, outcome: RequestOutcome) -> None:
@@ -196,6 +205,14 @@ class Metrics:
                 self._prefix_seen[result] = total
         self.prefix_cache_bytes.labels(tier=CacheTier.RAM.value).set(stats.ram_bytes)
         self.prefix_cache_bytes.labels(tier=CacheTier.DISK.value).set(stats.disk_bytes)
+
+    # --- the owner's Mac
+    def availability_changed(self, reason: PauseReason | None) -> None:
+        """The agent paused for `reason`, or became available (None)."""
+        for member in PauseReason:
+            self.paused.labels(reason=member.value).set(1 if member is reason else 0)
+        if reason is not None:
+            self.pauses_total.labels(reason=label(reason)).inc()
 
     # --- the coordinator session
     def watch_session(self, source: Callable[[], SessionView]) -> None:

@@ -18,10 +18,16 @@ the slot cap is full (`slot_cap`), it would only fit by evicting an earlier prel
 goes on either way. Preloading happens before the agent connects, so the first heartbeat already
 reports those slots `running`.
 
+The agent passes its `guest` monitor (provider/guest: serving windows, the owner's activity,
+battery, heat): admission then asks it at every request (`ModelManager.pause_source`), a start
+inside a pause defers the preloads until the agent may serve, `release_models` gives the memory
+back after a pause's grace period and `restore_preloads` loads the preloads again when it ends.
+
 `status()` is the body of the local `/status` endpoint (loaded models and their states, in-flight
-requests, ledger by kind, pressure, prefix-cache stats, and the coordinator `session` when the
-agent attached its `SessionStatus`); `refresh_metrics()` updates the gauges that are sampled rather
-than counted (ledger bytes, prefix cache), called on each /metrics scrape.
+requests, ledger by kind, pressure, prefix-cache stats, the coordinator `session` when the agent
+attached its `SessionStatus`, and its `availability` when it has a guest monitor);
+`refresh_metrics()` updates the gauges that are sampled rather than counted (ledger bytes, prefix
+cache), called on each /metrics scrape.
 """
 
 from __future__ import annotations
@@ -42,10 +48,12 @@ from memory import Ledger, Probe
 from provider.config import Settings
 from provider.doctor import ROOM_CAUSE_SETTING, discover_models, policy_settings, unlimited_physical_bytes
 from provider.engine import Engine
+from provider.guest.availability import Paused
+from provider.guest.monitor import GuestMonitor
 from provider.jobs import ServingStats
 from provider.request import PromptCounter
 from provider.request.intake import Intake
-from provider.metrics import Metrics
+from provider.metrics import EvictionCause, Metrics
 from provider.models import DigestCache, Inventory, weight_hash
 from provider.models.hashing import CACHE_FILE
 from provider.progress import ProgressFactory, default_progress, terminal_progress
@@ -163,11 +171,12 @@ class Runtime:
     _writer: ThreadPoolExecutor
     session: SessionStatus | None = None  # the agent's coordinator link (None for `serve --local`)
     preload_refused: dict[str, str] = dataclasses.field(default_factory=dict)  # model id -> reason
+    guest: GuestMonitor | None = None  # the owner's rules (the agent only; `serve --local` serves its owner)
 
     @classmethod
     async def start(cls, settings: Settings, *, engine: Engine | None = None, metrics: Metrics | None = None,
                     eos_token_ids: Mapping[str, frozenset[int]] | None = None,
-                    progress: ProgressFactory | None = None) -> Runtime:
+                    progress: ProgressFactory | None = None, guest: GuestMonitor | None = None) -> Runtime:
         """Build everything. A given `engine` stays the caller's (not closed here); prefix reuse
         then happens only if it was built with `prefix_cache=runtime.prefix_cache.get`.
         `progress` reports weight hashing and model loads (default: a line on stderr when it is a
@@ -201,11 +210,31 @@ class Runtime:
         await counter.warm(servable)
         intake = Intake(counter, ledger, manager)
         runtime = cls(settings, inventory, probe, ledger, prefix, engine, owns_engine, manager, hashes, counter,
-                      intake, ServingStats(), metrics, servable, writer)
+                      intake, ServingStats(), metrics, servable, writer, guest=guest)
         manager.diagnostics.sample(probe.snapshot())  # the no-model baseline at start
         freeze_startup_heap()
+        if guest is not None:
+            manager.pause_source = guest.paused
+            guest.bind(release=runtime.release_models, restore=runtime.restore_preloads)
+            state = await guest.step()  # the first readings, before anything is loaded
+            if isinstance(state, Paused) and state.reason.releases_memory and settings.preload_models:
+                guest.defer_restore()  # loaded when the agent may serve
+                log.info("preload_deferred", reason=state.reason, models=list(settings.preload_models))
+                return runtime
         await runtime.preload(settings.preload_models)
         return runtime
+
+    async def release_models(self) -> bool:
+        """Unload every idle model (kept-warm ones too) so the owner gets the memory back; True once
+        nothing is resident or loading. A busy model is left to finish its requests (retry later)."""
+        for model_id in self.manager.warm_models():
+            await self.manager.unload(model_id, cause=EvictionCause.PAUSED)
+        return all(self.manager.state(m.id) is ModelState.NOT_LOADED for m in self.inventory.models)
+
+    async def restore_preloads(self) -> None:
+        """Load `preload_models` again (after a pause released them); refusals are reported afresh."""
+        self.preload_refused.clear()
+        await self.preload(self.settings.preload_models)
 
     async def preload(self, model_ids: Iterable[str]) -> dict[str, str]:
         """Load each model through the load gate and keep it warm; returns the refused ones with
@@ -301,9 +330,11 @@ class Runtime:
         kv = self.prefix_cache.stats()
         self.refresh_metrics()
         session = {} if self.session is None else {"session": self.session.view().as_json()}
+        guest = {} if self.guest is None else {"availability": self.guest.as_json()}
         return {
             **session,
             "diagnostics": self.diagnostics(),
+            **guest,
             "preload": {"requested": list(self.settings.preload_models), "refused": dict(self.preload_refused)},
             "models": models,
             "in_flight": len(self.stats.in_flight),

@@ -13,7 +13,8 @@ are the job's (`provider.jobs.job`), minus the encryption:
 * `async with manager.serve(..., booking=...) as slot`: waits for the load, pins the model;
   `slot.submit(...)` starts it; leaving the block cancels it if it is still running.
 
-Every 503 carries `Retry-After` (a capacity refusal is transient: memory frees as requests finish).
+Every 503 carries `Retry-After` (a capacity refusal is transient: memory frees as requests finish; a
+pause says when it ends, `Failure.retry_after_s`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class Refused(Exception):
     def retry_after_s(self) -> int | None:
         if self.failure.status_code != 503:
             return None
+        if self.failure.retry_after_s is not None:  # a pause says when it ends (provider/guest)
+            return self.failure.retry_after_s
         return DRAINING_RETRY_AFTER_S if self.failure == Failure.draining() else RETRY_AFTER_S
 
 

@@ -1,7 +1,9 @@
 """The ``heartbeat`` frame, every ``heartbeat_interval_s`` (protocol.md §3.2, §9).
 
 * ``status`` — ``serving`` iff a request is in flight, else ``idle``; ``draining`` while shutting down
-  ([N] reads it; [A] ignores unknown statuses).
+  and while the owner's Mac is paused (provider/guest: outside its serving windows, in use, on
+  battery, hot) — [N] then routes elsewhere until an ``idle``/``serving`` heartbeat; [A] ignores
+  statuses it does not know and reroutes on the 503 ``draining`` each request gets.
 * ``active_model`` — the model of the most recently accepted request in flight, else null.
 * ``stats`` — cumulative for the process (``ServingStats``), ints.
 * ``warm_models`` — loaded models (from the model manager).
@@ -73,15 +75,17 @@ class HeartbeatSource:
         capacity: Callable[[], CapacityReport],
         thermal: ThermalSampler | None = None,
         cpu_percent: Callable[[], float] = lambda: psutil.cpu_percent(None),
+        paused: Callable[[], bool] = lambda: False,
     ) -> None:
         self._stats = stats
+        self._paused = paused
         self._capacity = capacity
         self.thermal = thermal or ThermalSampler()
         self._cpu = cpu_percent
         self._cpu()  # psutil's first non-blocking reading is meaningless: prime it
 
     def status(self, draining: bool) -> HeartbeatStatus:
-        if draining:
+        if draining or self._paused():
             return HeartbeatStatus.DRAINING
         return HeartbeatStatus.SERVING if self._stats.serving else HeartbeatStatus.IDLE
 

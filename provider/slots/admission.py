@@ -48,6 +48,7 @@ from memory import (
 )
 from memory.media import DEFAULT_MAX_VISION_REQUESTS, VisionSpan, vision_reservation, vision_span
 from protocol.errors import ErrorReason, Failure, FailureCode, RejectionReason
+from provider.guest.availability import Paused
 from provider.models import ALLOC_STEP, ModelInfo, kv_bytes_for_tokens
 from provider.slots.batchkv import EMPTY, join_share
 from provider.slots.state import ModelState, SlotView
@@ -95,6 +96,7 @@ class ManagerView:
     max_vision_requests: int = DEFAULT_MAX_VISION_REQUESTS  # requests with images per model
     vision_requests: Mapping[str, int] = field(default_factory=dict)  # in serve() now, any state
     batch_size: int = 2**31  # requests one model runs at once (the engine's decode batch)
+    paused: Paused | None = None  # the owner's Mac is not serving now (provider/guest)
 
     @property
     def firm_outstanding_bytes(self) -> int:
@@ -325,13 +327,18 @@ def decide(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, *, 
     * not resident: the load must fit with `max(MIN_KV, share)` of KV beside the weights (evicting
       idle models, LRU first, if needed); the claim is then `weights_est + MIN_KV − min(share, MIN_KV)`;
     * a model being unloaded right now is refused (503 slot_state): another provider serves it
-      sooner than this one reloads it.
+      sooner than this one reloads it;
+    * while the owner's Mac is paused (`view.paused`: outside its serving windows, in use, on
+      battery, hot — provider/guest), every request is refused first: 503 ``draining`` with
+      ``feasible_after_ms`` = the seconds until it serves again (capped).
 
     `images` / `media_bytes`: the request's image count and projected decode bytes; a vision model's
     requests are decided by `_decide_vision` (their KV and media are reserved when served).
     """
     if view.draining:
         return Refused(Failure.draining())
+    if view.paused is not None:
+        return Refused(Failure.paused(view.paused.retry_hint_s))
     if info is None:
         return Refused(Failure.model_unavailable())
     if images and not info.is_vision:

@@ -50,6 +50,7 @@ from memory.diagnostics import RestartThresholds
 from memory.media import DEFAULT_MAX_VISION_REQUESTS
 from protocol.errors import ErrorReason, Failure, RejectionReason
 from provider.engine import Engine, LoadedModelInfo
+from provider.guest.availability import Paused
 from provider.metrics import EvictionCause, LoadResult, Metrics
 from provider.models import Inventory, ModelInfo
 from provider.progress import ProgressFactory
@@ -148,6 +149,7 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
                                              wall_clock=time.time)
         self._kept_warm: set[str] = set()  # preloaded: the idle reaper leaves them resident
         self.on_capacity_change: Callable[[], None] | None = None  # called on the loop after a publish/unload
+        self.pause_source: Callable[[], Paused | None] = _never_paused  # provider/guest: asked at every view
 
     @classmethod
     def from_settings(cls, settings, engine: Engine, inventory: Inventory, ledger: Ledger, probe: Probe,
@@ -195,7 +197,7 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
                            self._prefix.evictable_bytes(by_kind[ReservationKind.PREFIX_CACHE]),
                            self._max_vision,
                            {s.model_id: s.vision_requests for s in self._slots.values() if s.vision_requests},
-                           batch_size=self._engine.batch_size)
+                           batch_size=self._engine.batch_size, paused=self.pause_source())
 
     def max_concurrency(self, model_id: str) -> int:
         """Requests one model runs at once: the engine's decode batch (admission's ceiling)."""
@@ -512,8 +514,12 @@ def _gives_way(decision: Admission | RoomPlan, snapshot: MemorySnapshot) -> bool
     if not snapshot.reclaimable_bytes:
         return False
     if isinstance(decision, Refused):
-        return True
+        return decision.failure.reason is not ErrorReason.DRAINING  # a clear lifts no drain and no pause
     return bool(decision.evict if isinstance(decision, Admitted) else decision.victims)
+
+
+def _never_paused() -> Paused | None:
+    return None
 
 
 def _room_refusal(failure: Failure) -> bool:
