@@ -119,7 +119,8 @@ class Agent:
         rhash = await asyncio.to_thread(runtime_hash, settings.runtime_hash)
         metrics = metrics or Metrics()
         thermal = ThermalSampler()
-        guest = guest or GuestMonitor.from_settings(settings, thermal=lambda: thermal.state, metrics=metrics)
+        guest = guest or GuestMonitor.from_settings(settings, thermal=lambda: thermal.state)
+        guest.report_to(metrics)
         rt = await Runtime.start(settings, engine=engine, metrics=metrics, eos_token_ids=eos_token_ids, guest=guest)
         inventory, probe, ledger, manager = rt.inventory, rt.probe, rt.ledger, rt.manager
         counter, stats, metrics, weight_hashes = rt.counter, rt.stats, rt.metrics, rt.weight_hashes.known()

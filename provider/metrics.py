@@ -207,11 +207,11 @@ class Metrics:
         self.prefix_cache_bytes.labels(tier=CacheTier.DISK.value).set(stats.disk_bytes)
 
     # --- the owner's Mac
-    def availability_changed(self, reason: PauseReason | None) -> None:
-        """The agent paused for `reason`, or became available (None)."""
+    def availability_changed(self, reason: PauseReason | None, *, count: bool = True) -> None:
+        """The agent paused for `reason`, or became available (None); `count=False` only sets the gauge."""
         for member in PauseReason:
             self.paused.labels(reason=member.value).set(1 if member is reason else 0)
-        if reason is not None:
+        if reason is not None and count:
             self.pauses_total.labels(reason=label(reason)).inc()
 
     # --- the coordinator session

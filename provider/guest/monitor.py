@@ -133,6 +133,11 @@ class GuestMonitor:
              restore: Callable[[], Awaitable[None]] | None = None) -> None:
         self._release, self._restore = release, restore
 
+    def report_to(self, metrics: Metrics) -> None:
+        """Keep ``darkbloom_paused`` / ``darkbloom_pauses_total`` on `metrics` from now on."""
+        self._metrics = metrics
+        metrics.availability_changed(_key(self.state), count=False)
+
     def defer_restore(self) -> None:
         """The preloads were skipped at start (it began inside a pause): load them when available."""
         self._restore_due = True
