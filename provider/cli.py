@@ -196,7 +196,7 @@ def cmd_models(args: argparse.Namespace, settings: Settings) -> int:
     from provider.models import DigestCache, weight_hash_sync
     from provider.models.hashing import CACHE_FILE
 
-    report = run_doctor(settings, check_coordinator_url=False, explain_routing=False)
+    report = run_doctor(settings, check_coordinator_url=False, explain_routing=False, guest=None)
     hashes: dict[str, str] = {}
     if args.hash:
         cache = DigestCache.open(settings.state_dir / CACHE_FILE)  # the agent's: shared both ways
@@ -250,6 +250,8 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
              f"in flight {status.get('in_flight', '?')}"]
     if isinstance(status.get("session"), dict):
         lines += render_session(status["session"], time.time() if now is None else now)
+    if isinstance(status.get("availability"), dict):
+        lines += render_availability(status["availability"], time.time() if now is None else now)
     for m in status.get("models", []):
         lines.append(f"  {m.get('id')}  {m.get('state')}  {human_bytes(m.get('resident_bytes'))}  "
                      f"active {m.get('active_requests', 0)}" + ("  preloaded" if m.get("preloaded") else ""))
@@ -327,6 +329,47 @@ def render_session(s: dict[str, Any], now: float) -> list[str]:
                  f"cancelled {r.get('cancelled', 0)}), refused: {_reasons(r.get('refused', {}))}, "
                  f"failed: {_reasons(r.get('failed', {}))}")
     return lines
+
+
+def _in(seconds: float | None) -> str:
+    if seconds is None:
+        return "not foreseeable"
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours} h {rest // 60:02d} min" if hours else f"{rest // 60} min {rest % 60:02d} s"
+
+
+def _local(at: float, zone: str | None) -> str:
+    """`at` as a weekday and time in the windows' zone (this machine's when it is not a known name)."""
+    from datetime import datetime
+    from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+    try:
+        return datetime.fromtimestamp(at, ZoneInfo(zone or "")).strftime("%a %H:%M")
+    except (ZoneInfoNotFoundError, ValueError):
+        return time.strftime("%a %H:%M", time.localtime(at))
+
+
+def render_availability(a: dict[str, Any], now: float) -> list[str]:
+    """The `availability` section of /status (provider/guest) in a few lines."""
+    if a.get("state") == "paused":
+        head = f"availability: PAUSED ({a.get('reason')}), serves again in {_in(a.get('retry_after_s'))}"
+        if a.get("memory_released"):
+            head += "; models unloaded"
+        elif a.get("release_at") is not None:
+            head += f"; models unloaded in {_in(a['release_at'] - now)}"
+    else:
+        head = "availability: serving"
+    windows = a.get("windows") or []
+    line = f"  windows: {', '.join(windows) if windows else 'always'} ({a.get('timezone', '?')})"
+    if a.get("next_window_change") is not None:
+        line += f", {'closes' if a.get('window_open') else 'opens'} {_local(a['next_window_change'], a.get('timezone'))} " \
+                f"(in {_in(a['next_window_change'] - now)})"
+    sig = a.get("signals", {})
+    idle = sig.get("idle_s")
+    signals = (f"  signals: idle {'-' if idle is None else f'{idle:.0f} s'} ({sig.get('idle_source', 'off')}), "
+               f"on battery {sig.get('on_battery')} ({sig.get('power_source', 'off')}), thermal {sig.get('thermal')}")
+    return [head, line, signals]
 
 
 def cmd_runtime_hash(args: argparse.Namespace, settings: Settings) -> int:

@@ -37,6 +37,9 @@ the posture or privacy capabilities it requires are reported false -- always so 
 `dev_posture`; subject: the fields), ``memory_gate_blocks`` (the coordinator's free-memory gate
 refuses requests for a model, cold or always; subject: the model; detail: the fix, e.g. preload it),
 ``not_in_catalog`` (the coordinator's catalog does not list the model: it is dropped at register).
+From the owner's-Mac section (`provider/doctor_guest.py`: the serving windows, whether one is open and
+the next change, every signal's reading): ``signal_unavailable`` (a pause rule is on but its signal
+cannot be read here; subject: the setting, detail: the reader's source).
 An invalid configuration never reaches this module: the CLI exits 78 with one line first.
 
 `report_json()` is a stable interface (keys are only ever added): ``cap`` holds every
@@ -50,7 +53,9 @@ posture, privacy_capabilities, total_memory_gb, hardening_probed}, ``trusted``,
 ``untrusted_reasons`` [{code, subject}], ``coordinator_must`` [text], ``catalog`` {url, checked,
 reachable, detail, models}, ``models`` [{id, verdict, fix, preloaded, size_source, size_bytes,
 kv_estimate_bytes, total_bytes, cold {required_bytes, free_bytes, passes}, warm {...}}]; null for
-`models`, which does not gather it).
+`models`, which does not gather it), ``guest`` (`doctor_guest.guest_json`: windows, timezone,
+window_open, next_window_change (unix) and _local, state, reason, retry_after_s, signals {idle_s,
+idle_source, on_battery, power_source, thermal}, rules; null for `models`).
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ import socket
 import ssl
 import sys
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -85,6 +90,7 @@ from memory import (
 from kvcache.disk import KVCACHE_DIR, check_writable_dir, os_error_name
 from memory.probe import no_mlx_counters
 from provider.config import Settings, unrecognised_env
+from provider.doctor_guest import GuestReport, gather_guest, guest_json, guest_lines
 from provider.doctor_routing import BLOCKING, RoutingReport, gather_routing, routing_json, routing_lines, untrusted_sentence
 from provider.hardening import Hardening
 from provider.models import Inventory, ModelInfo, Quantization, default_hf_cache, discover
@@ -127,6 +133,7 @@ class ProblemCode(StrEnum):
     NOT_IN_CATALOG = "not_in_catalog"
     RESTART_ADVISED = "restart_advised"
     RESTART_NEEDED = "restart_needed"
+    SIGNAL_UNAVAILABLE = "signal_unavailable"
 
 
 _SEVERITY: dict[ProblemCode, Severity] = {
@@ -148,6 +155,7 @@ _SEVERITY: dict[ProblemCode, Severity] = {
     ProblemCode.NOT_IN_CATALOG: Severity.WARNING,
     ProblemCode.RESTART_ADVISED: Severity.WARNING,
     ProblemCode.RESTART_NEEDED: Severity.ERROR,
+    ProblemCode.SIGNAL_UNAVAILABLE: Severity.WARNING,
 }
 
 _EXPLAIN: dict[ProblemCode, str] = {
@@ -170,6 +178,7 @@ _EXPLAIN: dict[ProblemCode, str] = {
     ProblemCode.NOT_IN_CATALOG: "not in the coordinator's catalog: dropped at register",
     ProblemCode.RESTART_ADVISED: "the running agent advises a restart (memory does not come back after unloads)",
     ProblemCode.RESTART_NEEDED: "the running agent needs a restart: memory that did not come back costs a model",
+    ProblemCode.SIGNAL_UNAVAILABLE: "this pause rule cannot read its signal here: the agent serves as if it said go",
 }
 
 
@@ -230,6 +239,7 @@ class DoctorReport:
     problems: tuple[Problem, ...]
     routing: RoutingReport | None = None
     agent: dict[str, Any] | None = None  # the running agent's /status diagnostics, when one answers
+    guest: GuestReport | None = None
 
     @property
     def ok(self) -> bool:
@@ -329,6 +339,7 @@ def run_doctor(
     explain_routing: bool = True,
     hardening: Hardening | None = None,
     check_running_agent: bool = True,
+    guest: Callable[[Settings], GuestReport] | None = gather_guest,
 ) -> DoctorReport:
     """Gather everything `doctor` shows. Blocking (file scans, the coordinator and catalog checks, the
     hardening probe). `explain_routing=False` skips the routing section; `hardening` stands in for the
@@ -358,8 +369,12 @@ def run_doctor(
         problems += _routing_problems(routing)
     agent = running_agent_diagnostics(settings) if check_running_agent else None
     problems += _restart_problems(agent)
+    guest_report = guest(settings) if guest is not None else None
+    if guest_report is not None:
+        problems += tuple(Problem(ProblemCode.SIGNAL_UNAVAILABLE, setting, f"reader: {source}")
+                          for setting, source in guest_report.unreadable())
     return DoctorReport(snapshot, hypothetical, cap, policy, level, rhash, models, inventory, coordinator, problems,
-                        routing, agent)
+                        routing, agent, guest_report)
 
 
 def running_agent_diagnostics(settings: Settings, timeout_s: float = 2.0) -> dict[str, Any] | None:
@@ -505,6 +520,7 @@ def report_json(report: DoctorReport) -> dict[str, Any]:
         "agent": {"running": report.agent is not None,
                   "restart": None if report.agent is None else report.agent.get("restart"),
                   "baseline": None if report.agent is None else report.agent.get("baseline")},
+        "guest": None if report.guest is None else guest_json(report.guest),
     }
 
 
@@ -585,6 +601,8 @@ def render_table(report: DoctorReport) -> str:
         reason = f" ({restart['reason']})" if restart.get("reason") else ""
         out += [f"Running agent  restart {restart.get('recommendation', '?')}{reason}; no-model baseline drift "
                 f"{human_bytes(baseline.get('drift_bytes'))} ({baseline.get('drift_pct', 0)} % of the cap) since start", ""]
+    if report.guest is not None:
+        out += guest_lines(report.guest) + [""]
     if report.problems:
         out.append("Problems")
         out += _table([(p.severity.value.upper(), p.code.value, p.subject or "-",
