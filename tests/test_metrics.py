@@ -58,6 +58,8 @@ def test_fresh_metrics_expose_every_family_with_known_labels_at_zero() -> None:
         "darkbloom_prefix_cache_bytes": "gauge",
         "darkbloom_baseline_drift_bytes": "gauge",
         "darkbloom_restart_recommendation": "gauge",
+        "darkbloom_paused": "gauge",
+        "darkbloom_pauses": "counter",
     }
     for outcome in RequestOutcome:
         assert value(m, "darkbloom_requests_total", outcome=outcome.value) == 0
@@ -65,6 +67,8 @@ def test_fresh_metrics_expose_every_family_with_known_labels_at_zero() -> None:
     assert value(m, "darkbloom_model_evictions_total", cause="idle") == 0
     assert value(m, "darkbloom_prefix_cache_lookups_total", result="miss") == 0
     assert value(m, "darkbloom_prefix_cache_bytes", tier="disk") == 0
+    assert value(m, "darkbloom_paused", reason="outside_window") == 0
+    assert value(m, "darkbloom_pauses_total", reason="owner_active") == 0
     assert CONTENT_TYPE.startswith("text/plain; version=")
 
 
