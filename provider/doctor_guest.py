@@ -52,7 +52,7 @@ class GuestReport:
 
 
 def _thermal_now() -> ThermalState:
-    from provider.session.heartbeat import ThermalSampler  # the heartbeat's own reader
+    from provider.session.thermal import ThermalSampler  # the heartbeat's own reader
 
     return asyncio.run(ThermalSampler().refresh())
 

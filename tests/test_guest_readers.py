@@ -1,6 +1,9 @@
 """provider/guest readers (issue 16) on recorded output: ``ioreg`` HIDIdleTime, ``pmset -g batt``,
-/sys/class/power_supply, xprintidle and GNOME's idle monitor. Each sample in tests/recorded/guest/ names
-its source (a real output pasted in a public issue, or constructed from the documented format, said so).
+/sys/class/power_supply, xprintidle and GNOME's idle monitor. Each sample (tests/macos_samples,
+tests/linux_samples) names its command, its source and its provenance: ``verbatim`` (a real output pasted
+in a public issue), ``derived`` (a real one with parts constructed, said which) or ``constructed`` (from
+the documented format, when no public recording was found: the ioreg dumps, the UPS line, xprintidle,
+gdbus).
 No Mac here: the commands are replaced by the recorded text; the sysfs samples are laid out as files."""
 
 from __future__ import annotations
@@ -8,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from macos_samples import sample as macos_sample
 
 from provider.guest.readers import (
     IOREG,
@@ -24,16 +28,18 @@ from provider.guest.readers import (
     read_on_battery,
 )
 
-SAMPLES = Path(__file__).parent / "recorded" / "guest"
+LINUX_SAMPLES = Path(__file__).parent / "linux_samples"
 
 
 def sample(name: str) -> str:
-    """The recorded output: everything after the header's '---' line."""
-    text = (SAMPLES / name).read_text(encoding="utf-8")
-    header, sep, body = text.partition("---\n")
-    assert sep and all(line.startswith("#") for line in header.splitlines()), f"{name}: header then ---"
-    assert "source:" in header.lower() or "constructed" in header.lower(), f"{name} must name its source"
-    return body
+    """A recorded output: macOS ones from tests/macos_samples (issue 18's collection and its header
+    rules), Linux ones from tests/linux_samples (the same ``#`` header: command, source, provenance)."""
+    if not name.startswith(("sysfs_", "xprintidle", "gdbus_")):
+        return macos_sample(name)
+    lines = (LINUX_SAMPLES / name).read_text(encoding="utf-8").splitlines(keepends=True)
+    head = "".join(line for line in lines if line.startswith("#"))
+    assert "# command:" in head and "# source:" in head and "# provenance:" in head, name
+    return "".join(line for line in lines if not line.startswith("#"))
 
 
 def commands(outputs: dict[tuple[str, ...], str | None]):
@@ -62,8 +68,9 @@ def test_hid_idle_time_is_nanoseconds(name, seconds):
 
 
 def test_no_hid_idle_time_is_unreadable_not_zero():
-    assert parse_ioreg_idle(sample("ioreg_no_hidsystem.txt")) is None
-    reading = read_idle_seconds(platform="darwin", run=commands({IOREG: sample("ioreg_no_hidsystem.txt")}))
+    nothing = ""  # ioreg -r with no matching object exits 0 and prints nothing (ioreg(8): only matching roots)
+    assert parse_ioreg_idle(nothing) is None
+    reading = read_idle_seconds(platform="darwin", run=commands({IOREG: nothing}))
     assert reading.value is None and reading.source is Source.UNREADABLE
     missing = read_idle_seconds(platform="darwin", run=commands({}))
     assert missing.value is None and missing.source is Source.UNAVAILABLE

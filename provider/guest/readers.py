@@ -1,7 +1,7 @@
 """Readers of the owner's signals: how long since the keyboard or mouse was used, and the power source.
 
-Each reader is a parser over one command's (or sysfs's) output plus a thin shell that runs it;
-the parsers are tested on recorded output (tests/recorded/guest/). A reader that cannot read
+Each reader is a parser over one command's (or sysfs's) output plus a thin shell that runs it
+(`provider.hostcmd`); the parsers are tested on recorded output (tests/macos_samples, tests/linux_samples). A reader that cannot read
 returns a `Reading` with `value=None` and a closed-vocabulary `source` saying why, which `doctor`
 and /status show; it never raises.
 
@@ -27,13 +27,13 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 
-Runner = Callable[[Sequence[str]], str | None]  # argv -> stdout, None when it cannot run
-COMMAND_TIMEOUT_S = 3.0
+from provider.hostcmd import COMMAND_TIMEOUT_S, Runner, run_command
+
 SYSFS_POWER = Path("/sys/class/power_supply")
 IOREG = ("ioreg", "-r", "-d", "1", "-c", "IOHIDSystem")
 PMSET_BATT = ("pmset", "-g", "batt")
@@ -135,11 +135,11 @@ def read_sysfs_supplies(root: Path = SYSFS_POWER) -> dict[str, dict[str, str]]:
 # --- the shells ---------------------------------------------------------------------------------------
 
 
-def run_command(argv: Sequence[str], env_keys: Sequence[str] = ()) -> str | None:
-    """stdout of a short command, or None if it is missing, fails or hangs. Only PATH, LANG and
-    the named variables of this process's environment reach it."""
+def session_run(argv: Sequence[str]) -> str | None:
+    """`provider.hostcmd.run_command`, but with the desktop session's variables (`SESSION_ENV`), which
+    an X11 or D-Bus query needs to find the session; nothing else of this process's environment."""
     env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin:/usr/local/bin", "LANG": "C"}
-    env.update({k: os.environ[k] for k in env_keys if k in os.environ})
+    env.update({k: os.environ[k] for k in SESSION_ENV if k in os.environ})
     try:
         done = subprocess.run(list(argv), capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
                               check=False, env=env)
@@ -148,12 +148,8 @@ def run_command(argv: Sequence[str], env_keys: Sequence[str] = ()) -> str | None
     return done.stdout if done.returncode == 0 else None
 
 
-def _session_run(argv: Sequence[str]) -> str | None:
-    return run_command(argv, SESSION_ENV)
-
-
 def read_idle_seconds(*, platform: str = sys.platform, run: Runner = run_command,
-                      session_run: Runner = _session_run) -> Reading:
+                      session_run: Runner = session_run) -> Reading:
     """Seconds since the owner last used the keyboard or mouse. Blocking: call off the event loop."""
     if platform == "darwin":
         output = run(IOREG)
@@ -184,4 +180,4 @@ def read_on_battery(*, platform: str = sys.platform, run: Runner = run_command,
 
 __all__ = ["IOREG", "MUTTER_IDLE", "PMSET_BATT", "XPRINTIDLE", "Reading", "Runner", "Source",
            "on_battery_from_supplies", "parse_ioreg_idle", "parse_mutter_idle", "parse_pmset_batt", "parse_uevent",
-           "parse_xprintidle", "read_idle_seconds", "read_on_battery", "read_sysfs_supplies", "run_command"]
+           "parse_xprintidle", "read_idle_seconds", "read_on_battery", "read_sysfs_supplies", "session_run"]

@@ -3,7 +3,9 @@
 Each file starts with ``#`` header lines: the command, the machine and macOS version when the source
 says them, the source (a public issue, page or repository file), and the provenance (``verbatim``,
 ``excerpt``: lines the source cut, or ``derived``: a real sample with one value replaced by a value the
-named source documents, said which). Everything after the header is the output.
+named source documents, said which; issue 16's ``constructed``: no public recording was found, the
+output is built from the documented format named in the header). Everything after the header is the
+output.
 """
 
 from __future__ import annotations
