@@ -21,6 +21,10 @@ monitor's next step. `step()` is what the loop runs (tests call it after moving 
 
 The loop steps every `poll_s`, and sooner at the moment the state is due to change (a window edge,
 the end of the owner's idle wait, the end of the grace period) or when `wake()` is called.
+
+Hooks for whoever must follow the state (the session's prompt heartbeat; a power assertion that keeps
+the Mac awake only while it may serve): `on_change(listener)` is called on the loop with the new
+`Available | Paused` at each change; `is_paused()` is the state as of the last step.
 """
 
 from __future__ import annotations
