@@ -9,7 +9,7 @@ the desktop session.
 
 from __future__ import annotations
 
-import asyncio
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, tzinfo
@@ -52,9 +52,10 @@ class GuestReport:
 
 
 def _thermal_now() -> ThermalState:
-    from provider.session.thermal import ThermalSampler  # the heartbeat's own reader
+    """The heartbeat's own reading, taken here without an event loop (doctor may run inside one)."""
+    from provider.session.thermal import read_thermal_state
 
-    return asyncio.run(ThermalSampler().refresh())
+    return (read_thermal_state() if sys.platform == "darwin" else None) or ThermalState.NOMINAL
 
 
 def gather_guest(settings: Settings, *, now: datetime | None = None, zone: tzinfo | None = None,

@@ -96,7 +96,7 @@ async def test_a_serving_window_end_to_end(coordinator_double, tiny_model_path: 
 
             # 07:30: the window ends with a stream in flight.
             mark = double.mark()
-            streaming = asyncio.create_task(stream_all(consumer, 1900))
+            streaming = asyncio.create_task(stream_all(consumer, 400))
             await double.wait_for(lambda e: isinstance(e, ChunkReceived), since=mark, timeout=10)
             mark = double.mark()
             clock.set(7, 30)
@@ -117,8 +117,9 @@ async def test_a_serving_window_end_to_end(coordinator_double, tiny_model_path: 
                       if getattr(e.message, "request_id", None) == rejected.request_id]
             assert [f.type for f in frames] == ["inference_error"]  # no accept before it
             assert frames[0].feasible_after_ms == 900_000  # the next window opens in 15 minutes
+            assert agent.stats.serving, "the premise: refused while the stream is still running"
 
-            assert await streaming == (1900, "length")  # the in-flight stream finished
+            assert await streaming == (400, "length")  # the in-flight stream finished
 
         status = agent.runtime.status()["availability"]
         assert (status["state"], status["reason"], status["retry_after_s"]) == ("paused", "outside_window", 900)

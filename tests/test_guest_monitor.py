@@ -187,3 +187,66 @@ def test_from_settings_turns_on_only_the_readers_the_rules_use():
     watching = GuestMonitor.from_settings(Settings(pause_when_active_mins=10), read_idle=idle)
     asyncio.run(watching.step())
     assert calls == ["idle"] and watching.rules.pause_when_active_s == 600
+
+
+async def test_an_unload_waiting_for_a_request_is_retried_at_the_poll_not_in_a_spin():
+    """Past the grace period with a request still running, the release is retried at each poll (10 s),
+    not every 50 ms: each step runs the readers (ioreg, pmset: a process each)."""
+    clock = Clock()
+    m, hooks = monitor("22:00-07:30", clock=clock, grace_s=300)
+    await m.step()
+    assert m.next_step_s() == m.poll_s
+    clock.advance(seconds=300)
+    hooks.busy = True
+    await m.step()
+    assert hooks.releases == 1 and not m.released
+    assert m.next_step_s() == m.poll_s
+    m.bind()  # nothing to release with (a monitor without a runtime): no spin either
+    await m.step()
+    assert m.next_step_s() == m.poll_s
+
+
+async def test_the_loop_survives_a_failing_hook():
+    """A hook that raises (an unload's error) is logged by its type and the loop goes on: a dead loop
+    would leave the heartbeat and the metrics in the last state for the life of the process."""
+    clock = Clock()
+    m = GuestMonitor(Rules(windows=parse_windows(["22:00-07:30"]), zone=UTC), grace_s=0, clock=clock)
+    first, second = asyncio.Event(), asyncio.Event()
+
+    async def release() -> bool:
+        if not first.is_set():
+            first.set()
+            raise RuntimeError("an engine error")
+        second.set()
+        return True
+
+    m.bind(release=release)
+    with capture_redacted_logs() as logs:
+        task = asyncio.create_task(m.run())
+        try:
+            await asyncio.wait_for(first.wait(), 5)
+            m.wake()
+            await asyncio.wait_for(second.wait(), 5)
+            assert m.released
+        finally:
+            task.cancel()
+    (failed,) = [e for e in logs if e["event"] == "guest_step_failed"]
+    assert failed["exc_type"] == "RuntimeError"
+
+
+async def test_follow_hears_each_flip_between_available_and_paused():
+    """The hook a power assertion uses (issue 18's KeepAwake.set_available): the state at once, then a
+    call at each flip, none when only the reason of a pause changes."""
+    clock, thermal = Clock(), {"state": ThermalState.NOMINAL}
+    m, _ = monitor("22:00-07:30", clock=clock, thermal=lambda: thermal["state"])
+    await m.step()
+    heard: list[bool] = []
+    m.follow(heard.append)
+    assert heard == [False]  # 21:00: outside the window
+    clock.now = START.replace(hour=22)
+    await m.step()
+    thermal["state"] = ThermalState.SERIOUS
+    await m.step()
+    clock.now = START.replace(hour=8) + timedelta(days=1)
+    assert (await m.step()).reason is PauseReason.OUTSIDE_WINDOW  # paused all along: no call
+    assert heard == [False, True, False]

@@ -140,3 +140,10 @@ def test_bad_values_name_where_they_came_from(tmp_path: Path, variable, value, w
     with pytest.raises(ConfigError) as exc:
         load_settings(env={"HOME": str(tmp_path), variable: value})
     assert variable in str(exc.value) and words in str(exc.value)
+
+
+async def test_doctor_reads_the_signals_from_inside_an_event_loop():
+    """`gather_guest` is blocking but must not start an event loop of its own (it may run in one)."""
+    report = gather_guest(Settings(), now=NOON, read_idle=lambda: Reading(None, Source.UNAVAILABLE),
+                          read_power=lambda: Reading(False, Source.NO_SUPPLY))
+    assert report.thermal is ThermalState.NOMINAL  # Linux: no thermal pressure to read

@@ -22,9 +22,11 @@ monitor's next step. `step()` is what the loop runs (tests call it after moving 
 The loop steps every `poll_s`, and sooner at the moment the state is due to change (a window edge,
 the end of the owner's idle wait, the end of the grace period) or when `wake()` is called.
 
-Hooks for whoever must follow the state (the session's prompt heartbeat; a power assertion that keeps
-the Mac awake only while it may serve): `on_change(listener)` is called on the loop with the new
-`Available | Paused` at each change; `is_paused()` is the state as of the last step.
+Hooks for whoever must follow the state: `on_change(listener)` is called on the loop with the new
+`Available | Paused` at each change (the session's prompt heartbeat); `follow(available)` gets a bool
+now and at each flip between available and paused (a power assertion that keeps the Mac awake only
+while it may serve); `is_paused()` is the state as of the last step. A hook that raises is logged
+(``guest_step_failed``) and the loop goes on.
 """
 
 from __future__ import annotations
@@ -133,6 +135,21 @@ class GuestMonitor:
     def on_change(self, listener: Callable[[Availability], None]) -> None:
         self._listeners.append(listener)
 
+    def follow(self, available: Callable[[bool], None]) -> None:
+        """Call `available(not paused)` now (the state as of the last step) and at each flip between
+        available and paused, not when only a pause's reason changes: the hook of a power assertion
+        that keeps the Mac awake only while it may serve (issue 18's ``KeepAwake.set_available``)."""
+        last = [not self.is_paused()]
+        available(last[0])
+
+        def flipped(state: Availability) -> None:
+            now = isinstance(state, Available)
+            if now != last[0]:
+                last[0] = now
+                available(now)
+
+        self.on_change(flipped)
+
     def bind(self, *, release: Callable[[], Awaitable[bool]] | None = None,
              restore: Callable[[], Awaitable[None]] | None = None) -> None:
         self._release, self._restore = release, restore
@@ -154,24 +171,29 @@ class GuestMonitor:
     async def run(self) -> None:
         while True:
             self._wake.clear()
-            await self.step()
+            try:
+                await self.step()
+            except Exception as exc:  # a hook's error (an unload's): the loop must outlive it
+                log.error("guest_step_failed", exc_type=type(exc).__name__)
             with contextlib.suppress(TimeoutError):  # a real interval, or sooner when woken
-                await asyncio.wait_for(self._wake.wait(), self._wait_s())
+                await asyncio.wait_for(self._wake.wait(), self.next_step_s())
 
-    def _wait_s(self) -> float:
+    def next_step_s(self) -> float:
+        """Seconds the loop waits before its next step: a poll, or less when the state is due to change."""
         now = self._clock()
         due = [t for t in (self._due_at(now),) if t is not None]
         soonest = min([self.poll_s] + [(t - now).total_seconds() for t in due])
         return max(MIN_WAIT_S, soonest)
 
     def _due_at(self, now: datetime) -> datetime | None:
-        """The next moment the state may change with the same readings."""
+        """The next moment the state may change with the same readings. A grace period already over
+        is not one: a release still waiting for a request is retried at the poll, not in a spin."""
         moments = [next_window_change(now, self.rules)]
         if isinstance(self.state, Paused):
             moments.append(self.state.resumes_at)
             if self._releasing_since is not None and not self.released:
                 moments.append(self._releasing_since + timedelta(seconds=self.grace_s))
-        return min((m for m in moments if m is not None), default=None)
+        return min((m for m in moments if m is not None and m > now), default=None)
 
     async def step(self) -> Availability:
         async with self._lock:
