@@ -173,6 +173,8 @@ class Agent:
         background = [asyncio.create_task(self._refresh_thermal(), name="agent-thermal"),
                       asyncio.create_task(self.manager.run_idle_reaper(), name="agent-idle-reaper"),
                       asyncio.create_task(self.guest.run(), name="agent-guest")]
+        # Issue 18's power assertion (KeepAwake, not on this branch yet) follows the guest:
+        # self.guest.follow(self.keep_awake.set_available) keeps the Mac awake only while it may serve.
         endpoint = StatusEndpoint.start(self.runtime, self.settings) if self.settings.local_enabled else None
         try:
             await self.session.run(stop)
