@@ -14,7 +14,8 @@ model manager, weight hashes and warm tokenizers: the same assembly ``serve --lo
 the hardware. The guest monitor (provider/guest: serving windows, the owner's activity, battery, heat)
 is built first and handed to the runtime, so admission refuses while the Mac is paused, the
 heartbeat says ``draining`` then, and a change sends a heartbeat at once. While running, the local status endpoints (``/healthz``, ``/status``, ``/metrics`` on
-``local_host:local_port``) answer ``darkbloom-provider status``.
+``local_host:local_port``) answer ``darkbloom-provider status``, and on macOS a power assertion keeps
+idle sleep from dropping the session (``keep_awake``, ``provider/power.py``).
 
 Shutdown: the session drains (new requests 503 ``draining``, running ones get ``drain_timeout_s``, then
 are cancelled) and closes the socket with 1000; then every model is unloaded (its prefix cache purged)
@@ -46,6 +47,7 @@ from provider.request import PromptCounter
 from provider.metrics import Metrics
 from provider.local.server import StatusEndpoint
 from provider.models import Inventory
+from provider.power import KeepAwake
 from provider.runtime import Runtime
 from provider.runtime_hash import runtime_hash
 from provider.session.connection import ConnectFactory, Session, SessionConfig
@@ -97,13 +99,14 @@ class Agent:
     metrics: Metrics
     runtime: Runtime
     guest: GuestMonitor
+    keep_awake: KeepAwake  # the Mac stays awake while the agent is available (provider/power.py)
     exit_code: int = EXIT_OK  # EXIT_RESTART once a memory restart was decided
 
     @classmethod
     async def start(cls, settings: Settings, *, engine: Engine | None = None, harden: bool = True,
                     connect: ConnectFactory | None = None, metrics: Metrics | None = None,
                     eos_token_ids: Mapping[str, frozenset[int]] | None = None,
-                    guest: GuestMonitor | None = None) -> Agent:
+                    guest: GuestMonitor | None = None, keep_awake: KeepAwake | None = None) -> Agent:
         """Build everything; nothing connects yet. ``harden=False`` leaves this process as it is
         (for running an agent inside a test process); the posture then reports no hardening.
         ``guest``: the owner's rules (default: from the settings, on the wall clock)."""
@@ -163,7 +166,8 @@ class Agent:
                  hardening_count=sum((hardening.core_dumps_disabled, hardening.anti_debug_enabled,
                                       hardening.env_scrubbed)))
         return cls(settings, keys, posture, rhash, inventory, probe, ledger, rt.engine, rt.owns_engine, manager,
-                   stats, counter, heartbeat, session, weight_hashes, metrics, rt, guest)
+                   stats, counter, heartbeat, session, weight_hashes, metrics, rt, guest,
+                   keep_awake if keep_awake is not None else KeepAwake(enabled=settings.keep_awake))
 
     async def run(self, stop: asyncio.Event) -> int:
         """Serve until ``stop`` is set, then drain, unload every model and return the exit code
@@ -176,9 +180,13 @@ class Agent:
         # Issue 18's power assertion (KeepAwake, not on this branch yet) follows the guest:
         # self.guest.follow(self.keep_awake.set_available) keeps the Mac awake only while it may serve.
         endpoint = StatusEndpoint.start(self.runtime, self.settings) if self.settings.local_enabled else None
+        # Available from now until the drain ends. Issue 16's serving windows call set_available(False)
+        # when a window closes and set_available(True) when the next one opens.
+        self.keep_awake.set_available(True)
         try:
             await self.session.run(stop)
         finally:
+            self.keep_awake.set_available(False)
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)

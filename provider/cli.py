@@ -7,7 +7,7 @@
     models [--json] [--hash]    discovered models with size, quantization, context and fit
     status [--json]             what the running agent is doing (its local /status endpoint)
     runtime-hash                the runtime hash sent in `register`
-    service install [--no-load] | uninstall [--no-load] | status
+    service install [--no-load] [--system [--user NAME]] | uninstall [--no-load] [--system] | status [--system]
 
 Every setting of `provider/config.py` is also a flag (`--max-model-slots 2`), accepted before or
 after the command, overriding the environment and the file; `auth_token` is the exception (a flag
@@ -22,7 +22,11 @@ one line on stderr, no traceback; the systemd unit does not restart on 78. Under
 
 `service install` carries every setting given on its command line into the service's `serve`
 command (`--memory-reserve-gb 8 --model-dirs /srv/models` ...); `service uninstall` and `service
-status` refuse settings, which they would not use.
+status` refuse settings, which they would not use. `--system` (macOS, with sudo) is the boot-time
+LaunchDaemon that runs as `--user` (default: the user who ran sudo) instead of the per-user agent.
+
+`serve` counts its own abnormal exits in the state directory; under launchd, `crash_loop_limit` of them
+within `crash_loop_window_mins` keep it down (exit 0, recorded for `service status`; `doctor` says so).
 """
 
 from __future__ import annotations
@@ -34,13 +38,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from enum import Enum
 from pathlib import Path
 from typing import Any, get_args
 
 from provider import __version__, supervision
-from provider.config import FIELDS, ConfigError, Settings, flag_name, load_settings
+from provider.config import FIELDS, ConfigError, Settings, default_state_dir, flag_name, load_settings
 from provider.progress import Progress
 
 EX_OK = 0
@@ -112,10 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
     actions = service.add_subparsers(dest="action", metavar="ACTION", required=True)
     install = actions.add_parser("install", parents=[common], allow_abbrev=False, help="write the service file and start it")
     install.add_argument("--no-load", action="store_true", default=False, help="only write the file")
+    install.add_argument("--user", dest="run_as", metavar="NAME", default=None,
+                         help="with --system: the user the agent runs as (default: the user who ran sudo)")
     uninstall = actions.add_parser("uninstall", parents=[common], allow_abbrev=False, help="stop the service and remove its file")
     uninstall.add_argument("--no-load", action="store_true", default=False,
                            help="only remove the file, do not ask the service manager")
-    actions.add_parser("status", parents=[common], allow_abbrev=False, help="ask the service manager")
+    status_cmd = actions.add_parser("status", parents=[common], allow_abbrev=False, help="ask the service manager")
+    for action in (install, uninstall, status_cmd):
+        action.add_argument("--system", action="store_true", default=False,
+                            help="the boot-time LaunchDaemon (macOS, needs sudo) rather than the per-user agent")
     return parser
 
 
@@ -167,6 +176,28 @@ def setting_args(settings: Settings, fields: Iterable[str]) -> list[str]:
 
 
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
+    """Serve, under the crash-loop guard (`provider/supervision.py`): a run that returns 0 or refuses its
+    configuration was not a crash; anything else (an exception, a kill, another exit code) is counted
+    at the next start, and enough of them in the window keep a launchd service down."""
+    env = dict(os.environ)
+    decision = supervision.on_start(settings.state_dir, env=env, limit=settings.crash_loop_limit,
+                                    window_s=settings.crash_loop_window_s)
+    if decision.stay_down:
+        message = decision.message(settings.crash_loop_window_mins)
+        print(f"{PROG}: {message}", file=sys.stderr)
+        return supervision.exit_code_for(supervision.ExitReason.CRASH_LOOP, supervision.EX_CRASH_LOOP, message,
+                                         home=_home(env), env=env)
+    code = _serve(args, settings)
+    if code in (EX_OK, EX_CONFIG):
+        supervision.on_clean_exit(settings.state_dir)
+    if code == EX_CONFIG:  # printed already; under launchd, no relaunch loop (as for a bad setting)
+        return supervision.exit_code_for(supervision.ExitReason.CONFIGURATION, EX_CONFIG,
+                                         "the agent refused to start (the reason is printed above)",
+                                         home=_home(env), env=env)
+    return code
+
+
+def _serve(args: argparse.Namespace, settings: Settings) -> int:
     if args.local:
         from provider.local.server import serve_local
 
@@ -386,16 +417,23 @@ def cmd_runtime_hash(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_service(args: argparse.Namespace, settings: Settings) -> int:
     from provider import service
 
-    home, env = Path.home(), dict(os.environ)
+    env = dict(os.environ)
     given = list(overrides_from(args))
     if args.action != "install" and (given or getattr(args, "config", None) is not None):
         flags = [flag_name(f) for f in given] + (["--config"] if getattr(args, "config", None) else [])
         raise ConfigError(f"`service {args.action}` does not use settings ({', '.join(flags)}); "
                           "give them to `service install`")
+    user = _system_user(args, env) if args.system else None
+    home = _user_home(user) if user is not None else Path.home()
+    # The agent's state directory: under sudo, the one the agent will use as that user.
+    state_dir = settings.state_dir if user is None or "state_dir" in given else default_state_dir(home)
     if args.action == "install":
         done = service.install(home=home, env=env, load=not args.no_load, config_path=getattr(args, "config", None),
-                               args=setting_args(settings, given), drain_timeout_s=settings.drain_timeout_s)
-        print(f"wrote {done.path} ({done.kind.value})")
+                               args=setting_args(settings, given), drain_timeout_s=settings.drain_timeout_s,
+                               process_type=settings.process_type, crash_loop_limit=settings.crash_loop_limit,
+                               crash_loop_window_s=settings.crash_loop_window_s, system_user=user)
+        supervision.reset_abnormal_exits(state_dir)  # started again on purpose: a crash-loop count starts afresh
+        print(f"wrote {done.path} ({done.kind.value}{', boot-time daemon running as ' + user if user else ''})")
         if given:
             print(f"carried settings: {', '.join(flag_name(f) for f in given)}")
         if done.env_names:
@@ -404,18 +442,41 @@ def cmd_service(args: argparse.Namespace, settings: Settings) -> int:
         if done.log_dir is not None:
             print(f"logs: {done.log_dir}")
     elif args.action == "uninstall":
-        gone = service.uninstall(home=home, env=env, load=not args.no_load)
+        gone = service.uninstall(home=home, env=env, load=not args.no_load, system=args.system)
         print(f"removed {gone.path}" if gone.removed else f"nothing installed at {gone.path}")
     else:
-        st = service.status(home=home, env=env)
-        print(f"{st.kind.value}: installed={st.installed} loaded={st.loaded} running={st.running}"
+        st = service.status(home=home, env=env, system=args.system, state_dir=state_dir,
+                            crash_loop_window_s=settings.crash_loop_window_s)
+        print(f"{st.kind.value}{' (boot-time daemon)' if st.system else ''}: installed={st.installed} "
+              f"loaded={st.loaded} running={st.running}"
               + (f" pid={st.pid}" if st.pid else "") + f" ({st.detail})"
               + (f" last exit code {st.last_exit_code}" if st.last_exit_code is not None and not st.running else ""))
+        if st.crash_loop is not None and st.crash_loop.abnormal_exits:
+            print(f"abnormal exits: {len(st.crash_loop.abnormal_exits)} in the last {settings.crash_loop_window_mins:g} "
+                  f"minutes (the service stays down at {settings.crash_loop_limit}); last at {st.crash_loop.abnormal_exits[-1]}")
         if st.last_error:
             print(f"last start failed: {st.last_error}")
             print("fix it, then run `darkbloom-provider service install` again")
         return EX_OK if st.running else EX_FAILED
     return EX_OK
+
+
+def _system_user(args: argparse.Namespace, env: Mapping[str, str]) -> str:
+    """The user a boot-time daemon runs as: --user, else whoever ran sudo; never root."""
+    user = args.run_as if getattr(args, "run_as", None) else env.get("SUDO_USER")
+    if not user or user == "root":
+        raise ConfigError("--system: name the user the agent runs as with --user NAME (or run the command with "
+                          "sudo from that user's account); the agent never runs as root")
+    return user
+
+
+def _user_home(user: str) -> Path:
+    import pwd
+
+    try:
+        return Path(pwd.getpwnam(user).pw_dir)
+    except KeyError:
+        raise ConfigError(f"--user: no such user {user!r}") from None
 
 
 _COMMANDS = {

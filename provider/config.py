@@ -80,6 +80,14 @@ class LogFormat(StrEnum):
     CONSOLE = "console"
 
 
+class ProcessType(StrEnum):
+    """launchd's ``ProcessType`` for the installed service (deploy/README.md has the trade-off)."""
+
+    BACKGROUND = "background"  # the owner's apps first: throttled CPU and I/O under contention
+    STANDARD = "standard"  # no ProcessType: an ordinary process
+    INTERACTIVE = "interactive"  # app-like, never throttled (Darkbloom's own agent)
+
+
 def default_state_dir(home: Path, platform: str = sys.platform, env: Mapping[str, str] | None = None) -> Path:
     """Where identity keys and the KV SSD cache live."""
     if platform == "darwin":
@@ -286,6 +294,25 @@ class Settings(BaseModel):
         **_allowed("an integer port 1-65535"),
     )
 
+    # --- the background service
+    keep_awake: bool = Field(
+        True, description="While the agent is available, hold a power assertion (`caffeinate -i`) so the Mac's "
+        "idle sleep does not drop it (macOS).", **_allowed("true or false"),
+    )
+    process_type: ProcessType = Field(
+        ProcessType.BACKGROUND, description="launchd ProcessType of the installed service: background (the "
+        "owner's apps come first), standard, or interactive (fastest decode, competes with the owner).",
+        **_allowed("background, standard or interactive"),
+    )
+    crash_loop_limit: int = Field(
+        5, ge=1, description="Abnormal exits within crash_loop_window_mins after which the launchd service "
+        "stays down instead of being relaunched.", **_allowed("an integer >= 1"),
+    )
+    crash_loop_window_mins: float = Field(
+        10.0, gt=0, description="The window crash_loop_limit counts abnormal exits in (minutes).",
+        **_allowed("a number of minutes > 0"),
+    )
+
     # --- logs
     log_level: LogLevel = Field(
         LogLevel.INFO, description="Lowest level logged.", **_allowed("debug, info, warning or error"),
@@ -304,7 +331,8 @@ class Settings(BaseModel):
         "heartbeat_interval_s", "eviction_window_s", "memory_reserve_gb", "memory_limit_gb", "max_model_slots", "max_batch_size", "idle_timeout_mins",
         "load_wait_timeout_s", "settle_timeout_s", "drain_timeout_s", "restart_drift_fraction", "restart_drift_gb",
         "restart_failed_settles", "kv_ssd_budget_gb", "local_port",
-        "max_vision_requests", "pause_when_active_mins", "pause_unload_grace_mins",
+        "max_vision_requests", "pause_when_active_mins", "pause_unload_grace_mins", "crash_loop_limit",
+        "crash_loop_window_mins",
         mode="before",
     )
     @classmethod
@@ -398,6 +426,10 @@ class Settings(BaseModel):
     @property
     def kv_ssd_budget_bytes(self) -> int:
         return int(self.kv_ssd_budget_gb * GIB)
+
+    @property
+    def crash_loop_window_s(self) -> float:
+        return self.crash_loop_window_mins * 60.0
 
     @property
     def idle_timeout_s(self) -> float | None:

@@ -24,6 +24,10 @@ Problems (`Problem`) come in two severities. An ERROR makes `doctor` exit 1:
 
 * ``dev_posture_refused``   `dev_posture` with a coordinator that is not on loopback: the agent refuses
   to start (dev_posture is for a self-hosted coordinator on this machine only).
+* ``service_stayed_down``   `crash_loop_limit` abnormal exits within `crash_loop_window_mins` (the agent's
+  own count in the state directory, `provider/supervision.py`), and the launchd service stayed down
+  for them: it starts again at the next login or boot (once the window has passed) or with
+  `service install`.
 
 WARNINGs are printed but keep exit 0: ``model_skipped`` (a broken or partial model folder),
 ``unrecognised_env`` (a `DARKBLOOM_*` variable nothing reads), ``runtime_hash_unavailable``,
@@ -39,7 +43,9 @@ refuses requests for a model, cold or always; subject: the model; detail: the fi
 ``not_in_catalog`` (the coordinator's catalog does not list the model: it is dropped at register).
 From the owner's-Mac section (`provider/doctor_guest.py`: the serving windows, whether one is open and
 the next change, every signal's reading): ``signal_unavailable`` (a pause rule is on but its signal
-cannot be read here; subject: the setting, detail: the reader's source).
+cannot be read here; subject: the setting, detail: the reader's source). From the service's own
+count: ``abnormal_exits`` (the agent ended abnormally — a crash, a kill — within
+`crash_loop_window_mins`, fewer times than it takes to stay down).
 An invalid configuration never reaches this module: the CLI exits 78 with one line first.
 
 `report_json()` is a stable interface (keys are only ever added): ``cap`` holds every
@@ -47,7 +53,8 @@ An invalid configuration never reaches this module: the CLI exits 78 with one li
 ``runtime_hash``, ``models`` [{id, path, source, weight_bytes, quantization, context_length,
 kv_bytes_per_token, verdict, required_bytes, ever_fits}], ``skipped`` [{id, path, reason}],
 ``coordinator`` {url, checked, reachable, detail}, ``machine`` {...}, ``problems`` [{code, severity,
-subject, detail}], ``settings_adjusted`` [{variable, given, used, action, rule}], ``ok``, and
+subject, detail}], ``settings_adjusted`` [{variable, given, used, action, rule}], ``ok``, ``crash_loop``
+{abnormal_exits [time], stayed_down_at}, and
 ``routing`` (`doctor_routing.routing_json`: ``coordinator_sees`` {backend, runtime_hash, dev_posture,
 posture, privacy_capabilities, total_memory_gb, hardening_probed}, ``trusted``,
 ``untrusted_reasons`` [{code, subject}], ``coordinator_must`` [text], ``catalog`` {url, checked,
@@ -93,6 +100,7 @@ from provider.config import Settings, unrecognised_env
 from provider.doctor_guest import GuestReport, gather_guest, guest_json, guest_lines
 from provider.doctor_routing import BLOCKING, RoutingReport, gather_routing, routing_json, routing_lines, untrusted_sentence
 from provider.hardening import Hardening
+from provider.supervision import AbnormalExits, read_abnormal_exits
 from provider.models import Inventory, ModelInfo, Quantization, default_hf_cache, discover
 
 GIB = 1 << 30
@@ -134,6 +142,8 @@ class ProblemCode(StrEnum):
     RESTART_ADVISED = "restart_advised"
     RESTART_NEEDED = "restart_needed"
     SIGNAL_UNAVAILABLE = "signal_unavailable"
+    SERVICE_STAYED_DOWN = "service_stayed_down"
+    ABNORMAL_EXITS = "abnormal_exits"
 
 
 _SEVERITY: dict[ProblemCode, Severity] = {
@@ -156,6 +166,8 @@ _SEVERITY: dict[ProblemCode, Severity] = {
     ProblemCode.RESTART_ADVISED: Severity.WARNING,
     ProblemCode.RESTART_NEEDED: Severity.ERROR,
     ProblemCode.SIGNAL_UNAVAILABLE: Severity.WARNING,
+    ProblemCode.SERVICE_STAYED_DOWN: Severity.ERROR,
+    ProblemCode.ABNORMAL_EXITS: Severity.WARNING,
 }
 
 _EXPLAIN: dict[ProblemCode, str] = {
@@ -179,6 +191,9 @@ _EXPLAIN: dict[ProblemCode, str] = {
     ProblemCode.RESTART_ADVISED: "the running agent advises a restart (memory does not come back after unloads)",
     ProblemCode.RESTART_NEEDED: "the running agent needs a restart: memory that did not come back costs a model",
     ProblemCode.SIGNAL_UNAVAILABLE: "this pause rule cannot read its signal here: the agent serves as if it said go",
+    ProblemCode.SERVICE_STAYED_DOWN: "the agent crashed too often: the launchd service stays down "
+                                     "(find the cause in provider.log, then `service install`)",
+    ProblemCode.ABNORMAL_EXITS: "the agent ended abnormally (a crash or a kill) recently",
 }
 
 
@@ -240,6 +255,7 @@ class DoctorReport:
     routing: RoutingReport | None = None
     agent: dict[str, Any] | None = None  # the running agent's /status diagnostics, when one answers
     guest: GuestReport | None = None
+    crash_loop: AbnormalExits = AbnormalExits()  # the agent's own count of its abnormal exits
 
     @property
     def ok(self) -> bool:
@@ -360,7 +376,9 @@ def run_doctor(
         coordinator = CoordinatorCheck(settings.coordinator_url, False, None, Reach.NOT_CHECKED)
     rhash = runtime_hash_of(settings)
     no_room = _no_room(settings, snapshot, policy, cap)
-    problems = _problems(models, inventory, level, coordinator, rhash, env, policy, no_room) + _ssd_tier(settings)
+    crash_loop = read_abnormal_exits(settings.state_dir, window_s=settings.crash_loop_window_s)
+    problems = (_problems(models, inventory, level, coordinator, rhash, env, policy, no_room) + _ssd_tier(settings)
+                + _crash_loop_problems(settings, crash_loop))
     routing = None
     if explain_routing:
         routing = gather_routing(settings, total_bytes=snapshot.physical_bytes,
@@ -374,7 +392,7 @@ def run_doctor(
         problems += tuple(Problem(ProblemCode.SIGNAL_UNAVAILABLE, setting, f"reader: {source}")
                           for setting, source in guest_report.unreadable())
     return DoctorReport(snapshot, hypothetical, cap, policy, level, rhash, models, inventory, coordinator, problems,
-                        routing, agent, guest_report)
+                        routing, agent, guest_report, crash_loop)
 
 
 def running_agent_diagnostics(settings: Settings, timeout_s: float = 2.0) -> dict[str, Any] | None:
@@ -397,6 +415,19 @@ def _restart_problems(agent: dict[str, Any] | None) -> tuple[Problem, ...]:
     baseline = agent.get("baseline", {}) if agent else {}
     detail = f"{restart.get('reason')}; baseline drift {human_bytes(baseline.get('drift_bytes'))} since start"
     return (Problem(code, "agent", detail),)
+
+
+def _crash_loop_problems(settings: Settings, exits: AbnormalExits) -> tuple[Problem, ...]:
+    """The agent's own count of its abnormal exits (`provider/supervision.py`): an error while a
+    launchd service stays down for them, a warning otherwise."""
+    n = len(exits.abnormal_exits)
+    if n == 0:
+        return ()
+    detail = (f"{n} abnormal exit{'s' if n != 1 else ''} within {settings.crash_loop_window_mins:g} minutes, the "
+              f"last at {exits.abnormal_exits[-1]}; crash_loop_limit is {settings.crash_loop_limit}")
+    if n >= settings.crash_loop_limit and exits.stayed_down_at is not None:
+        return (Problem(ProblemCode.SERVICE_STAYED_DOWN, "service", f"{detail}; stayed down at {exits.stayed_down_at}"),)
+    return (Problem(ProblemCode.ABNORMAL_EXITS, "service", detail),)
 
 
 def _routing_problems(routing: RoutingReport) -> tuple[Problem, ...]:
@@ -521,6 +552,8 @@ def report_json(report: DoctorReport) -> dict[str, Any]:
                   "restart": None if report.agent is None else report.agent.get("restart"),
                   "baseline": None if report.agent is None else report.agent.get("baseline")},
         "guest": None if report.guest is None else guest_json(report.guest),
+        "crash_loop": {"abnormal_exits": list(report.crash_loop.abnormal_exits),
+                       "stayed_down_at": report.crash_loop.stayed_down_at},
     }
 
 

@@ -5,7 +5,15 @@ The files installed are the templates in ``deploy/`` with their ``@NAME@`` place
 * launchd: ``deploy/io.darkbloom.provider.plist`` -> ``~/Library/LaunchAgents/``, loaded with
   ``launchctl bootstrap gui/<uid>``; logs in ``~/Library/Logs/darkbloom/``: ``provider.log`` is the
   agent's own (``--log-file``, rotated by size), ``provider.stderr.log`` what is printed before
-  logging starts (a configuration error).
+  logging starts (a configuration error). A per-user agent runs only once its user has logged in to
+  the desktop, and ``bootstrap gui/<uid>`` fails over SSH.
+* launchd, ``system_user=`` (``service install --system``, as root): the same plist as a LaunchDaemon
+  in ``/Library/LaunchDaemons/`` with ``UserName`` (the agent runs as that user, never as root) and that
+  user's ``HOME``, loaded with ``launchctl bootstrap system``: it starts at boot, before anyone logs in
+  (with FileVault on, once the disk is unlocked). Installing one kind while the other is installed is
+  refused: two agents would share one state directory and one port.
+* ``ProcessType`` is the ``process_type`` setting (the trade-off is in ``deploy/README.md``); ``Nice``
+  and ``LowPriorityIO`` stay only with ``background``.
 * systemd: ``deploy/darkbloom-provider.service`` -> ``~/.config/systemd/user/``, then
   ``systemctl --user daemon-reload``, ``enable``, ``restart``; logs in the user journal.
 
@@ -38,7 +46,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from provider.supervision import SERVICE_MANAGER_ENV, launchd_log_dir, read_exit_record
+from provider.config import ProcessType
+from provider.supervision import SERVICE_MANAGER_ENV, AbnormalExits, launchd_log_dir, read_exit_record, read_abnormal_exits
 
 LABEL = "io.darkbloom.provider"
 UNIT_NAME = "darkbloom-provider.service"
@@ -55,6 +64,10 @@ CARRIED_ENV = ("PATH", "HF_HOME", "HF_HUB_CACHE")  # besides every DARKBLOOM_* v
 SECRET_ENV = frozenset({"DARKBLOOM_AUTH_TOKEN"})
 EX_CONFIG = 78  # the agent's exit code for a configuration error (provider/cli.py)
 _PLACEHOLDER = re.compile(r"@([A-Z_]+)@")
+DAEMON_DIR = Path("Library") / "LaunchDaemons"  # under the file system's root
+BACKGROUND_ONLY_KEYS = ("LowPriorityIO", "Nice")
+_PROCESS_TYPE = {ProcessType.BACKGROUND: "Background", ProcessType.STANDARD: "Standard",
+                 ProcessType.INTERACTIVE: "Interactive"}
 
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 
@@ -75,6 +88,7 @@ class InstallResult:
     commands: tuple[tuple[str, ...], ...]  # what was run, in order (empty with load=False)
     env_names: tuple[str, ...]  # names of the variables carried (values stay in the file)
     log_dir: Path | None  # launchd log files; None for systemd (journal)
+    system: bool = False  # the boot-time LaunchDaemon
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +110,8 @@ class ServiceStatus:
     detail: str  # the manager's own state words, e.g. "running" or "active/running"
     last_exit_code: int | None = None  # as the manager saw it (None: never exited, or not known)
     last_error: str | None = None  # why the last start ended, when it was an error a restart cannot fix
+    crash_loop: AbnormalExits | None = None  # the agent's own count of abnormal exits (state directory)
+    system: bool = False  # the boot-time LaunchDaemon
 
 
 # --- where things go
@@ -107,6 +123,11 @@ def service_kind(platform: str) -> ServiceKind:
     if platform.startswith("linux"):
         return ServiceKind.SYSTEMD
     raise ServiceError(f"background service is supported on macOS (launchd) and Linux (systemd), not {platform!r}")
+
+
+def daemon_path(root: Path = Path("/")) -> Path:
+    """Where ``--system`` installs the LaunchDaemon."""
+    return root / DAEMON_DIR / f"{LABEL}.plist"
 
 
 def service_path(kind: ServiceKind, home: Path, env: Mapping[str, str]) -> Path:
@@ -145,22 +166,36 @@ def default_program(env: Mapping[str, str]) -> list[str]:
 # --- rendering
 
 
-def render_plist(*, program: Sequence[str], env: Mapping[str, str], home: Path, drain_timeout_s: float) -> bytes:
-    """``deploy/io.darkbloom.provider.plist`` with its placeholders filled, as plist XML bytes."""
+def render_plist(*, program: Sequence[str], env: Mapping[str, str], home: Path, drain_timeout_s: float,
+                 process_type: ProcessType = ProcessType.BACKGROUND, user: str | None = None) -> bytes:
+    """``deploy/io.darkbloom.provider.plist`` with its placeholders filled, as plist XML bytes. With
+    ``user`` it is the LaunchDaemon: ``UserName``, that user's ``HOME`` and ``WorkingDirectory`` are added."""
     template = plistlib.loads(_read_template(PLIST_TEMPLATE))
+    # The marker tells the agent it runs under launchd (provider/supervision.py).
+    environment = {**carried_env(env), SERVICE_MANAGER_ENV: "launchd"}
+    if user is not None:
+        environment["HOME"] = str(home)  # the agent's state, keys and logs are the user's, not root's
     values: dict[str, Any] = {
         "PROGRAM_ARGUMENTS": list(program),
         "EXIT_TIMEOUT": exit_timeout_s(drain_timeout_s),
         "LOG_DIR": str(log_dir(home)),
-        # The marker tells the agent it runs under launchd (provider/supervision.py).
-        "ENVIRONMENT": {**carried_env(env), SERVICE_MANAGER_ENV: "launchd"},
+        "PROCESS_TYPE": _PROCESS_TYPE[ProcessType(process_type)],
+        "ENVIRONMENT": environment,
     }
-    rendered = plistlib.dumps(_fill(template, values), sort_keys=False)
+    plist = _fill(template, values)
+    if ProcessType(process_type) is not ProcessType.BACKGROUND:
+        for key in BACKGROUND_ONLY_KEYS:
+            plist.pop(key, None)
+    if user is not None:
+        plist["UserName"] = user
+        plist["WorkingDirectory"] = str(home)  # a daemon starts in /, which is not the user's
+    rendered = plistlib.dumps(plist, sort_keys=False)
     plistlib.loads(rendered)  # what we write must parse
     return rendered
 
 
-def render_unit(*, program: Sequence[str], env: Mapping[str, str], drain_timeout_s: float) -> str:
+def render_unit(*, program: Sequence[str], env: Mapping[str, str], drain_timeout_s: float,
+                crash_loop_limit: int = 5, crash_loop_window_s: float = 600.0) -> str:
     """``deploy/darkbloom-provider.service`` with its placeholders filled."""
     template = _read_template(UNIT_TEMPLATE).decode()
     # One Environment= line per variable; the placeholder owns its whole line, so none leaves no gap.
@@ -172,6 +207,8 @@ def render_unit(*, program: Sequence[str], env: Mapping[str, str], drain_timeout
         # ExecStart also expands $VAR, so a literal $ is doubled there (and only there).
         "EXEC_START": " ".join(f'"{_systemd_quote(arg, "ExecStart").replace("$", "$$")}"' for arg in program),
         "STOP_TIMEOUT": str(exit_timeout_s(drain_timeout_s)),
+        "CRASH_LOOP_LIMIT": str(crash_loop_limit),
+        "CRASH_LOOP_WINDOW": str(math.ceil(crash_loop_window_s)),
     }
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
 
@@ -219,12 +256,29 @@ def install(
     args: Sequence[str] = (),
     drain_timeout_s: float = 30.0,
     uid: int | None = None,
+    process_type: ProcessType = ProcessType.BACKGROUND,
+    crash_loop_limit: int = 5,
+    crash_loop_window_s: float = 600.0,
+    system_user: str | None = None,
+    root: Path = Path("/"),
+    euid: int | None = None,
 ) -> InstallResult:
     """Write the service file (directories created) and, unless ``load=False``, start it.
 
     ``args`` are setting flags for ``serve`` (values already validated, paths absolute). If a
-    service manager command fails, the file is removed and the error says so."""
+    service manager command fails, the file is removed and the error says so. ``system_user``
+    installs the boot-time LaunchDaemon that runs as that user (``home`` is that user's home); it
+    needs root to load (``euid``: the effective uid, for tests), and ``root`` is where
+    ``Library/LaunchDaemons`` is (``/``, or a test directory)."""
     kind = service_kind(platform)
+    system = system_user is not None
+    if system and kind is not ServiceKind.LAUNCHD:
+        raise ServiceError("--system installs a launchd daemon (macOS). On Linux the user unit keeps running "
+                           "without a login after `loginctl enable-linger $USER`")
+    if system and load and (os.geteuid() if euid is None else euid) != 0:
+        raise ServiceError("`service install --system` installs a LaunchDaemon, which needs root: "
+                           "run it with sudo (the agent itself runs as the user it names)")
+    _refuse_both(kind, home, env, root, system=system)
     manager = _manager(kind, env) if load else None  # refuse before writing anything
     argv = list(program) if program is not None else default_program(env)
     if config_path is not None:
@@ -232,21 +286,27 @@ def install(
     if kind is ServiceKind.LAUNCHD:
         argv += ["--log-file", str(log_dir(home) / LOG_FILE)]  # before args: an explicit --log-file wins
     argv += list(args)
-    path = service_path(kind, home, env)
+    path = daemon_path(root) if system else service_path(kind, home, env)
     carried = carried_env(env)
     mode = 0o600 if SECRET_ENV & carried.keys() else 0o644
 
     if kind is ServiceKind.LAUNCHD:
-        data = render_plist(program=argv, env=env, home=home, drain_timeout_s=drain_timeout_s)
-        log_dir(home).mkdir(parents=True, exist_ok=True)
+        data = render_plist(program=argv, env=env, home=home, drain_timeout_s=drain_timeout_s,
+                            process_type=process_type, user=system_user)
+        _make_log_dir(log_dir(home), owner=system_user,
+                      as_root=(os.geteuid() if euid is None else euid) == 0)
     else:
-        data = render_unit(program=argv, env=env, drain_timeout_s=drain_timeout_s).encode()
-    _write(path, data, mode)
+        data = render_unit(program=argv, env=env, drain_timeout_s=drain_timeout_s, crash_loop_limit=crash_loop_limit,
+                           crash_loop_window_s=crash_loop_window_s).encode()
+    try:
+        _write(path, data, mode)
+    except PermissionError:
+        raise ServiceError(f"cannot write {path}: permission denied (a LaunchDaemon is installed with sudo)") from None
 
     commands: list[tuple[str, ...]] = []
     if manager is not None:
         try:
-            _start(kind, manager, runner, path, uid, commands)
+            _start(kind, manager, runner, path, _domain(kind, uid, system), commands)
         except ServiceError as exc:
             path.unlink(missing_ok=True)
             if kind is ServiceKind.SYSTEMD:  # forget the unit it may have read; best effort
@@ -258,14 +318,14 @@ def install(
         commands=tuple(commands),
         env_names=tuple(carried),
         log_dir=log_dir(home) if kind is ServiceKind.LAUNCHD else None,
+        system=system,
     )
 
 
-def _start(kind: ServiceKind, manager: str, runner: Runner, path: Path, uid: int | None,
+def _start(kind: ServiceKind, manager: str, runner: Runner, path: Path, domain: str,
            commands: list[tuple[str, ...]]) -> None:
     """Have the service manager (re)start the service from `path`; each command run is appended."""
     if kind is ServiceKind.LAUNCHD:
-        domain = f"gui/{os.getuid() if uid is None else uid}"
         # A loaded older copy would keep its old definition; bootout may fail if none is loaded.
         commands.append(_run(runner, (manager, "bootout", f"{domain}/{LABEL}"), check=False))
         commands.append(_run(runner, (manager, "bootstrap", domain, str(path))))
@@ -273,6 +333,43 @@ def _start(kind: ServiceKind, manager: str, runner: Runner, path: Path, uid: int
         commands.append(_run(runner, (manager, "--user", "daemon-reload")))
         commands.append(_run(runner, (manager, "--user", "enable", UNIT_NAME)))
         commands.append(_run(runner, (manager, "--user", "restart", UNIT_NAME)))  # picks up a changed unit
+
+
+def _domain(kind: ServiceKind, uid: int | None, system: bool) -> str:
+    """launchd's domain: ``system`` for the daemon, ``gui/<uid>`` for the per-user agent."""
+    if kind is not ServiceKind.LAUNCHD:
+        return ""
+    return "system" if system else f"gui/{os.getuid() if uid is None else uid}"
+
+
+def _refuse_both(kind: ServiceKind, home: Path, env: Mapping[str, str], root: Path, *, system: bool) -> None:
+    """One agent per machine and user: the daemon and the per-user agent would share the state
+    directory, the identity and the local port."""
+    if kind is not ServiceKind.LAUNCHD:
+        return
+    other = service_path(kind, home, env) if system else daemon_path(root)
+    if other.exists():
+        which = ("a per-user agent is installed; remove it first with `darkbloom-provider service uninstall`"
+                 if system else "the boot-time daemon is installed; remove it first with "
+                 "`sudo darkbloom-provider service uninstall --system`")
+        raise ServiceError(f"{which} ({other})")
+
+
+def _make_log_dir(path: Path, *, owner: str | None, as_root: bool) -> None:
+    """The launchd log directory; a daemon's belongs to the user it runs as, not to root (made by
+    root under sudo, it is handed to that user; an account that does not exist here is left alone:
+    the CLI refuses one before it gets this far)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if owner is not None and as_root:
+        import pwd
+
+        try:
+            entry = pwd.getpwnam(owner)
+        except KeyError:
+            return
+        for directory in (path, path.parent):  # ~/Library/Logs/darkbloom and the Logs it may have made
+            if directory.stat().st_uid == 0 and directory != Path(entry.pw_dir):
+                os.chown(directory, entry.pw_uid, entry.pw_gid)
 
 
 def uninstall(
@@ -283,20 +380,26 @@ def uninstall(
     runner: Runner = subprocess.run,
     load: bool = True,
     uid: int | None = None,
+    system: bool = False,
+    root: Path = Path("/"),
 ) -> UninstallResult:
     """Stop the service if the manager knows it, then remove its file. Safe to repeat."""
     kind = service_kind(platform)
-    path = service_path(kind, home, env)
+    if system and kind is not ServiceKind.LAUNCHD:
+        raise ServiceError("--system is the macOS boot-time daemon; there is none on this platform")
+    path = daemon_path(root) if system else service_path(kind, home, env)
     commands: list[tuple[str, ...]] = []
     if load:
         manager = _manager(kind, env)
         if kind is ServiceKind.LAUNCHD:
-            domain = f"gui/{os.getuid() if uid is None else uid}"
-            commands.append(_run(runner, (manager, "bootout", f"{domain}/{LABEL}"), check=False))
+            commands.append(_run(runner, (manager, "bootout", f"{_domain(kind, uid, system)}/{LABEL}"), check=False))
         else:
             commands.append(_run(runner, (manager, "--user", "disable", "--now", UNIT_NAME), check=False))
     removed = path.exists()
-    path.unlink(missing_ok=True)
+    try:
+        path.unlink(missing_ok=True)
+    except PermissionError:
+        raise ServiceError(f"cannot remove {path}: permission denied (run it with sudo)") from None
     if load and kind is ServiceKind.SYSTEMD:
         commands.append(_run(runner, (_manager(kind, env), "--user", "daemon-reload")))
     return UninstallResult(kind=kind, path=path, removed=removed, commands=tuple(commands))
@@ -309,18 +412,27 @@ def status(
     env: Mapping[str, str],
     runner: Runner = subprocess.run,
     uid: int | None = None,
+    system: bool = False,
+    root: Path = Path("/"),
+    state_dir: Path | None = None,
+    crash_loop_window_s: float = 600.0,
 ) -> ServiceStatus:
-    """What the service manager says about the agent."""
+    """What the service manager says about the agent, and (with `state_dir`) the agent's own count
+    of its abnormal exits."""
     kind = service_kind(platform)
-    path = service_path(kind, home, env)
+    if system and kind is not ServiceKind.LAUNCHD:
+        raise ServiceError("--system is the macOS boot-time daemon; there is none on this platform")
+    path = daemon_path(root) if system else service_path(kind, home, env)
     manager = _manager(kind, env)
+    crash_loop = None if state_dir is None else read_abnormal_exits(state_dir, window_s=crash_loop_window_s)
     if kind is ServiceKind.LAUNCHD:
-        domain = f"gui/{os.getuid() if uid is None else uid}"
-        proc = runner([manager, "print", f"{domain}/{LABEL}"], capture_output=True, text=True, check=False)
+        proc = runner([manager, "print", f"{_domain(kind, uid, system)}/{LABEL}"], capture_output=True, text=True,
+                      check=False)
         record = read_exit_record(home)  # the agent's own account of an error exit (supervision.py)
         last_error = None if record is None else f"{record.reason.value} at {record.at}: {record.message}"
         if proc.returncode != 0:
-            return ServiceStatus(kind, path, path.exists(), False, False, None, "not loaded", None, last_error)
+            return ServiceStatus(kind, path, path.exists(), False, False, None, "not loaded", None, last_error,
+                                 crash_loop, system)
         fields = _launchctl_fields(proc.stdout)
         state = fields.get("state", "unknown")
         pid = int(fields["pid"]) if fields.get("pid", "").isdigit() else None
@@ -328,11 +440,11 @@ def status(
         last_code = re.match(r"-?\d+", fields.get("last exit code", ""))
         return ServiceStatus(kind, path, path.exists(), True, state == "running", pid, state,
                              int(last_code.group()) if last_code else None,
-                             None if state == "running" else last_error)
+                             None if state == "running" else last_error, crash_loop, system)
 
     proc = runner(
         [manager, "--user", "show", UNIT_NAME,
-         "--property=LoadState,ActiveState,SubState,MainPID,ExecMainStatus"],
+         "--property=LoadState,ActiveState,SubState,MainPID,ExecMainStatus,Result"],
         capture_output=True, text=True, check=False,
     )
     if proc.returncode != 0:
@@ -340,13 +452,17 @@ def status(
     props = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
     loaded = props.get("LoadState") == "loaded"
     active, sub = props.get("ActiveState", "unknown"), props.get("SubState", "unknown")
-    pid = int(props["MainPID"]) if props.get("MainPID", "0").isdigit() and props.get("MainPID") != "0" else None
+    main_pid = props.get("MainPID", "0")
+    pid = int(main_pid) if main_pid.isdigit() and main_pid != "0" else None
     code = int(props["ExecMainStatus"]) if props.get("ExecMainStatus", "").isdigit() else None
     running = active == "active"
     last_error = None
     if code == EX_CONFIG and not running:  # RestartPreventExitStatus=78: stopped, waiting for a fix
         last_error = f"configuration_error (exit {EX_CONFIG}): see `journalctl --user -u {UNIT_NAME}`"
-    return ServiceStatus(kind, path, path.exists(), loaded, running, pid, f"{active}/{sub}", code, last_error)
+    elif sub == "failed" and props.get("Result") == "start-limit-hit":
+        last_error = "crash_loop: systemd's start limit was hit (StartLimitBurst within StartLimitIntervalSec)"
+    return ServiceStatus(kind, path, path.exists(), loaded, running, pid, f"{active}/{sub}", code, last_error,
+                         crash_loop)
 
 
 # --- helpers

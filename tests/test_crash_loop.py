@@ -1,0 +1,211 @@
+"""Crash loops (issue 18.8): the agent counts its own abnormal exits in the state directory; under
+launchd, `crash_loop_limit` of them within `crash_loop_window_mins` keep it down (exit 0, which
+`KeepAlive {SuccessfulExit: false}` does not relaunch), and `service status` and `doctor` say so.
+
+The unit tests drive `provider/supervision.py` with explicit pids and times; the end-to-end test runs
+the real `serve` in a subprocess, kills it with SIGKILL (what jetsam does) and starts it again."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from provider.service import status
+from provider.supervision import (
+    ABNORMAL_EXITS_FILE,
+    RUN_MARKER_FILE,
+    ExitReason,
+    on_clean_exit,
+    on_start,
+    read_exit_record,
+    read_abnormal_exits,
+    reset_abnormal_exits,
+)
+from test_cli import closed_port, run_cli
+from test_service import Recorder
+
+LAUNCHD = {"DARKBLOOM_SERVICE_MANAGER": "launchd"}
+T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
+WINDOW_S = 600.0
+
+
+def gone_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def crash(state: Path, at: datetime, *, env=LAUNCHD, limit: int = 3):
+    """One start whose predecessor died without a clean exit (its pid is gone)."""
+    (state / RUN_MARKER_FILE).write_text(json.dumps({"pid": gone_pid(), "created": 1.0}))
+    return on_start(state, env=env, limit=limit, window_s=WINDOW_S, pid=os.getpid(), now=at)
+
+
+# --- the counter
+
+
+def test_a_clean_exit_is_not_counted(tmp_path):
+    first = on_start(tmp_path, env=LAUNCHD, limit=3, window_s=WINDOW_S, now=T0)
+    assert not first.previous_crashed and json.loads((tmp_path / RUN_MARKER_FILE).read_text())["pid"] == os.getpid()
+    on_clean_exit(tmp_path)
+    assert not (tmp_path / RUN_MARKER_FILE).exists()
+    again = on_start(tmp_path, env=LAUNCHD, limit=3, window_s=WINDOW_S, now=T0 + timedelta(seconds=30))
+    assert not again.previous_crashed and again.record.abnormal_exits == ()
+
+
+def test_a_marker_left_by_a_dead_process_counts_as_an_abnormal_exit(tmp_path):
+    decision = crash(tmp_path, T0)
+    assert decision.previous_crashed and not decision.stay_down
+    assert read_abnormal_exits(tmp_path, window_s=WINDOW_S, now=T0).abnormal_exits == (T0.isoformat(timespec="seconds"),)
+    assert json.loads((tmp_path / RUN_MARKER_FILE).read_text())["pid"] == os.getpid()  # this run is marked
+
+
+def test_a_pid_reused_after_a_reboot_is_not_mistaken_for_the_agent(tmp_path):
+    # The marker names a live process (this one) but one that started at another time: the agent
+    # that wrote it is gone, and the pid belongs to someone else now.
+    (tmp_path / RUN_MARKER_FILE).write_text(json.dumps({"pid": os.getppid(), "created": 1.0}))
+    decision = on_start(tmp_path, env=LAUNCHD, limit=3, window_s=WINDOW_S, pid=os.getpid(), now=T0)
+    assert decision.previous_crashed
+
+
+def test_a_second_agent_still_running_is_neither_counted_nor_replaced(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        on_start(tmp_path, env=LAUNCHD, limit=3, window_s=WINDOW_S, pid=child.pid, now=T0)
+        decision = on_start(tmp_path, env=LAUNCHD, limit=3, window_s=WINDOW_S, pid=os.getpid(), now=T0)
+        assert not decision.previous_crashed
+        assert json.loads((tmp_path / RUN_MARKER_FILE).read_text())["pid"] == child.pid
+        on_clean_exit(tmp_path)  # not ours: left alone
+        assert (tmp_path / RUN_MARKER_FILE).exists()
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_under_launchd_the_limit_within_the_window_keeps_it_down(tmp_path):
+    assert not crash(tmp_path, T0).stay_down
+    assert not crash(tmp_path, T0 + timedelta(minutes=2)).stay_down
+    third = crash(tmp_path, T0 + timedelta(minutes=4))
+    assert third.stay_down and len(third.record.abnormal_exits) == 3
+    assert third.record.stayed_down_at == (T0 + timedelta(minutes=4)).isoformat(timespec="seconds")
+    assert not (tmp_path / RUN_MARKER_FILE).exists()  # staying down is a clean end: nothing to count next time
+    assert "stayed down after 3 abnormal exits within 10 minutes" in third.message(10)
+    # Started again (login, boot) while the window still holds them: still down, not counted again.
+    again = on_start(tmp_path, env=LAUNCHD, limit=3, window_s=WINDOW_S, now=T0 + timedelta(minutes=5))
+    assert again.stay_down and len(again.record.abnormal_exits) == 3
+
+
+def test_exits_older_than_the_window_fall_out(tmp_path):
+    crash(tmp_path, T0)
+    crash(tmp_path, T0 + timedelta(minutes=2))
+    late = crash(tmp_path, T0 + timedelta(minutes=11))  # the first is 11 minutes old now
+    assert not late.stay_down and len(late.record.abnormal_exits) == 2
+
+
+@pytest.mark.parametrize("env", [{}, {"DARKBLOOM_SERVICE_MANAGER": "systemd"}], ids=["terminal", "other"])
+def test_only_launchd_stays_down(tmp_path, env):
+    # A terminal has a person in front of it; systemd has its own StartLimitBurst.
+    for minute in range(4):
+        decision = crash(tmp_path, T0 + timedelta(minutes=minute), env=env)
+    assert not decision.stay_down and len(decision.record.abnormal_exits) == 4
+
+
+def test_service_install_starts_the_count_afresh(tmp_path):
+    for minute in range(3):
+        crash(tmp_path, T0 + timedelta(minutes=minute))
+    reset_abnormal_exits(tmp_path)
+    decision = on_start(tmp_path, env=LAUNCHD, limit=3, window_s=WINDOW_S, now=T0 + timedelta(minutes=4))
+    assert not decision.stay_down and decision.record.abnormal_exits == ()
+
+
+def test_a_damaged_count_is_read_as_none(tmp_path):
+    (tmp_path / ABNORMAL_EXITS_FILE).write_text("{not json")
+    assert read_abnormal_exits(tmp_path, window_s=WINDOW_S).abnormal_exits == ()
+    (tmp_path / ABNORMAL_EXITS_FILE).write_text('{"abnormal_exits": ["yesterday", 5, "2026-03-01T12:00:00"]}')
+    assert read_abnormal_exits(tmp_path, window_s=WINDOW_S, now=T0).abnormal_exits == ()  # no zone: not ours
+
+
+# --- the real agent, killed like jetsam kills it
+
+
+def serve_env(home: Path, state: Path) -> dict[str, str]:
+    return {**LAUNCHD, "DARKBLOOM_CRASH_LOOP_LIMIT": "2", "DARKBLOOM_STATE_DIR": str(state),
+            "DARKBLOOM_COORDINATOR_URL": f"ws://127.0.0.1:{closed_port()}/ws/provider",
+            "DARKBLOOM_DEV_POSTURE": "true", "DARKBLOOM_LOCAL_ENABLED": "false",
+            "DARKBLOOM_HF_CACHE_DIR": str(home / "hub"), "DARKBLOOM_KEEP_AWAKE": "false"}
+
+
+def start_and_kill(home: Path, env: dict[str, str]) -> None:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("DARKBLOOM_")}
+    base.update(HOME=str(home), **env)
+    proc = subprocess.Popen([sys.executable, "-m", "provider.cli", "serve"], env=base, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 60
+        for line in proc.stderr:  # serving: the agent is up and trying the (closed) coordinator
+            if "agent_ready" in line or time.monotonic() > deadline:
+                break
+        assert proc.poll() is None, "the agent ended by itself"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
+def test_killed_twice_the_launchd_agent_stays_down_and_says_so(tmp_path):
+    home, state = tmp_path / "home", tmp_path / "state"
+    (home / "hub").mkdir(parents=True)
+    env = serve_env(home, state)
+    start_and_kill(home, env)
+    start_and_kill(home, env)  # this start counted one; the limit is two
+
+    out = run_cli("serve", home=home, env=env)
+    assert out.returncode == 0  # launchd does not relaunch it
+    assert "stayed down after 2 abnormal exits within 10 minutes" in out.stderr
+    record = read_exit_record(home)
+    assert record is not None and record.reason is ExitReason.CRASH_LOOP and record.exit_code == 1
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "launchctl").write_text("#!/bin/sh\nexit 99\n")
+    (bin_dir / "launchctl").chmod(0o755)
+    shown = "gui/501/io.darkbloom.provider = {\n\tstate = not running\n\tlast exit code = 0\n}\n"
+    st = status(home=home, platform="darwin", env={"PATH": str(bin_dir)}, runner=Recorder({"print": (0, shown, "")}),
+                uid=501, state_dir=state)
+    assert not st.running and st.last_error is not None and st.last_error.startswith("crash_loop at ")
+    assert st.crash_loop is not None and len(st.crash_loop.abnormal_exits) == 2
+
+    doc = json.loads(run_cli("doctor", "--json", "--no-coordinator", home=home, env=env).stdout)
+    [problem] = [p for p in doc["problems"] if p["subject"] == "service"]
+    assert (problem["code"], problem["severity"]) == ("service_stayed_down", "error")
+    assert len(doc["crash_loop"]["abnormal_exits"]) == 2 and doc["crash_loop"]["stayed_down_at"]
+
+
+def test_service_status_on_the_command_line_counts_the_abnormal_exits(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    now = datetime.now(UTC).isoformat(timespec="seconds")
+    (state / ABNORMAL_EXITS_FILE).write_text(json.dumps({"abnormal_exits": [now], "stayed_down_at": None}))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = "launchctl" if sys.platform == "darwin" else "systemctl"
+    (bin_dir / fake).write_text("#!/bin/sh\nprintf 'LoadState=not-found\\nActiveState=inactive\\nSubState=dead\\n'\n"
+                                if fake == "systemctl" else "#!/bin/sh\nexit 113\n")
+    (bin_dir / fake).chmod(0o755)
+    out = run_cli("service", "status", home=tmp_path, env={"PATH": f"{bin_dir}:/usr/bin:/bin",
+                                                             "DARKBLOOM_STATE_DIR": str(state)})
+    assert out.returncode == 1, out.stderr  # not running
+    assert "abnormal exits: 1 in the last 10 minutes (the service stays down at 5)" in out.stdout
+    doc = json.loads(run_cli("doctor", "--json", "--no-coordinator", home=tmp_path,
+                             env={"DARKBLOOM_STATE_DIR": str(state), "DARKBLOOM_HF_CACHE_DIR": str(tmp_path)}).stdout)
+    [problem] = [p for p in doc["problems"] if p["subject"] == "service"]
+    assert (problem["code"], problem["severity"]) == ("abnormal_exits", "warning")
