@@ -152,3 +152,21 @@ async def test_without_cache_the_same_request_is_refused(make_rig, tiny_model_pa
         assert isinstance(rig.manager.admit("tiny", 32, 2), Refused)
     finally:
         rig.ledger.release("test:hold")
+
+
+async def test_a_refusal_no_clear_can_lift_queues_none(make_rig, tiny_model_path):
+    """A full batch is refused whatever the cache holds: the booking does not clear the cache for it."""
+    rig = make_rig({"tiny": tiny_model_path}, 200 * MiB)
+    await serve(rig.manager, "r1", "tiny")
+    held = [rig.manager.book(f"b{i}", "tiny", 32, 2) for i in range(rig.manager.max_concurrency("tiny"))]
+    try:
+        assert not any(isinstance(b, Refused) for b in held)
+        rig.cache.nbytes = 100 * MiB
+        clears = rig.cache.clears
+        refused = rig.manager.book("over", "tiny", 32, 2)
+        assert isinstance(refused, Refused)
+        await rig.engine.reclaim()  # a clear queued by the booking would have run by the end of this one
+        assert rig.cache.clears == clears + 1  # only this one
+    finally:
+        for booking in held:
+            booking.release()

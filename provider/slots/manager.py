@@ -6,9 +6,10 @@ performs the loads, unloads and settles that follow, on the engine thread or in 
 
 MLX's buffer cache counts as used (memory/snapshot.py) but never costs a request or a model: when a
 decision would refuse or evict while the cache holds bytes, it is taken again on the snapshot as it
-will be once the cache is cleared, and the clear is done first — queued on the engine thread by a
-booking (ahead of that request's load and KV, `Engine.request_reclaim`), awaited by a load's
-pressure step, a warm-up plan and the idle reaper's prefix relief.
+will be once the cache is cleared, and when that averts the refusal or an eviction the clear is done
+first — queued on the engine thread by a booking (ahead of that request's load and KV,
+`Engine.request_reclaim`), awaited by a load's pressure step, a warm-up plan and the idle reaper's
+prefix relief. A refusal no clear lifts (a full batch) queues none.
 
 Admission books what it admits (issue 11): `book` decides (admission.py) and reserves in the same
 step the request's share of its model's batch KV and, for a model that is not resident, the load's
@@ -225,9 +226,11 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
         verdict = decide(view, self.figures, snap, model_id=model_id, info=info, prompt_tokens=prompt_tokens,
                          max_tokens=max_tokens, images=plan.count, media_bytes=media_bytes)
         if _gives_way(verdict, snap):  # a booking would clear MLX's buffer cache first: judge as then
-            verdict = decide(view, self.figures, snap.after_reclaim(), model_id=model_id, info=info,
+            cleared = decide(view, self.figures, snap.after_reclaim(), model_id=model_id, info=info,
                              prompt_tokens=prompt_tokens, max_tokens=max_tokens, images=plan.count,
                              media_bytes=media_bytes)
+            if _clearing_helps(verdict, cleared):
+                verdict = cleared
         return verdict
 
     def precheck(self, model_id: str, prompt_tokens: int, max_tokens: int | None = None) -> Failure | None:
@@ -264,12 +267,13 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
         decision = decide(view, self.figures, snap, model_id=model_id, info=info, prompt_tokens=prompt_tokens,
                           max_tokens=max_tokens)
         if _gives_way(decision, snap):
-            # MLX's buffer cache goes before a refusal or an eviction (memory/snapshot.py). The clear is
-            # queued on the engine thread now, ahead of this request's load and KV allocations.
-            self._engine.request_reclaim()
-            snap = snap.after_reclaim()
-            decision = decide(view, self.figures, snap, model_id=model_id, info=info, prompt_tokens=prompt_tokens,
-                              max_tokens=max_tokens)
+            # MLX's buffer cache goes before a refusal or an eviction it would avert (memory/snapshot.py).
+            # The clear is queued on the engine thread now, ahead of this request's load and KV allocations.
+            cleared = decide(view, self.figures, snap.after_reclaim(), model_id=model_id, info=info,
+                             prompt_tokens=prompt_tokens, max_tokens=max_tokens)
+            if _clearing_helps(decision, cleared):
+                self._engine.request_reclaim()
+                snap, decision = snap.after_reclaim(), cleared
         if isinstance(decision, Refused):
             return decision
         assert slot is not None
@@ -520,6 +524,15 @@ def _gives_way(decision: Admission | RoomPlan, snapshot: MemorySnapshot) -> bool
 
 def _never_paused() -> Paused | None:
     return None
+
+
+def _clearing_helps(before: Admission, cleared: Admission) -> bool:
+    """Judged on the after-clear snapshot, the request is admitted where it was refused, or evicts
+    fewer models: then the clear is worth it (a refusal the clear cannot lift, e.g. a full batch,
+    queues none)."""
+    if isinstance(cleared, Refused):
+        return False
+    return isinstance(before, Refused) or len(cleared.evict) < len(before.evict)
 
 
 def _room_refusal(failure: Failure) -> bool:
