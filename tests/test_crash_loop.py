@@ -209,3 +209,17 @@ def test_service_status_on_the_command_line_counts_the_abnormal_exits(tmp_path):
                              env={"DARKBLOOM_STATE_DIR": str(state), "DARKBLOOM_HF_CACHE_DIR": str(tmp_path)}).stdout)
     [problem] = [p for p in doc["problems"] if p["subject"] == "service"]
     assert (problem["code"], problem["severity"]) == ("abnormal_exits", "warning")
+
+
+@pytest.mark.parametrize(("code", "counted"), [(0, False), (78, False), (75, True), (1, True)],
+                         ids=["drained", "config-refused", "memory-restart", "failed"])
+def test_which_exits_of_serve_count(tmp_path, monkeypatch, code, counted):
+    """0 (a drain) and 78 (a refused configuration) are clean; a memory self-restart (75, issue 20)
+    counts like a crash, so a restart that does not help cannot loop either."""
+    from provider import cli
+
+    monkeypatch.setattr(cli, "_serve", lambda args, settings: code)
+    monkeypatch.delenv("DARKBLOOM_SERVICE_MANAGER", raising=False)
+    settings = cli.Settings(state_dir=tmp_path)
+    assert cli.cmd_serve(cli.build_parser().parse_args(["serve"]), settings) == code
+    assert (tmp_path / RUN_MARKER_FILE).exists() is counted  # left behind: counted at the next start
