@@ -65,16 +65,16 @@ from provider.session.posture import (
 from provider.session.register import RegisterFrame, advertised_models, build_register
 from provider.session.status import SessionStatus
 from provider.slots import ModelManager
-from provider.supervision import under_service_manager
+from provider.supervision import EXIT_RESTART, under_service_manager
 from provider.telemetry import configure_logging, get_logger
 
 log = get_logger("provider.agent")
 
 EXIT_OK = 0
 EXIT_CONFIG = 78  # EX_CONFIG, as the CLI uses for configuration errors
-# EX_TEMPFAIL: a memory restart (issue 20). launchd (KeepAlive, SuccessfulExit false) and the systemd
-# unit (Restart=on-failure) start the agent again; the crash-loop guard counts it like any abnormal exit.
-EXIT_RESTART = 75
+# EXIT_RESTART (75, EX_TEMPFAIL, from provider/supervision.py): a memory restart (issue 20). launchd
+# (KeepAlive, SuccessfulExit false) and the systemd unit (Restart=on-failure) start the agent again; the
+# crash-loop guard counts it as a memory self-restart, and enough of them keep a launchd service down.
 
 
 @dataclass(slots=True)

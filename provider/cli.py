@@ -41,11 +41,14 @@ import urllib.request
 from collections.abc import Iterable, Mapping
 from enum import Enum
 from pathlib import Path
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 from provider import __version__, supervision
 from provider.config import FIELDS, ConfigError, Settings, default_state_dir, flag_name, load_settings
 from provider.progress import Progress
+
+if TYPE_CHECKING:
+    from provider.service import ServiceStatus
 
 EX_OK = 0
 EX_FAILED = 1
@@ -177,8 +180,9 @@ def setting_args(settings: Settings, fields: Iterable[str]) -> list[str]:
 
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     """Serve, under the crash-loop guard (`provider/supervision.py`): a run that returns 0 or refuses its
-    configuration was not a crash; anything else (an exception, a kill, another exit code) is counted
-    at the next start, and enough of them in the window keep a launchd service down."""
+    configuration was not a crash; any other exit code (75, a memory self-restart, included) is counted
+    when it is returned, a kill or a crash at the next start, and enough of them in the window keep a
+    launchd service down."""
     env = dict(os.environ)
     decision = supervision.on_start(settings.state_dir, env=env, limit=settings.crash_loop_limit,
                                     window_s=settings.crash_loop_window_s)
@@ -188,8 +192,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
         return supervision.exit_code_for(supervision.ExitReason.CRASH_LOOP, supervision.EX_CRASH_LOOP, message,
                                          home=_home(env), env=env)
     code = _serve(args, settings)
-    if code in (EX_OK, EX_CONFIG):
-        supervision.on_clean_exit(settings.state_dir)
+    supervision.on_exit(settings.state_dir, code, window_s=settings.crash_loop_window_s)
     if code == EX_CONFIG:  # printed already; under launchd, no relaunch loop (as for a bad setting)
         return supervision.exit_code_for(supervision.ExitReason.CONFIGURATION, EX_CONFIG,
                                          "the agent refused to start (the reason is printed above)",
@@ -447,18 +450,27 @@ def cmd_service(args: argparse.Namespace, settings: Settings) -> int:
     else:
         st = service.status(home=home, env=env, system=args.system, state_dir=state_dir,
                             crash_loop_window_s=settings.crash_loop_window_s)
-        print(f"{st.kind.value}{' (boot-time daemon)' if st.system else ''}: installed={st.installed} "
-              f"loaded={st.loaded} running={st.running}"
-              + (f" pid={st.pid}" if st.pid else "") + f" ({st.detail})"
-              + (f" last exit code {st.last_exit_code}" if st.last_exit_code is not None and not st.running else ""))
-        if st.crash_loop is not None and st.crash_loop.abnormal_exits:
-            print(f"abnormal exits: {len(st.crash_loop.abnormal_exits)} in the last {settings.crash_loop_window_mins:g} "
-                  f"minutes (the service stays down at {settings.crash_loop_limit}); last at {st.crash_loop.abnormal_exits[-1]}")
-        if st.last_error:
-            print(f"last start failed: {st.last_error}")
-            print("fix it, then run `darkbloom-provider service install` again")
+        print("\n".join(service_status_lines(st, settings)))
         return EX_OK if st.running else EX_FAILED
     return EX_OK
+
+
+def service_status_lines(st: ServiceStatus, settings: Settings) -> list[str]:
+    """What `service status` prints: the manager's view, the agent's own count of its abnormal exits
+    (and what they were), and why the last start failed."""
+    lines = [f"{st.kind.value}{' (boot-time daemon)' if st.system else ''}: installed={st.installed} "
+             f"loaded={st.loaded} running={st.running}"
+             + (f" pid={st.pid}" if st.pid else "") + f" ({st.detail})"
+             + (f" last exit code {st.last_exit_code}" if st.last_exit_code is not None and not st.running else "")]
+    exits = st.crash_loop
+    if exits is not None and exits.abnormal_exits:
+        lines.append(f"abnormal exits: {len(exits.abnormal_exits)} in the last {settings.crash_loop_window_mins:g} "
+                     f"minutes ({exits.kinds()}; the service stays down at {settings.crash_loop_limit}); "
+                     f"last at {exits.abnormal_exits[-1].at}")
+    if st.last_error:
+        lines.append(f"last start failed: {st.last_error}")
+        lines.append("fix it, then run `darkbloom-provider service install` again")
+    return lines
 
 
 def _system_user(args: argparse.Namespace, env: Mapping[str, str]) -> str:

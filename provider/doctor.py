@@ -44,8 +44,9 @@ refuses requests for a model, cold or always; subject: the model; detail: the fi
 From the owner's-Mac section (`provider/doctor_guest.py`: the serving windows, whether one is open and
 the next change, every signal's reading): ``signal_unavailable`` (a pause rule is on but its signal
 cannot be read here; subject: the setting, detail: the reader's source). From the service's own
-count: ``abnormal_exits`` (the agent ended abnormally — a crash, a kill — within
-`crash_loop_window_mins`, fewer times than it takes to stay down).
+count: ``abnormal_exits`` (the agent ended abnormally — a crash, a kill, a memory self-restart, an
+error exit — within `crash_loop_window_mins`, fewer times than it takes to stay down; the detail
+counts each kind).
 An invalid configuration never reaches this module: the CLI exits 78 with one line first.
 
 `report_json()` is a stable interface (keys are only ever added): ``cap`` holds every
@@ -54,7 +55,7 @@ An invalid configuration never reaches this module: the CLI exits 78 with one li
 kv_bytes_per_token, verdict, required_bytes, ever_fits}], ``skipped`` [{id, path, reason}],
 ``coordinator`` {url, checked, reachable, detail}, ``machine`` {...}, ``problems`` [{code, severity,
 subject, detail}], ``settings_adjusted`` [{variable, given, used, action, rule}], ``ok``, ``crash_loop``
-{abnormal_exits [time], stayed_down_at}, and
+{abnormal_exits [{at, kind: crash | memory_restart | error_exit}], stayed_down_at}, and
 ``routing`` (`doctor_routing.routing_json`: ``coordinator_sees`` {backend, runtime_hash, dev_posture,
 posture, privacy_capabilities, total_memory_gb, hardening_probed}, ``trusted``,
 ``untrusted_reasons`` [{code, subject}], ``coordinator_must`` [text], ``catalog`` {url, checked,
@@ -191,9 +192,10 @@ _EXPLAIN: dict[ProblemCode, str] = {
     ProblemCode.RESTART_ADVISED: "the running agent advises a restart (memory does not come back after unloads)",
     ProblemCode.RESTART_NEEDED: "the running agent needs a restart: memory that did not come back costs a model",
     ProblemCode.SIGNAL_UNAVAILABLE: "this pause rule cannot read its signal here: the agent serves as if it said go",
-    ProblemCode.SERVICE_STAYED_DOWN: "the agent crashed too often: the launchd service stays down "
-                                     "(find the cause in provider.log, then `service install`)",
-    ProblemCode.ABNORMAL_EXITS: "the agent ended abnormally (a crash or a kill) recently",
+    ProblemCode.SERVICE_STAYED_DOWN: "the agent ended abnormally too often (crashes, kills or memory "
+                                     "self-restarts): the launchd service stays down (find the cause in "
+                                     "provider.log, then `service install`)",
+    ProblemCode.ABNORMAL_EXITS: "the agent ended abnormally recently (a crash, a kill or a memory self-restart)",
 }
 
 
@@ -423,8 +425,9 @@ def _crash_loop_problems(settings: Settings, exits: AbnormalExits) -> tuple[Prob
     n = len(exits.abnormal_exits)
     if n == 0:
         return ()
-    detail = (f"{n} abnormal exit{'s' if n != 1 else ''} within {settings.crash_loop_window_mins:g} minutes, the "
-              f"last at {exits.abnormal_exits[-1]}; crash_loop_limit is {settings.crash_loop_limit}")
+    detail = (f"{n} abnormal exit{'s' if n != 1 else ''} within {settings.crash_loop_window_mins:g} minutes "
+              f"({exits.kinds()}), the last at {exits.abnormal_exits[-1].at}; crash_loop_limit is "
+              f"{settings.crash_loop_limit}")
     if n >= settings.crash_loop_limit and exits.stayed_down_at is not None:
         return (Problem(ProblemCode.SERVICE_STAYED_DOWN, "service", f"{detail}; stayed down at {exits.stayed_down_at}"),)
     return (Problem(ProblemCode.ABNORMAL_EXITS, "service", detail),)
@@ -552,8 +555,7 @@ def report_json(report: DoctorReport) -> dict[str, Any]:
                   "restart": None if report.agent is None else report.agent.get("restart"),
                   "baseline": None if report.agent is None else report.agent.get("baseline")},
         "guest": None if report.guest is None else guest_json(report.guest),
-        "crash_loop": {"abnormal_exits": list(report.crash_loop.abnormal_exits),
-                       "stayed_down_at": report.crash_loop.stayed_down_at},
+        "crash_loop": report.crash_loop.as_json(),
     }
 
 

@@ -15,7 +15,8 @@ The files installed are the templates in ``deploy/`` with their ``@NAME@`` place
 * ``ProcessType`` is the ``process_type`` setting (the trade-off is in ``deploy/README.md``); ``Nice``
   and ``LowPriorityIO`` stay only with ``background``.
 * systemd: ``deploy/darkbloom-provider.service`` -> ``~/.config/systemd/user/``, then
-  ``systemctl --user daemon-reload``, ``enable``, ``restart``; logs in the user journal.
+  ``systemctl --user daemon-reload``, ``enable``, ``reset-failed`` (a crash loop's start limit), ``restart``;
+  logs in the user journal.
 
 The program is ``darkbloom-provider serve`` plus every setting given on the ``install`` command line
 (``args``, e.g. ``--memory-reserve-gb 8 --model-dirs /srv/models``) and ``--config``. The
@@ -332,6 +333,9 @@ def _start(kind: ServiceKind, manager: str, runner: Runner, path: Path, domain: 
     else:
         commands.append(_run(runner, (manager, "--user", "daemon-reload")))
         commands.append(_run(runner, (manager, "--user", "enable", UNIT_NAME)))
+        # A unit StartLimitBurst stopped stays stopped, even for `restart`, until its count is flushed
+        # (systemd.unit(5)); fails harmlessly for a unit not loaded yet.
+        commands.append(_run(runner, (manager, "--user", "reset-failed", UNIT_NAME), check=False))
         commands.append(_run(runner, (manager, "--user", "restart", UNIT_NAME)))  # picks up a changed unit
 
 

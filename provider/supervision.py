@@ -19,18 +19,22 @@ the operator sees on a terminal: setting names and values, never request text) a
 Crash loops (issue 18.8). `KeepAlive {SuccessfulExit: false}` relaunches an agent that exits
 abnormally (a crash, a signal, jetsam's SIGKILL) every `ThrottleInterval`, for ever; oMLX's tracker
 shows such a loop stranding wired memory until reboot (233 restarts). So the agent counts its own
-abnormal exits in the state directory: while it runs, ``agent.running`` names its pid and that
-process's start time; a clean exit removes it, so a marker whose process is gone (no such pid, or a
-pid reused by another process since), found at the next start, means that run ended abnormally, and
-its time goes into ``abnormal-exits.json``. Only exit 0 (a drain) and 78 (a refused configuration)
-are clean: a memory self-restart (exit 75, issue 20) counts too, so a restart that does not help
-cannot loop either. When ``crash_loop_limit`` of them fall within ``crash_loop_window_mins``, an
-agent under launchd stays down: it records ``crash_loop`` (shown by
-`service status`), says so on stderr and exits 0, which launchd does not relaunch (until the next
-login or boot, by when the window has usually passed, or `service install`, which starts the count
-afresh). Elsewhere nothing stays down: the systemd unit has the same limit as ``StartLimitBurst`` /
-``StartLimitIntervalSec``, and a terminal has a person in front of it. `doctor` reports both the
-recent abnormal exits and a stay-down.
+abnormal exits in the state directory, ``abnormal-exits.json``, each with its time and kind:
+
+* an exit code is known when `serve` returns: 0 (a drain) and 78 (a refused configuration) are
+  clean; 75 is a memory self-restart (issue 20: memory that did not come back after unloads), which
+  counts too, so a restart that does not help cannot loop either; any other code is an error exit;
+* a kill or a crash leaves no code: while it runs, ``agent.running`` names the agent's pid and that
+  process's start time, and every exit with a code removes it; a marker whose process is gone (no
+  such pid, or a pid reused by another process since), found at the next start, was a crash.
+
+When ``crash_loop_limit`` of them fall within ``crash_loop_window_mins``, an agent under launchd
+stays down: it records ``crash_loop`` with the kinds counted (shown by `service status`), says so on
+stderr and exits 0, which launchd does not relaunch (until the next login or boot, by when the
+window has usually passed, or `service install`, which starts the count afresh). Elsewhere nothing
+stays down: the systemd unit has the same limit as ``StartLimitBurst`` / ``StartLimitIntervalSec``
+(every restart counts there, exit 75 included), and a terminal has a person in front of it.
+`doctor` reports both the recent abnormal exits and a stay-down.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ MAX_MESSAGE = 2000  # characters of the message kept
 RUN_MARKER_FILE = "agent.running"  # in the state directory, while an agent runs
 ABNORMAL_EXITS_FILE = "abnormal-exits.json"  # in the state directory: the recent abnormal exits
 EX_CRASH_LOOP = 1  # recorded as the exit it replaced (only launchd stays down: elsewhere it never happens)
+EXIT_RESTART = 75  # EX_TEMPFAIL: the agent's memory self-restart (provider/agent.py), relaunched by the manager
+CLEAN_EXITS = (0, 78)  # a drain, a refused configuration
 
 
 class ExitReason(StrEnum):
@@ -124,23 +130,55 @@ def read_exit_record(home: Path) -> ExitRecord | None:
 # --- crash loops (see the module docstring) ----------------------------------------------------------
 
 
+class ExitKind(StrEnum):
+    CRASH = "crash"  # no exit code: a signal (jetsam's SIGKILL), a crash, found at the next start
+    MEMORY_RESTART = "memory_restart"  # exit 75: the memory self-restart of issue 20
+    ERROR_EXIT = "error_exit"  # another non-zero exit code
+
+
+_KIND_WORDS = {ExitKind.CRASH: ("crash", "crashes"),
+               ExitKind.MEMORY_RESTART: ("memory self-restart", "memory self-restarts"),
+               ExitKind.ERROR_EXIT: ("error exit", "error exits")}
+
+
+@dataclass(frozen=True, slots=True)
+class AbnormalExit:
+    at: str  # ISO 8601 UTC
+    kind: ExitKind
+
+
 @dataclass(frozen=True, slots=True)
 class AbnormalExits:
-    abnormal_exits: tuple[str, ...] = ()  # ISO 8601 UTC, oldest first, only those inside the window
+    abnormal_exits: tuple[AbnormalExit, ...] = ()  # oldest first, only those inside the window
     stayed_down_at: str | None = None  # the last time an agent refused to start for a crash loop
+
+    def kinds(self) -> str:
+        """What they were, e.g. "3 memory self-restarts, 1 crash" (most first)."""
+        counts: dict[ExitKind, int] = {}
+        for e in self.abnormal_exits:
+            counts[e.kind] = counts.get(e.kind, 0) + 1
+        return ", ".join(f"{n} {_KIND_WORDS[kind][n != 1]}"
+                         for kind, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+    def as_json(self) -> dict:
+        return {"abnormal_exits": [{"at": e.at, "kind": e.kind.value} for e in self.abnormal_exits],
+                "stayed_down_at": self.stayed_down_at}
 
 
 @dataclass(frozen=True, slots=True)
 class StartDecision:
     record: AbnormalExits
     stay_down: bool
-    previous_crashed: bool  # the run before this one ended without a clean exit
+    previous_crashed: bool  # the run before this one ended without an exit code (a kill, a crash)
 
     def message(self, window_mins: float) -> str:
-        n = len(self.record.abnormal_exits)
-        return (f"stayed down after {n} abnormal exits within {window_mins:g} minutes (the first at "
-                f"{self.record.abnormal_exits[0]}): find the cause in provider.log, then run "
-                "`darkbloom-provider service install` to start it again")
+        exits = self.record.abnormal_exits
+        why = ""
+        if any(e.kind is ExitKind.MEMORY_RESTART for e in exits):
+            why = " (memory self-restarts: memory did not come back after unloads, again after each restart)"
+        return (f"stayed down after {len(exits)} abnormal exits within {window_mins:g} minutes "
+                f"({self.record.kinds()}; the first at {exits[0].at}): find the cause in provider.log{why}, "
+                "then run `darkbloom-provider service install` to start it again")
 
 
 def _read_json(path: Path) -> dict | None:
@@ -158,21 +196,28 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def _entry(item: object, now: datetime, window_s: float) -> AbnormalExit | None:
+    """One recorded exit, if it is well formed and inside the window."""
+    if not isinstance(item, dict):
+        return None
+    try:
+        at, kind = datetime.fromisoformat(str(item.get("at"))), ExitKind(item.get("kind"))
+    except ValueError:
+        return None
+    if at.tzinfo is None or not timedelta(0) <= now - at <= timedelta(seconds=window_s):
+        return None
+    return AbnormalExit(at.astimezone(UTC).isoformat(timespec="seconds"), kind)
+
+
 def read_abnormal_exits(state_dir: Path, *, window_s: float, now: datetime | None = None) -> AbnormalExits:
     """The abnormal exits inside the window, and the last stay-down, from the state directory."""
     data = _read_json(state_dir / ABNORMAL_EXITS_FILE) or {}
     now = now or datetime.now(UTC)
-    kept = []
-    for stamp in data.get("abnormal_exits", ()):
-        try:
-            at = datetime.fromisoformat(str(stamp))
-        except ValueError:
-            continue
-        if at.tzinfo is not None and timedelta(0) <= now - at <= timedelta(seconds=window_s):
-            kept.append(at)
+    items = data.get("abnormal_exits")
+    kept = [e for e in (_entry(item, now, window_s) for item in (items if isinstance(items, list) else ()))
+            if e is not None]
     stayed = data.get("stayed_down_at")
-    return AbnormalExits(tuple(a.isoformat(timespec="seconds") for a in sorted(kept)),
-                         stayed if isinstance(stayed, str) else None)
+    return AbnormalExits(tuple(sorted(kept, key=lambda e: e.at)), stayed if isinstance(stayed, str) else None)
 
 
 def _created(pid: int) -> float | None:
@@ -195,8 +240,8 @@ def _same_run(pid: int, created: object) -> bool:
 
 def on_start(state_dir: Path, *, env: Mapping[str, str], limit: int, window_s: float, pid: int | None = None,
              now: datetime | None = None) -> StartDecision:
-    """At `serve`: count the previous run if it ended abnormally, decide whether to stay down, and if
-    not, mark this run. Another agent still running (a second `serve`) is neither counted nor replaced."""
+    """At `serve`: count the previous run if it was killed or crashed, decide whether to stay down, and
+    if not, mark this run. Another agent still running (a second `serve`) is neither counted nor replaced."""
     now = now or datetime.now(UTC)
     pid = os.getpid() if pid is None else pid
     record = read_abnormal_exits(state_dir, window_s=window_s, now=now)
@@ -206,11 +251,11 @@ def on_start(state_dir: Path, *, env: Mapping[str, str], limit: int, window_s: f
     other_alive = running and previous != pid
     crashed = isinstance(previous, int) and not running  # (our own pid too: the last boot's agent had it)
     stamp = now.isoformat(timespec="seconds")
-    exits = record.abnormal_exits + ((stamp,) if crashed else ())
+    exits = record.abnormal_exits + ((AbnormalExit(stamp, ExitKind.CRASH),) if crashed else ())
     stay_down = under_launchd(env) and len(exits) >= limit
     record = AbnormalExits(exits, stamp if stay_down else record.stayed_down_at)
     try:
-        _write_json(state_dir / ABNORMAL_EXITS_FILE, {"abnormal_exits": list(exits), "stayed_down_at": record.stayed_down_at})
+        _write_json(state_dir / ABNORMAL_EXITS_FILE, record.as_json())
         if stay_down:
             (state_dir / RUN_MARKER_FILE).unlink(missing_ok=True)
         elif not other_alive:
@@ -220,12 +265,24 @@ def on_start(state_dir: Path, *, env: Mapping[str, str], limit: int, window_s: f
     return StartDecision(record, stay_down, crashed)
 
 
-def on_clean_exit(state_dir: Path, *, pid: int | None = None) -> None:
-    """The agent ended on purpose (a drain, a refused start): that run was not a crash."""
+def on_exit(state_dir: Path, code: int, *, window_s: float, pid: int | None = None,
+            now: datetime | None = None) -> None:
+    """`serve` returned `code`: this run is accounted for now (its marker goes). A clean exit is not
+    counted; any other is, with its kind (exit 75, a memory self-restart, or an error exit)."""
     pid = os.getpid() if pid is None else pid
     marker = _read_json(state_dir / RUN_MARKER_FILE)
-    if marker is not None and marker.get("pid") == pid:
-        (state_dir / RUN_MARKER_FILE).unlink(missing_ok=True)
+    ours = marker is not None and marker.get("pid") == pid
+    try:
+        if code not in CLEAN_EXITS:
+            now = now or datetime.now(UTC)
+            record = read_abnormal_exits(state_dir, window_s=window_s, now=now)
+            kind = ExitKind.MEMORY_RESTART if code == EXIT_RESTART else ExitKind.ERROR_EXIT
+            exits = record.abnormal_exits + (AbnormalExit(now.isoformat(timespec="seconds"), kind),)
+            _write_json(state_dir / ABNORMAL_EXITS_FILE, AbnormalExits(exits, record.stayed_down_at).as_json())
+        if ours:
+            (state_dir / RUN_MARKER_FILE).unlink(missing_ok=True)
+    except OSError:
+        pass  # counted as a crash at the next start instead, if the marker stayed
 
 
 def reset_abnormal_exits(state_dir: Path) -> None:

@@ -18,12 +18,17 @@ from pathlib import Path
 
 import pytest
 
+from provider import cli
+from provider.agent import EXIT_RESTART
+from provider.config import Settings
+from provider.doctor import run_doctor
 from provider.service import status
 from provider.supervision import (
     ABNORMAL_EXITS_FILE,
     RUN_MARKER_FILE,
+    ExitKind,
     ExitReason,
-    on_clean_exit,
+    on_exit,
     on_start,
     read_exit_record,
     read_abnormal_exits,
@@ -56,7 +61,7 @@ def crash(state: Path, at: datetime, *, env=LAUNCHD, limit: int = 3):
 def test_a_clean_exit_is_not_counted(tmp_path):
     first = on_start(tmp_path, env=LAUNCHD, limit=3, window_s=WINDOW_S, now=T0)
     assert not first.previous_crashed and json.loads((tmp_path / RUN_MARKER_FILE).read_text())["pid"] == os.getpid()
-    on_clean_exit(tmp_path)
+    on_exit(tmp_path, 0, window_s=WINDOW_S)
     assert not (tmp_path / RUN_MARKER_FILE).exists()
     again = on_start(tmp_path, env=LAUNCHD, limit=3, window_s=WINDOW_S, now=T0 + timedelta(seconds=30))
     assert not again.previous_crashed and again.record.abnormal_exits == ()
@@ -65,7 +70,8 @@ def test_a_clean_exit_is_not_counted(tmp_path):
 def test_a_marker_left_by_a_dead_process_counts_as_an_abnormal_exit(tmp_path):
     decision = crash(tmp_path, T0)
     assert decision.previous_crashed and not decision.stay_down
-    assert read_abnormal_exits(tmp_path, window_s=WINDOW_S, now=T0).abnormal_exits == (T0.isoformat(timespec="seconds"),)
+    [found] = read_abnormal_exits(tmp_path, window_s=WINDOW_S, now=T0).abnormal_exits
+    assert (found.at, found.kind) == (T0.isoformat(timespec="seconds"), ExitKind.CRASH)  # killed: no exit code
     assert json.loads((tmp_path / RUN_MARKER_FILE).read_text())["pid"] == os.getpid()  # this run is marked
 
 
@@ -84,7 +90,7 @@ def test_a_second_agent_still_running_is_neither_counted_nor_replaced(tmp_path):
         decision = on_start(tmp_path, env=LAUNCHD, limit=3, window_s=WINDOW_S, pid=os.getpid(), now=T0)
         assert not decision.previous_crashed
         assert json.loads((tmp_path / RUN_MARKER_FILE).read_text())["pid"] == child.pid
-        on_clean_exit(tmp_path)  # not ours: left alone
+        on_exit(tmp_path, 0, window_s=WINDOW_S)  # not ours: left alone
         assert (tmp_path / RUN_MARKER_FILE).exists()
     finally:
         child.kill()
@@ -98,7 +104,7 @@ def test_under_launchd_the_limit_within_the_window_keeps_it_down(tmp_path):
     assert third.stay_down and len(third.record.abnormal_exits) == 3
     assert third.record.stayed_down_at == (T0 + timedelta(minutes=4)).isoformat(timespec="seconds")
     assert not (tmp_path / RUN_MARKER_FILE).exists()  # staying down is a clean end: nothing to count next time
-    assert "stayed down after 3 abnormal exits within 10 minutes" in third.message(10)
+    assert "stayed down after 3 abnormal exits within 10 minutes (3 crashes;" in third.message(10)
     # Started again (login, boot) while the window still holds them: still down, not counted again.
     again = on_start(tmp_path, env=LAUNCHD, limit=3, window_s=WINDOW_S, now=T0 + timedelta(minutes=5))
     assert again.stay_down and len(again.record.abnormal_exits) == 3
@@ -130,7 +136,9 @@ def test_service_install_starts_the_count_afresh(tmp_path):
 def test_a_damaged_count_is_read_as_none(tmp_path):
     (tmp_path / ABNORMAL_EXITS_FILE).write_text("{not json")
     assert read_abnormal_exits(tmp_path, window_s=WINDOW_S).abnormal_exits == ()
-    (tmp_path / ABNORMAL_EXITS_FILE).write_text('{"abnormal_exits": ["yesterday", 5, "2026-03-01T12:00:00"]}')
+    (tmp_path / ABNORMAL_EXITS_FILE).write_text(json.dumps({"abnormal_exits": [
+        {"at": "yesterday", "kind": "crash"}, 5, "2026-03-01T12:00:00+00:00",
+        {"at": "2026-03-01T12:00:00", "kind": "crash"}, {"at": "2026-03-01T12:00:00+00:00", "kind": "boredom"}]}))
     assert read_abnormal_exits(tmp_path, window_s=WINDOW_S, now=T0).abnormal_exits == ()  # no zone: not ours
 
 
@@ -170,7 +178,7 @@ def test_killed_twice_the_launchd_agent_stays_down_and_says_so(tmp_path):
 
     out = run_cli("serve", home=home, env=env)
     assert out.returncode == 0  # launchd does not relaunch it
-    assert "stayed down after 2 abnormal exits within 10 minutes" in out.stderr
+    assert "stayed down after 2 abnormal exits within 10 minutes (2 crashes;" in out.stderr
     record = read_exit_record(home)
     assert record is not None and record.reason is ExitReason.CRASH_LOOP and record.exit_code == 1
 
@@ -194,7 +202,8 @@ def test_service_status_on_the_command_line_counts_the_abnormal_exits(tmp_path):
     state = tmp_path / "state"
     state.mkdir()
     now = datetime.now(UTC).isoformat(timespec="seconds")
-    (state / ABNORMAL_EXITS_FILE).write_text(json.dumps({"abnormal_exits": [now], "stayed_down_at": None}))
+    (state / ABNORMAL_EXITS_FILE).write_text(json.dumps({"abnormal_exits": [{"at": now, "kind": "crash"}],
+                                                         "stayed_down_at": None}))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fake = "launchctl" if sys.platform == "darwin" else "systemctl"
@@ -204,22 +213,62 @@ def test_service_status_on_the_command_line_counts_the_abnormal_exits(tmp_path):
     out = run_cli("service", "status", home=tmp_path, env={"PATH": f"{bin_dir}:/usr/bin:/bin",
                                                              "DARKBLOOM_STATE_DIR": str(state)})
     assert out.returncode == 1, out.stderr  # not running
-    assert "abnormal exits: 1 in the last 10 minutes (the service stays down at 5)" in out.stdout
+    assert "abnormal exits: 1 in the last 10 minutes (1 crash; the service stays down at 5)" in out.stdout
     doc = json.loads(run_cli("doctor", "--json", "--no-coordinator", home=tmp_path,
                              env={"DARKBLOOM_STATE_DIR": str(state), "DARKBLOOM_HF_CACHE_DIR": str(tmp_path)}).stdout)
     [problem] = [p for p in doc["problems"] if p["subject"] == "service"]
     assert (problem["code"], problem["severity"]) == ("abnormal_exits", "warning")
 
 
-@pytest.mark.parametrize(("code", "counted"), [(0, False), (78, False), (75, True), (1, True)],
+@pytest.mark.parametrize(("code", "kind"), [(0, None), (78, None), (75, ExitKind.MEMORY_RESTART),
+                                          (1, ExitKind.ERROR_EXIT)],
                          ids=["drained", "config-refused", "memory-restart", "failed"])
-def test_which_exits_of_serve_count(tmp_path, monkeypatch, code, counted):
+def test_which_exits_of_serve_count(tmp_path, monkeypatch, code, kind):
     """0 (a drain) and 78 (a refused configuration) are clean; a memory self-restart (75, issue 20)
-    counts like a crash, so a restart that does not help cannot loop either."""
-    from provider import cli
-
+    counts, so a restart that does not help cannot loop either. An exit code is known at the exit:
+    it is recorded then, with what it was (a kill is only found at the next start)."""
     monkeypatch.setattr(cli, "_serve", lambda args, settings: code)
     monkeypatch.delenv("DARKBLOOM_SERVICE_MANAGER", raising=False)
-    settings = cli.Settings(state_dir=tmp_path)
+    settings = Settings(state_dir=tmp_path)
     assert cli.cmd_serve(cli.build_parser().parse_args(["serve"]), settings) == code
-    assert (tmp_path / RUN_MARKER_FILE).exists() is counted  # left behind: counted at the next start
+    assert not (tmp_path / RUN_MARKER_FILE).exists()  # every exit with a code is accounted for now
+    exits = read_abnormal_exits(tmp_path, window_s=WINDOW_S).abnormal_exits
+    assert [e.kind for e in exits] == ([] if kind is None else [kind])
+
+
+def test_memory_self_restarts_that_do_not_help_stay_down_and_say_why(tmp_path, monkeypatch):
+    """Issue 20's self-restart and the guard together: launchd starts the agent again after each exit
+    75; each is counted as a memory self-restart; at crash_loop_limit the agent stays down (exit 0)
+    and the record, `service status` and `doctor` name the memory self-restarts as the reason."""
+    home, state = tmp_path / "home", tmp_path / "state"
+    home.mkdir()
+    runs: list[int] = []
+    monkeypatch.setattr(cli, "_serve", lambda args, settings: runs.append(1) or EXIT_RESTART)
+    monkeypatch.setenv("DARKBLOOM_SERVICE_MANAGER", "launchd")
+    monkeypatch.setenv("HOME", str(home))
+    settings = Settings(state_dir=state, hf_cache_dir=tmp_path, crash_loop_limit=3)
+    args = cli.build_parser().parse_args(["serve"])
+    # launchd relaunches after every non-zero exit, and not after exit 0.
+    codes = [cli.cmd_serve(args, settings) for _ in range(4)]
+    assert codes == [EXIT_RESTART] * 3 + [0] and len(runs) == 3  # the fourth start did not serve
+
+    record = read_exit_record(home)
+    assert record is not None and record.reason is ExitReason.CRASH_LOOP
+    assert "3 abnormal exits within 10 minutes (3 memory self-restarts;" in record.message
+
+    shown = "gui/501/io.darkbloom.provider = {\n\tstate = not running\n\tlast exit code = 0\n}\n"
+    (tmp_path / "launchctl").write_text("#!/bin/sh\nexit 99\n")  # found on PATH, never run: the recorder answers
+    (tmp_path / "launchctl").chmod(0o755)
+    st = status(home=home, platform="darwin", env={"PATH": str(tmp_path)}, runner=Recorder({"print": (0, shown, "")}),
+                uid=501, state_dir=state)
+    lines = cli.service_status_lines(st, settings)
+    assert "abnormal exits: 3 in the last 10 minutes (3 memory self-restarts; the service stays down at 3)" in lines[1]
+    assert any(line.startswith("last start failed: crash_loop at ") and "memory self-restarts" in line
+               for line in lines)
+
+    report = run_doctor(settings, check_coordinator_url=False, explain_routing=False, check_running_agent=False,
+                        env={})
+    [problem] = [p for p in report.problems if p.subject == "service"]
+    assert problem.code.value == "service_stayed_down" and "3 memory self-restarts" in problem.detail
+
+

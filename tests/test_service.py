@@ -241,6 +241,7 @@ def test_systemd_install_commands(home: Path, bin_dir: Path) -> None:
     assert runner.calls == [
         [systemctl, "--user", "daemon-reload"],
         [systemctl, "--user", "enable", UNIT_NAME],
+        [systemctl, "--user", "reset-failed", UNIT_NAME],
         [systemctl, "--user", "restart", UNIT_NAME],
     ]
 

@@ -4,6 +4,7 @@ temporary root and check it, and check the launchctl commands against a recorder
 
 from __future__ import annotations
 
+import json
 import plistlib
 import pwd
 import subprocess
@@ -125,6 +126,18 @@ def test_the_systemd_unit_stops_a_crash_loop_with_the_same_limit(user_home):
     assert "StartLimitIntervalSec=300\n" in section and "StartLimitBurst=3\n" in section
 
 
+def test_systemd_install_flushes_the_start_limit(user_home, bin_dir):
+    # A unit stopped by StartLimitBurst stays stopped, even for `systemctl restart`, until
+    # `reset-failed` (systemd.unit(5)): `service install` starts it again with the count reset.
+    (bin_dir / "systemctl").write_text("#!/bin/sh\nexit 99\n")
+    (bin_dir / "systemctl").chmod(0o755)
+    runner = Recorder({"reset-failed": (1, "", "Unit darkbloom-provider.service not loaded.")})  # a first install
+    install(home=user_home, platform="linux", env={"PATH": str(bin_dir)}, runner=runner, program=PROGRAM)
+    verbs = [call[2] for call in runner.calls]
+    assert verbs == ["daemon-reload", "enable", "reset-failed", "restart"]
+    assert runner.calls[2][3:] == ["darkbloom-provider.service"]
+
+
 def test_cli_system_needs_a_user_who_is_not_root(tmp_path):
     from test_cli import run_cli
 
@@ -139,7 +152,8 @@ def test_install_starts_the_crash_count_afresh(tmp_path):
 
     state = tmp_path / "state"
     state.mkdir()
-    (state / ABNORMAL_EXITS_FILE).write_text('{"abnormal_exits": ["2026-01-01T00:00:00+00:00"], "stayed_down_at": null}')
+    (state / ABNORMAL_EXITS_FILE).write_text('{"abnormal_exits": [{"at": "2026-01-01T00:00:00+00:00", "kind": "crash"}], '
+                                             '"stayed_down_at": null}')
     out = run_cli("service", "install", "--no-load", "--state-dir", str(state), home=tmp_path)
     assert out.returncode == 0, out.stderr
     assert not (state / ABNORMAL_EXITS_FILE).exists()
@@ -151,7 +165,8 @@ def test_status_shows_the_agents_own_count(tmp_path, bin_dir):
     state = tmp_path / "state"
     state.mkdir()
     now = datetime.now(UTC).isoformat(timespec="seconds")
-    (state / ABNORMAL_EXITS_FILE).write_text(f'{{"abnormal_exits": ["{now}", "{now}"], "stayed_down_at": null}}')
+    entries = [{"at": now, "kind": "crash"}, {"at": now, "kind": "memory_restart"}]
+    (state / ABNORMAL_EXITS_FILE).write_text(json.dumps({"abnormal_exits": entries, "stayed_down_at": None}))
     st = status(home=tmp_path, platform="darwin", env={"PATH": str(bin_dir)},
                 runner=Recorder({"print": (113, "", "Could not find service")}), state_dir=state, uid=501)
     assert st.crash_loop is not None and len(st.crash_loop.abnormal_exits) == 2 and not st.loaded
