@@ -426,7 +426,7 @@ def cmd_service(args: argparse.Namespace, settings: Settings) -> int:
         flags = [flag_name(f) for f in given] + (["--config"] if getattr(args, "config", None) else [])
         raise ConfigError(f"`service {args.action}` does not use settings ({', '.join(flags)}); "
                           "give them to `service install`")
-    user = _system_user(args, env) if args.system else None
+    user = system_user(args, env) if args.system else None
     home = _user_home(user) if user is not None else Path.home()
     # The agent's state directory: under sudo, the one the agent will use as that user.
     state_dir = settings.state_dir if user is None or "state_dir" in given else default_state_dir(home)
@@ -473,13 +473,26 @@ def service_status_lines(st: ServiceStatus, settings: Settings) -> list[str]:
     return lines
 
 
-def _system_user(args: argparse.Namespace, env: Mapping[str, str]) -> str:
-    """The user a boot-time daemon runs as: --user, else whoever ran sudo; never root."""
-    user = args.run_as if getattr(args, "run_as", None) else env.get("SUDO_USER")
-    if not user or user == "root":
-        raise ConfigError("--system: name the user the agent runs as with --user NAME (or run the command with "
-                          "sudo from that user's account); the agent never runs as root")
-    return user
+def system_user(args: argparse.Namespace, env: Mapping[str, str], *, daemon: Path | None = None) -> str:
+    """The user a boot-time daemon runs as. `install`: --user, else whoever ran sudo; never root.
+    `status`, `uninstall`: the ``UserName`` of the installed daemon's plist (`daemon`), else whoever
+    ran sudo, else whoever asks (no sudo needed to ask)."""
+    if args.action == "install":
+        user = args.run_as or env.get("SUDO_USER")
+        if not user or user == "root":
+            raise ConfigError("--system: name the user the agent runs as with --user NAME (or run the command "
+                              "with sudo from that user's account); the agent never runs as root")
+        return user
+    import getpass
+    import plistlib
+
+    from provider.service import daemon_path
+
+    try:
+        named = plistlib.loads((daemon or daemon_path()).read_bytes()).get("UserName")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    return named if isinstance(named, str) and named else env.get("SUDO_USER") or getpass.getuser()
 
 
 def _user_home(user: str) -> Path:

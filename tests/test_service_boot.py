@@ -185,3 +185,25 @@ def test_systemd_status_names_a_start_limit_hit_a_crash_loop(tmp_path, bin_dir):
              "Result=start-limit-hit\n")
     st = status(home=tmp_path, platform="linux", env={"PATH": str(bin_dir)}, runner=Recorder({"show": (0, shown, "")}))
     assert not st.running and st.last_error is not None and st.last_error.startswith("crash_loop: ")
+
+
+def test_status_and_uninstall_find_the_daemons_user_in_its_plist(user_home, root):
+    """`service status --system` needs no sudo, and neither command has --user: the daemon's own plist
+    names the user whose state directory and logs they read."""
+    import getpass
+
+    from provider import cli
+    from provider.config import ConfigError
+
+    install(home=user_home, platform="darwin", env={}, load=False, program=PROGRAM, system_user="op", root=root)
+    daemon = daemon_path(root)
+    for action in ("status", "uninstall"):
+        args = cli.build_parser().parse_args(["service", action, "--system"])
+        assert cli.system_user(args, {}, daemon=daemon) == "op"
+    uninstall(home=user_home, platform="darwin", env={}, load=False, system=True, root=root)
+    args = cli.build_parser().parse_args(["service", "status", "--system"])
+    assert cli.system_user(args, {}, daemon=daemon) == getpass.getuser()  # none installed: whoever asks
+    assert cli.system_user(args, {"SUDO_USER": "op"}, daemon=daemon) == "op"
+    install_args = cli.build_parser().parse_args(["service", "install", "--system"])
+    with pytest.raises(ConfigError, match="never runs as root"):
+        cli.system_user(install_args, {"SUDO_USER": "root"}, daemon=daemon)
