@@ -24,10 +24,10 @@ Problems (`Problem`) come in two severities. An ERROR makes `doctor` exit 1:
 
 * ``dev_posture_refused``   `dev_posture` with a coordinator that is not on loopback: the agent refuses
   to start (dev_posture is for a self-hosted coordinator on this machine only).
-* ``service_stayed_down``   `crash_loop_limit` abnormal exits within `crash_loop_window_mins` (the agent's
-  own count in the state directory, `provider/supervision.py`), and the launchd service stayed down
-  for them: it starts again at the next login or boot (once the window has passed) or with
-  `service install`.
+* ``service_stayed_down``   the last start found `crash_loop_limit` abnormal exits within
+  `crash_loop_window_mins` (the agent's own count in the state directory, `provider/supervision.py`)
+  and the launchd service stayed down for them: it starts again at the next login or boot (once the
+  window has passed) or with `service install`.
 
 WARNINGs are printed but keep exit 0: ``model_skipped`` (a broken or partial model folder),
 ``unrecognised_env`` (a `DARKBLOOM_*` variable nothing reads), ``runtime_hash_unavailable``,
@@ -420,17 +420,19 @@ def _restart_problems(agent: dict[str, Any] | None) -> tuple[Problem, ...]:
 
 
 def _crash_loop_problems(settings: Settings, exits: AbnormalExits) -> tuple[Problem, ...]:
-    """The agent's own count of its abnormal exits (`provider/supervision.py`): an error while a
-    launchd service stays down for them, a warning otherwise."""
+    """The agent's own count of its abnormal exits (`provider/supervision.py`): an error while the
+    last start stayed down for them (launchd relaunches it only at the next login or boot, however
+    old they are by then), a warning for those inside the window otherwise."""
     n = len(exits.abnormal_exits)
-    if n == 0:
-        return ()
-    detail = (f"{n} abnormal exit{'s' if n != 1 else ''} within {settings.crash_loop_window_mins:g} minutes "
-              f"({exits.kinds()}), the last at {exits.abnormal_exits[-1].at}; crash_loop_limit is "
-              f"{settings.crash_loop_limit}")
-    if n >= settings.crash_loop_limit and exits.stayed_down_at is not None:
-        return (Problem(ProblemCode.SERVICE_STAYED_DOWN, "service", f"{detail}; stayed down at {exits.stayed_down_at}"),)
-    return (Problem(ProblemCode.ABNORMAL_EXITS, "service", detail),)
+    detail = ""
+    if n:
+        detail = (f"{n} abnormal exit{'s' if n != 1 else ''} within {settings.crash_loop_window_mins:g} minutes "
+                  f"({exits.kinds()}), the last at {exits.abnormal_exits[-1].at}; crash_loop_limit is "
+                  f"{settings.crash_loop_limit}")
+    if exits.stayed_down_at is not None:
+        return (Problem(ProblemCode.SERVICE_STAYED_DOWN, "service",
+                        "; ".join(filter(None, (f"stayed down at {exits.stayed_down_at}", detail)))),)
+    return (Problem(ProblemCode.ABNORMAL_EXITS, "service", detail),) if n else ()
 
 
 def _routing_problems(routing: RoutingReport) -> tuple[Problem, ...]:

@@ -150,7 +150,7 @@ class AbnormalExit:
 @dataclass(frozen=True, slots=True)
 class AbnormalExits:
     abnormal_exits: tuple[AbnormalExit, ...] = ()  # oldest first, only those inside the window
-    stayed_down_at: str | None = None  # the last time an agent refused to start for a crash loop
+    stayed_down_at: str | None = None  # the last start stayed down for a crash loop, then (None: it served)
 
     def kinds(self) -> str:
         """What they were, e.g. "3 memory self-restarts, 1 crash" (most first)."""
@@ -253,7 +253,7 @@ def on_start(state_dir: Path, *, env: Mapping[str, str], limit: int, window_s: f
     stamp = now.isoformat(timespec="seconds")
     exits = record.abnormal_exits + ((AbnormalExit(stamp, ExitKind.CRASH),) if crashed else ())
     stay_down = under_launchd(env) and len(exits) >= limit
-    record = AbnormalExits(exits, stamp if stay_down else record.stayed_down_at)
+    record = AbnormalExits(exits, stamp if stay_down else None)  # set: the last start stayed down
     try:
         _write_json(state_dir / ABNORMAL_EXITS_FILE, record.as_json())
         if stay_down:

@@ -110,6 +110,25 @@ def test_under_launchd_the_limit_within_the_window_keeps_it_down(tmp_path):
     assert again.stay_down and len(again.record.abnormal_exits) == 3
 
 
+def test_stayed_down_is_reported_until_an_agent_starts_again(tmp_path):
+    """launchd does not relaunch a stayed-down agent before the next login or boot: `doctor` says so
+    even once the exits are older than the window, and no longer after a start that serves."""
+    from provider.doctor import ProblemCode, _crash_loop_problems
+
+    settings = Settings(state_dir=tmp_path, crash_loop_limit=3)
+    for minute in range(3):
+        decision = crash(tmp_path, T0 + timedelta(minutes=minute))
+    assert decision.stay_down
+    later = read_abnormal_exits(tmp_path, window_s=WINDOW_S, now=T0 + timedelta(minutes=30))
+    assert later.abnormal_exits == () and later.stayed_down_at is not None
+    [problem] = _crash_loop_problems(settings, later)
+    assert problem.code is ProblemCode.SERVICE_STAYED_DOWN
+    again = on_start(tmp_path, env=LAUNCHD, limit=3, window_s=WINDOW_S, now=T0 + timedelta(minutes=40))  # a login
+    assert not again.stay_down and again.record.stayed_down_at is None
+    assert _crash_loop_problems(settings, read_abnormal_exits(tmp_path, window_s=WINDOW_S,
+                                                              now=T0 + timedelta(minutes=41))) == ()
+
+
 def test_exits_older_than_the_window_fall_out(tmp_path):
     crash(tmp_path, T0)
     crash(tmp_path, T0 + timedelta(minutes=2))
