@@ -176,7 +176,7 @@ class StartDecision:
         why = ""
         if any(e.kind is ExitKind.MEMORY_RESTART for e in exits):
             why = " (memory self-restarts: memory did not come back after unloads, again after each restart)"
-        return (f"stayed down after {len(exits)} abnormal exits within {window_mins:g} minutes "
+        return (f"stayed down after {len(exits)} abnormal exit{'s' if len(exits) != 1 else ''} within {window_mins:g} minutes "
                 f"({self.record.kinds()}; the first at {exits[0].at}): find the cause in provider.log{why}, "
                 "then run `darkbloom-provider service install` to start it again")
 
