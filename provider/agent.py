@@ -177,12 +177,10 @@ class Agent:
         background = [asyncio.create_task(self._refresh_thermal(), name="agent-thermal"),
                       asyncio.create_task(self.manager.run_idle_reaper(), name="agent-idle-reaper"),
                       asyncio.create_task(self.guest.run(), name="agent-guest")]
-        # Issue 18's power assertion (KeepAwake, not on this branch yet) follows the guest:
-        # self.guest.follow(self.keep_awake.set_available) keeps the Mac awake only while it may serve.
         endpoint = StatusEndpoint.start(self.runtime, self.settings) if self.settings.local_enabled else None
-        # Available from now until the drain ends. Issue 16's serving windows call set_available(False)
-        # when a window closes and set_available(True) when the next one opens.
-        self.keep_awake.set_available(True)
+        # The power assertion follows the guest monitor: held while the agent may serve (a serving window
+        # open, no pause), released while it is paused, and for good once the drain starts.
+        self.guest.follow(self._keep_awake_unless(stop))
         try:
             await self.session.run(stop)
         finally:
@@ -200,6 +198,13 @@ class Agent:
         log.info("agent_stopped", count=self.stats.requests_served, tokens_total=self.stats.tokens_generated,
                  code=self.exit_code)
         return self.exit_code
+
+    def _keep_awake_unless(self, stop: asyncio.Event) -> Callable[[bool], None]:
+        """`KeepAwake.set_available` for the guest monitor, off once `stop` is set (a draining agent
+        takes no jobs: a window opening during the drain must not hold the Mac awake again)."""
+        def follow(available: bool) -> None:
+            self.keep_awake.set_available(available and not stop.is_set())
+        return follow
 
     def _restart_if_needed(self, stop: asyncio.Event) -> None:
         """After each baseline sample: when memory that did not come back costs a model

@@ -6,10 +6,11 @@ assertion the way Darkbloom's Rust provider does: ``caffeinate -i -w <our pid>``
 system sleep (the display may still sleep, and closing a laptop's lid still sleeps it); ``-w`` ends
 the assertion when our process exits, so a crash or a kill can never leave the Mac awake for nothing.
 
-``keep_awake = false`` turns it off. Availability is a hook, not a guess: the agent calls
-``set_available(True)`` when it starts serving and ``set_available(False)`` when it drains; the serving
-windows of issue 16 will call the same method when a window opens and closes, so the Mac may sleep
-outside them. Elsewhere than macOS there is nothing to hold (a Linux server is configured not to
+``keep_awake = false`` turns it off. Availability is a hook, not a guess: the agent wires
+``set_available`` to the guest monitor (issue 16, ``GuestMonitor.follow``), so the assertion is held
+while a serving window is open and nothing pauses the agent, released while it is paused (outside a
+window, the owner busy, on battery, too hot: the Mac may sleep then), and released for good when the
+agent drains. Elsewhere than macOS there is nothing to hold (a Linux server is configured not to
 sleep; a systemd user unit has no business inhibiting it), so this does nothing.
 """
 

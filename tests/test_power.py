@@ -95,3 +95,40 @@ async def test_the_agent_holds_it_from_start_until_it_has_drained(fake_caffeinat
     stop.set()
     assert await asyncio.wait_for(task, 30) == 0
     assert not awake.holding and spawn.processes[0].poll() is not None
+
+
+async def test_the_assertion_follows_the_serving_windows(fake_caffeinate, tmp_path):
+    """Issue 16's guest monitor decides when the agent may serve: the Mac is kept awake only then.
+    Started at noon with a 22:00-07:30 window: paused, nothing held; the window opens: held; it
+    closes: released (the Mac may sleep until the next one); the drain: released for good."""
+    from datetime import UTC, datetime
+
+    from provider.guest.monitor import GuestMonitor
+
+    now = [datetime(2025, 1, 8, 12, 0, tzinfo=UTC)]
+    spawn = Spawner()
+    awake = KeepAwake(enabled=True, platform="darwin", binary=str(fake_caffeinate), spawn=spawn)
+    settings = Settings(coordinator_url=f"ws://127.0.0.1:{closed_port()}/ws/provider", dev_posture=True,
+                        state_dir=tmp_path / "state", hf_cache_dir=tmp_path / "empty", local_enabled=False,
+                        heartbeat_interval_s=0.5, drain_timeout_s=1.0, serve_windows=("22:00-07:30",),
+                        serve_timezone="UTC")
+    guest = GuestMonitor.from_settings(settings, clock=lambda: now[0])
+    agent = await Agent.start(settings, harden=False, keep_awake=awake, guest=guest)
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop))
+    try:
+        await asyncio.sleep(0)  # one turn: run() has wired the assertion to the monitor
+        assert guest.is_paused() and not awake.holding and spawn.argvs == []
+        now[0] = datetime(2025, 1, 8, 22, 0, tzinfo=UTC)
+        await guest.step()
+        assert awake.holding and len(spawn.processes) == 1
+        now[0] = datetime(2025, 1, 9, 7, 30, tzinfo=UTC)
+        await guest.step()
+        assert not awake.holding and spawn.processes[0].poll() is not None
+        now[0] = datetime(2025, 1, 9, 22, 0, tzinfo=UTC)
+        await guest.step()
+        assert awake.holding and len(spawn.processes) == 2
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, 30) == 0
+    assert not awake.holding and all(p.poll() is not None for p in spawn.processes)
