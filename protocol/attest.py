@@ -1,7 +1,28 @@
-"""Answering ``attestation_challenge`` (protocol.md §3.7, §10.2).
+"""Signing for the coordinator: the registration attestation and challenge answers (protocol.md §3.7, §10).
+
+Registration attestation (``register.attestation``, §10.1; [A] attestation.go ``AttestationBlob`` /
+``Verify``, Swift ``AttestationService.createAttestation``):
+
+* ``{"attestation": <blob>, "signature": <base64 DER ECDSA P-256>}``. The signature covers SHA-256 of
+  the blob's exact bytes: [A] keeps the blob as ``json.RawMessage`` and hashes what it received, so
+  ``sign_attestation`` returns a ``RawJSON`` whose blob text is the signed text, and ``codec.encode``
+  splices it into the frame unchanged.
+* The blob is one compact JSON object with sorted keys (Swift's ``JSONEncoder`` with ``.sortedKeys``).
+  Always present: ``authenticatedRootEnabled``, ``chipName``, ``hardwareModel``, ``hypervisorActive``,
+  ``osVersion``, ``publicKey``, ``rdmaDisabled``, ``secureBootEnabled``, ``secureEnclaveAvailable``,
+  ``sipEnabled``, ``timestamp``. Left out when empty (Go ``omitempty``, Swift ``nil``):
+  ``binaryHash``, ``encryptionPublicKey``, ``serialNumber``, ``systemVolumeHash``.
+* ``publicKey``: the signing key's uncompressed X9.62 point (65 bytes, ``0x04‖X‖Y``), base64; [A] also
+  takes the 64-byte ``X‖Y`` CryptoKit form. ``timestamp``: what Swift's ``.iso8601`` date strategy
+  writes, UTC to the second with ``Z`` (``2026-04-16T12:00:00Z``); [A] parses RFC 3339.
+* What the values may claim is the caller's business (``provider.session.attestation``): this module
+  encodes and signs, it never fills in a security state.
+
+Challenge answers (``attestation_challenge``):
 
 * ``signature`` — base64 DER ECDSA P-256 over SHA-256(``nonce`` + ``timestamp``), the two challenge strings
-  concatenated. The coordinator verifies it only for attested providers, but it must never be empty.
+  concatenated. [A] verifies it with the blob's ``publicKey`` whenever ``register`` carried a blob it could
+  parse (even one it found invalid); without one it is not checked, but it must never be empty.
 * ``status_signature`` — the same key over the canonical status JSON: sorted keys, no whitespace, built from
   exactly the fields the response carries (the coordinator rebuilds it from the response it received).
 * ``public_key`` — our registered X25519 key string, byte-identical to ``register.public_key``.
@@ -15,22 +36,27 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from protocol._wire import RawJSON
 from protocol.crypto import b64decode_strict, b64encode
 from protocol.to_coordinator import AttestationResponse
 from protocol.to_provider import AttestationChallenge
 
 __all__ = [
+    "AttestationBlob",
     "ChallengeSigner",
     "RuntimeHashes",
     "SecurityPosture",
     "answer_challenge",
+    "attestation_timestamp",
     "build_status_canonical",
     "challenge_message",
+    "sign_attestation",
     "status_canonical",
     "verify_signature",
 ]
@@ -209,3 +235,64 @@ def answer_challenge(
         return unsigned
     status_signature = signer.sign(status_canonical(unsigned, challenge.timestamp))
     return unsigned.model_copy(update={"status_signature": status_signature})
+
+
+# --- registration attestation ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AttestationBlob:
+    """[A] ``AttestationBlob``: the signed description of this machine. Empty optional strings are left out."""
+
+    authenticated_root_enabled: bool
+    chip_name: str
+    hardware_model: str
+    hypervisor_active: bool
+    os_version: str
+    public_key: str
+    rdma_disabled: bool
+    secure_boot_enabled: bool
+    secure_enclave_available: bool
+    sip_enabled: bool
+    timestamp: str
+    encryption_public_key: str = ""
+    serial_number: str = ""
+    binary_hash: str = ""
+    system_volume_hash: str = ""
+
+    def to_json(self) -> str:
+        """The blob text that is signed and sent: sorted keys, no whitespace."""
+        blob: dict[str, object] = {
+            "authenticatedRootEnabled": self.authenticated_root_enabled,
+            "chipName": self.chip_name,
+            "hardwareModel": self.hardware_model,
+            "hypervisorActive": self.hypervisor_active,
+            "osVersion": self.os_version,
+            "publicKey": self.public_key,
+            "rdmaDisabled": self.rdma_disabled,
+            "secureBootEnabled": self.secure_boot_enabled,
+            "secureEnclaveAvailable": self.secure_enclave_available,
+            "sipEnabled": self.sip_enabled,
+            "timestamp": self.timestamp,
+        }
+        for name, value in (("binaryHash", self.binary_hash), ("encryptionPublicKey", self.encryption_public_key),
+                            ("serialNumber", self.serial_number), ("systemVolumeHash", self.system_volume_hash)):
+            if value:
+                blob[name] = value
+        return json.dumps(blob, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def attestation_timestamp(now: datetime) -> str:
+    """Swift ``JSONEncoder.DateEncodingStrategy.iso8601``: UTC, whole seconds, ``Z``."""
+    if now.tzinfo is None:
+        raise ValueError("timestamp needs an aware datetime")
+    return now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def sign_attestation(blob: AttestationBlob, signer: ChallengeSigner) -> RawJSON:
+    """``register.attestation``: the blob's text and a signature over exactly its UTF-8 bytes."""
+    if blob.public_key != signer.public_key_b64:
+        raise ValueError("the blob's publicKey must be the signing key")
+    text = blob.to_json()
+    signature = signer.sign(text.encode("utf-8"))
+    return RawJSON(f'{{"attestation":{text},"signature":{json.dumps(signature)}}}')

@@ -8,8 +8,9 @@
 code. ``python -m provider.agent`` runs it with the settings from the usual sources.
 
 Startup order (each blocking step in a worker thread): refuse ``dev_posture`` unless the coordinator is
-on loopback; harden the process; read the host posture; load or create the identity keys; compute the
-runtime hash; then the shared ``provider.runtime.Runtime`` (models, ledger, prefix KV cache, engine,
+on loopback; harden the process; read the host posture and decide whether ``register`` can carry an
+attestation (``provider.session.attestation``; logged either way); load or create the identity keys;
+compute the runtime hash; then the shared ``provider.runtime.Runtime`` (models, ledger, prefix KV cache, engine,
 model manager, weight hashes and warm tokenizers: the same assembly ``serve --local`` runs); detect
 the hardware. The guest monitor (provider/guest: serving windows, the owner's activity, battery, heat)
 is built first and handed to the runtime, so admission refuses while the Mac is paused, the
@@ -41,7 +42,7 @@ from provider import __version__
 from provider.config import ConfigError, SelfRestart, Settings, load_settings
 from provider.engine import Engine
 from provider.guest.monitor import GuestMonitor
-from provider.hardware import available_gb, detect_hardware
+from provider.hardware import available_gb, detect_hardware, os_version
 from provider.jobs import JobContext, ServingStats, run_job
 from provider.request import PromptCounter
 from provider.metrics import Metrics
@@ -50,6 +51,7 @@ from provider.models import Inventory
 from provider.power import KeepAwake
 from provider.runtime import Runtime
 from provider.runtime_hash import runtime_hash
+from provider.session.attestation import plan_attestation, signed_attestation
 from provider.session.connection import ConnectFactory, Session, SessionConfig
 from provider.session.core import ChallengeAnswerer
 from provider.session.heartbeat import HeartbeatSource, ThermalSampler
@@ -118,6 +120,12 @@ class Agent:
             log.warning("secure_boot_unknown")
         if host.virtual_machine:  # a guest isolates nothing: hypervisor_active stays false
             log.info("host_is_virtual_machine")
+        attestation = plan_attestation(posture)
+        if attestation.sendable:  # each register carries a freshly signed blob
+            log.info("attestation_planned", state=attestation.trust_level.value)
+        else:  # doctor's routing section says the same in words
+            log.warning("attestation_not_sent", reason=[gap.value for gap in attestation.gaps],
+                        state=attestation.trust_level.value)
         keys = await asyncio.to_thread(load_or_create_keys, settings.state_dir)
         rhash = await asyncio.to_thread(runtime_hash, settings.runtime_hash)
         metrics = metrics or Metrics()
@@ -128,6 +136,7 @@ class Agent:
         inventory, probe, ledger, manager = rt.inventory, rt.probe, rt.ledger, rt.manager
         counter, stats, metrics, weight_hashes = rt.counter, rt.stats, rt.metrics, rt.weight_hashes.known()
         hardware = await asyncio.to_thread(detect_hardware, probe.snapshot())
+        osver = os_version()
         heartbeat = HeartbeatSource(stats=stats, capacity=manager.capacity, thermal=thermal, paused=guest.is_paused)
         status = SessionStatus(settings.coordinator_url)
         rt.session = status  # /status and /metrics report the link
@@ -146,6 +155,10 @@ class Agent:
                 runtime_hash=rhash,
                 privacy=posture.privacy_capabilities(),
                 auth_token=settings.auth_token.get_secret_value() if settings.auth_token else None,
+                attestation=signed_attestation(attestation, signer=keys.signer,
+                                               encryption_public_key=keys.encryption.public_key_b64,
+                                               chip_name=hardware.chip_name, hardware_model=hardware.machine_model,
+                                               os_version=osver),
             )
 
         session = Session(

@@ -58,7 +58,9 @@ subject, detail}], ``settings_adjusted`` [{variable, given, used, action, rule}]
 {abnormal_exits [{at, kind: crash | memory_restart | error_exit}], stayed_down_at}, and
 ``routing`` (`doctor_routing.routing_json`: ``coordinator_sees`` {backend, runtime_hash, dev_posture,
 posture, privacy_capabilities, total_memory_gb, hardening_probed}, ``trusted``,
-``untrusted_reasons`` [{code, subject}], ``coordinator_must`` [text], ``catalog`` {url, checked,
+``untrusted_reasons`` [{code, subject}], ``trust_level`` {level (none | self_signed: what the coordinator
+assigns at register), attestation_sent, routes_at_min_trust [levels], reasons [{code, detail}] (why no
+attestation), detail, attestation {the blob's security values; null = unknown}}, ``coordinator_must`` [text], ``catalog`` {url, checked,
 reachable, detail, models}, ``models`` [{id, verdict, fix, preloaded, size_source, size_bytes,
 kv_estimate_bytes, total_bytes, cold {required_bytes, free_bytes, passes}, warm {...}}]; null for
 `models`, which does not gather it), ``guest`` (`doctor_guest.guest_json`: windows, timezone,

@@ -4,8 +4,10 @@ Built from the code the agent runs: the host posture (`read_host_posture`), the 
 (`provider.hardening`, run in a throwaway child so this process is left alone), `Posture` (the
 `privacy_capabilities` of `register` and the posture fields of every challenge answer), the backend
 and runtime hash of `register`, the advertised models (`advertised_models`, the models that can ever
-load), and the `total_memory_gb` the heartbeats report. The coordinator's side is
-`provider.session.gates`: its trust rules, its catalog, and its free-memory gate per model.
+load), the `total_memory_gb` the heartbeats report, and the registration attestation
+(`plan_attestation`: whether `register` carries one, hence the trust level the coordinator assigns, and
+why). The coordinator's side is `provider.session.gates`: its trust rules and levels, its catalog, and its
+free-memory gate per model.
 
 The catalog comes from the coordinator's public `GET /v1/models/catalog` when the coordinator check
 is on and it answers; otherwise each model's own weight size stands in for the catalog size (what a
@@ -29,17 +31,20 @@ from protocol.attest import SecurityPosture
 from provider.config import Settings
 from provider.hardening import NO_HARDENING, Hardening, probe_hardening
 from provider.models import ModelInfo
+from provider.session.attestation import GAP_TEXT, AttestationPlan, plan_attestation
 from provider.session.gates import (
     REQUIRED_PRIVACY_FLAGS,
     ROUTABLE_BACKEND,
     GateVerdict,
     MemoryGate,
     TrustIssue,
+    TrustLevel,
     TrustProblem,
     catalog_url,
     gate_fix,
     memory_gate,
     parse_catalog,
+    routing_minimums,
     trust_problems,
 )
 from provider.session.posture import HostPosture, Posture, is_loopback_url, read_host_posture
@@ -87,10 +92,16 @@ class RoutingReport:
     total_bytes: int
     models: tuple[ModelRoute, ...]
     virtual_machine: bool | None = None  # the host is a VM guest (a fact for the operator, not sent)
+    attestation: AttestationPlan | None = None  # None: not gathered (the trust level is then `none`)
 
     @property
     def trusted(self) -> bool:
         return not self.trust
+
+    @property
+    def trust_level(self) -> TrustLevel:
+        """What the coordinator assigns at `register`."""
+        return TrustLevel.NONE if self.attestation is None else self.attestation.trust_level
 
 
 def fetch_catalog(coordinator_url: str, timeout_s: float) -> CatalogCheck:
@@ -135,7 +146,8 @@ def gather_routing(settings: Settings, *, total_bytes: int, models: Iterable[tup
         dev_posture_allowed=not settings.dev_posture or is_loopback_url(settings.coordinator_url),
         security=security, privacy=privacy, hardening_probed=probed is not None,
         trust=trust_problems(backend=settings.backend, privacy=privacy, security=security),
-        catalog=catalog, total_bytes=total_bytes, models=routes, virtual_machine=host.virtual_machine)
+        catalog=catalog, total_bytes=total_bytes, models=routes, virtual_machine=host.virtual_machine,
+        attestation=plan_attestation(posture))
 
 
 def _route(model, sizes: dict[str, int | None] | None, total_bytes: int, preload: tuple[str, ...]) -> ModelRoute:
@@ -173,9 +185,27 @@ def untrusted_sentence(report: RoutingReport, platform: str = sys.platform) -> s
     return text
 
 
+def trust_sentence(report: RoutingReport) -> str:
+    """The trust level the coordinator assigns at `register`, why, and which minimums route it."""
+    level = report.trust_level
+    minimums = " or ".join(m.value for m in routing_minimums(level))
+    if report.attestation is not None and report.attestation.sendable:
+        why = ("register carries an attestation signed with this agent's P-256 key, with Secure Enclave, SIP and "
+               "Secure Boot as the dev posture reports them (a test harness's posture, not this host's)"
+               if report.dev_posture else "register carries an attestation signed with this agent's P-256 key")
+    else:
+        gaps = report.attestation.gaps if report.attestation is not None else ()
+        why = "no attestation is sent: " + ("; ".join(GAP_TEXT[g] for g in gaps) or "not gathered")
+    return (f"{level.value}: {why}; a coordinator routes here with EIGENINFERENCE_MIN_TRUST={minimums}"
+            + ("" if level is TrustLevel.HARDWARE else " (hardware needs MDM / Apple device attestation)"))
+
+
 def coordinator_requirements(report: RoutingReport) -> list[str]:
     """What the coordinator's operator must configure for this provider (protocol.md §13)."""
-    needs = ["EIGENINFERENCE_MIN_TRUST=none (this provider sends no Secure Enclave attestation)"]
+    if report.trust_level is TrustLevel.SELF_SIGNED:
+        needs = ["EIGENINFERENCE_MIN_TRUST=self_signed or none (register carries a self-signed attestation)"]
+    else:
+        needs = ["EIGENINFERENCE_MIN_TRUST=none (this provider sends no attestation: see the trust level)"]
     if report.runtime_hash:
         needs.append(f"EIGENINFERENCE_KNOWN_RUNTIME_HASHES listing {report.runtime_hash} (the runtime_hash this "
                      "provider sends; without a manifest an [A] coordinator routes to no one)")
@@ -200,12 +230,28 @@ def routing_json(report: RoutingReport) -> dict[str, Any]:
         "virtual_machine": report.virtual_machine,
         "trusted": report.trusted,
         "untrusted_reasons": [{"code": p.issue.value, "subject": p.subject} for p in report.trust],
+        "trust_level": _trust_json(report),
         "required_privacy_capabilities": list(REQUIRED_PRIVACY_FLAGS),
         "coordinator_must": coordinator_requirements(report),
         "catalog": {"url": report.catalog.url, "checked": report.catalog.checked,
                     "reachable": report.catalog.reachable, "detail": report.catalog.detail,
                     "models": None if report.catalog.sizes is None else len(report.catalog.sizes)},
         "models": [_model_json(r) for r in report.models],
+    }
+
+
+def _trust_json(report: RoutingReport) -> dict[str, Any]:
+    plan = report.attestation
+    return {
+        "level": report.trust_level.value,
+        "attestation_sent": plan is not None and plan.sendable,
+        "routes_at_min_trust": [m.value for m in routing_minimums(report.trust_level)],
+        "reasons": [] if plan is None else [{"code": g.value, "detail": GAP_TEXT[g]} for g in plan.gaps],
+        "detail": trust_sentence(report),
+        "attestation": None if plan is None else {
+            "secureEnclaveAvailable": plan.secure_enclave_available, "sipEnabled": plan.sip_enabled,
+            "secureBootEnabled": plan.secure_boot_enabled, "authenticatedRootEnabled": plan.authenticated_root_enabled,
+            "rdmaDisabled": plan.rdma_disabled, "hypervisorActive": plan.hypervisor_active},
     }
 
 
@@ -238,6 +284,7 @@ def routing_lines(report: RoutingReport) -> list[str]:
                f"hypervisor_active {str(s.hypervisor_active).lower()} (this agent does not isolate model "
                "memory in a hypervisor" + (", and a VM guest is not that" if report.virtual_machine else "") + ")")
     out.append(f"  privacy capabilities: {flags}")
+    out.append("  trust level " + trust_sentence(report))
     if report.trusted:
         out.append("  trust: a coordinator with the settings below will route to it")
     else:
@@ -263,4 +310,5 @@ def _size(nbytes: int) -> str:
 BLOCKING = frozenset({GateVerdict.BLOCKED, GateVerdict.BLOCKED_COLD})
 
 __all__ = ["BLOCKING", "CatalogCheck", "ModelRoute", "RoutingReport", "SizeSource", "coordinator_requirements",
-           "fetch_catalog", "gather_routing", "routing_json", "routing_lines", "untrusted_sentence"]
+           "fetch_catalog", "gather_routing", "routing_json", "routing_lines", "trust_sentence",
+           "untrusted_sentence"]

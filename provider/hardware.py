@@ -17,6 +17,10 @@ Memory is the policy's ``P`` (machine RAM lowered to the cgroup limit and ``memo
 provider told to act as a 16 GiB machine tells the coordinator it is one. Integer fields are ints
 (Go decodes them into int: a 64.0 would drop the whole frame).
 
+``os_version`` (the registration attestation's ``osVersion``): on macOS the product version with three
+parts, as Darkbloom's Swift provider writes it (``15.3.0``); elsewhere the system and kernel release
+(``Linux 6.8.0-45-generic``), so it is never mistaken for a macOS version.
+
 ``memory_bandwidth_gbs`` comes from ``BANDWIDTH_GBS``: Apple's published figure per chip *and GPU core
 count*, because binned parts have fewer memory channels (the 30-core M3 Max has 300 GB/s, the 40-core
 400). A chip not in the table, a binned chip whose GPU core count could not be read, and a virtual
@@ -151,6 +155,17 @@ def detect_hardware(snapshot: MemorySnapshot, *, platform: str = sys.platform, r
     )
 
 
+def os_version(*, platform: str = sys.platform, mac_ver: str | None = None) -> str:
+    """``15.3.0`` on macOS (``platform.mac_ver``, which reads SystemVersion.plist), ``Linux 6.8.0-…`` elsewhere;
+    ``Unknown`` when nothing can be read."""
+    if platform == "darwin":
+        version = (_platform.mac_ver()[0] if mac_ver is None else mac_ver).strip()
+        parts = version.split(".") if version else []
+        return ".".join((parts + ["0", "0"])[:max(3, len(parts))]) if parts else UNKNOWN
+    text = f"{_platform.system()} {_platform.release()}".strip()
+    return text or UNKNOWN
+
+
 def available_gb(snapshot: MemorySnapshot) -> float:
     """``memory_available_gb``: what the OS has free, never more than the memory we say we have."""
     return round(min(snapshot.available_bytes, snapshot.physical_bytes) / GiB, 2)
@@ -182,4 +197,4 @@ def _generic(sys_root: Path) -> tuple[str, str, CpuCores, int]:
 
 
 __all__ = ["BANDWIDTH_GBS", "EFFICIENCY_LEVEL", "UNKNOWN", "Chip", "available_gb", "cpu_cores", "detect_hardware",
-           "memory_bandwidth_gbs", "parse_chip", "parse_gpu_cores", "read_darwin_sysctl"]
+           "memory_bandwidth_gbs", "os_version", "parse_chip", "parse_gpu_cores", "read_darwin_sysctl"]

@@ -7,6 +7,12 @@ Trust (``trust_problems``): [A] routes private text only to a provider whose ``r
 ``secure_boot_enabled`` not false, and ``rdma_disabled`` true unless a hypervisor is active
 (``verifyChallengeResponse``: a failure marks the provider untrusted). [N] routes only ``mlx-swift``.
 
+Trust level (``TrustLevel``, [A] registry.go): ``none`` without a valid registration attestation,
+``self_signed`` with one (provider.go ``verifyProviderAttestation``; what it takes is
+``provider.session.attestation``), ``hardware`` only after MDM / Apple device attestation, which a
+Python provider cannot get. The scheduler skips a provider whose level ranks below the coordinator's
+``EIGENINFERENCE_MIN_TRUST`` (default ``hardware``): ``routing_minimums`` lists the settings that route it.
+
 Free-memory gate (``memory_gate``, [A] ``freeMemoryAdmits``): active only when the coordinator's
 catalog has a size for the model. A request passes when
 ``size (0 if the model's slot is running) + (prompt + max_tokens) × 400 000 bytes ≤ total − active``,
@@ -44,6 +50,20 @@ REQUIRED_PRIVACY_FLAGS: tuple[str, ...] = (  # [A] providerSupportsPrivateTextLo
 KV_BYTES_PER_TOKEN = 400_000  # freeMemoryAdmits' KV estimate per token
 COORDINATOR_MAX_TOKENS = 8192  # what [A] injects when the consumer names no output bound
 CATALOG_PATH = "/v1/models/catalog"
+
+
+class TrustLevel(StrEnum):
+    NONE = "none"
+    SELF_SIGNED = "self_signed"
+    HARDWARE = "hardware"
+
+
+TRUST_RANK: dict[TrustLevel, int] = {TrustLevel.NONE: 0, TrustLevel.SELF_SIGNED: 1, TrustLevel.HARDWARE: 2}
+
+
+def routing_minimums(level: TrustLevel) -> tuple[TrustLevel, ...]:
+    """The ``EIGENINFERENCE_MIN_TRUST`` values under which [A] routes a provider at ``level`` (trustRank)."""
+    return tuple(m for m in TrustLevel if TRUST_RANK[m] <= TRUST_RANK[level])
 
 
 class TrustIssue(StrEnum):
@@ -187,13 +207,16 @@ __all__ = [
     "KV_BYTES_PER_TOKEN",
     "REQUIRED_PRIVACY_FLAGS",
     "ROUTABLE_BACKEND",
+    "TRUST_RANK",
     "GateVerdict",
     "MemoryGate",
     "TrustIssue",
+    "TrustLevel",
     "TrustProblem",
     "catalog_url",
     "gate_fix",
     "memory_gate",
     "parse_catalog",
+    "routing_minimums",
     "trust_problems",
 ]

@@ -27,6 +27,9 @@ log = get_logger("provider.session.identity")
 IDENTITY_DIR = "identity"
 X25519_FILE = "x25519.key"
 SIGNING_FILE = "challenge-p256.pem"
+# The signing key is a software key in a file: no Secure Enclave holds it, so no attestation of ours may
+# say one does (provider.session.attestation).
+SIGNING_KEY_IN_SECURE_ENCLAVE = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,4 +84,4 @@ def _signing_key(path: Path) -> ChallengeSigner:
     return signer
 
 
-__all__ = ["IDENTITY_DIR", "SIGNING_FILE", "X25519_FILE", "Keys", "identity_dir", "load_or_create_keys"]
+__all__ = ["IDENTITY_DIR", "SIGNING_FILE", "SIGNING_KEY_IN_SECURE_ENCLAVE", "X25519_FILE", "Keys", "identity_dir", "load_or_create_keys"]

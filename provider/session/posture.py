@@ -19,10 +19,14 @@ macOS (each reader is tested on real output published by others: ``tests/macos_s
   the agent logs ``secure_boot_unknown``. (The ``nvram …:AppleSecureBootPolicy`` variable exists on T2
   Macs only, not on Apple silicon.)
 * RDMA: ``rdma_ctl status`` absent or ``disabled`` → disabled.
+* Authenticated Root Volume (the sealed system volume; the registration attestation's
+  ``authenticatedRootEnabled``): not read — no reader of ``diskutil info /`` has been checked against
+  real output yet — so it is unknown (``None``) on macOS, and no attestation is sent while it is
+  (``provider.session.attestation``).
 * Virtual machine: ``sysctl kern.hv_vmm_present`` (``1`` inside a VM; the name exists from macOS
   11.3). Reported in the log, not on the wire: see ``hypervisor_active`` below.
 
-Elsewhere SIP and Secure Boot are false (they do not exist), ``rdma_disabled`` is true when
+Elsewhere SIP, Secure Boot and the sealed system volume are false (they do not exist), ``rdma_disabled`` is true when
 ``/sys/class/infiniband`` is empty, and the cpuinfo ``hypervisor`` flag says "virtual machine".
 
 ``hypervisor_active`` is Darkbloom's name for the provider's own memory isolation: its Rust provider
@@ -34,8 +38,11 @@ Hardening (``harden_process``, re-exported from ``provider.hardening``): core du
 dumpable / no debugger attach, the environment scrubbed of injection hooks and secrets.
 
 ``dev_posture``: a self-hosted development coordinator (protocol.md §13) only routes to providers that
-report SIP, Secure Boot and every privacy capability true. ``dev_posture = true`` reports exactly that;
-it is refused unless the coordinator URL is a loopback address, and the session warns at every connect.
+report SIP, Secure Boot and every privacy capability true. ``dev_posture = true`` reports exactly that
+(and, in the registration attestation, a sealed system volume and a Secure Enclave: the harness
+posture a coordinator at ``EIGENINFERENCE_MIN_TRUST=self_signed`` needs, see
+``provider.session.attestation``); it is refused unless the coordinator URL is a loopback address, and
+the session warns at every connect.
 """
 
 from __future__ import annotations
@@ -66,10 +73,11 @@ class HostPosture:
     secure_boot_enabled: bool | None  # None: could not be read (left out of the challenge answer)
     rdma_disabled: bool
     virtual_machine: bool | None = None  # this host is a VM guest (None: unknown); not a wire field
+    authenticated_root_enabled: bool | None = None  # sealed system volume (None: not read); attestation only
 
 
 DEV_HOST_POSTURE = HostPosture(sip_enabled=True, secure_boot_enabled=True, rdma_disabled=True,
-                               virtual_machine=False)
+                               virtual_machine=False, authenticated_root_enabled=True)
 
 
 # --- dev posture ---------------------------------------------------------------------------------------
@@ -109,6 +117,7 @@ def read_host_posture(*, platform: str = sys.platform, run: Runner = run_command
         secure_boot_enabled=False,
         rdma_disabled=not _has_entries(sys_root / "sys" / "class" / "infiniband"),
         virtual_machine=_cpuinfo_has_hypervisor(sys_root / "proc" / "cpuinfo"),
+        authenticated_root_enabled=False,
     )
 
 
@@ -153,6 +162,7 @@ def _darwin_posture(run: Runner) -> HostPosture:
         secure_boot_enabled=parse_secure_boot(run(["system_profiler", "SPiBridgeDataType", "-json"])),
         rdma_disabled=rdma is None or "disabled" in rdma.lower(),
         virtual_machine=parse_vmm_present(read_sysctl(run, "kern.hv_vmm_present")),
+        authenticated_root_enabled=None,  # not read (see the module docstring)
     )
 
 

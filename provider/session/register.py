@@ -11,7 +11,9 @@ coordinator double can read:
 
 Routability on a self-hosted [A] coordinator also needs ``backend: inprocess-mlx``, our X25519
 ``public_key`` (standard base64), ``encrypted_response_chunks: true``, ``privacy_capabilities`` and
-a ``runtime_hash`` on its manifest; ``version`` is the installed package version.
+a ``runtime_hash`` on its manifest; ``version`` is the installed package version. ``attestation``,
+when the posture allows one (``provider.session.attestation``), is the signed blob that earns trust
+``self_signed``; it is a ``RawJSON`` and reaches the wire byte for byte.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Iterable, Mapping
 
 from memory import FitResult
 from memory.policy import GiB
-from protocol import Hardware, ModelInfo, PrivacyCapabilities, Register
+from protocol import Hardware, ModelInfo, PrivacyCapabilities, RawJSON, Register
 from protocol._wire import Float, Str
 from provider.models import ModelInfo as LocalModel
 
@@ -79,6 +81,7 @@ def build_register(
     runtime_hash: str,
     privacy: PrivacyCapabilities,
     auth_token: str | None = None,
+    attestation: RawJSON | None = None,
 ) -> RegisterFrame:
     return RegisterFrame(
         hardware=hardware,
@@ -90,6 +93,7 @@ def build_register(
         auth_token=auth_token or "",
         runtime_hash=runtime_hash,
         privacy_capabilities=privacy,
+        attestation=attestation,
     )
 
 
