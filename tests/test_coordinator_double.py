@@ -13,7 +13,9 @@ import httpx
 import openai
 import pytest
 from coordinator_double import (
+    ATTESTED_HEADER,
     JOB_HEADER,
+    TRUST_LEVEL_HEADER,
     Accepted,
     CancelCause,
     CancelSent,
@@ -36,10 +38,12 @@ from coordinator_double import (
     Rejected,
     SignatureCheck,
     TimedOut,
+    TrustLevel,
     Unroutable,
     Violation,
     Window,
 )
+from coordinator_double.attestation import verify_registration
 from coordinator_double.events import AfterTerminal, Disconnected
 from coordinator_double.fake_provider import MODEL, FakeProvider, Job
 from double_fixtures import consumer_for, coordinator_double, double_config, openai_consumer, quick_config  # noqa: F401
@@ -51,6 +55,7 @@ from protocol import (
     EncryptedPayload,
     InferenceAccepted,
     InferenceResponseChunk,
+    RawJSON,
     encode,
 )
 from protocol.attest import ChallengeSigner
@@ -244,6 +249,99 @@ async def test_signatures_verified_only_for_attested_providers(
     # an extra challenge on demand, answered again
     again = await double.send_challenge(views[1])
     assert again.ok and again.signature is SignatureCheck.VERIFIED
+
+
+# --- registration attestation, as [A] verifies it (issue 19) ---------------------------------------------------
+
+
+def _attestation(provider: FakeProvider, text_edit: Callable[[str], str] | None = None, **blob: Any):
+    """The fake provider's attestation, with ``blob`` fields changed before signing and ``text_edit`` applied
+    to the signed text afterwards (tampering in flight)."""
+    signed = provider.attestation(**blob)
+    return signed if text_edit is None else RawJSON(text_edit(signed.text))
+
+
+def _compact(key_b64: str) -> str:
+    return base64.b64encode(base64.b64decode(key_b64)[1:]).decode()  # X‖Y, CryptoKit's rawRepresentation
+
+
+@pytest.mark.parametrize(("make", "valid", "error"), [
+    (lambda p: _attestation(p), True, None),
+    (lambda p: _attestation(p, publicKey=_compact(p.signer.public_key_b64)), True, None),  # 64 bytes: accepted
+    (lambda p: _attestation(p, lambda t: t.replace("Mac15,8", "Mac99,1")), False, "signature verification failed"),
+    (lambda p: _attestation(p, lambda t: t.replace('"sipEnabled":true', '"sipEnabled": true')), False,
+     "signature verification failed"),  # one space: other bytes, the same JSON
+    (lambda p: _attestation(p, secureEnclaveAvailable=False), False, "Secure Enclave not available"),
+    (lambda p: _attestation(p, sipEnabled=False), False, "SIP not enabled"),
+    (lambda p: _attestation(p, secureBootEnabled=False), False, "Secure Boot not enabled"),
+    (lambda p: _attestation(p, timestamp="2026-04-16 12:00:00"), False, "invalid timestamp"),
+    (lambda p: _attestation(p, encryptionPublicKey=None), False, "attestation missing encryption public key"),
+    (lambda p: _attestation(p, encryptionPublicKey=ProviderIdentity.generate().public_key_b64), False,
+     "encryption key mismatch"),
+    (lambda p: _attestation(p, publicKey=base64.b64encode(
+        bytes([2 + (base64.b64decode(p.signer.public_key_b64)[64] & 1)]) + base64.b64decode(p.signer.public_key_b64)[1:33]
+    ).decode()), False, "invalid public key"),  # compressed point: [A] takes 64 or 65 bytes only
+    (lambda p: _attestation(p, publicKey=ChallengeSigner.generate().public_key_b64), False,
+     "signature verification failed"),
+], ids=["valid", "raw-xy-key", "tampered-field", "tampered-whitespace", "no-enclave", "no-sip", "no-secure-boot",
+        "bad-timestamp", "no-encryption-key", "other-encryption-key", "compressed-key", "other-signing-key"])
+def test_registration_attestation_checks_follow_a(make, valid, error):
+    provider = FakeProvider("ws://unused")
+    result = verify_registration(make(provider), provider.identity.public_key_b64)
+    assert result is not None and (result.valid, result.error) == (valid, error)
+    assert result.trust_level is (TrustLevel.SELF_SIGNED if valid else TrustLevel.NONE)
+
+
+def test_an_attestation_that_does_not_parse_is_no_attestation_at_all():
+    provider = FakeProvider("ws://unused")
+    assert verify_registration(None, "") is None
+    for broken in (_attestation(provider, sipEnabled="true"), RawJSON('{"signature":"x"}'),
+                   RawJSON('{"attestation":[1],"signature":"x"}'), RawJSON('{"attestation":{},"signature":5}')):
+        assert verify_registration(broken, provider.identity.public_key_b64) is None
+    # null members are Go zero values: parsed, invalid, no key to check challenges with
+    empty = verify_registration(RawJSON('{"attestation":null,"signature":null}'), "")
+    assert empty is not None and (empty.valid, empty.public_key, empty.error) == (False, "", "invalid timestamp")
+
+
+async def test_min_trust_self_signed_routes_only_a_valid_attestation(providers: list[FakeProvider]) -> None:
+    """[A] at EIGENINFERENCE_MIN_TRUST=self_signed: a valid blob is routable at once (it counts as a passed
+    challenge); a tampered one is refused yet keeps its key, so challenge signatures are still verified;
+    no blob at all is trust none. Consumers see the trust in X-Provider-Attested / X-Provider-Trust-Level."""
+    async with CoordinatorDouble(quick_config(**FAST, min_trust=TrustLevel.SELF_SIGNED,
+                                              challenge_interval=3600)) as double:
+        good, tampered, plain = (FakeProvider(double.ws_url) for _ in range(3))
+        providers.extend([good, tampered, plain])
+        await good.connect(good.register_frame(attestation=_attestation(good)))
+        await tampered.connect(tampered.register_frame(
+            attestation=_attestation(tampered, lambda t: t.replace("Apple M3 Max", "Apple M4 Max"))))
+        await plain.connect()
+        await double.wait_until(lambda: len(double.events.of(ChallengeResult)) == 3, timeout=5)
+        views = double.providers
+        assert [(v.trust_level, v.attested, v.attestation_error) for v in views] == [
+            (TrustLevel.SELF_SIGNED, True, None),
+            (TrustLevel.NONE, False, "signature verification failed"),
+            (TrustLevel.NONE, False, None),
+        ]
+        assert [v.routable for v in views] == [True, False, False]
+        assert all(Unroutable.TRUST_BELOW_MINIMUM in v.unroutable for v in views[1:])
+        signatures = {r.provider_id: r.signature for r in double.events.of(ChallengeResult)}
+        assert [signatures[v.provider_id] for v in views] == [
+            SignatureCheck.VERIFIED, SignatureCheck.VERIFIED, SignatureCheck.PRESENT_UNVERIFIED]
+        registered = {r.provider_id: r for r in double.events.of(Registered)}
+        assert registered[views[1].provider_id].attestation_error == "signature verification failed"
+
+        async def serve(provider: FakeProvider) -> None:
+            job = await provider.next_job(timeout=5)
+            await provider.accept(job)
+            await provider.stream(job, ["hi"])
+
+        server = asyncio.create_task(serve(good))
+        async with consumer_for(double) as client:
+            raw = await client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4)
+        await server
+        assert raw.headers[ATTESTED_HEADER] == "true" and raw.headers[TRUST_LEVEL_HEADER] == "self_signed"
+        assert [d.provider_id for d in double.events.of(Dispatched)] == [views[0].provider_id]
 
 
 @pytest.mark.parametrize(

@@ -16,13 +16,15 @@ lifecycle: ``kill()`` (abrupt) and ``restart()`` (same ports). Records and enums
 
 from . import events as _events
 from .config import DoubleConfig
-from .consumer_api import JOB_HEADER
+from .consumer_api import ATTESTED_HEADER, JOB_HEADER, TRUST_LEVEL_HEADER
 from .events import *  # noqa: F403 - the record and enum types are the double's vocabulary
 from .routing import ProviderView, Unroutable
 from .server import WS_PATH, CoordinatorDouble, chunk_fault
 
 __all__ = [
+    "ATTESTED_HEADER",
     "JOB_HEADER",
+    "TRUST_LEVEL_HEADER",
     "WS_PATH",
     "CoordinatorDouble",
     "DoubleConfig",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .events import TrustLevel
+
 # [A] registry.go providerSupportsPrivateTextLocked: these privacy booleans must all be true to route text.
 REQUIRED_PRIVACY_FLAGS: tuple[str, ...] = (
     "text_backend_inprocess",
@@ -45,6 +47,9 @@ class DoubleConfig:
     catalog: tuple[tuple[str, float], ...] = ()
     # routing
     backend: str = "inprocess-mlx"
+    # EIGENINFERENCE_MIN_TRUST. [A]'s default is hardware, which no test provider reaches; self-hosted
+    # coordinators under test set none (protocol.md §13), or self_signed to require a registration attestation.
+    min_trust: TrustLevel = TrustLevel.NONE
     require_secure_boot_present: bool = True  # §13: sip/rdma/secure_boot must be present in the answer
     # transport ([A] handleProviderWS SetReadLimit): a larger provider frame closes the socket with 1009
     max_provider_frame_bytes: int = 10 * 1024 * 1024

@@ -5,8 +5,10 @@ Status and headers are only decided once the request is committed, so reroutes s
 consumer. A streaming consumer gets each decrypted chunk verbatim followed by a blank line, then the
 double's own ``data: [DONE]`` when ``inference_complete`` arrives (as [A] does: a provider's own ``[DONE]``
 chunk or trailing blank line reaches the consumer doubled); a non-streaming one gets a reassembled
-``chat.completion``. Either way the committed request id is in ``X-Inference-Job-ID`` and, when the handler
-returns, ``cancel`` goes to the provider ([A]'s deferred ``sendProviderCancel``).
+``chat.completion``. Either way the committed request id is in ``X-Inference-Job-ID``, the serving
+provider's trust in ``X-Provider-Attested`` (``true`` for a valid registration attestation) and
+``X-Provider-Trust-Level`` (as [A] sets them), and, when the handler returns, ``cancel`` goes to the
+provider ([A]'s deferred ``sendProviderCancel``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,16 @@ if TYPE_CHECKING:
     from .server import CoordinatorDouble
 
 JOB_HEADER = "X-Inference-Job-ID"
+ATTESTED_HEADER = "X-Provider-Attested"
+TRUST_LEVEL_HEADER = "X-Provider-Trust-Level"
 CATALOG_PATH = "/v1/models/catalog"
+
+
+def committed_headers(pending: Any) -> dict[str, str]:
+    """[A] consumer.go: the committed request id and the serving provider's trust."""
+    provider = pending.provider
+    return {JOB_HEADER: pending.request_id, ATTESTED_HEADER: "true" if provider.attested else "false",
+            TRUST_LEVEL_HEADER: provider.trust_level.value}
 
 
 def catalog_document(config: DoubleConfig) -> dict[str, Any]:
@@ -101,7 +112,7 @@ class _ChatCompletion:
                 return StreamingResponse(
                     self._stream(outcome),
                     media_type="text/event-stream",
-                    headers={JOB_HEADER: outcome.pending.request_id, "Cache-Control": "no-cache"},
+                    headers={**committed_headers(outcome.pending), "Cache-Control": "no-cache"},
                 )
             return await self._collect(outcome, gone)
         finally:
@@ -147,7 +158,7 @@ class _ChatCompletion:
         deadline = loop.time() + self.double.config.stream_idle_timeout
         events: list[bytes] = []
         item: Any = committed.first
-        headers = {JOB_HEADER: pending.request_id}
+        headers = committed_headers(pending)
         try:
             while True:
                 if isinstance(item, ChunkItem):

@@ -79,9 +79,17 @@ class ChallengeFailure(Enum):
     RDMA_ENABLED = "rdma_enabled"  # rdma_disabled false without hypervisor_active: untrusted at once
 
 
+class TrustLevel(Enum):
+    """[A] registry.go TrustLevel; routing skips a provider ranked below ``DoubleConfig.min_trust``."""
+
+    NONE = "none"  # no valid registration attestation
+    SELF_SIGNED = "self_signed"  # a valid registration attestation
+    HARDWARE = "hardware"  # MDM / Apple device attestation: never given by the double
+
+
 class SignatureCheck(Enum):
     VERIFIED = "verified"  # checked against the attestation blob's P-256 key
-    PRESENT_UNVERIFIED = "present_unverified"  # unattested provider: [A] only requires it non-empty
+    PRESENT_UNVERIFIED = "present_unverified"  # no parsed attestation blob: [A] only requires it non-empty
     NOT_CHECKED = "not_checked"  # the answer failed before the signature step
 
 
@@ -178,6 +186,8 @@ class Registered(Record):
     public_key_valid: bool
     attested: bool  # the attestation blob verified (trust self_signed)
     reregister: bool
+    trust_level: TrustLevel = TrustLevel.NONE
+    attestation_error: str | None = None  # [A]'s reason for refusing a blob it parsed (None: valid or absent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,6 +360,7 @@ __all__ = [
     "SignatureCheck",
     "StreamFailed",
     "TimedOut",
+    "TrustLevel",
     "Untrusted",
     "Violation",
     "Window",

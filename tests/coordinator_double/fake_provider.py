@@ -102,21 +102,30 @@ class FakeProvider:
             ),
         }
         if attested:
-            blob = json.dumps(
-                {
-                    "encryptionPublicKey": self.identity.public_key_b64,
-                    "publicKey": self.signer.public_key_b64,
-                    "secureBootEnabled": True,
-                    "secureEnclaveAvailable": True,
-                    "sipEnabled": True,
-                },
-                sort_keys=True,
-                separators=(",", ":"),
-            )
-            signature = self.signer.sign(blob.encode())
-            fields["attestation"] = RawJSON(f'{{"attestation":{blob},"signature":"{signature}"}}')
+            fields["attestation"] = self.attestation()
         fields.update(overrides)
         return Register(**fields)
+
+    def attestation(self, **blob_overrides: Any) -> RawJSON:
+        """A registration attestation [A] accepts (the fields of its Go test attestations), written by hand
+        rather than with the provider's encoder; ``blob_overrides`` change fields before signing."""
+        blob = {
+            "authenticatedRootEnabled": True,
+            "chipName": "Apple M3 Max",
+            "encryptionPublicKey": self.identity.public_key_b64,
+            "hardwareModel": "Mac15,8",
+            "hypervisorActive": False,
+            "osVersion": "15.3.0",
+            "publicKey": self.signer.public_key_b64,
+            "rdmaDisabled": True,
+            "secureBootEnabled": True,
+            "secureEnclaveAvailable": True,
+            "sipEnabled": True,
+            "timestamp": "2026-04-16T12:00:00Z",
+            **blob_overrides,
+        }
+        text = json.dumps(blob, sort_keys=True, separators=(",", ":"))
+        return RawJSON(f'{{"attestation":{text},"signature":"{self.signer.sign(text.encode())}"}}')
 
     async def connect(self, register: Register | None = None) -> FakeProvider:
         self.ws = await connect(self.url, max_size=64 * 1024 * 1024, compression=None)

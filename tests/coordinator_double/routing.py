@@ -1,8 +1,10 @@
 """Provider registry and routing, faithful to [A] where tests can tell (registry.go, scheduler.go).
 
 A provider is routable for text when it registered with the configured backend, a valid standard-base64
-32-byte ``public_key``, ``encrypted_response_chunks: true`` and the required privacy booleans, passed a
-challenge within the freshness window, and is neither untrusted nor evicted. Among eligible providers for a
+32-byte ``public_key``, ``encrypted_response_chunks: true`` and the required privacy booleans, its trust
+level ranks at least ``DoubleConfig.min_trust`` (``self_signed`` takes a valid registration attestation,
+``attestation.py``), it passed a challenge within the freshness window (a valid attestation counts as one),
+and is neither untrusted nor evicted. Among eligible providers for a
 model (advertised, slot not crashed/reloading, thermal not critical, in-flight below [A]'s concurrency cap),
 the double picks the fewest in flight, ties broken by registration order — [A] uses a cost model and a random
 tie-break; a deterministic order lets tests decide which provider is tried first. With a model catalog
@@ -21,7 +23,9 @@ from typing import TYPE_CHECKING
 from protocol import AttestationChallenge, AttestationResponse, Heartbeat, Register
 from protocol.crypto import InvalidKeyError, parse_public_key
 
+from .attestation import TRUST_RANK, AttestationResult
 from .config import REQUIRED_PRIVACY_FLAGS, DoubleConfig, max_concurrency
+from .events import TrustLevel
 from .pending import PendingRequest, RequestState
 
 if TYPE_CHECKING:
@@ -37,6 +41,7 @@ class Unroutable(Enum):
     NO_PUBLIC_KEY = "no_public_key"  # absent or invalid (cleared at registration)
     PLAINTEXT_RESPONSES = "plaintext_responses"  # encrypted_response_chunks not true
     PRIVACY_CAPABILITIES = "privacy_capabilities"
+    TRUST_BELOW_MINIMUM = "trust_below_minimum"  # trust level ranks below DoubleConfig.min_trust
     CHALLENGE_NOT_PASSED = "challenge_not_passed"
     CHALLENGE_STALE = "challenge_stale"
     THERMAL_CRITICAL = "thermal_critical"
@@ -63,7 +68,7 @@ class ProviderSession:
     connected: bool = True
     register: Register | None = None
     public_key: str = ""  # the registered key if valid, else "" ([A] clears an invalid key)
-    p256_key: str | None = None  # from a verified attestation blob
+    attestation: AttestationResult | None = None  # what [A] stored for register.attestation (None: none/unparsed)
     last_heartbeat_at: float = 0.0  # loop time; set at registration, as [A] LastHeartbeat
     heartbeats: list[Heartbeat] = field(default_factory=list)
     warm_models: tuple[str, ...] = ()
@@ -84,6 +89,19 @@ class ProviderSession:
     def models(self) -> tuple[str, ...]:
         ids = tuple(m.id for m in self.register.models) if self.register else ()
         return tuple(i for i in ids if i in self.catalog) if self.catalog else ids
+
+    @property
+    def attested(self) -> bool:
+        return self.attestation is not None and self.attestation.valid
+
+    @property
+    def trust_level(self) -> TrustLevel:
+        return TrustLevel.NONE if self.attestation is None else self.attestation.trust_level
+
+    @property
+    def p256_key(self) -> str | None:
+        """The key challenge signatures are checked with: a parsed blob's publicKey, valid or not."""
+        return self.attestation.public_key if self.attestation is not None and self.attestation.public_key else None
 
     @property
     def last_heartbeat(self) -> Heartbeat | None:
@@ -122,6 +140,8 @@ class ProviderSession:
         caps = reg.privacy_capabilities
         if caps is None or not all(getattr(caps, flag) for flag in REQUIRED_PRIVACY_FLAGS):
             reasons.append(Unroutable.PRIVACY_CAPABILITIES)
+        if TRUST_RANK[self.trust_level] < TRUST_RANK[config.min_trust]:
+            reasons.append(Unroutable.TRUST_BELOW_MINIMUM)
         if self.challenge_passed_at is None:
             reasons.append(Unroutable.CHALLENGE_NOT_PASSED)
         elif now - self.challenge_passed_at > config.challenge_freshness:
@@ -155,6 +175,8 @@ class ProviderView:
     models: tuple[str, ...]
     public_key: str
     attested: bool
+    trust_level: TrustLevel
+    attestation_error: str | None  # why [A] refused a blob it parsed (None: valid, or no blob)
     backend: str | None
     challenge_passed: bool
     failed_challenges: int
@@ -216,7 +238,9 @@ class Registry:
             unroutable=reasons,
             models=session.models,
             public_key=session.public_key,
-            attested=session.p256_key is not None,
+            attested=session.attested,
+            trust_level=session.trust_level,
+            attestation_error=None if session.attestation is None else session.attestation.error,
             backend=session.register.backend if session.register else None,
             challenge_passed=session.challenge_passed_at is not None,
             failed_challenges=session.failed_challenges,

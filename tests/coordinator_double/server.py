@@ -52,7 +52,14 @@ from protocol import (
 from protocol.crypto import DecryptError
 
 from . import events as ev
-from .attestation import IMMEDIATELY_UNTRUSTED, Verdict, attested_p256_key, new_challenge, verify_challenge
+from .attestation import (
+    IMMEDIATELY_UNTRUSTED,
+    PARSE_FAILED,
+    Verdict,
+    new_challenge,
+    verify_challenge,
+    verify_registration,
+)
 from .chat_wire import check_event, error_body
 from .config import DoubleConfig
 from .consumer_api import CATALOG_PATH, build_app, catalog_document
@@ -404,17 +411,21 @@ class CoordinatorDouble:
         # [A] builds a fresh Provider object: trust, challenge and eviction state start over.
         session.register = message
         session.public_key = message.public_key if valid_public_key(message.public_key) else ""
-        session.p256_key = attested_p256_key(message.attestation, session.public_key)
+        session.attestation = verify_registration(message.attestation, message.public_key)
         session.last_heartbeat_at = self.now()
         session.heartbeats.clear()
         session.warm_models = ()
-        session.challenge_passed_at = None
+        # [A] verifyProviderAttestation: a valid blob counts as a passed challenge (routable at once).
+        session.challenge_passed_at = self.now() if session.attested else None
         session.failed_challenges = 0
         session.untrusted = session.evicted = False
+        if session.attestation is not None:
+            error = session.attestation.error
+        else:
+            error = None if message.attestation is None else PARSE_FAILED
         self.events.append(
-            ev.Registered(
-                session.provider_id, session.models, bool(session.public_key), session.p256_key is not None, reregister
-            )
+            ev.Registered(session.provider_id, session.models, bool(session.public_key), session.attested, reregister,
+                          session.trust_level, error)
         )
         session.challenge_task = self._spawn(self._challenge_loop(session))
 
