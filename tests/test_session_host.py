@@ -70,7 +70,7 @@ def test_darwin_posture_reads_commands_and_never_guesses():
     posture = read_host_posture(platform="darwin", run=lambda argv: outputs[argv[0]])
     # system_profiler could not run: Secure Boot is unknown, not false.
     assert posture == HostPosture(sip_enabled=True, secure_boot_enabled=None, rdma_disabled=True,
-                                  virtual_machine=False)
+                                  virtual_machine=False, authenticated_root_enabled=None)  # not read
     outputs["rdma_ctl"] = "enabled"
     assert not read_host_posture(platform="darwin", run=lambda argv: outputs[argv[0]]).rdma_disabled
 
@@ -80,7 +80,7 @@ def test_linux_posture_is_false_for_macos_only_states(tmp_path):
     (tmp_path / "proc" / "cpuinfo").write_text("processor\t: 0\nflags\t\t: fpu vme hypervisor sse\n")
     posture = read_host_posture(platform="linux", sys_root=tmp_path)
     assert posture == HostPosture(sip_enabled=False, secure_boot_enabled=False, rdma_disabled=True,
-                                  virtual_machine=True)
+                                  virtual_machine=True, authenticated_root_enabled=False)
     (tmp_path / "sys" / "class" / "infiniband" / "mlx5_0").mkdir(parents=True)
     assert not read_host_posture(platform="linux", sys_root=tmp_path).rdma_disabled
 

@@ -7,11 +7,13 @@
 * ``backoff``    pure reconnect policy: ``backoff_delays``, ``should_reset_backoff``, ``clock_jumped``,
                  ``is_retryable``
 * ``register``   the ``register`` frame (``build_register``, ``advertised_models``)
+* ``attestation`` ``register.attestation`` or why there is none (``plan_attestation``, ``signed_attestation``)
 * ``heartbeat``  ``HeartbeatSource`` (frames from the manager's ``CapacityReport`` and ``ServingStats``)
 * ``identity``   key files under ``state_dir/identity`` (``load_or_create_keys``)
 * ``posture``    host posture, process hardening, ``dev_posture`` rules (``Posture``)
 * ``status``     ``SessionStatus``: what the link is doing, for ``/status`` and ``/metrics``
-* ``gates``      the [A] coordinator's routing rules (trust, catalog, free-memory gate), for ``doctor``
+* ``gates``      the [A] coordinator's routing rules (trust, trust levels, catalog, free-memory gate), for
+                 ``doctor``
 """
 
 from provider.session.backoff import backoff_delays, clock_jumped, is_retryable, should_reset_backoff
