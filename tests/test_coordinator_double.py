@@ -309,24 +309,27 @@ async def test_min_trust_self_signed_routes_only_a_valid_attestation(providers: 
     no blob at all is trust none. Consumers see the trust in X-Provider-Attested / X-Provider-Trust-Level."""
     async with CoordinatorDouble(quick_config(**FAST, min_trust=TrustLevel.SELF_SIGNED,
                                               challenge_interval=3600)) as double:
-        good, tampered, plain = (FakeProvider(double.ws_url) for _ in range(3))
-        providers.extend([good, tampered, plain])
+        good, tampered, plain, broken = (FakeProvider(double.ws_url) for _ in range(4))
+        providers.extend([good, tampered, plain, broken])
         await good.connect(good.register_frame(attestation=_attestation(good)))
         await tampered.connect(tampered.register_frame(
             attestation=_attestation(tampered, lambda t: t.replace("Apple M3 Max", "Apple M4 Max"))))
         await plain.connect()
-        await double.wait_until(lambda: len(double.events.of(ChallengeResult)) == 3, timeout=5)
+        await broken.connect(broken.register_frame(attestation=_attestation(broken, sipEnabled="true")))
+        await double.wait_until(lambda: len(double.events.of(ChallengeResult)) == 4, timeout=5)
         views = double.providers
         assert [(v.trust_level, v.attested, v.attestation_error) for v in views] == [
             (TrustLevel.SELF_SIGNED, True, None),
             (TrustLevel.NONE, False, "signature verification failed"),
             (TrustLevel.NONE, False, None),
+            (TrustLevel.NONE, False, "failed to parse provider attestation"),
         ]
-        assert [v.routable for v in views] == [True, False, False]
+        assert [v.routable for v in views] == [True, False, False, False]
         assert all(Unroutable.TRUST_BELOW_MINIMUM in v.unroutable for v in views[1:])
         signatures = {r.provider_id: r.signature for r in double.events.of(ChallengeResult)}
         assert [signatures[v.provider_id] for v in views] == [
-            SignatureCheck.VERIFIED, SignatureCheck.VERIFIED, SignatureCheck.PRESENT_UNVERIFIED]
+            SignatureCheck.VERIFIED, SignatureCheck.VERIFIED, SignatureCheck.PRESENT_UNVERIFIED,
+            SignatureCheck.PRESENT_UNVERIFIED]
         registered = {r.provider_id: r for r in double.events.of(Registered)}
         assert registered[views[1].provider_id].attestation_error == "signature verification failed"
 

@@ -187,7 +187,7 @@ class Registered(Record):
     attested: bool  # the attestation blob verified (trust self_signed)
     reregister: bool
     trust_level: TrustLevel = TrustLevel.NONE
-    attestation_error: str | None = None  # [A]'s reason for refusing a blob it parsed (None: valid or absent)
+    attestation_error: str | None = None  # why [A] gave no trust for the blob (None: valid, or no blob)
 
 
 @dataclass(frozen=True, slots=True)

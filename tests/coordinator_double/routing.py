@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from protocol import AttestationChallenge, AttestationResponse, Heartbeat, Register
 from protocol.crypto import InvalidKeyError, parse_public_key
 
-from .attestation import TRUST_RANK, AttestationResult
+from .attestation import PARSE_FAILED, TRUST_RANK, AttestationResult
 from .config import REQUIRED_PRIVACY_FLAGS, DoubleConfig, max_concurrency
 from .events import TrustLevel
 from .pending import PendingRequest, RequestState
@@ -97,6 +97,13 @@ class ProviderSession:
     @property
     def trust_level(self) -> TrustLevel:
         return TrustLevel.NONE if self.attestation is None else self.attestation.trust_level
+
+    @property
+    def attestation_error(self) -> str | None:
+        """Why [A] gave no trust for the blob register carried (None: valid, or no blob)."""
+        if self.attestation is not None:
+            return self.attestation.error
+        return None if self.register is None or self.register.attestation is None else PARSE_FAILED
 
     @property
     def p256_key(self) -> str | None:
@@ -176,7 +183,7 @@ class ProviderView:
     public_key: str
     attested: bool
     trust_level: TrustLevel
-    attestation_error: str | None  # why [A] refused a blob it parsed (None: valid, or no blob)
+    attestation_error: str | None  # why [A] gave no trust for the blob (None: valid, or no blob)
     backend: str | None
     challenge_passed: bool
     failed_challenges: int
@@ -240,7 +247,7 @@ class Registry:
             public_key=session.public_key,
             attested=session.attested,
             trust_level=session.trust_level,
-            attestation_error=None if session.attestation is None else session.attestation.error,
+            attestation_error=session.attestation_error,
             backend=session.register.backend if session.register else None,
             challenge_passed=session.challenge_passed_at is not None,
             failed_challenges=session.failed_challenges,

@@ -52,14 +52,7 @@ from protocol import (
 from protocol.crypto import DecryptError
 
 from . import events as ev
-from .attestation import (
-    IMMEDIATELY_UNTRUSTED,
-    PARSE_FAILED,
-    Verdict,
-    new_challenge,
-    verify_challenge,
-    verify_registration,
-)
+from .attestation import IMMEDIATELY_UNTRUSTED, Verdict, new_challenge, verify_challenge, verify_registration
 from .chat_wire import check_event, error_body
 from .config import DoubleConfig
 from .consumer_api import CATALOG_PATH, build_app, catalog_document
@@ -419,13 +412,9 @@ class CoordinatorDouble:
         session.challenge_passed_at = self.now() if session.attested else None
         session.failed_challenges = 0
         session.untrusted = session.evicted = False
-        if session.attestation is not None:
-            error = session.attestation.error
-        else:
-            error = None if message.attestation is None else PARSE_FAILED
         self.events.append(
             ev.Registered(session.provider_id, session.models, bool(session.public_key), session.attested, reregister,
-                          session.trust_level, error)
+                          session.trust_level, session.attestation_error)
         )
         session.challenge_task = self._spawn(self._challenge_loop(session))
 
