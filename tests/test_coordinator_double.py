@@ -261,6 +261,12 @@ def _attestation(provider: FakeProvider, text_edit: Callable[[str], str] | None 
     return signed if text_edit is None else RawJSON(text_edit(signed.text))
 
 
+def _signature(signed: RawJSON, signature: str) -> RawJSON:
+    """``signed`` with its signature member replaced (the blob bytes untouched)."""
+    head, _, _ = signed.text.rpartition('"signature":')
+    return RawJSON(f'{head}"signature":"{signature}"}}')
+
+
 def _compact(key_b64: str) -> str:
     return base64.b64encode(base64.b64decode(key_b64)[1:]).decode()  # X‖Y, CryptoKit's rawRepresentation
 
@@ -283,8 +289,12 @@ def _compact(key_b64: str) -> str:
     ).decode()), False, "invalid public key"),  # compressed point: [A] takes 64 or 65 bytes only
     (lambda p: _attestation(p, publicKey=ChallengeSigner.generate().public_key_b64), False,
      "signature verification failed"),
+    (lambda p: _attestation(p, publicKey="not base64!"), False, "invalid public key base64"),
+    (lambda p: _signature(_attestation(p), "not base64!"), False, "invalid signature base64"),
+    (lambda p: _signature(_attestation(p), base64.b64encode(b"not DER").decode()), False, "invalid DER signature"),
 ], ids=["valid", "raw-xy-key", "tampered-field", "tampered-whitespace", "no-enclave", "no-sip", "no-secure-boot",
-        "bad-timestamp", "no-encryption-key", "other-encryption-key", "compressed-key", "other-signing-key"])
+        "bad-timestamp", "no-encryption-key", "other-encryption-key", "compressed-key", "other-signing-key",
+        "key-not-base64", "signature-not-base64", "signature-not-der"])
 def test_registration_attestation_checks_follow_a(make, valid, error):
     provider = FakeProvider("ws://unused")
     result = verify_registration(make(provider), provider.identity.public_key_b64)

@@ -8,7 +8,7 @@ Pure functions over decoded frames, written from the Go code, not from our provi
   ``encoding/json`` fills ``AttestationBlob`` (a wrong type is a parse failure: no result at all; a missing
   field or ``null`` is the zero value), then ``Verify``'s steps in order — RFC 3339 ``timestamp``,
   ``publicKey`` a 65-byte uncompressed or 64-byte raw P-256 point in standard base64, a DER signature over
-  SHA-256 of the raw bytes, then ``secureEnclaveAvailable``, ``sipEnabled``, ``secureBootEnabled`` true
+  SHA-256 of the raw bytes (each step failing with Go's error text, up to its colon), then ``secureEnclaveAvailable``, ``sipEnabled``, ``secureBootEnabled`` true
   — and provider.go's binding: when ``register.public_key`` is set, ``encryptionPublicKey`` must be
   present and equal to it. Valid ⇒ trust ``self_signed`` and a passed challenge as of now.
 * A blob that parsed keeps its ``publicKey`` even when invalid ([A] stores the result before the validity
@@ -30,6 +30,7 @@ from datetime import UTC, datetime
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature, encode_dss_signature
 
 from protocol import AttestationChallenge, AttestationResponse, RawJSON
 from protocol.attest import challenge_message, status_canonical
@@ -195,14 +196,24 @@ def _verify_blob(raw: str, blob: dict[str, bool | str], signature: str) -> str |
     if not _valid_timestamp(str(blob["timestamp"])):
         return "invalid timestamp"
     try:
-        key = parse_p256_point(b64decode_strict(str(blob["publicKey"])))
+        point = b64decode_strict(str(blob["publicKey"]))
+    except ValueError:
+        return "invalid public key base64"
+    try:
+        key = parse_p256_point(point)
     except ValueError:
         return "invalid public key"
     try:
-        key.verify(b64decode_strict(signature), raw.encode("utf-8"), ec.ECDSA(hashes.SHA256()))
+        der = b64decode_strict(signature)
     except ValueError:
-        return "invalid signature"
-    except InvalidSignature:
+        return "invalid signature base64"
+    try:
+        r, s = decode_dss_signature(der)  # Go: asn1.Unmarshal into (R, S)
+    except ValueError:
+        return "invalid DER signature"
+    try:
+        key.verify(encode_dss_signature(r, s), raw.encode("utf-8"), ec.ECDSA(hashes.SHA256()))
+    except (ValueError, InvalidSignature):
         return "signature verification failed"
     error = None
     for flag, reason in (("secureEnclaveAvailable", "Secure Enclave not available"),
