@@ -34,7 +34,7 @@ from coordinator_double import (
 )
 from double_fixtures import consumer_for, quick_config
 
-from protocol import Register
+from protocol import AttestationResponse, Register
 from protocol.attest import ChallengeSigner
 from provider.agent import Agent
 from provider.config import Settings
@@ -165,6 +165,9 @@ async def test_a_self_signed_coordinator_routes_the_dev_posture_agent(start_agen
         # Challenge answers are now checked with the attested key, status signature included.
         result = await double.wait_for(lambda e: isinstance(e, ChallengeResult), timeout=10)
         assert result.ok and result.signature is SignatureCheck.VERIFIED
+        [answer] = [e.message for e in double.events.of(FrameReceived)
+                    if isinstance(e.message, AttestationResponse) and e.message.nonce == result.nonce]
+        assert answer.status_signature and answer.public_key == agent.keys.encryption.public_key_b64
         async with consumer_for(double) as client:
             raw = await client.chat.completions.with_raw_response.create(
                 model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=4, temperature=0)
@@ -233,14 +236,9 @@ async def test_doctor_shows_the_trust_level_the_coordinator_will_assign_and_why(
         assert [r["code"] for r in trust["reasons"]] == ["no_secure_enclave_key", "sip_disabled", "secure_boot_disabled"]
     assert honest["coordinator_must"][0].startswith("EIGENINFERENCE_MIN_TRUST=none ")
 
-    dev = json.loads(await doctor(tmp_path, tiny_model_path, "--json", "--dev-posture", "true"))["routing"]
-    trust = dev["trust_level"]
-    assert (trust["level"], trust["attestation_sent"], trust["reasons"]) == ("self_signed", True, [])
-    assert trust["routes_at_min_trust"] == ["none", "self_signed"]
-    assert all(trust["attestation"][f] for f in ("secureEnclaveAvailable", "sipEnabled", "secureBootEnabled"))
-    assert dev["coordinator_must"][0].startswith("EIGENINFERENCE_MIN_TRUST=self_signed or none")
-
+    # The dev posture as the operator reads it (its values are the plan's, checked above).
     text = await doctor(tmp_path, tiny_model_path, "--dev-posture", "true")
     [line] = [line for line in text.splitlines() if line.strip().startswith("trust level ")]
     assert line.strip().startswith("trust level self_signed: register carries an attestation")
     assert "dev posture" in line and "EIGENINFERENCE_MIN_TRUST=none or self_signed" in line
+    assert any(line.strip().startswith("EIGENINFERENCE_MIN_TRUST=self_signed or none") for line in text.splitlines())
