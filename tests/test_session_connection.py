@@ -39,11 +39,12 @@ _CLOSE = object()
 class MemoryTransport:
     """One connection: the test pushes inbound frames; the session's sends are recorded."""
 
-    def __init__(self) -> None:
+    def __init__(self, stall_on_register_s: float = 0.0) -> None:
         self.inbound: asyncio.Queue = asyncio.Queue()
         self.sent: list[dict] = []
         self.sent_changed = asyncio.Condition()
         self.close_code: int | None = None
+        self.stall_on_register_s = stall_on_register_s  # the loop stalls as the register goes out
 
     def __aiter__(self):
         return self
@@ -60,6 +61,8 @@ class MemoryTransport:
 
             raise ConnectionClosedOK(None, None)
         self.sent.append(json.loads(message))
+        if self.sent[-1]["type"] == "register" and self.stall_on_register_s:
+            time.sleep(self.stall_on_register_s)  # the whole event loop, as under SIGSTOP
         async with self.sent_changed:
             self.sent_changed.notify_all()
 
@@ -82,8 +85,10 @@ class MemoryTransport:
 
 class Harness:
     def __init__(self, *, fail_first: int = 0, drain_timeout_s: float = 5.0,
-                 heartbeat_interval_s: float = 0.05, eviction_window_s: float = 90.0) -> None:
+                 heartbeat_interval_s: float = 0.05, eviction_window_s: float = 90.0,
+                 stall_on_first_register_s: float = 0.0) -> None:
         self.transports: list[MemoryTransport] = []
+        self.stall_on_first_register_s = stall_on_first_register_s
         self.connected = asyncio.Condition()
         self.fail_first = fail_first
         self.attempts = 0
@@ -117,7 +122,7 @@ class Harness:
             self.retried.set()
         if self.attempts <= self.fail_first:
             raise OSError("connection refused")
-        transport = MemoryTransport()
+        transport = MemoryTransport(0.0 if self.transports else self.stall_on_first_register_s)
         self.transports.append(transport)
         async with self.connected:
             self.connected.notify_all()
@@ -295,6 +300,20 @@ async def test_a_stall_longer_than_the_eviction_window_reconnects_with_a_fresh_r
     second = await asyncio.wait_for(h.connection(2), 10)
     assert second.types()[0] == "register" and first.close_code == 1000
     assert h.session.counters.connection_losses == 1 and h.session.counters.registrations == 2
+    stop.set()
+    await task
+
+
+async def test_a_stall_right_after_register_before_any_heartbeat_also_reconnects():
+    """The gap is counted from the register, not from the first heartbeat: a process stopped as its register
+    went out (before the heartbeat task first ran) has been evicted too, having sent no heartbeat at all."""
+    h = Harness(heartbeat_interval_s=0.05, eviction_window_s=0.3, stall_on_first_register_s=0.5)
+    stop = asyncio.Event()
+    task = asyncio.create_task(h.session.run(stop))
+    first = await h.connection(1)
+    second = await asyncio.wait_for(h.connection(2), 10)
+    assert second.types()[0] == "register" and first.close_code == 1000
+    assert h.session.counters.connection_losses == 1
     stop.set()
     await task
 

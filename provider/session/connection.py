@@ -9,8 +9,8 @@ Per connection:
 * one send queue and one writer task, so the frames of concurrent jobs interleave whole;
 * a reader task feeding the core, a heartbeat task, and a clock watchdog that drops the connection
   when the wall clock jumps (the machine slept: the socket is dead even if nothing said so yet);
-* the heartbeat task also drops the connection when two consecutive heartbeats are further apart
-  (monotonic) than the coordinator's eviction window (``eviction_window_s``, [A]: 90 s). The process
+* the heartbeat task also drops the connection when two consecutive heartbeats (or the register and
+  the first heartbeat) are further apart (monotonic) than the coordinator's eviction window (``eviction_window_s``, [A]: 90 s). The process
   was stalled (SIGSTOP, a debugger, swap): the coordinator has evicted us and ignores the heartbeats
   of this socket for good, though it stays open, so only a fresh ``register`` makes us routable again.
   The clock watchdog cannot see this: under a stall both clocks advance together;
@@ -227,7 +227,7 @@ class Session:
         tasks = {
             asyncio.create_task(conn.reader(), name="session-reader"),
             asyncio.create_task(conn.writer(), name="session-writer"),
-            asyncio.create_task(conn.heartbeats(), name="session-heartbeat"),
+            asyncio.create_task(conn.heartbeats(since=registered_at), name="session-heartbeat"),
             asyncio.create_task(conn.clock_watchdog(), name="session-clock"),
         }
         stopping = asyncio.create_task(stop.wait(), name="session-stop")
@@ -314,13 +314,15 @@ class _Connection:
         while (text := await self.queue.get()) is not None:
             await self.transport.send(text)
 
-    async def heartbeats(self, draining: bool = False) -> None:
+    async def heartbeats(self, draining: bool = False, since: float | None = None) -> None:
         """Every interval (or at once on a capacity change) until the gap since the last one shows a stall
-        longer than the eviction window: then return, which ends this connection."""
+        longer than the eviction window: then return, which ends this connection. ``since`` (monotonic) is
+        when ``register`` was queued: the coordinator counts from it, so a stall before the first heartbeat
+        counts too."""
         interval = self.session.config.heartbeat_interval_s
         window = self.session.config.eviction_window_s
         changed = self.session._capacity_changed
-        last = time.monotonic()
+        last = time.monotonic() if since is None else since
         while True:
             now = time.monotonic()
             if now - last > window:
