@@ -32,7 +32,7 @@ ratios. `reuse` = prompt tokens served from the prefix cache / prompt tokens (ou
 
     python benchmarks/peer_bench.py [--preset medium] [--repeats 6] [--concurrency 1,4,8]
                                     [--chat-concurrency 1] [--workloads w1,w2,chat]
-                                    [--max-tokens 64] [--turn-tokens 128]
+                                    [--max-tokens 64] [--turn-tokens 64]
 
 Run it with OpenBLAS preloaded (`sh tools/with-blas.sh .venv/bin/python benchmarks/peer_bench.py`);
 both servers inherit the environment, so they use the same BLAS.
@@ -388,7 +388,7 @@ async def main() -> None:
     parser.add_argument("--chat-concurrency", default=None, help="levels for the chat workload (default: --concurrency)")
     parser.add_argument("--workloads", default="w1,w2,chat")
     parser.add_argument("--max-tokens", type=int, default=64, help="per w1/w2 request")
-    parser.add_argument("--turn-tokens", type=int, default=128, help="per chat turn")
+    parser.add_argument("--turn-tokens", type=int, default=64, help="per chat turn (128 can outgrow the 4096-token context: answers from random weights re-tokenize into more tokens)")
     args = parser.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
     chat_levels = [int(x) for x in (args.chat_concurrency or args.concurrency).split(",")]
