@@ -185,6 +185,9 @@ def untrusted_sentence(report: RoutingReport, platform: str = sys.platform) -> s
     return text
 
 
+SIGNING_KEY_TEXT = "a software key in a file (0600), not held in the Secure Enclave"
+
+
 def trust_sentence(report: RoutingReport) -> str:
     """The trust level the coordinator assigns at `register`, why, and which minimums route it."""
     level = report.trust_level
@@ -192,7 +195,10 @@ def trust_sentence(report: RoutingReport) -> str:
     if report.attestation is not None and report.attestation.sendable:
         why = ("register carries an attestation signed with this agent's P-256 key, with Secure Enclave, SIP and "
                "Secure Boot as the dev posture reports them (a test harness's posture, not this host's)"
-               if report.dev_posture else "register carries an attestation signed with this agent's P-256 key")
+               if report.dev_posture else "register carries an attestation of this host's posture (it has a Secure "
+               "Enclave; SIP, Secure Boot and the sealed system volume as read) signed with this agent's P-256 key")
+        why += (f"; that key is {SIGNING_KEY_TEXT}, which the coordinator cannot tell from an Enclave-held key: "
+                "self_signed means exactly that")
     else:
         gaps = report.attestation.gaps if report.attestation is not None else ()
         why = "no attestation is sent: " + ("; ".join(GAP_TEXT[g] for g in gaps) or "not gathered")
@@ -248,6 +254,7 @@ def _trust_json(report: RoutingReport) -> dict[str, Any]:
         "routes_at_min_trust": [m.value for m in routing_minimums(report.trust_level)],
         "reasons": [] if plan is None else [{"code": g.value, "detail": GAP_TEXT[g]} for g in plan.gaps],
         "detail": trust_sentence(report),
+        "signing_key": SIGNING_KEY_TEXT,
         "attestation": None if plan is None else {
             "secureEnclaveAvailable": plan.secure_enclave_available, "sipEnabled": plan.sip_enabled,
             "secureBootEnabled": plan.secure_boot_enabled, "authenticatedRootEnabled": plan.authenticated_root_enabled,

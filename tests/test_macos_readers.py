@@ -21,6 +21,8 @@ from provider.session.posture import (
     MEMORY_ISOLATION,
     Hardening,
     Posture,
+    has_secure_enclave,
+    parse_authenticated_root,
     parse_csrutil,
     parse_secure_boot,
     parse_vmm_present,
@@ -142,6 +144,45 @@ def test_vm_flag_readings():
     # A patched VM reads 0 like a real Mac: the flag is a hint for doctor, never a security claim.
     assert parse_vmm_present(sysctl_values(sample("sysctl_hv_vmm_present_patched_vm.txt"))) is False
     assert parse_vmm_present({}) is None  # before macOS 11.3 the name does not exist
+
+
+# --- issue 19: the sealed system volume and the Secure Enclave (the registration attestation) -------------
+
+
+@pytest.mark.parametrize(("name", "enabled"), [
+    ("csrutil_authenticated_root_enabled.txt", True),
+    ("csrutil_authenticated_root_disabled.txt", False),
+    # "Authenticated Root Requirement: enabled" (a csrutil status line) is not the status: unknown.
+    ("csrutil_authenticated_root_custom_sip.txt", None),
+])
+def test_authenticated_root_from_csrutil(name, enabled):
+    assert parse_authenticated_root(sample(name)) is enabled
+
+
+def test_an_unread_authenticated_root_is_unknown():
+    assert parse_authenticated_root(None) is None and parse_authenticated_root("") is None
+    assert parse_authenticated_root("Authenticated Root status: maybe") is None
+
+
+def test_a_secure_enclave_only_on_apple_silicon_that_is_not_a_vm():
+    assert has_secure_enclave({"machdep.cpu.brand_string": "Apple M5 Max"}) is True
+    assert has_secure_enclave({"machdep.cpu.brand_string": "Apple M1"}) is True
+    vm = sysctl_values(sample("sysctl_vm_github_runner_macos26.txt"))  # "Apple M1 (Virtual)"
+    assert has_secure_enclave(vm) is False
+    assert has_secure_enclave({"machdep.cpu.brand_string": "Intel(R) Core(TM) i9-9880H CPU @ 2.30GHz"}) is False
+    assert has_secure_enclave({}) is False
+
+
+def test_an_apple_silicon_mac_reads_its_sealed_volume_and_enclave_once_at_startup():
+    mac = posture_mac("csrutil_enabled_10_15.txt", "spibridge_m4max_full_security.json",
+                      "sysctl_hv_vmm_present_patched_vm.txt")
+    mac.sysctl["machdep.cpu.brand_string"] = "Apple M4 Max"
+    mac.outputs["csrutil authenticated-root status"] = sample("csrutil_authenticated_root_enabled.txt")
+    host = read_host_posture(platform="darwin", run=mac)
+    assert (host.authenticated_root_enabled, host.secure_enclave) == (True, True)
+    assert mac.calls.count(("csrutil", "authenticated-root", "status")) == 1
+    mac.outputs.pop("csrutil authenticated-root status")  # the command failed
+    assert read_host_posture(platform="darwin", run=mac).authenticated_root_enabled is None
 
 
 # --- 18.2 thermal state ------------------------------------------------------------------------------

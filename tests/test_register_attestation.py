@@ -15,6 +15,7 @@ import json
 import os
 import sys
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,33 +51,45 @@ NO_EOS = frozenset({10**9})
 HARDENED = Hardening(core_dumps_disabled=True, anti_debug_enabled=True, env_scrubbed=True)
 LINUX = HostPosture(sip_enabled=False, secure_boot_enabled=False, rdma_disabled=True, virtual_machine=False,
                     authenticated_root_enabled=False)
-MAC_FULL_SECURITY = HostPosture(sip_enabled=True, secure_boot_enabled=True, rdma_disabled=True, virtual_machine=False)
+MAC_FULL_SECURITY = HostPosture(sip_enabled=True, secure_boot_enabled=True, rdma_disabled=True, virtual_machine=False,
+                                authenticated_root_enabled=True, secure_enclave=True)  # Apple silicon
 
 
 # --- what may be claimed -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("host", "dev", "in_enclave", "gaps"), [
-    (LINUX, False, False, [AttestationGap.NO_SECURE_ENCLAVE_KEY, AttestationGap.SIP_DISABLED,
-                           AttestationGap.SECURE_BOOT_DISABLED]),
-    # A Mac at Full Security with SIP on: its key is still a software key, and the sealed volume is not read.
-    (MAC_FULL_SECURITY, False, False, [AttestationGap.NO_SECURE_ENCLAVE_KEY, AttestationGap.AUTHENTICATED_ROOT_UNKNOWN]),
-    (HostPosture(sip_enabled=True, secure_boot_enabled=None, rdma_disabled=True, authenticated_root_enabled=True),
-     False, True, [AttestationGap.SECURE_BOOT_UNKNOWN]),
-    (HostPosture(sip_enabled=True, secure_boot_enabled=True, rdma_disabled=True, authenticated_root_enabled=True),
-     False, True, []),  # what an Enclave-held key on a fully read Mac would allow
-    (LINUX, True, False, []),  # the dev posture on a loopback coordinator: the harness's values
+@pytest.mark.parametrize(("host", "dev", "gaps"), [
+    (LINUX, False,
+     [AttestationGap.NO_SECURE_ENCLAVE, AttestationGap.SIP_DISABLED, AttestationGap.SECURE_BOOT_DISABLED]),
+    # A real Apple-silicon Mac with SIP, Full Security and a sealed volume: attested with its own values.
+    (MAC_FULL_SECURITY, False, []),
+    (replace(MAC_FULL_SECURITY, authenticated_root_enabled=None), False, [AttestationGap.AUTHENTICATED_ROOT_UNKNOWN]),
+    (replace(MAC_FULL_SECURITY, secure_boot_enabled=None), False, [AttestationGap.SECURE_BOOT_UNKNOWN]),
+    (replace(MAC_FULL_SECURITY, secure_enclave=False), False, [AttestationGap.NO_SECURE_ENCLAVE]),  # Intel, a VM
+    (replace(MAC_FULL_SECURITY, authenticated_root_enabled=False), False, []),  # sent, and says false
+    (LINUX, True, []),  # the dev posture on a loopback coordinator: the harness's values
 ])
-def test_an_attestation_is_planned_only_when_every_value_is_known_and_accepted(host, dev, in_enclave, gaps):
-    plan = plan_attestation(Posture(host, HARDENED, dev=dev), key_in_secure_enclave=in_enclave)
+def test_an_attestation_is_planned_only_when_every_value_is_known_and_accepted(host, dev, gaps):
+    plan = plan_attestation(Posture(host, HARDENED, dev=dev))
     assert list(plan.gaps) == gaps
     assert plan.sendable is (not gaps)
     assert plan.trust_level is (Level.SELF_SIGNED if not gaps else Level.NONE)
-    assert plan.secure_enclave_available is (in_enclave or dev)  # never true for a software key outside dev
+    assert plan.secure_enclave_available is (host.secure_enclave or dev)  # the host has one, or the harness says so
     signer = ChallengeSigner.generate()
     signed = signed_attestation(plan, signer=signer, encryption_public_key="k", chip_name="c", hardware_model="m",
                                 os_version="v")
     assert (signed is None) is bool(gaps)
+
+
+def test_a_real_apple_silicon_mac_signs_its_own_posture():
+    signer = ChallengeSigner.generate()
+    host = replace(MAC_FULL_SECURITY, authenticated_root_enabled=False)
+    plan = plan_attestation(Posture(host, HARDENED))
+    signed = signed_attestation(plan, signer=signer, encryption_public_key="x25519-key", chip_name="Apple M4 Max",
+                                hardware_model="Mac16,5", os_version="15.3.0")
+    blob = json.loads(signed.text)["attestation"]
+    assert (blob["secureEnclaveAvailable"], blob["sipEnabled"], blob["secureBootEnabled"]) == (True, True, True)
+    assert blob["authenticatedRootEnabled"] is False and blob["rdmaDisabled"] is True  # the host's, not the dev's
 
 
 def test_the_dev_posture_blob_carries_the_registered_key_and_the_challenge_key():
@@ -197,13 +210,13 @@ async def test_a_tampered_blob_is_refused_and_nothing_is_routed(start_agent):
 
 
 async def test_without_the_dev_posture_no_attestation_is_sent_and_the_log_says_why(start_agent):
-    """On this (non-Enclave) host the agent sends none — never a Secure Enclave it does not have — and logs
+    """On this host (not a Mac: no Secure Enclave) the agent sends none — never an Enclave it lacks — and logs
     the reasons; the self-signed coordinator registers it at trust none."""
     async with self_signed_double() as double:
         with capture_redacted_logs() as logs:
             await start_agent(double.ws_url, dev_posture=False)
         [note] = [e for e in logs if e["event"] == "attestation_not_sent"]
-        assert note["state"] == "none" and note["reason"][0] == "no_secure_enclave_key"
+        assert note["state"] == "none" and note["reason"][0] == "no_secure_enclave"
         registered = await double.wait_for(lambda e: isinstance(e, Registered), timeout=20)
         assert registered.trust_level is TrustLevel.NONE and registered.attestation_error is None
         assert register_of(double).attestation is None
@@ -230,10 +243,11 @@ async def test_doctor_shows_the_trust_level_the_coordinator_will_assign_and_why(
     trust = honest["trust_level"]
     assert trust["level"] == "none" and trust["attestation_sent"] is False
     assert trust["routes_at_min_trust"] == ["none"]
-    assert trust["reasons"][0]["code"] == "no_secure_enclave_key" and "software key" in trust["reasons"][0]["detail"]
+    assert trust["reasons"][0]["code"] == "no_secure_enclave" and "no Secure Enclave" in trust["reasons"][0]["detail"]
+    assert trust["signing_key"].startswith("a software key in a file (0600)")
     assert trust["attestation"]["secureEnclaveAvailable"] is False
     if sys.platform != "darwin":
-        assert [r["code"] for r in trust["reasons"]] == ["no_secure_enclave_key", "sip_disabled", "secure_boot_disabled"]
+        assert [r["code"] for r in trust["reasons"]] == ["no_secure_enclave", "sip_disabled", "secure_boot_disabled"]
     assert honest["coordinator_must"][0].startswith("EIGENINFERENCE_MIN_TRUST=none ")
 
     # The dev posture as the operator reads it (its values are the plan's, checked above).
@@ -241,4 +255,20 @@ async def test_doctor_shows_the_trust_level_the_coordinator_will_assign_and_why(
     [line] = [line for line in text.splitlines() if line.strip().startswith("trust level ")]
     assert line.strip().startswith("trust level self_signed: register carries an attestation")
     assert "dev posture" in line and "EIGENINFERENCE_MIN_TRUST=none or self_signed" in line
+    assert "a software key in a file (0600)" in line and "cannot tell from an Enclave-held key" in line
     assert any(line.strip().startswith("EIGENINFERENCE_MIN_TRUST=self_signed or none") for line in text.splitlines())
+
+
+def test_doctor_on_an_apple_silicon_mac_says_self_signed_and_that_the_key_is_a_software_key():
+    from provider.doctor_routing import gather_routing, routing_json, trust_sentence
+
+    report = gather_routing(Settings(), total_bytes=16 * 2**30, models=(), runtime_hash=None, check_catalog=False,
+                            timeout_s=1.0, host=MAC_FULL_SECURITY, hardening=HARDENED)
+    sentence = trust_sentence(report)
+    assert sentence.startswith("self_signed: register carries an attestation of this host's posture")
+    assert "a software key in a file (0600), not held in the Secure Enclave" in sentence
+    assert "self_signed means exactly that" in sentence
+    trust = routing_json(report)["trust_level"]
+    assert trust["attestation_sent"] is True and trust["reasons"] == []
+    blob = trust["attestation"]
+    assert blob["secureEnclaveAvailable"] is True and blob["authenticatedRootEnabled"] is True

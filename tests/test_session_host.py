@@ -70,7 +70,7 @@ def test_darwin_posture_reads_commands_and_never_guesses():
     posture = read_host_posture(platform="darwin", run=lambda argv: outputs[argv[0]])
     # system_profiler could not run: Secure Boot is unknown, not false.
     assert posture == HostPosture(sip_enabled=True, secure_boot_enabled=None, rdma_disabled=True,
-                                  virtual_machine=False, authenticated_root_enabled=None)  # not read
+                                  virtual_machine=False, authenticated_root_enabled=None)  # no status line
     outputs["rdma_ctl"] = "enabled"
     assert not read_host_posture(platform="darwin", run=lambda argv: outputs[argv[0]]).rdma_disabled
 

@@ -12,9 +12,11 @@ Where each value comes from (``signed_attestation``):
 
 * ``publicKey``: the P-256 key that signs our challenge answers (``identity``), uncompressed point;
 * ``encryptionPublicKey``: ``register.public_key``, our X25519 key;
+* ``secureEnclaveAvailable``: the host has a Secure Enclave (``HostPosture.secure_enclave``: a Mac with
+  Apple silicon), the meaning Darkbloom's Swift provider gives it (``SecureEnclave.isAvailable``);
 * ``sipEnabled``, ``secureBootEnabled``, ``rdmaDisabled``: the posture every challenge answer reports
   (``Posture.reported_host``: the host's, or the dev posture);
-* ``authenticatedRootEnabled``: the host's sealed system volume (``HostPosture``; not read on macOS yet);
+* ``authenticatedRootEnabled``: the host's sealed system volume (``csrutil authenticated-root status``);
 * ``hypervisorActive``: ``MEMORY_ISOLATION`` (false: we do not isolate model memory in a hypervisor);
 * ``chipName``, ``hardwareModel``: ``register.hardware``'s ``chip_name`` and ``machine_model``;
 * ``osVersion``: ``provider.hardware.os_version``; ``timestamp``: the time of this ``register``;
@@ -22,19 +24,17 @@ Where each value comes from (``signed_attestation``):
   [A] uses only to cross-check with MDM (``hardware`` trust, out of our reach); we have no binary or
   sealed-volume hash to offer.
 
-``secureEnclaveAvailable`` — the decision. Darkbloom's providers sign the blob with a key held in the
-Secure Enclave and set this flag to say the Enclave is there; [A] reads the pair as "the key is
-hardware-held" and cannot tell otherwise, because a software key signs the same way (that is why a
-software key is *enough* for ``self_signed``). Enough is not honest: this agent's key is a software key
-in a file (``identity.SIGNING_KEY_IN_SECURE_ENCLAVE``), so on a real machine the flag's value is false,
-which [A] refuses. We therefore send **no attestation** there (gap ``no_secure_enclave_key``) rather than
-an attestation [A] must reject; trust stays ``none`` and ``doctor`` and the log say why. Under
-``dev_posture`` (refused unless the coordinator is on loopback) the flag is true, as the dev posture
-already reports SIP and Secure Boot true: the posture of a test harness, not of the host.
+What ``self_signed`` means here, in so many words: the blob is signed by a **software** P-256 key kept in
+a file (0600, ``identity``), not a key held in the Secure Enclave. The coordinator cannot tell the two
+apart (a software key signs the same way), so ``self_signed`` proves continuity of this key and that the
+values were signed by it, and the values are the host's real posture; it does not prove a hardware-held
+key. ``doctor`` says so. Under ``dev_posture`` (refused unless the coordinator is on loopback) every
+boolean is the dev posture's: the posture of a test harness, not of the host.
 
-Every boolean must be known. A value the host could not report (Secure Boot unreadable, the sealed
-volume not read) is a gap too: no attestation, never a guess. The gaps, in the order ``doctor`` lists
-them, are ``AttestationGap``; an empty list is the only case in which ``register`` carries the blob.
+Every boolean must be known and the host must have a Secure Enclave (a blob saying false would be
+refused). A value the host could not report (Secure Boot unreadable, the sealed volume unreadable) is a
+gap too: no attestation, never a guess. The gaps, in the order ``doctor`` lists them, are
+``AttestationGap``; an empty list is the only case in which ``register`` carries the blob.
 """
 
 from __future__ import annotations
@@ -46,14 +46,13 @@ from enum import StrEnum
 from protocol import RawJSON
 from protocol.attest import AttestationBlob, ChallengeSigner, attestation_timestamp, sign_attestation
 from provider.session.gates import TrustLevel
-from provider.session.identity import SIGNING_KEY_IN_SECURE_ENCLAVE
 from provider.session.posture import MEMORY_ISOLATION, Posture
 
 
 class AttestationGap(StrEnum):
     """Why ``register`` carries no attestation (each one alone keeps trust at ``none``)."""
 
-    NO_SECURE_ENCLAVE_KEY = "no_secure_enclave_key"
+    NO_SECURE_ENCLAVE = "no_secure_enclave"
     SIP_DISABLED = "sip_disabled"
     SECURE_BOOT_DISABLED = "secure_boot_disabled"
     SECURE_BOOT_UNKNOWN = "secure_boot_unknown"
@@ -61,14 +60,15 @@ class AttestationGap(StrEnum):
 
 
 GAP_TEXT: dict[AttestationGap, str] = {
-    AttestationGap.NO_SECURE_ENCLAVE_KEY: "the challenge key is a software key, not held in a Secure Enclave, so "
-                                          "secureEnclaveAvailable would be false (the coordinator requires true)",
+    AttestationGap.NO_SECURE_ENCLAVE: "this host has no Secure Enclave (not a Mac with Apple silicon), so "
+                                      "secureEnclaveAvailable would be false (the coordinator requires true)",
     AttestationGap.SIP_DISABLED: "SIP is not enabled, or there is none (the coordinator requires sipEnabled true)",
     AttestationGap.SECURE_BOOT_DISABLED: "Secure Boot is not at Full Security, or there is none (the coordinator "
                                          "requires secureBootEnabled true)",
     AttestationGap.SECURE_BOOT_UNKNOWN: "Secure Boot could not be read, and a guess is never signed",
-    AttestationGap.AUTHENTICATED_ROOT_UNKNOWN: "the sealed system volume (authenticatedRootEnabled) is not read "
-                                               "by this agent, and a guess is never signed",
+    AttestationGap.AUTHENTICATED_ROOT_UNKNOWN: "the sealed system volume (authenticatedRootEnabled) could not be "
+                                               "read from csrutil authenticated-root status, and a guess is never "
+                                               "signed",
 }
 
 
@@ -94,13 +94,13 @@ class AttestationPlan:
         return TrustLevel.SELF_SIGNED if self.sendable else TrustLevel.NONE
 
 
-def plan_attestation(posture: Posture, *, key_in_secure_enclave: bool = SIGNING_KEY_IN_SECURE_ENCLAVE) -> AttestationPlan:
+def plan_attestation(posture: Posture) -> AttestationPlan:
     """The attestation this posture allows. Pure: the posture was read at startup."""
     host = posture.reported_host
-    enclave = key_in_secure_enclave or posture.dev
+    enclave = host.secure_enclave
     gaps: list[AttestationGap] = []
     if not enclave:
-        gaps.append(AttestationGap.NO_SECURE_ENCLAVE_KEY)
+        gaps.append(AttestationGap.NO_SECURE_ENCLAVE)
     if not host.sip_enabled:
         gaps.append(AttestationGap.SIP_DISABLED)
     if host.secure_boot_enabled is None:

@@ -27,8 +27,9 @@ log = get_logger("provider.session.identity")
 IDENTITY_DIR = "identity"
 X25519_FILE = "x25519.key"
 SIGNING_FILE = "challenge-p256.pem"
-# The signing key is a software key in a file: no Secure Enclave holds it, so no attestation of ours may
-# say one does (provider.session.attestation).
+# The signing key is a software key in a file (0600): no Secure Enclave holds it. The attestation's
+# secureEnclaveAvailable says the host has an Enclave, not that it holds this key; the coordinator cannot
+# tell the two apart, and doctor says so (provider.session.attestation).
 SIGNING_KEY_IN_SECURE_ENCLAVE = False
 
 

@@ -20,14 +20,20 @@ macOS (each reader is tested on real output published by others: ``tests/macos_s
   Macs only, not on Apple silicon.)
 * RDMA: ``rdma_ctl status`` absent or ``disabled`` → disabled.
 * Authenticated Root Volume (the sealed system volume; the registration attestation's
-  ``authenticatedRootEnabled``): not read — no reader of ``diskutil info /`` has been checked against
-  real output yet — so it is unknown (``None``) on macOS, and no attestation is sent while it is
-  (``provider.session.attestation``).
+  ``authenticatedRootEnabled``): ``csrutil authenticated-root status``; a line ``Authenticated Root
+  status: enabled`` is true, ``... disabled`` false, anything else (no such line, the command failed)
+  unknown (``None``), and no attestation is sent while it is (``provider.session.attestation``).
+* Secure Enclave (the attestation's ``secureEnclaveAvailable``: "this machine has a Secure Enclave", as
+  Darkbloom's Swift provider sets it from ``SecureEnclave.isAvailable``): true on a Mac with Apple
+  silicon (``sysctl machdep.cpu.brand_string`` is an ``Apple M…`` chip, as ``provider.hardware`` reads
+  it), false in a virtual machine (``Apple M1 (Virtual)``), on Intel and elsewhere, where we have no
+  proof. It says nothing about our signing key, which is a software key in a file (``identity``).
 * Virtual machine: ``sysctl kern.hv_vmm_present`` (``1`` inside a VM; the name exists from macOS
   11.3). Reported in the log, not on the wire: see ``hypervisor_active`` below.
 
-Elsewhere SIP, Secure Boot and the sealed system volume are false (they do not exist), ``rdma_disabled`` is true when
-``/sys/class/infiniband`` is empty, and the cpuinfo ``hypervisor`` flag says "virtual machine".
+Elsewhere SIP, Secure Boot, the sealed system volume and the Secure Enclave are false (they do not
+exist), ``rdma_disabled`` is true when ``/sys/class/infiniband`` is empty, and the cpuinfo
+``hypervisor`` flag says "virtual machine".
 
 ``hypervisor_active`` is Darkbloom's name for the provider's own memory isolation: its Rust provider
 maps model weights, activations and KV into a Hypervisor.framework VM's stage-2 page tables so RDMA
@@ -58,6 +64,7 @@ from urllib.parse import urlsplit
 from protocol import PrivacyCapabilities
 from protocol.attest import SecurityPosture
 from provider.hardening import NO_HARDENING, SCRUBBED_NAMES, Hardening, harden_process, scrub_environment
+from provider.hardware import parse_chip
 from provider.hostcmd import Runner, read_sysctl, run_command
 
 MEMORY_ISOLATION = False  # `hypervisor_active`: we do not isolate model memory in a hypervisor (see above)
@@ -74,10 +81,12 @@ class HostPosture:
     rdma_disabled: bool
     virtual_machine: bool | None = None  # this host is a VM guest (None: unknown); not a wire field
     authenticated_root_enabled: bool | None = None  # sealed system volume (None: not read); attestation only
+    secure_enclave: bool = False  # the host has a Secure Enclave (Apple silicon); attestation only
 
 
 DEV_HOST_POSTURE = HostPosture(sip_enabled=True, secure_boot_enabled=True, rdma_disabled=True,
-                               virtual_machine=False, authenticated_root_enabled=True)
+                               virtual_machine=False, authenticated_root_enabled=True,
+                               secure_enclave=True)
 
 
 # --- dev posture ---------------------------------------------------------------------------------------
@@ -149,6 +158,26 @@ def parse_secure_boot(output: str | None) -> bool | None:
     return None
 
 
+_AUTH_ROOT_LINE = re.compile(r"^Authenticated Root status: (enabled|disabled)$")
+
+
+def parse_authenticated_root(output: str | None) -> bool | None:
+    """``csrutil authenticated-root status``: a line ``Authenticated Root status: enabled`` → True,
+    ``... disabled`` → False; no such line (or no output) → None."""
+    for line in (output or "").splitlines():
+        match = _AUTH_ROOT_LINE.match(line.strip())
+        if match:
+            return match.group(1) == "enabled"
+    return None
+
+
+def has_secure_enclave(values: dict[str, str]) -> bool:
+    """An ``Apple M…`` chip in ``machdep.cpu.brand_string`` (every Apple silicon chip has a Secure Enclave);
+    a VM's CPU, an Intel CPU or no brand: False (no proof)."""
+    chip = parse_chip(values.get("machdep.cpu.brand_string", ""))
+    return chip.family.startswith("M") and not chip.virtual
+
+
 def parse_vmm_present(values: dict[str, str]) -> bool | None:
     """``kern.hv_vmm_present: 1`` inside a virtual machine, ``0`` on a real Mac; absent: unknown."""
     value = values.get("kern.hv_vmm_present")
@@ -157,12 +186,14 @@ def parse_vmm_present(values: dict[str, str]) -> bool | None:
 
 def _darwin_posture(run: Runner) -> HostPosture:
     rdma = run(["rdma_ctl", "status"])
+    sysctl = read_sysctl(run, "kern.hv_vmm_present", "machdep.cpu.brand_string")
     return HostPosture(
         sip_enabled=parse_csrutil(run(["csrutil", "status"])),
         secure_boot_enabled=parse_secure_boot(run(["system_profiler", "SPiBridgeDataType", "-json"])),
         rdma_disabled=rdma is None or "disabled" in rdma.lower(),
-        virtual_machine=parse_vmm_present(read_sysctl(run, "kern.hv_vmm_present")),
-        authenticated_root_enabled=None,  # not read (see the module docstring)
+        virtual_machine=parse_vmm_present(sysctl),
+        authenticated_root_enabled=parse_authenticated_root(run(["csrutil", "authenticated-root", "status"])),
+        secure_enclave=has_secure_enclave(sysctl),
     )
 
 
@@ -231,6 +262,8 @@ __all__ = [
     "check_dev_posture",
     "harden_process",
     "is_loopback_url",
+    "has_secure_enclave",
+    "parse_authenticated_root",
     "parse_csrutil",
     "parse_secure_boot",
     "parse_vmm_present",
