@@ -18,11 +18,9 @@ text keeps streaming while an image is encoded.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import logging
 import queue
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -129,12 +127,6 @@ def _new_generator(model, eos_token_ids: frozenset[int], batch_size: int) -> Bat
     # concurrent requests per model than this, so no admitted request waits without tokens.
     return BatchGenerator(model, stop_tokens=[[t] for t in sorted(eos_token_ids)] or None,
                           completion_batch_size=batch_size, prefill_batch_size=min(_PREFILL_BATCH, batch_size))
-
-
-def _release_native_heap() -> None:
-    # glibc keeps freed heap pages until asked (reference/mlx-notes.md §4).
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 class Worker:
@@ -363,9 +355,7 @@ class Worker:
             vision.vlm = None
             del vision
             self._unwire_if_empty()
-            gc.collect()
-            mx.clear_cache()
-            _release_native_heap()
+            reclaim()  # the dropped weights: gc, MLX's cache, glibc's heap
             return
         slot = self._slot(model_id)
         self._fail_all(slot, EngineFailure.MODEL_UNLOADED)
@@ -375,9 +365,7 @@ class Worker:
         slot.model = slot.tokenizer = slot.generator = None
         del slot
         self._unwire_if_empty()
-        gc.collect()
-        mx.clear_cache()
-        _release_native_heap()
+        reclaim()  # the dropped weights: gc, MLX's cache, glibc's heap
 
     def _stop(self) -> None:
         for model_id in list(self._vision):
