@@ -27,10 +27,11 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 from provider.hostcmd import COMMAND_TIMEOUT_S, Runner, run_command
 
@@ -148,15 +149,20 @@ def session_run(argv: Sequence[str]) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
+def _from_command(run: Runner, argv: Sequence[str], parse: Callable[[str], Any], source: Source) -> Reading:
+    """A macOS command's reading: unavailable when it cannot run, unreadable when its output does not parse."""
+    output = run(argv)
+    if output is None:
+        return Reading(None, Source.UNAVAILABLE)
+    value = parse(output)
+    return Reading(value, source if value is not None else Source.UNREADABLE)
+
+
 def read_idle_seconds(*, platform: str = sys.platform, run: Runner = run_command,
                       session_run: Runner = session_run) -> Reading:
     """Seconds since the owner last used the keyboard or mouse. Blocking: call off the event loop."""
     if platform == "darwin":
-        output = run(IOREG)
-        if output is None:
-            return Reading(None, Source.UNAVAILABLE)
-        seconds = parse_ioreg_idle(output)
-        return Reading(seconds, Source.IOREG if seconds is not None else Source.UNREADABLE)
+        return _from_command(run, IOREG, parse_ioreg_idle, Source.IOREG)
     for argv, parse, source in ((XPRINTIDLE, parse_xprintidle, Source.XPRINTIDLE),
                                 (MUTTER_IDLE, parse_mutter_idle, Source.MUTTER)):
         seconds = parse(session_run(argv))
@@ -169,11 +175,7 @@ def read_on_battery(*, platform: str = sys.platform, run: Runner = run_command,
                     sysfs: Path = SYSFS_POWER) -> Reading:
     """Whether the machine runs on battery now. Blocking: call off the event loop."""
     if platform == "darwin":
-        output = run(PMSET_BATT)
-        if output is None:
-            return Reading(None, Source.UNAVAILABLE)
-        value = parse_pmset_batt(output)
-        return Reading(value, Source.PMSET if value is not None else Source.UNREADABLE)
+        return _from_command(run, PMSET_BATT, parse_pmset_batt, Source.PMSET)
     value = on_battery_from_supplies(read_sysfs_supplies(sysfs))
     return Reading(False, Source.NO_SUPPLY) if value is None else Reading(value, Source.SYSFS)
 
