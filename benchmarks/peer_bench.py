@@ -395,8 +395,10 @@ async def main() -> None:
     workloads = args.workloads.split(",")
     cells = [(w, c) for w in workloads for c in (chat_levels if w == "chat" else levels)]
 
-    model_path = args.model_dir or build_tiny_model(REPO / ".cache" / "tiny-models" / f"{args.preset}-f32",
-                                                    preset=args.preset)
+    # Absolute: the agent reads its alias from a config file in a temporary folder, where a relative
+    # path would resolve to nothing.
+    model_path = args.model_dir.resolve() if args.model_dir else build_tiny_model(
+        REPO / ".cache" / "tiny-models" / f"{args.preset}-f32", preset=args.preset)
     prompts = Prompts(model_path)
     bare = Bare(model_path) if {"w1", "w2"} & set(workloads) else None
     work = Path(tempfile.mkdtemp(prefix="peer-bench-"))

@@ -112,7 +112,7 @@ async def timed(client: httpx.AsyncClient, payload: dict) -> tuple[int, float]:
 
 
 async def run(args: argparse.Namespace) -> None:
-    model_dir = Path(args.model_dir) if args.model_dir else build_tiny_model(CACHE / "small-f32", preset="small")
+    model_dir = Path(args.model_dir).resolve() if args.model_dir else build_tiny_model(CACHE / "small-f32", preset="small")
     with tempfile.TemporaryDirectory(prefix="storm-bench-") as tmp:
         proc, base = start(model_dir, Path(tmp), args.max_batch_size)
         sampler = Sampler(base)

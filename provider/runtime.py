@@ -152,6 +152,18 @@ def freeze_startup_heap() -> None:
         gc.freeze()
 
 
+def _log_unservable(settings: Settings, inventory: Inventory) -> None:
+    """Say once at start which models found on disk cannot be served, and why: a warning for the
+    ones the operator named (an alias, `enabled_models`, `preload_models`), a note for the others
+    (a hub-cache folder that is not an MLX model is normal)."""
+    named = {*settings.model_aliases, *settings.enabled_models, *settings.preload_models}
+    for s in inventory.skipped:
+        emit = log.warning if s.id in named else log.info
+        emit("model_skipped", model=s.id, path=str(s.path), reason=s.reason.value, detail=s.message)
+    for model_id in inventory.missing:
+        log.warning("enabled_model_missing", model=model_id)
+
+
 @dataclasses.dataclass(slots=True)
 class Runtime:
     settings: Settings
@@ -184,6 +196,7 @@ class Runtime:
         hash_progress = progress if progress is not None else default_progress()
         progress = progress if progress is not None else terminal_progress()
         inventory = await asyncio.to_thread(discover_models, settings)
+        _log_unservable(settings, inventory)
         probe = Probe(settings.memory_limit_gb)
         snapshot, policy = probe.snapshot(), policy_settings(settings)
         ledger = Ledger(memory.compute_figures(snapshot.physical_bytes, policy), sample=probe.snapshot)

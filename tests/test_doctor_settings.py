@@ -144,3 +144,27 @@ async def test_the_agent_says_at_startup_which_setting_leaves_no_room(tmp_path, 
         assert line["level"] == "warning" and "redacted" not in line
     finally:
         await runtime.aclose()
+
+
+async def test_the_agent_says_at_startup_which_configured_models_it_cannot_serve(tmp_path, tiny_model_path, json_log):
+    # Tried as a user would: an alias to a folder that is not there (a typo, a relative path resolved
+    # from the config file's folder) was dropped without a word; only `doctor` and `models` said so.
+    from provider.config import Settings
+    from provider.runtime import Runtime
+
+    (tmp_path / "hub").mkdir()
+    settings = Settings(state_dir=tmp_path / "state", hf_cache_dir=tmp_path / "hub", memory_limit_gb=24.0,
+                        model_aliases={"tiny": tiny_model_path, "typo": tmp_path / "no-such-model"},
+                        enabled_models=("tiny", "typo", "never-heard-of"))
+    runtime = await Runtime.start(settings)
+    try:
+        assert runtime.servable == ("tiny",)
+        lines = [json.loads(x) for x in json_log.getvalue().splitlines()]
+        [skipped] = [e for e in lines if e["event"] == "model_skipped"]
+        assert skipped["level"] == "warning" and skipped["model"] == "typo"
+        assert skipped["reason"] == "not_found" and skipped["path"] == str(tmp_path / "no-such-model")
+        [missing] = [e for e in lines if e["event"] == "enabled_model_missing"]
+        assert missing["level"] == "warning" and missing["model"] == "never-heard-of"
+        assert not [e for e in lines if e["event"] == "model_skipped" and e["model"] == "tiny"]
+    finally:
+        await runtime.aclose()
