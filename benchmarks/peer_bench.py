@@ -18,6 +18,12 @@ ceiling for w1 and w2. Per run the table below the results shows the 1-minute lo
 the CPU seconds used by processes other than the two servers and this driver, so a noisy run can
 be seen.
 
+Chat turns follow each other at once by default; `--think-s` puts a pause between an answer and
+the next turn, as a person reading and typing does. TTFT is timed from the send either way, and
+chat tok/s is then not comparable across think times (the pauses are in the wall time). With a
+pause, `serve --local` prepares the next turn while idle (`prepare_next_turn`: the answer as the
+template renders it back is prefilled), so the turn prefills only the new message.
+
 Reading the chat rows: a turn can reuse the previous answer only when the template renders the
 streamed answer back to the tokens the model generated. The tiny random models often generate
 token runs their BPE tokenizer would split differently (and mlx-lm's detokenizer drops an answer's
@@ -32,7 +38,7 @@ ratios. `reuse` = prompt tokens served from the prefix cache / prompt tokens (ou
 
     python benchmarks/peer_bench.py [--preset medium] [--repeats 6] [--concurrency 1,4,8]
                                     [--chat-concurrency 1] [--workloads w1,w2,chat]
-                                    [--max-tokens 64] [--turn-tokens 64]
+                                    [--max-tokens 64] [--turn-tokens 64] [--think-s 0]
 
 Run it with OpenBLAS preloaded (`sh tools/with-blas.sh .venv/bin/python benchmarks/peer_bench.py`);
 both servers inherit the environment, so they use the same BLAS.
@@ -300,11 +306,13 @@ async def single_shot(server: Server, batch: list[list[dict[str, str]]], max_tok
 
 
 async def conversations(server: Server, prompts: Prompts, c: int, repeat: int,
-                        max_tokens: int) -> tuple[float, list[Request]]:
+                        max_tokens: int, think_s: float = 0.0) -> tuple[float, list[Request]]:
     async def one(i: int) -> list[Request]:
         history = [{"role": "user", "content": prompts.first_message(c, repeat, i)}]
         done = []
         for turn in range(1, TURNS + 1):
+            if turn > 1 and think_s > 0:
+                await asyncio.sleep(think_s)  # the user reading and typing (a modelled pause, not a sync)
             r = await ask(server, history, max_tokens, turn)
             done.append(r)
             history = history + [{"role": "assistant", "content": r.text},
@@ -319,7 +327,7 @@ async def conversations(server: Server, prompts: Prompts, c: int, repeat: int,
 async def server_run(server: Server, prompts: Prompts, workload: str, c: int, repeat: int, args) -> Run:
     before = server.reused_tokens()
     if workload == "chat":
-        wall, requests = await conversations(server, prompts, c, repeat, args.turn_tokens)
+        wall, requests = await conversations(server, prompts, c, repeat, args.turn_tokens, args.think_s)
     else:
         batch = [getattr(prompts, workload)(c, repeat, i) for i in range(c)]
         wall, requests = await single_shot(server, batch, args.max_tokens)
@@ -388,6 +396,9 @@ async def main() -> None:
     parser.add_argument("--chat-concurrency", default=None, help="levels for the chat workload (default: --concurrency)")
     parser.add_argument("--workloads", default="w1,w2,chat")
     parser.add_argument("--max-tokens", type=int, default=64, help="per w1/w2 request")
+    parser.add_argument("--think-s", type=float, default=0.0,
+                        help="chat: seconds between an answer and the next turn (a user reading and typing); "
+                             "TTFT is timed from the send either way")
     parser.add_argument("--turn-tokens", type=int, default=64, help="per chat turn (128 can outgrow the 4096-token context: answers from random weights re-tokenize into more tokens)")
     args = parser.parse_args()
     levels = [int(x) for x in args.concurrency.split(",")]
@@ -435,7 +446,7 @@ async def main() -> None:
 def report(args, model_path: Path, runs, log: list[Run], codes: dict[str, int]) -> None:
     blas = "OpenBLAS (preloaded)" if "openblas" in os.environ.get("LD_PRELOAD", "") else "MLX's bundled BLAS"
     print(f"\n{model_path.name}, {args.repeats} interleaved repeats, greedy, w1/w2 {args.max_tokens} tokens, "
-          f"chat {TURNS} turns x {args.turn_tokens} tokens; BLAS: {blas}; server exit codes {codes}\n")
+          f"chat {TURNS} turns x {args.turn_tokens} tokens, {args.think_s:g} s between turns; BLAS: {blas}; server exit codes {codes}\n")
     print("| workload | c | ours tok/s | server tok/s | bare tok/s | ours ÷ bare tok/s | server ÷ bare | "
           "ours ÷ server tok/s | ours ÷ server TTFT p50 | reuse ours / server |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -104,9 +104,12 @@ class ModelKvCache:
         self._lock = threading.Lock()
         self._hits = self._partial = self._misses = self._ssd_hits = self._reused = 0
 
-    def fetch(self, tokens: Sequence[int]) -> Reuse:
-        """The longest reusable prefix of `tokens` from RAM, else from SSD (promoted to RAM)."""
+    def fetch(self, tokens: Sequence[int], *, count: bool = True) -> Reuse:
+        """The longest reusable prefix of `tokens` from RAM, else from SSD (promoted to RAM).
+        `count=False`: the engine's own preparation, not a request: the stats stay as they were."""
         reuse = self._lookup(tokens)
+        if not count:
+            return reuse
         with self._lock:
             if reuse.cache is None:
                 self._misses += 1
@@ -118,6 +121,17 @@ class ModelKvCache:
                 self._ssd_hits += 1
             self._reused += reuse.matched
         return reuse
+
+    def longest_match(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens `fetch` would reuse, from either tier (no copy, no read, no stats)."""
+        if len(tokens) < 2:
+            return 0
+        best = self.ram.longest_match(tokens)
+        if self._ssd is not None:
+            match = self._ssd.lookup(self.model_id, tokens)
+            if match is not None:
+                best = max(best, min(match.common, len(tokens) - 1))
+        return best
 
     def _lookup(self, tokens: Sequence[int]) -> Reuse:
         if len(tokens) < 2:

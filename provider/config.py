@@ -196,6 +196,13 @@ class Settings(BaseModel):
                     "with a fast 503, and the heartbeat advertises at most this many.",
         **_allowed("an integer from 1 to 1024"),
     )
+    prepare_next_turn: bool = Field(
+        True,
+        description="Local server: after an answer, while the engine is idle, prefill the conversation with the "
+                    "answer as the chat template renders it back, so the next turn prefills only the new message. "
+                    "Coordinator jobs never do (the next turn may go to another provider).",
+        **_allowed("true or false"),
+    )
     idle_timeout_mins: float = Field(
         60.0, ge=0, description="Unload a model idle this long (minutes); 0 = never.",
         **_allowed("a number of minutes >= 0 (0 = never)"),

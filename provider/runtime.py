@@ -209,8 +209,10 @@ class Runtime:
         writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-ssd-write")
         prefix = await asyncio.to_thread(build_prefix_cache, settings, ledger, probe, writer)
         owns_engine = engine is None
+        # Half the activation reserve: a next-turn preparation runs only while no step does (worker.py).
+        scratch = ledger.figures.activation_reserve_bytes // 2 if settings.prepare_next_turn else 0
         engine = engine or Engine(prefix_cache=prefix.get, batch_size=settings.max_batch_size,
-                                  limits=memory.mlx_limits(ledger.figures))
+                                  limits=memory.mlx_limits(ledger.figures), next_turn_scratch_bytes=scratch)
         digests = await asyncio.to_thread(DigestCache.open, settings.state_dir / WEIGHT_HASH_CACHE)
         hashes = WeightHashes({m.id: m.path for m in inventory.models}, progress=hash_progress, cache=digests)
         manager = ModelManager.from_settings(settings, engine, inventory, ledger, probe, metrics=metrics,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import shutil
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -270,3 +271,133 @@ async def test_a_live_conversation_is_written_to_ssd_when_it_goes_quiet(tiny_mod
         assert ssd.entries("m") == 1 and ssd.lookup("m", last + [5]).common == len(last)
         await engine.unload("m")
         manager.purge("m")
+
+
+# -- next turn: the answer as the template renders it back, prefilled while the engine is idle ------
+
+class NextTurnTrace:
+    """The engine's trace hook: counts preparation steps and signals each stored preparation."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.stored: asyncio.Queue[str] = asyncio.Queue()
+        self.steps = 0
+        self.hold: tuple[threading.Event, threading.Event] | None = None  # (reached, release)
+
+    def __call__(self, model_id: str, request_id: str | None, phase: str) -> None:
+        if phase == "next_turn":
+            self.steps += 1
+            if self.hold is not None:
+                reached, release = self.hold
+                reached.set()
+                release.wait(30)
+        elif phase.startswith("next_turn_"):
+            self.loop.call_soon_threadsafe(self.stored.put_nowait, phase.removeprefix("next_turn_"))
+
+
+def rendered_back(model_path: Path, conv: Conversation) -> list[int]:
+    """The finished conversation with its last answer, as the template renders it back."""
+    return list(tokenizer(model_path).apply_chat_template(conv.history, add_generation_prompt=False))
+
+
+class PreparedConversation(Conversation):
+    async def turn(self, engine: Engine, model_id: str) -> Finished:
+        messages = self.next_messages()
+        request = ChatRequest(f"{self.name}-{len(self.turns)}", messages, PARAMS, prepare_next_turn=True)
+        text, fin = await engine.submit(model_id, request).collect()
+        assert isinstance(fin, Finished)
+        answer = text if self.keep is Keep.API_TEXT else tokenizer(self.model_path).decode(
+            list(fin.completion_ids), skip_special_tokens=True)
+        self.prompts.append(templated(self.model_path, messages))
+        self.history = messages + [{"role": "assistant", "content": answer}]
+        self.turns.append((fin.usage.prompt_tokens, fin.completion_ids, text))
+        return fin
+
+
+@pytest.mark.parametrize("template", [THINK_TEMPLATE, SHORTENED_TEMPLATE, None],
+                         ids=["think-block", "shortened", "trimmed-space"])
+async def test_the_next_turn_is_prepared_while_idle_and_reuses_the_re_rendered_answer(
+        tiny_model_path: Path, tmp_path: Path, ledger: Ledger, template: str | None) -> None:
+    # The client sends back the text it was sent (as an OpenAI client does): the preparation renders that.
+    keep = Keep.API_TEXT
+    model_path = tiny_model_path if template is None else with_template(tiny_model_path, tmp_path / "model", template)
+    expected = await cache_off_outputs(model_path, 3, keep)
+    manager = KvCacheManager(ledger)
+    conv = PreparedConversation("on", model_path, keep=keep)
+    trace = NextTurnTrace()
+    async with Engine(prefix_cache=manager.get, trace=trace, next_turn_scratch_bytes=GiB) as engine:
+        await engine.load("m", model_path)
+        manager.attach("m", "weights")
+        await conv.turn(engine, "m")
+        beyond_the_generated = 0
+        for _ in (1, 2):
+            assert await asyncio.wait_for(trace.stored.get(), 60) == "stored"
+            prepared = rendered_back(model_path, conv)
+            hit = manager.get("m").ram.fetch(prepared + [0])
+            assert hit is not None and hit.matched == len(prepared)  # kept under exactly those tokens
+            # ... and its KV is what a fresh prefill of them gives.
+            model, _ = mlx_lm.load(str(model_path))
+            fresh = make_prompt_cache(model)
+            model(mx.array([prepared]), cache=fresh)
+            for kept, ref in zip(hit.cache, fresh):
+                assert mx.allclose(kept.keys, ref.keys[..., : len(prepared), :], atol=1e-4).item()
+                assert mx.allclose(kept.values, ref.values[..., : len(prepared), :], atol=1e-4).item()
+            previous = conv.sequence(len(conv.turns) - 1)
+            if common_prefix(previous, prepared) < len(prepared) - 1:
+                beyond_the_generated += 1  # the generated sequence alone would have stopped earlier
+            before = manager.stats()
+            await conv.turn(engine, "m")
+            after = manager.stats()
+            assert conv.prompts[-1][: len(prepared)] == prepared
+            assert after.reused_tokens - before.reused_tokens == len(prepared)  # only the new message prefilled
+            assert after.hits + after.partial_hits - before.hits - before.partial_hits == 1  # the preparation's own lookup is not counted
+        assert beyond_the_generated >= 1
+        await engine.unload("m")
+        manager.purge("m")
+    assert [ids for _, ids, _ in conv.turns] == expected
+    assert len(ledger) == 0
+
+
+async def test_a_new_request_drops_the_preparation_and_nothing_half_made_is_kept(
+        tiny_model_path: Path, ledger: Ledger, monkeypatch: pytest.MonkeyPatch) -> None:
+    from provider.engine import worker
+
+    monkeypatch.setattr(worker, "NEXT_TURN_CHUNK", 4)  # several steps for the tiny model's short answers
+    model_path = tiny_model_path
+    manager = KvCacheManager(ledger)
+    conv = PreparedConversation("on", model_path, keep=Keep.API_TEXT)
+    trace = NextTurnTrace()
+    reached, release = threading.Event(), threading.Event()
+    trace.hold = (reached, release)
+    async with Engine(prefix_cache=manager.get, trace=trace, next_turn_scratch_bytes=GiB) as engine:
+        await engine.load("m", model_path)
+        manager.attach("m", "weights")
+        await conv.turn(engine, "m")
+        assert await asyncio.to_thread(reached.wait, 30)  # the worker is inside a preparation step
+        other = engine.submit("m", ChatRequest("other", [{"role": "user", "content": "seven apples"}], PARAMS))
+        release.set()
+        text, fin = await other.collect()
+        assert isinstance(fin, Finished)
+        prepared = rendered_back(model_path, conv)
+        assert len(prepared) - common_prefix(conv.sequence(0), prepared) > 4  # it needed more than one step
+        hit = manager.get("m").ram.fetch(prepared + [0])
+        assert hit is None or hit.matched < len(prepared)  # dropped, not stored half-made
+        assert trace.steps == 1 and trace.stored.empty()
+        await engine.unload("m")
+        manager.purge("m")
+    assert len(ledger) == 0
+
+
+async def test_no_preparation_without_room_or_for_requests_not_marked(tiny_model_path: Path, ledger: Ledger) -> None:
+    for scratch, marked in ((1, True), (GiB, False)):
+        manager = KvCacheManager(ledger)
+        trace = NextTurnTrace()
+        conv = (PreparedConversation if marked else Conversation)("on", tiny_model_path, keep=Keep.API_TEXT)
+        async with Engine(prefix_cache=manager.get, trace=trace, next_turn_scratch_bytes=scratch) as engine:
+            await engine.load("m", tiny_model_path)
+            manager.attach("m", "weights")
+            await conv.turn(engine, "m")
+            await conv.turn(engine, "m")  # the engine went idle in between
+            await engine.unload("m")
+        manager.purge("m")
+        assert trace.steps == 0 and trace.stored.empty()

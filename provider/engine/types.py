@@ -76,6 +76,9 @@ class ChatRequest:
     images: tuple[Any, ...] = field(default=(), repr=False)
     kv_tokens: int | None = None
     prompt_ids: Sequence[int] | None = None
+    # The local front's conversations: once this finishes, prefill the prompt's next turn up to the
+    # answer as the chat template renders it back, while the engine is idle (worker.py, "Next turn").
+    prepare_next_turn: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,20 @@ one step, and requests join and leave the running batch between any two steps. B
 when the prefix cache has a conversation turn due on its SSD tier while idle (the blocking wait
 then ends at that time), it writes the turns that went quiet (`kvcache.ModelKvCache.write_quiet`).
 
+Next turn. A local conversation's follow-up repeats the finished prompt and the answer, but as
+the chat template renders the answer text back, which often is not the tokens the model generated
+(a template that drops thinking blocks or trims whitespace, a tokenizer that splits the text
+differently, a detokenizer that drops the answer's leading space), so the cached sequence matches
+only up to the first token that differs. For requests marked `prepare_next_turn` (the local front's),
+when the engine is idle it renders the conversation with the answer appended, reuses the longest
+cached prefix of those tokens and prefills the rest (at most `NEXT_TURN_MAX_TOKENS`) in
+`NEXT_TURN_CHUNK`-token steps, then stores the result in the prefix cache: the next turn then
+prefills only the new user message. KV is only ever computed for exactly the tokens it is stored
+under. Any command is handled between two of these steps; a new request drops the preparation
+first. Its scratch (a copy of the prefix plus the new tokens) stands in for a step's activations,
+which do not exist while the engine is idle, so it is bounded by half the activation reserve
+(`next_turn_scratch_bytes`); the stored entry is reserved in the ledger like any other.
+
 Vision-language models (`vision.VisionSlot`, loaded with mlx-vlm) are stepped in the same loop,
 after the text batches: every vision request past its prompt decodes one token per loop; the
 oldest one still before its first token (template + processor, vision encoder, prefill chunks)
@@ -33,6 +47,7 @@ import mlx_lm
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
+from kvcache import state
 from kvcache.manager import MISS, ModelKvCache, Reuse
 from memory.mlx_limits import MlxLimits
 from memory.settle import clear_buffer_cache, reclaim
@@ -94,6 +109,21 @@ class _Active:
     completion_ids: list[int] = field(default_factory=list)
     prompt_ids: list[int] = field(default_factory=list)  # with completion_ids: the key its KV is kept under
     reused_key: tuple[int, ...] | None = None  # the cached sequence its prompt reused, if any
+    messages: Sequence[Mapping[str, object]] | None = None  # kept only to prepare the next turn
+    answer: list[str] | None = None  # the text sent, kept only to prepare the next turn
+
+
+@dataclass(slots=True)
+class _NextTurn:
+    """A finished conversation whose next prompt is being prepared (see "Next turn")."""
+
+    model_id: str
+    messages: Sequence[Mapping[str, object]]
+    answer: str
+    ids: list[int] = field(default_factory=list)  # the conversation with the answer rendered back
+    cache: list | None = None  # the KV of ids[:done]
+    done: int = 0
+    extends: tuple[int, ...] | None = None  # the stored sequence it started from
 
 
 @dataclass(slots=True)
@@ -119,6 +149,8 @@ class _Slot:
 
 
 DEFAULT_BATCH_SIZE = 32  # mlx-lm's own BatchGenerator default (completion_batch_size)
+NEXT_TURN_CHUNK = 64  # tokens per idle step of a next-turn preparation: what a new request may wait for
+NEXT_TURN_MAX_TOKENS = 1024  # tokens to prefill past the cached prefix; more is not a re-rendered answer
 _PREFILL_BATCH = 8  # mlx-lm's prefill_batch_size default
 
 
@@ -132,8 +164,11 @@ def _new_generator(model, eos_token_ids: frozenset[int], batch_size: int) -> Bat
 class Worker:
     def __init__(self, commands: queue.SimpleQueue[Command], *, prefix_cache: PrefixCacheLookup | None = None,
                  vision_prefill_step: int = DEFAULT_PREFILL_STEP, trace: Trace | None = None,
-                 batch_size: int = DEFAULT_BATCH_SIZE, limits: MlxLimits | None = None):
+                 batch_size: int = DEFAULT_BATCH_SIZE, limits: MlxLimits | None = None,
+                 next_turn_scratch_bytes: int = 0):
         self._commands = commands
+        self._next_turn_scratch = next_turn_scratch_bytes  # 0: never prepare a next turn
+        self._next_turns: dict[str, _NextTurn] = {}  # by model: its latest finished conversation
         self._prefix_cache = prefix_cache
         self._vision_prefill_step = vision_prefill_step
         self._trace = trace
@@ -170,9 +205,12 @@ class Worker:
                 self._flush_outbox()
                 self._write_quiet()
                 continue
+            wait = self._write_quiet()
             try:  # idle: wake for the next command, or when a cached turn is due on SSD
-                command = self._commands.get(timeout=self._write_quiet())
+                command = self._commands.get(timeout=0 if self._next_turns else wait)
             except queue.Empty:
+                if self._next_turns:
+                    self._prepare_next_turn()
                 continue
             self._handle(command)
             self._flush_outbox()
@@ -198,6 +236,8 @@ class Worker:
             self._cancel_many(cancels)
 
     def _handle(self, command: Command) -> None:
+        if isinstance(command, (Submit, Load, Unload, Stop)):
+            self._next_turns.clear()  # a request (or a load) never waits behind a guess; its scratch goes
         match command:
             case Submit():
                 self._submit(command)
@@ -419,8 +459,10 @@ class Worker:
             self._notify_released(cmd.on_released, request.request_id)
             return
         text = CompletionText(slot.tokenizer.detokenizer, request.params.stop)
+        prepare = request.prepare_next_turn and self._next_turn_scratch > 0 and self._prefix_cache is not None
         slot.requests[uid] = _Active(request.request_id, uid, cmd.sink, cmd.on_released, text, len(ids),
-                                     prompt_ids=ids, reused_key=reuse.key)
+                                     prompt_ids=ids, reused_key=reuse.key,
+                                     messages=request.messages if prepare else None, answer=[] if prepare else None)
         self._where[request.request_id] = (slot, uid)
 
     # -- prefix cache (kvcache/) -------------------------------------------------------------
@@ -458,6 +500,55 @@ class Worker:
                 log.exception("prefix cache store failed")
             if keep.finished is not None:
                 self._emit(*keep.finished)
+
+    def _prepare_next_turn(self) -> None:
+        """One idle step of the newest next-turn preparation (see "Next turn")."""
+        model_id = next(reversed(self._next_turns))
+        turn = self._next_turns[model_id]
+        slot = self._slots.get(model_id)
+        kv = self._prefix_cache(model_id) if self._prefix_cache is not None else None
+        try:
+            if slot is None or kv is None or (turn.cache is None and not self._start_next_turn(slot, kv, turn)):
+                del self._next_turns[model_id]
+                return
+            if self._trace is not None:
+                self._trace(model_id, None, "next_turn")
+            chunk = turn.ids[turn.done: turn.done + NEXT_TURN_CHUNK]
+            slot.model(mx.array([chunk]), cache=turn.cache)
+            mx.eval([c.state for c in turn.cache])
+            turn.done += len(chunk)
+            if turn.done == len(turn.ids):
+                del self._next_turns[model_id]
+                outcome = kv.store(turn.ids, turn.cache, extends=turn.extends)
+                if self._trace is not None:
+                    self._trace(model_id, None, f"next_turn_{outcome.value}")
+        except Exception:  # an edge: the preparation is an optimisation, never a reason to fail
+            log.exception("next turn preparation failed")
+            self._next_turns.pop(model_id, None)
+
+    def _start_next_turn(self, slot: _Slot, kv: ModelKvCache, turn: _NextTurn) -> bool:
+        """Render the conversation with the answer, and take a copy of its longest cached prefix."""
+        messages = [*turn.messages, {"role": "assistant", "content": turn.answer}]
+        try:
+            ids = list(slot.tokenizer.apply_chat_template(messages, add_generation_prompt=False))
+        except _TEMPLATE_ERRORS:
+            return False
+        ctx = slot.info.context_length
+        if len(ids) < 2 or (ctx is not None and len(ids) >= ctx):
+            return False
+        matched = kv.longest_match(ids)
+        if matched < 1 or matched >= len(ids) - 1 or len(ids) - matched > NEXT_TURN_MAX_TOKENS:
+            # Nothing of it cached (a guess from scratch), all of it (the answer renders back as
+            # generated: the next turn reuses it as it is), or too much for a re-rendered answer.
+            return False
+        reuse = kv.fetch(ids, count=False)
+        if reuse.cache is None:
+            return False
+        per_token = state.cache_nbytes(reuse.cache) // reuse.matched
+        if per_token * (len(ids) + KVCache.step) > self._next_turn_scratch:
+            return False  # the copy is dropped on return
+        turn.ids, turn.cache, turn.done, turn.extends = ids, reuse.cache, reuse.matched, reuse.key
+        return True
 
     def _write_quiet(self) -> float | None:
         """Let each model's prefix cache write its quiet turns to SSD; seconds until the next is due."""
@@ -600,9 +691,15 @@ class Worker:
 
     def _emit_text(self, active: _Active, text: str) -> None:
         if text:
+            if active.answer is not None:
+                active.answer.append(text)
             self._emit(active.sink, TextDelta(text))
 
     def _finish(self, slot: _Slot, active: _Active, reason: FinishReason) -> None:
+        if active.messages is not None and active.answer is not None:
+            self._next_turns.pop(slot.info.model_id, None)  # newest last: it is prepared first
+            self._next_turns[slot.info.model_id] = _NextTurn(slot.info.model_id, active.messages,
+                                                             "".join(active.answer))
         usage = Usage(active.prompt_tokens, len(active.completion_ids))
         event = Finished(reason, usage, tuple(active.completion_ids))
         if self._kept and self._kept[-1].active is active:

@@ -90,7 +90,8 @@ class RuntimeBackend:
         if isinstance(booked, AdmissionRefused):
             raise Refused(booked.failure)
         ids = prompt_ids if booked.reservation is not None else None  # a VLM's processor places its images
-        request = ChatRequest(request_id, body.messages, body.sampling(booked.kv.max_tokens), prompt_ids=ids)
+        request = ChatRequest(request_id, body.messages, body.sampling(booked.kv.max_tokens), prompt_ids=ids,
+                              prepare_next_turn=True)  # one user's conversations: the next turn comes here
         rt.stats.accepted(request_id, body.model)
         try:
             async with rt.manager.serve(request_id, body.model, len(prompt_ids), body.max_tokens,
