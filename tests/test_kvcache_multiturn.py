@@ -401,3 +401,23 @@ async def test_no_preparation_without_room_or_for_requests_not_marked(tiny_model
             await engine.unload("m")
         manager.purge("m")
         assert trace.steps == 0 and trace.stored.empty()
+
+
+async def test_a_next_turn_sent_within_the_quiet_period_never_meets_a_preparation(
+        tiny_model_path: Path, ledger: Ledger, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A client that replies at once (an agent loop, a benchmark) must not wait behind a guess.
+    from provider.engine import worker
+
+    monkeypatch.setattr(worker, "NEXT_TURN_QUIET_S", 3600.0)  # the quiet period never ends in this test
+    manager = KvCacheManager(ledger)
+    trace = NextTurnTrace()
+    conv = PreparedConversation("on", tiny_model_path, keep=Keep.API_TEXT)
+    async with Engine(prefix_cache=manager.get, trace=trace, next_turn_scratch_bytes=GiB) as engine:
+        await engine.load("m", tiny_model_path)
+        manager.attach("m", "weights")
+        for _ in range(3):
+            await conv.turn(engine, "m")
+        await engine.unload("m")
+    manager.purge("m")
+    assert trace.steps == 0 and trace.stored.empty()
+    assert len(ledger) == 0

@@ -14,7 +14,8 @@ the chat template renders the answer text back, which often is not the tokens th
 (a template that drops thinking blocks or trims whitespace, a tokenizer that splits the text
 differently, a detokenizer that drops the answer's leading space), so the cached sequence matches
 only up to the first token that differs. For requests marked `prepare_next_turn` (the local front's),
-when the engine is idle it renders the conversation with the answer appended, reuses the longest
+once the engine has been idle for `NEXT_TURN_QUIET_S` (a client that sends its next request at
+once, a benchmark, an agent loop, never meets a preparation) it renders the conversation with the answer appended, reuses the longest
 cached prefix of those tokens and prefills the rest (at most `NEXT_TURN_MAX_TOKENS`) in
 `NEXT_TURN_CHUNK`-token steps, then stores the result in the prefix cache: the next turn then
 prefills only the new user message. KV is only ever computed for exactly the tokens it is stored
@@ -124,6 +125,7 @@ class _NextTurn:
     cache: list | None = None  # the KV of ids[:done]
     done: int = 0
     extends: tuple[int, ...] | None = None  # the stored sequence it started from
+    due: float = 0.0  # time.monotonic() after which it may start
 
 
 @dataclass(slots=True)
@@ -150,6 +152,7 @@ class _Slot:
 
 DEFAULT_BATCH_SIZE = 32  # mlx-lm's own BatchGenerator default (completion_batch_size)
 NEXT_TURN_CHUNK = 64  # tokens per idle step of a next-turn preparation: what a new request may wait for
+NEXT_TURN_QUIET_S = 0.25  # idle this long after an answer before preparing: a person takes longer to reply
 NEXT_TURN_MAX_TOKENS = 1024  # tokens to prefill past the cached prefix; more is not a re-rendered answer
 _PREFILL_BATCH = 8  # mlx-lm's prefill_batch_size default
 
@@ -206,10 +209,13 @@ class Worker:
                 self._write_quiet()
                 continue
             wait = self._write_quiet()
+            if self._next_turns:  # wake when the next-turn preparation is due (at once while it runs)
+                due = max(0.0, next(reversed(self._next_turns.values())).due - time.monotonic())
+                wait = due if wait is None else min(wait, due)
             try:  # idle: wake for the next command, or when a cached turn is due on SSD
-                command = self._commands.get(timeout=0 if self._next_turns else wait)
+                command = self._commands.get(timeout=wait)
             except queue.Empty:
-                if self._next_turns:
+                if self._next_turns and next(reversed(self._next_turns.values())).due <= time.monotonic():
                     self._prepare_next_turn()
                 continue
             self._handle(command)
@@ -699,7 +705,8 @@ class Worker:
         if active.messages is not None and active.answer is not None:
             self._next_turns.pop(slot.info.model_id, None)  # newest last: it is prepared first
             self._next_turns[slot.info.model_id] = _NextTurn(slot.info.model_id, active.messages,
-                                                             "".join(active.answer))
+                                                             "".join(active.answer),
+                                                             due=time.monotonic() + NEXT_TURN_QUIET_S)
         usage = Usage(active.prompt_tokens, len(active.completion_ids))
         event = Finished(reason, usage, tuple(active.completion_ids))
         if self._kept and self._kept[-1].active is active:
