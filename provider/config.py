@@ -203,6 +203,13 @@ class Settings(BaseModel):
                     "Coordinator jobs never do (the next turn may go to another provider).",
         **_allowed("true or false"),
     )
+    solo_prefill: bool = Field(
+        True,
+        description="Prefill a burst of long prompts one at a time, each first token out as soon as its own prompt "
+                    "is, the decode batch held meanwhile (bounded); which prompts are long enough is measured per "
+                    "model at load. false: every prompt is prefilled in mlx-lm's batches.",
+        **_allowed("true or false"),
+    )
     idle_timeout_mins: float = Field(
         60.0, ge=0, description="Unload a model idle this long (minutes); 0 = never.",
         **_allowed("a number of minutes >= 0 (0 = never)"),

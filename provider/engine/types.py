@@ -130,6 +130,9 @@ class LoadedModelInfo:
     eos_token_ids: frozenset[int]
     vocab_size: int
     load_seconds: float
+    # Prompts with at least this many tokens left to prefill are prefilled alone, their first token
+    # out at once (engine/prefill.py); None: never (a vision model, or a model whose head cannot be split).
+    solo_min_tokens: int | None = None
     vision: bool = False  # served through mlx-vlm: takes images
     image_text_tokens: int = 0  # vision: text tokens the processor adds around each image (measured)
 

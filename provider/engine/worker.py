@@ -9,6 +9,17 @@ one step, and requests join and leave the running batch between any two steps. B
 when the prefix cache has a conversation turn due on its SSD tier while idle (the blocking wait
 then ends at that time), it writes the turns that went quiet (`kvcache.ModelKvCache.write_quiet`).
 
+Solo prefill (`prefill.py`). A prompt whose part still to prefill (after the prefix cache) is at
+least the model's `solo_min_tokens` (measured at load) is prefilled by itself, a chunk per loop,
+and its first token, sampled from that same pass, goes out at once; it then waits in `ready` and
+joins the batch with that token as its input. While such prompts wait, the batch does not step
+(its requests' next tokens wait) until `prefill.PREFILL_STEP` prompt tokens have been prefilled
+alone since its last step, the most mlx-lm itself prefills between two decode steps: a burst is
+prefilled one prompt at a time, each first token out as soon as its prompt is, and then decodes
+as one batch. When its first token is out, a prompt whose KV a queued request shares (a burst on
+one cold system prompt) is stored in the prefix cache, so the queued one reuses it. Prompts with
+less left to prefill go to the `BatchGenerator` as they are (its own batched prefill).
+
 Next turn. A local conversation's follow-up repeats the finished prompt and the answer, but as
 the chat template renders the answer text back, which often is not the tokens the model generated
 (a template that drops thinking blocks or trims whitespace, a tokenizer that splits the text
@@ -33,11 +44,12 @@ text keeps streaming while an image is encoded.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import queue
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -68,6 +80,15 @@ from provider.engine.commands import (
     Unload,
 )
 from provider.engine.device import DeviceLimits
+from provider.engine.prefill import (
+    PREFILL_STEP,
+    SoloPrefill,
+    SplitHead,
+    for_batch,
+    pass_costs,
+    solo_threshold,
+    split_head,
+)
 from provider.engine.sampling import sampler_for
 from provider.engine.textstream import CompletionText
 from provider.engine.vision import DutyCycle, Trace, VisionSlot
@@ -97,19 +118,24 @@ _GROWING_CACHES = (KVCache, RotatingKVCache, QuantizedKVCache)
 PrefixCacheLookup = Callable[[str], ModelKvCache | None]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Active:
-    """One request inside a model's batch."""
+    """One request of a model: queued, prefilled alone (`solo`), `ready` to join, or in the batch (`uid`)."""
 
     request_id: str
-    uid: int
     sink: EventSink
     on_released: ReleaseHook | None
     text: CompletionText
     prompt_tokens: int
+    max_tokens: int
+    sampler: object
+    uid: int | None = None  # its BatchGenerator uid once inserted
     completion_ids: list[int] = field(default_factory=list)
     prompt_ids: list[int] = field(default_factory=list)  # with completion_ids: the key its KV is kept under
     reused_key: tuple[int, ...] | None = None  # the cached sequence its prompt reused, if any
+    reused: int = 0  # prompt tokens that came from the prefix cache
+    solo: SoloPrefill | None = None  # its prompt's own prefill, while it runs
+    cache: list | None = None  # ready: its prompt's KV, until it joins the batch
     messages: Sequence[Mapping[str, object]] | None = None  # kept only to prepare the next turn
     answer: list[str] | None = None  # the text sent, kept only to prepare the next turn
 
@@ -141,19 +167,34 @@ class _Keep:
 
 @dataclass(slots=True)
 class _Slot:
-    """One loaded model and its batch."""
+    """One loaded model, its batch, and the requests not in it yet."""
 
     info: LoadedModelInfo
     model: object
     tokenizer: object
     generator: BatchGenerator
-    requests: dict[int, _Active] = field(default_factory=dict)  # by BatchGenerator uid
+    split: SplitHead | None = None  # None: no solo prefill for this model (prefill.split_head)
+    solo_min_tokens: int = PREFILL_STEP
+    requests: dict[int, _Active] = field(default_factory=dict)  # in the batch, by BatchGenerator uid
+    queue: deque[_Active] = field(default_factory=deque)  # admitted, not started (first come first)
+    solo: _Active | None = None  # the prompt being prefilled alone
+    ready: list[_Active] = field(default_factory=list)  # first token out, waiting to join the batch
+    held_tokens: int = 0  # prompt tokens prefilled alone since the batch last stepped
+    joining: bool = False  # the generator's last insert was ready requests joining (see _unmerged)
+
+    def actives(self) -> list[_Active]:
+        return [*self.queue, *([self.solo] if self.solo is not None else []), *self.ready,
+                *self.requests.values()]
+
+    def busy(self) -> bool:
+        return bool(self.requests or self.queue or self.ready or self.solo is not None)
 
 
 DEFAULT_BATCH_SIZE = 32  # mlx-lm's own BatchGenerator default (completion_batch_size)
 NEXT_TURN_CHUNK = 64  # tokens per idle step of a next-turn preparation: what a new request may wait for
 NEXT_TURN_QUIET_S = 0.25  # idle this long after an answer before preparing: a person takes longer to reply
 NEXT_TURN_MAX_TOKENS = 1024  # tokens to prefill past the cached prefix; more is not a re-rendered answer
+SHARE_MIN_TOKENS = 32  # a queued prompt sharing at least this many more tokens gets the prompt stored
 _PREFILL_BATCH = 8  # mlx-lm's prefill_batch_size default
 
 
@@ -168,8 +209,9 @@ class Worker:
     def __init__(self, commands: queue.SimpleQueue[Command], *, prefix_cache: PrefixCacheLookup | None = None,
                  vision_prefill_step: int = DEFAULT_PREFILL_STEP, trace: Trace | None = None,
                  batch_size: int = DEFAULT_BATCH_SIZE, limits: MlxLimits | None = None,
-                 next_turn_scratch_bytes: int = 0):
+                 next_turn_scratch_bytes: int = 0, solo_min_tokens: int | None = None):
         self._commands = commands
+        self._solo_min_tokens = solo_min_tokens  # None: measured per model at load (prefill.py)
         self._next_turn_scratch = next_turn_scratch_bytes  # 0: never prepare a next turn
         self._next_turns: dict[str, _NextTurn] = {}  # by model: its latest finished conversation
         self._prefix_cache = prefix_cache
@@ -180,7 +222,7 @@ class Worker:
         self._device = DeviceLimits(limits)  # MLX's memory/cache limits, and the wired limit (device.py)
         self._slots: dict[str, _Slot] = {}
         self._vision: dict[str, VisionSlot] = {}
-        self._where: dict[str, tuple[_Slot, int]] = {}  # request_id -> (slot, uid)
+        self._where: dict[str, tuple[_Slot, _Active]] = {}  # request_id -> (slot, request)
         self._outbox: list[tuple[EventSink, Event]] = []
         self._kept: list[_Keep] = []  # finished sequences to store once the step's tokens are out
         self._stopped = False
@@ -299,7 +341,9 @@ class Worker:
         vision = self._vision.get(model_id)
         if vision is not None:
             return vision.cache_nbytes()
-        return self._slot(model_id).generator.prompt_cache_nbytes
+        slot = self._slot(model_id)
+        waiting = [a.solo.cache if a.solo is not None else a.cache for a in (slot.solo, *slot.ready) if a is not None]
+        return slot.generator.prompt_cache_nbytes + sum(c.nbytes for cache in waiting if cache for c in cache)
 
     # -- load / unload -----------------------------------------------------------------------
 
@@ -331,9 +375,34 @@ class Worker:
             vocab_size=int(config.get("vocab_size") or len(tokenizer)),
             load_seconds=time.monotonic() - started,
         )
-        self._slots[cmd.model_id] = _Slot(info, model, tokenizer, self._generator(model, eos))
+        slot = _Slot(info, model, tokenizer, self._generator(model, eos))
+        self._calibrate(slot)
+        slot.info = info = dataclasses.replace(
+            info, solo_min_tokens=slot.solo_min_tokens if slot.split is not None else None)
+        self._slots[cmd.model_id] = slot
         self.stats[cmd.model_id] = ModelStats(0, 0, 0)
         return info
+
+    def _calibrate(self, slot: _Slot) -> None:
+        """Whether and from how many tokens a prompt is prefilled alone (module docstring, prefill.py)."""
+        if self._solo_min_tokens == 0:
+            return  # solo prefill off
+        try:
+            with mx.stream(slot.generator.stream):
+                slot.split = split_head(slot.model)
+                if slot.split is None:
+                    return
+                if self._solo_min_tokens is not None:
+                    slot.solo_min_tokens = self._solo_min_tokens
+                    return
+                costs = pass_costs(slot.model)
+                slot.solo_min_tokens = solo_threshold(costs)
+        except Exception:  # an edge: without the measurement the model is served as mlx-lm serves it
+            log.exception("prefill calibration failed", extra={"model_id": slot.info.model_id})
+            slot.split = None
+            return
+        finally:
+            clear_buffer_cache()
 
     def _load_vision(self, cmd: Load) -> LoadedModelInfo:
         from provider.engine.vlm import image_text_tokens, load_vlm  # mlx-vlm: only when a model is a VLM
@@ -384,7 +453,7 @@ class Worker:
         if vision is not None:
             return vision.kv_bytes_per_token()
         slot = self._slot(model_id)
-        if slot.requests:
+        if slot.busy():
             raise EngineError(EngineFailure.INVALID_REQUEST)  # a load-time check, never beside a batch
         cache = make_prompt_cache(slot.model)
         logits = slot.model(mx.array([[0]]), cache=cache)
@@ -451,14 +520,6 @@ class Worker:
             room = request.params.max_tokens if ctx is None else ctx - len(ids)
             if room < 1:
                 raise EngineError(EngineFailure.REQUEST_EXCEEDS_CONTEXT)
-            reuse = self._reuse(cmd.model_id, ids)
-            (uid,) = slot.generator.insert(
-                [reuse.rest(ids)],
-                max_tokens=[min(request.params.max_tokens, room)],
-                caches=None if reuse.cache is None else [reuse.cache],
-                all_tokens=None if reuse.cache is None else [ids[: reuse.matched]],
-                samplers=[sampler_for(request.params)],
-            )
         except EngineError as exc:
             self._emit(cmd.sink, Failed(exc.code))
             self._notify_released(cmd.on_media_released, request.request_id)
@@ -466,10 +527,54 @@ class Worker:
             return
         text = CompletionText(slot.tokenizer.detokenizer, request.params.stop)
         prepare = request.prepare_next_turn and self._next_turn_scratch > 0 and self._prefix_cache is not None
-        slot.requests[uid] = _Active(request.request_id, uid, cmd.sink, cmd.on_released, text, len(ids),
-                                     prompt_ids=ids, reused_key=reuse.key,
-                                     messages=request.messages if prepare else None, answer=[] if prepare else None)
-        self._where[request.request_id] = (slot, uid)
+        active = _Active(request.request_id, cmd.sink, cmd.on_released, text, len(ids),
+                         max_tokens=min(request.params.max_tokens, room), sampler=sampler_for(request.params),
+                         prompt_ids=ids, messages=request.messages if prepare else None,
+                         answer=[] if prepare else None)
+        slot.queue.append(active)  # started by _advance: its prefix is looked up then (a burst shares it)
+        self._where[request.request_id] = (slot, active)
+
+    def _start(self, slot: _Slot, active: _Active) -> bool:
+        """Take a queued request: alone when enough of its prompt is left to prefill, else into the
+        batch; False when it must wait (it stays first in the queue)."""
+        ids = active.prompt_ids
+        solo = slot.split is not None and len(ids) - self._cached_tokens(slot, ids) >= slot.solo_min_tokens
+        if not solo and slot.joining and _unmerged(slot.generator):
+            return False  # see _unmerged
+        reuse = self._reuse(slot.info.model_id, ids)
+        active.reused_key, active.reused = reuse.key, reuse.matched
+        rest = reuse.rest(ids)
+        if solo and rest:
+            cache = reuse.cache if reuse.cache is not None else make_prompt_cache(slot.model)
+            active.solo = SoloPrefill(slot.model, slot.split, cache, rest, chunk=PREFILL_STEP)
+            slot.solo = active
+            return True
+        slot.joining = False
+        try:
+            (active.uid,) = slot.generator.insert(
+                [rest],
+                max_tokens=[active.max_tokens],
+                caches=None if reuse.cache is None else [reuse.cache],
+                all_tokens=None if reuse.cache is None else [ids[: reuse.matched]],
+                samplers=[active.sampler],
+            )
+        except Exception:  # an edge: this request fails, the batch goes on
+            log.exception("batch insert failed", extra={"model_id": slot.info.model_id})
+            self._emit(active.sink, Failed(EngineFailure.INTERNAL_ERROR))
+            self._retire(slot, active)
+            return True
+        slot.requests[active.uid] = active
+        return True
+
+    def _cached_tokens(self, slot: _Slot, ids: list[int]) -> int:
+        kv = self._prefix_cache(slot.info.model_id) if self._prefix_cache is not None else None
+        if kv is None:
+            return 0
+        try:
+            return kv.longest_match(ids)
+        except Exception:  # an edge: see _reuse
+            log.exception("prefix cache lookup failed")
+            return 0
 
     # -- prefix cache (kvcache/) -------------------------------------------------------------
 
@@ -565,7 +670,7 @@ class Worker:
             kv = self._prefix_cache(slot.info.model_id)
             if kv is None:
                 continue
-            in_use = {a.reused_key for a in slot.requests.values() if a.reused_key is not None}
+            in_use = {a.reused_key for a in slot.actives() if a.reused_key is not None}
             try:
                 wait = kv.write_quiet(in_use)
             except Exception:  # an edge: see _reuse
@@ -583,33 +688,44 @@ class Worker:
 
     def _cancel_many(self, request_ids: Sequence[str]) -> None:
         # Unknown ids are normal: the request may have finished in the previous step.
-        by_slot: dict[str, tuple[_Slot, list[int]]] = {}
+        by_slot: dict[str, tuple[_Slot, list[_Active]]] = {}
         for request_id in dict.fromkeys(request_ids):
             found = self._where.get(request_id)
             if found is not None:
-                slot, uid = found
-                by_slot.setdefault(slot.info.model_id, (slot, []))[1].append(uid)
+                slot, active = found
+                by_slot.setdefault(slot.info.model_id, (slot, []))[1].append(active)
                 continue
             for vision in self._vision.values():
                 if vision.cancel(request_id):
                     self.stats[vision.info.model_id] = vision.stats()
                     break
-        for slot, uids in by_slot.values():
-            slot.generator.remove(uids)
-            for uid in uids:
-                self._retire(slot, uid)
+        for slot, actives in by_slot.values():
+            uids = [a.uid for a in actives if a.uid is not None]
+            if uids:
+                slot.generator.remove(uids)
+            for active in actives:
+                self._retire(slot, active)
 
     def _fail_all(self, slot: _Slot, code: EngineFailure) -> None:
-        uids = list(slot.requests)
+        actives = slot.actives()
+        uids = [a.uid for a in actives if a.uid is not None]
         if uids:
             slot.generator.remove(uids)
-        for uid in uids:
-            self._emit(slot.requests[uid].sink, Failed(code))
-            self._retire(slot, uid)
+        for active in actives:
+            self._emit(active.sink, Failed(code))
+            self._retire(slot, active)
 
-    def _retire(self, slot: _Slot, uid: int) -> None:
-        """Forget a request whose cache has left the batch, and tell the ledger."""
-        active = slot.requests.pop(uid)
+    def _retire(self, slot: _Slot, active: _Active) -> None:
+        """Forget a request, wherever it is (its cache has left the batch), and tell the ledger."""
+        if active.uid is not None:
+            slot.requests.pop(active.uid, None)
+        elif slot.solo is active:
+            slot.solo = None
+        elif active in slot.ready:
+            slot.ready.remove(active)
+        elif active in slot.queue:
+            slot.queue.remove(active)
+        active.solo = active.cache = None
         del self._where[active.request_id]
         self._publish_stats(slot)  # a cancel leaves no later step to refresh them
         self._notify_released(active.on_released, active.request_id)
@@ -629,10 +745,8 @@ class Worker:
         started = time.perf_counter()
         stepped = False
         for slot in list(self._slots.values()):
-            if slot.requests:
-                if self._trace is not None:
-                    self._trace(slot.info.model_id, None, "batch")
-                self._step(slot)
+            if slot.busy():
+                self._advance(slot)
                 stepped = True
         if stepped:
             self._duty.text_ran(time.perf_counter() - started)
@@ -655,6 +769,89 @@ class Worker:
                 vision.step_pretoken()
                 self._duty.vision_ran(time.perf_counter() - started)
             self.stats[vision.info.model_id] = vision.stats()
+
+    def _advance(self, slot: _Slot) -> None:
+        """One step of a model: a chunk of the prompt being prefilled alone while the batch may wait
+        for it (module docstring, "Solo prefill"), else the ready requests join and the batch steps."""
+        while slot.queue and slot.solo is None:
+            active = slot.queue.popleft()
+            if not self._start(slot, active):
+                slot.queue.appendleft(active)
+                break
+        if slot.solo is not None and (slot.held_tokens < PREFILL_STEP or not (slot.requests or slot.ready)):
+            if self._trace is not None:
+                self._trace(slot.info.model_id, slot.solo.request_id, "solo")
+            self._step_solo(slot, slot.solo)
+            self._publish_stats(slot)
+            return
+        self._join_ready(slot)
+        slot.held_tokens = 0
+        if slot.requests:
+            if self._trace is not None:
+                self._trace(slot.info.model_id, None, "batch")
+            self._step(slot)
+
+    def _step_solo(self, slot: _Slot, active: _Active) -> None:
+        try:
+            with mx.stream(slot.generator.stream):
+                done, logprobs = active.solo.step()
+                token = None if logprobs is None else int(active.sampler(logprobs).item())
+        except Exception:  # an edge: this request fails, the others go on
+            log.exception("prefill failed", extra={"model_id": slot.info.model_id})
+            self._emit(active.sink, Failed(EngineFailure.INTERNAL_ERROR))
+            self._retire(slot, active)
+            return
+        slot.held_tokens += done
+        if token is None:
+            return
+        cache, active.solo, slot.solo = active.solo.cache, None, None
+        # The batch's rules for a token (GenerationBatch.next): max_tokens, then a stop token wins.
+        finish = "length" if active.max_tokens <= 1 else None
+        if token in slot.info.eos_token_ids:
+            finish = "stop"
+        if finish is None:
+            active.cache = cache
+            slot.ready.append(active)
+            self._share_prompt(slot, active, cache)
+        self._on_token(slot, active, token, finish, cache if finish is not None else None)
+
+    def _share_prompt(self, slot: _Slot, active: _Active, cache: list) -> None:
+        """Store a prompt whose KV a queued request would reuse beyond what the cache holds for it."""
+        kv = self._prefix_cache(slot.info.model_id) if self._prefix_cache is not None else None
+        if kv is None:
+            return
+        ids = active.prompt_ids
+        need = active.reused + SHARE_MIN_TOKENS
+        if not any(_common_prefix(ids, q.prompt_ids, need) >= need for q in slot.queue):
+            return
+        try:
+            kv.store(ids, cache, extends=active.reused_key)
+        except Exception:  # an edge: see _reuse
+            log.exception("prefix cache store failed")
+
+    def _join_ready(self, slot: _Slot) -> None:
+        """The ready requests join the batch, each with its first token as the next input."""
+        if not slot.ready or (not slot.joining and _unmerged(slot.generator)):
+            return  # see _unmerged: the batch steps first
+        ready, slot.ready = slot.ready, []
+        slot.joining = True
+        try:
+            uids = slot.generator.insert(
+                [[a.completion_ids[-1]] for a in ready],
+                max_tokens=[a.max_tokens - 1 for a in ready],
+                caches=[for_batch(a.cache) for a in ready],
+                all_tokens=[list(a.prompt_ids) for a in ready],  # a copy: mlx-lm appends to it
+                samplers=[a.sampler for a in ready],
+            )
+        except Exception:  # an edge: these requests fail, the batch goes on
+            log.exception("batch insert failed", extra={"model_id": slot.info.model_id})
+            for active in ready:
+                self._emit(active.sink, Failed(EngineFailure.INTERNAL_ERROR))
+                self._retire(slot, active)
+            return
+        for active, uid in zip(ready, uids, strict=True):
+            active.uid, active.cache = uid, None
+            slot.requests[uid] = active
 
     def _step(self, slot: _Slot) -> None:
         try:
@@ -683,7 +880,9 @@ class Worker:
         out = active.text.add(token)
         if out.stopped:
             self._emit_text(active, out.text)
-            if finish is None:
+            if finish is None and active.uid is None:  # its first token: its cache is its own
+                self._keep_prefix(slot, active, active.cache)
+            elif finish is None:
                 removed = slot.generator.remove([active.uid], return_prompt_caches=self._prefix_cache is not None)
                 if active.uid in removed:
                     self._keep_prefix(slot, active, removed[active.uid][0])
@@ -713,12 +912,13 @@ class Worker:
             self._kept[-1].finished = (active.sink, event)  # sent once its sequence is stored
         else:
             self._emit(active.sink, event)
-        self._retire(slot, active.uid)
+        self._retire(slot, active)
 
     def _publish_stats(self, slot: _Slot) -> None:
-        running = sum(1 for a in slot.requests.values() if a.completion_ids)
-        tokens = sum(a.prompt_tokens + len(a.completion_ids) for a in slot.requests.values())
-        self.stats[slot.info.model_id] = ModelStats(running, len(slot.requests) - running, tokens)
+        actives = slot.actives()
+        running = sum(1 for a in actives if a.completion_ids)
+        tokens = sum(a.prompt_tokens + len(a.completion_ids) for a in actives)
+        self.stats[slot.info.model_id] = ModelStats(running, len(actives) - running, tokens)
 
     # -- delivery ----------------------------------------------------------------------------
 
@@ -742,3 +942,20 @@ class Worker:
 def _deliver(items: list[tuple[EventSink, Event]]) -> None:
     for sink, event in items:
         sink.push(event)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], enough: int) -> int:
+    """Length of the common prefix of `a` and `b`, counted no further than `enough`."""
+    n = min(len(a), len(b), enough)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _unmerged(generator: BatchGenerator) -> bool:
+    """Inserted sequences the generator has not yet taken into a batch (mlx-lm 0.32.x keeps them in
+    `_unprocessed_sequences`). It merges them in insertion order with the first one's cache type, so
+    ready requests (`prefill.for_batch`: block-rounded buffers) are never inserted beside requests
+    inserted as they are, or the merged batch would lose the block rounding the ledger counts on."""
+    return bool(generator._unprocessed_sequences)
