@@ -338,6 +338,8 @@ class Runtime:
                 "context_length": m.context_length,
                 "vision": m.is_vision,
                 "kv_bytes_per_token": info.kv.max_bytes_per_token,
+                # prompts with this many tokens left to prefill go solo (engine/prefill.py); null: none do
+                "solo_prefill_min_tokens": loaded.solo_min_tokens if (loaded := self.manager.loaded(m.id)) else None,
                 "preloaded": m.id in self.manager.kept_warm,
                 "active_requests": in_flight_by_model.get(m.id, 0),
                 "running": slot.num_running if slot else 0,

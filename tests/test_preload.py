@@ -56,6 +56,20 @@ async def test_preloads_that_cannot_load_are_refused_with_their_reason_and_the_r
         assert status["preload"] == {"requested": ["medium", "ghost", "tiny", "small"],
                                      "refused": runtime.preload_refused}
         assert [m["id"] for m in status["models"] if m["preloaded"]] == ["tiny"]
+        by_id = {m["id"]: m for m in status["models"]}
+        loaded = [e for e in logs if e["event"] == "model_loaded"]
+        # The solo-prefill threshold measured at load, in the load's log line and in /status.
+        assert [e["solo_min_tokens"] for e in loaded] == [by_id["tiny"]["solo_prefill_min_tokens"]]
+        assert by_id["tiny"]["solo_prefill_min_tokens"] >= 1 and by_id["small"]["solo_prefill_min_tokens"] is None
+    finally:
+        await runtime.aclose()
+
+
+async def test_solo_prefill_off_is_said_in_status(tmp_path, tiny_model_path):
+    runtime = await Runtime.start(settings_for(tmp_path, {"tiny": tiny_model_path}, preload_models=("tiny",),
+                                               solo_prefill=False))
+    try:
+        assert [m["solo_prefill_min_tokens"] for m in runtime.status()["models"]] == [None]
     finally:
         await runtime.aclose()
 

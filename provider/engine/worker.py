@@ -2,8 +2,9 @@
 
 Theory of operation. `Worker.run` blocks on the command queue while no request is active.
 While requests are active it drains whatever commands are queued without blocking, advances
-every model that has work by one `BatchGenerator.next()` call (one decode step plus at most one
-prefill chunk, round-robin across models), then hands the step's events to the asyncio loop in
+every model that has work by one step (a chunk of a prompt prefilled alone, or one
+`BatchGenerator.next()` call: one decode step plus at most one prefill chunk; round-robin across
+models), then hands the step's events to the asyncio loop in
 one `call_soon_threadsafe` per loop. So a command (a cancel, a new request) waits for at most
 one step, and requests join and leave the running batch between any two steps. Between steps, and
 when the prefix cache has a conversation turn due on its SSD tier while idle (the blocking wait
@@ -18,7 +19,8 @@ alone since its last step, the most mlx-lm itself prefills between two decode st
 prefilled one prompt at a time, each first token out as soon as its prompt is, and then decodes
 as one batch. When its first token is out, a prompt whose KV a queued request shares (a burst on
 one cold system prompt) is stored in the prefix cache, so the queued one reuses it. Prompts with
-less left to prefill go to the `BatchGenerator` as they are (its own batched prefill).
+less left to prefill go to the `BatchGenerator` as they are (its own batched prefill); the two
+kinds are never inserted into it between the same two steps (`_unmerged`).
 
 Next turn. A local conversation's follow-up repeats the finished prompt and the answer, but as
 the chat template renders the answer text back, which often is not the tokens the model generated

@@ -208,6 +208,11 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
     def prefix_cache(self) -> KvCacheManager | None:
         return self._prefix.cache
 
+    def loaded(self, model_id: str) -> LoadedModelInfo | None:
+        """What the engine reported at the model's last load (None while it is not loaded)."""
+        slot = self._slots.get(model_id)
+        return slot.loaded if slot is not None and slot.state is ModelState.LOADED else None
+
     def info(self, model_id: str) -> ModelInfo | None:
         """The model's info as the manager sizes it (KV per token checked after its last load)."""
         slot = self._slots.get(model_id)
