@@ -82,6 +82,7 @@ from provider.engine.commands import (
     Unload,
 )
 from provider.engine.device import DeviceLimits
+from provider.engine.layout import on_cpu, transpose_weights
 from provider.engine.prefill import (
     PREFILL_STEP,
     SoloPrefill,
@@ -211,8 +212,10 @@ class Worker:
     def __init__(self, commands: queue.SimpleQueue[Command], *, prefix_cache: PrefixCacheLookup | None = None,
                  vision_prefill_step: int = DEFAULT_PREFILL_STEP, trace: Trace | None = None,
                  batch_size: int = DEFAULT_BATCH_SIZE, limits: MlxLimits | None = None,
-                 next_turn_scratch_bytes: int = 0, solo_min_tokens: int | None = None):
+                 next_turn_scratch_bytes: int = 0, solo_min_tokens: int | None = None,
+                 weight_layout: bool | None = None):
         self._commands = commands
+        self._weight_layout = weight_layout  # None: on the CPU device (layout.py)
         self._solo_min_tokens = solo_min_tokens  # None: measured per model at load (prefill.py)
         self._next_turn_scratch = next_turn_scratch_bytes  # 0: never prepare a next turn
         self._next_turns: dict[str, _NextTurn] = {}  # by model: its latest finished conversation
@@ -359,6 +362,7 @@ class Worker:
         try:
             model, tokenizer, config = mlx_lm.load(str(cmd.path), lazy=True, return_config=True)
             mx.eval(model.parameters())
+            transposed = transpose_weights(model) if self._layout_weights() else 0
             ctx = context_length(config)
         except Exception:  # an edge: any broken model folder must not kill the worker
             log.exception("model load failed", extra={"model_id": cmd.model_id})
@@ -376,6 +380,7 @@ class Worker:
             eos_token_ids=eos,
             vocab_size=int(config.get("vocab_size") or len(tokenizer)),
             load_seconds=time.monotonic() - started,
+            transposed_weights=transposed,
         )
         slot = _Slot(info, model, tokenizer, self._generator(model, eos))
         self._calibrate(slot)
@@ -384,6 +389,9 @@ class Worker:
         self._slots[cmd.model_id] = slot
         self.stats[cmd.model_id] = ModelStats(0, 0, 0)
         return info
+
+    def _layout_weights(self) -> bool:
+        return on_cpu() if self._weight_layout is None else self._weight_layout
 
     def _calibrate(self, slot: _Slot) -> None:
         """Whether and from how many tokens a prompt is prefilled alone (module docstring, prefill.py)."""
