@@ -12,7 +12,8 @@ same order).
 Only on the CPU device: Metal's kernels read either layout and nothing was measured there. Only
 dense float weights: quantized layers have their own kernels, and the tied input embedding keeps
 its rows contiguous for the token lookup. Each weight is copied alone, so the load peaks at one
-weight above the model; a weight above `max_bytes` keeps its layout.
+weight above the model; a weight above `max_bytes` keeps its layout (the worker passes a tenth of
+the loaded weights, at most 256 MiB: half the margin of the load's estimate, on-disk bytes x 1.2).
 """
 
 from __future__ import annotations

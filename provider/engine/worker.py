@@ -82,7 +82,7 @@ from provider.engine.commands import (
     Unload,
 )
 from provider.engine.device import DeviceLimits
-from provider.engine.layout import on_cpu, transpose_weights
+from provider.engine.layout import MAX_WEIGHT_BYTES, on_cpu, transpose_weights
 from provider.engine.prefill import (
     PREFILL_STEP,
     SoloPrefill,
@@ -362,7 +362,9 @@ class Worker:
         try:
             model, tokenizer, config = mlx_lm.load(str(cmd.path), lazy=True, return_config=True)
             mx.eval(model.parameters())
-            transposed = transpose_weights(model) if self._layout_weights() else 0
+            # One weight's copy at a time, within the load's estimate (on-disk bytes x 1.2).
+            bound = min(MAX_WEIGHT_BYTES, (mx.get_active_memory() - before) // 10)
+            transposed = transpose_weights(model, max_bytes=bound) if self._layout_weights() else 0
             ctx = context_length(config)
         except Exception:  # an edge: any broken model folder must not kill the worker
             log.exception("model load failed", extra={"model_id": cmd.model_id})
