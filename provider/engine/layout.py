@@ -31,7 +31,7 @@ def on_cpu() -> bool:
 def transpose_weights(model: nn.Module, *, max_bytes: int = MAX_WEIGHT_BYTES) -> int:
     """Store every dense linear weight of `model` as its transpose (see module docstring); how many."""
     done = 0
-    for _, module in model.named_modules():
+    for module in model.modules():
         if type(module) is not nn.Linear:  # subclasses may read `weight` their own way
             continue
         weight = module.weight

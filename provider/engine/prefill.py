@@ -9,7 +9,7 @@ burst of eight, the median first token comes after about half the burst's prefil
 after all of it. The worker (`worker.py`, "Solo prefill") holds the decode batch while a burst is
 prefilled this way (bounded), so the batch then decodes all of it together, as it would have.
 
-Two facts make it cost nothing:
+Three facts make it cost nothing:
 
 * `SplitHead`: the first token's logits come from the same pass as the prompt, the backbone's last
   hidden state through the head only (mlx-lm runs the last prompt token as a second, one-token

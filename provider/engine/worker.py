@@ -579,7 +579,7 @@ class Worker:
         return True
 
     def _cached_tokens(self, slot: _Slot, ids: list[int]) -> int:
-        kv = self._prefix_cache(slot.info.model_id) if self._prefix_cache is not None else None
+        kv = self._kv(slot.info.model_id)
         if kv is None:
             return 0
         try:
@@ -590,9 +590,13 @@ class Worker:
 
     # -- prefix cache (kvcache/) -------------------------------------------------------------
 
+    def _kv(self, model_id: str) -> ModelKvCache | None:
+        """The model's prefix cache, or None (no prefix cache, or none for this model)."""
+        return self._prefix_cache(model_id) if self._prefix_cache is not None else None
+
     def _reuse(self, model_id: str, ids: list[int]) -> Reuse:
         """The longest cached prefix of the prompt (a private copy), or MISS."""
-        kv = self._prefix_cache(model_id) if self._prefix_cache is not None else None
+        kv = self._kv(model_id)
         if kv is None:
             return MISS
         try:
@@ -614,7 +618,7 @@ class Worker:
     def _store_kept(self) -> None:
         kept, self._kept = self._kept, []
         for keep in kept:
-            kv = self._prefix_cache(keep.model_id)
+            kv = self._kv(keep.model_id)
             try:
                 if kv is not None:
                     kv.store(keep.active.prompt_ids + keep.active.completion_ids, keep.cache,
@@ -629,7 +633,7 @@ class Worker:
         model_id = next(reversed(self._next_turns))
         turn = self._next_turns[model_id]
         slot = self._slots.get(model_id)
-        kv = self._prefix_cache(model_id) if self._prefix_cache is not None else None
+        kv = self._kv(model_id)
         try:
             if slot is None or kv is None or (turn.cache is None and not self._start_next_turn(slot, kv, turn)):
                 del self._next_turns[model_id]
@@ -679,7 +683,7 @@ class Worker:
             return None
         waits = []
         for slot in self._slots.values():
-            kv = self._prefix_cache(slot.info.model_id)
+            kv = self._kv(slot.info.model_id)
             if kv is None:
                 continue
             in_use = {a.reused_key for a in slot.actives() if a.reused_key is not None}
@@ -829,7 +833,7 @@ class Worker:
 
     def _share_prompt(self, slot: _Slot, active: _Active, cache: list) -> None:
         """Store a prompt whose KV a queued request would reuse beyond what the cache holds for it."""
-        kv = self._prefix_cache(slot.info.model_id) if self._prefix_cache is not None else None
+        kv = self._kv(slot.info.model_id)
         if kv is None:
             return
         ids = active.prompt_ids
