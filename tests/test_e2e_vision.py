@@ -10,6 +10,7 @@ from coordinator_double import JOB_HEADER, Completed, FrameReceived
 from double_fixtures import coordinator_double, double_config, openai_consumer  # noqa: F401
 
 from test_e2e import no_request_reservations, start_agent  # noqa: F401
+from engine_arithmetic import engine_attention
 from vision_images import data_uri, detokenized, image_part, jpeg_bytes, png_bytes
 
 PNG = data_uri(png_bytes(40, 30, (220, 30, 30)))
@@ -25,7 +26,8 @@ def mlx_vlm_reference(model_path: Path, max_tokens: int):
 
     model, processor = load(str(model_path))
     prompt = apply_chat_template(processor, model.config, MESSAGES, num_images=2)
-    return generate(model, processor, prompt, image=[PNG, JPEG], max_tokens=max_tokens, temperature=0.0)
+    with engine_attention():
+        return generate(model, processor, prompt, image=[PNG, JPEG], max_tokens=max_tokens, temperature=0.0)
 
 
 async def test_png_and_jpeg_chat_through_the_coordinator_double(coordinator_double, openai_consumer, start_agent,

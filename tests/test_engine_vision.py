@@ -18,6 +18,7 @@ from provider.engine import ChatRequest, Engine, EngineFailure, Failed, Finished
 from provider.engine.vision import DutyCycle
 from provider.request.body import IMAGE_MARKER
 from provider.request.media import decode_images, inspect_images
+from engine_arithmetic import engine_attention
 from vision_images import data_uri, jpeg_bytes, png_bytes
 
 NO_EOS = frozenset({10**9})
@@ -74,12 +75,14 @@ async def test_greedy_output_equals_mlx_vlm_generate(engine, tiny_vlm_path):
                                               images=images), on_released=hooks.kv, on_media_released=hooks.media)
     text, done = await stream.collect()
     assert isinstance(done, Finished)
-    # mlx-vlm's own pipeline, same prompt and images, same prefill step, on this (idle) thread.
+    # mlx-vlm's own pipeline, same prompt and images, same prefill step, on this (idle) thread,
+    # under the engine's attention (engine_arithmetic.py).
     model, processor = load(str(tiny_vlm_path))
     prompt, n_images = render_prompt(processor, model.config, two_image_messages())
     assert n_images == 2
-    ref = generate(model, processor, prompt, image=list(images), max_tokens=24, temperature=0.0,
-                   prefill_step_size=PREFILL_STEP)
+    with engine_attention():
+        ref = generate(model, processor, prompt, image=list(images), max_tokens=24, temperature=0.0,
+                       prefill_step_size=PREFILL_STEP)
     assert len(done.completion_ids) >= 8  # enough output to compare
     assert list(done.completion_ids) == ref.token_ids[:len(done.completion_ids)]
     if done.reason.value == "length":

@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from test_local_server import MODEL, Server, start_server
+from engine_arithmetic import engine_attention
 from vision_images import bomb_png, data_uri, detokenized, image_part, jpeg_bytes, png_bytes
 
 PNG = data_uri(png_bytes(40, 30, (220, 30, 30)))
@@ -50,7 +51,8 @@ def reference(tiny_vlm_path):
         images = [p["image_url"]["url"] for m in messages if isinstance(m["content"], list)
                   for p in m["content"] if p["type"] == "image_url"]
         prompt = apply_chat_template(processor, model.config, messages, num_images=len(images))
-        return generate(model, processor, prompt, image=images, max_tokens=max_tokens, temperature=0.0)
+        with engine_attention():
+            return generate(model, processor, prompt, image=images, max_tokens=max_tokens, temperature=0.0)
 
     return run
 

@@ -27,6 +27,7 @@ from provider.models import discover, kv_bytes_for_tokens
 from provider.request.body import parse_chat_body
 from provider.slots import ModelManager
 from test_jobs import Coordinator, sse_json
+from engine_arithmetic import engine_attention
 from vision_images import data_uri, detokenized, image_part, jpeg_bytes, png_bytes
 
 NO_EOS = frozenset({10**9})
@@ -130,7 +131,8 @@ async def test_png_and_jpeg_chat_equals_mlx_vlm_generate(harness, tiny_vlm_path)
     model, processor = load(str(tiny_vlm_path))
     messages = vision_body()["messages"]
     prompt = apply_chat_template(processor, model.config, messages, num_images=2)
-    ref = generate(model, processor, prompt, image=[PNG, JPEG], max_tokens=20, temperature=0.0)
+    with engine_attention():
+        ref = generate(model, processor, prompt, image=[PNG, JPEG], max_tokens=20, temperature=0.0)
     assert harness.content("v1") == detokenized(tiny_vlm_path, ref.token_ids)  # the same greedy tokens
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (ref.prompt_tokens, ref.generation_tokens)
     assert usage["prompt_tokens"] > 2 * 16  # the images' soft tokens are part of the prompt

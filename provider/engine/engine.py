@@ -147,7 +147,7 @@ class Engine:
                  vision_prefill_step: int = DEFAULT_PREFILL_STEP, trace: Trace | None = None,
                  batch_size: int = DEFAULT_BATCH_SIZE, limits: MlxLimits | None = None,
                  next_turn_scratch_bytes: int = 0, solo_min_tokens: int | None = None,
-                 weight_layout: bool | None = None):
+                 weight_layout: bool | None = None, cpu_attention: bool | None = None):
         """`prefix_cache`: model id -> its `kvcache.ModelKvCache` (e.g. `KvCacheManager.get`); the
         worker reuses cached prompt prefixes on submit and stores them when a request ends.
         `vision_prefill_step`: prompt tokens per prefill step of a vision request (each step is
@@ -161,14 +161,15 @@ class Engine:
         `solo_min_tokens`: prompts with at least this many tokens left to prefill are prefilled alone,
         their first token out at once (worker.py, "Solo prefill"); None: measured per model at load; 0: never.
         `weight_layout`: store dense linear weights transposed for the BLAS (layout.py); None: on the
-        CPU device only."""
+        CPU device only. `cpu_attention`: the engine thread's attention with a vectorised softmax
+        (attention.py); None: on the CPU device only."""
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._worker = Worker(self._commands, prefix_cache=prefix_cache, vision_prefill_step=vision_prefill_step,
                               trace=trace, batch_size=batch_size, limits=limits,
                               next_turn_scratch_bytes=next_turn_scratch_bytes, solo_min_tokens=solo_min_tokens,
-                              weight_layout=weight_layout)
+                              weight_layout=weight_layout, cpu_attention=cpu_attention)
         self._streams: dict[str, RequestStream] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._worker.serve, name=thread_name, daemon=True)

@@ -134,6 +134,7 @@ class LoadedModelInfo:
     # out at once (engine/prefill.py); None: never (a vision model, or a model whose head cannot be split).
     solo_min_tokens: int | None = None
     transposed_weights: int = 0  # dense linear weights stored transposed for the CPU's BLAS (layout.py)
+    cpu_attention: bool = False  # served with the vectorised CPU softmax (attention.py)
     vision: bool = False  # served through mlx-vlm: takes images
     image_text_tokens: int = 0  # vision: text tokens the processor adds around each image (measured)
 

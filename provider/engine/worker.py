@@ -82,6 +82,7 @@ from provider.engine.commands import (
     Unload,
 )
 from provider.engine.device import DeviceLimits
+from provider.engine import attention
 from provider.engine.layout import MAX_WEIGHT_BYTES, on_cpu, transpose_weights
 from provider.engine.prefill import (
     PREFILL_STEP,
@@ -213,9 +214,10 @@ class Worker:
                  vision_prefill_step: int = DEFAULT_PREFILL_STEP, trace: Trace | None = None,
                  batch_size: int = DEFAULT_BATCH_SIZE, limits: MlxLimits | None = None,
                  next_turn_scratch_bytes: int = 0, solo_min_tokens: int | None = None,
-                 weight_layout: bool | None = None):
+                 weight_layout: bool | None = None, cpu_attention: bool | None = None):
         self._commands = commands
         self._weight_layout = weight_layout  # None: on the CPU device (layout.py)
+        self._cpu_attention = cpu_attention  # None: on the CPU device (attention.py)
         self._solo_min_tokens = solo_min_tokens  # None: measured per model at load (prefill.py)
         self._next_turn_scratch = next_turn_scratch_bytes  # 0: never prepare a next turn
         self._next_turns: dict[str, _NextTurn] = {}  # by model: its latest finished conversation
@@ -239,9 +241,12 @@ class Worker:
     def serve(self) -> None:
         """The engine thread: `run` under MLX's memory settings, put back as found when it ends."""
         self._device.start()
+        if self._attention_on():
+            attention.enable()  # this thread's attention calls only (attention.py)
         try:
             self.run()
         finally:
+            attention.disable()
             self._device.stop()
 
     def run(self) -> None:
@@ -383,6 +388,7 @@ class Worker:
             vocab_size=int(config.get("vocab_size") or len(tokenizer)),
             load_seconds=time.monotonic() - started,
             transposed_weights=transposed,
+            cpu_attention=attention.enabled(),
         )
         slot = _Slot(info, model, tokenizer, self._generator(model, eos))
         self._calibrate(slot)
@@ -394,6 +400,9 @@ class Worker:
 
     def _layout_weights(self) -> bool:
         return on_cpu() if self._weight_layout is None else self._weight_layout
+
+    def _attention_on(self) -> bool:
+        return on_cpu() if self._cpu_attention is None else self._cpu_attention
 
     def _calibrate(self, slot: _Slot) -> None:
         """Whether and from how many tokens a prompt is prefilled alone (module docstring, prefill.py)."""
@@ -435,7 +444,8 @@ class Worker:
             model_id=cmd.model_id, path=cmd.path, weights_bytes=mx.get_active_memory() - before,
             context_length=ctx, eos_token_ids=frozenset(vlm.tokenizer.eos_token_ids),
             vocab_size=int(text.get("vocab_size") or vlm.config.get("vocab_size") or len(vlm.tokenizer)),
-            load_seconds=time.monotonic() - started, vision=True, image_text_tokens=wrapper)
+            load_seconds=time.monotonic() - started, vision=True, image_text_tokens=wrapper,
+            cpu_attention=attention.enabled())
         self._vision[cmd.model_id] = VisionSlot(info, vlm, emit=self._emit, notify=self._notify_released,
                                                 prefill_step=self._vision_prefill_step, trace=self._trace)
         self._device.wire()  # a vision model is resident too (its steps are ours: nothing else wires)

@@ -111,7 +111,8 @@ class Loading:
             log.info("model_loaded", model=model_id, weights_bytes=loaded.weights_bytes,
                      estimate_bytes=padded_weight_bytes(slot.info.weight_bytes),
                      load_s=round(loaded.load_seconds, 3), total_s=round(self._clock() - started, 3),
-                     solo_min_tokens=loaded.solo_min_tokens, transposed_weights=loaded.transposed_weights)
+                     solo_min_tokens=loaded.solo_min_tokens, transposed_weights=loaded.transposed_weights,
+                     cpu_attention=loaded.cpu_attention)
             return None
         except EngineError as exc:
             log.warning("model_load_failed", model=model_id, code=exc.code)

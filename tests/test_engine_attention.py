@@ -1,0 +1,185 @@
+"""The CPU attention (provider/engine/attention.py) against MLX's own, and where the engine uses it.
+
+Its softmax is computed another way (a polynomial `2**t`, normalised after the value matmul), so it
+agrees with MLX's to float32 rounding, not bit for bit. Greedy tokens of the random-weight tiny
+models can flip on rounding alone (moving the attention scale from the queries to the keys flips the
+tiny VLM's second token), so the engine's tokens are compared with mlx-lm's run under the same
+attention: the pipeline is checked there, the arithmetic here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from provider.engine import ChatRequest, Engine, attention
+from provider.engine.attention import exp2, mlx_attention, scaled_dot_product_attention
+from provider.engine.layout import on_cpu
+from test_engine import NO_EOS, PROMPTS, greedy, messages, reference_greedy
+
+RTOL = 2e-6  # of the output's largest magnitude: float32 rounding through two matmuls and a softmax
+
+
+def close(ours: mx.array, theirs: mx.array, rtol: float = RTOL) -> bool:
+    ours, theirs = ours.astype(mx.float32), theirs.astype(mx.float32)
+    return mx.abs(ours - theirs).max().item() <= rtol * max(mx.abs(theirs).max().item(), 1e-30)
+
+
+def qkv(b: int, heads: int, kv: int, length: int, keys: int, dim: int = 16, seed: int = 0, dtype=mx.float32):
+    kq, kk, kvv = mx.random.split(mx.random.key(seed), 3)
+    return (mx.random.normal((b, heads, length, dim), key=kq).astype(dtype),
+            mx.random.normal((b, kv, keys, dim), key=kk).astype(dtype),
+            mx.random.normal((b, kv, keys, dim), key=kvv).astype(dtype))
+
+
+def left_padded(b: int, length: int, keys: int) -> mx.array:
+    """mlx-lm's batch mask: causal, and row i of the batch starts after `i` padding keys."""
+    causal = mx.arange(keys - length, keys)[:, None] >= mx.arange(keys)[None]
+    starts = mx.arange(b)[:, None, None, None]
+    return causal & (mx.arange(keys) >= starts)
+
+
+# -- exp2 ---------------------------------------------------------------------------------------
+
+def test_exp2_is_within_about_an_ulp_of_the_exact_value():
+    t = np.concatenate([np.linspace(-126.0, 0.0, 400_001), [-0.5, -0.5000001, -1.5, -125.9999]]).astype(np.float32)
+    exact = np.exp2(t.astype(np.float64))
+    got = np.array(exp2(mx.array(t)), dtype=np.float64)
+    assert np.max(np.abs(got - exact) / exact) < 1.2e-7  # a float32 ulp is 6e-8 to 1.2e-7 of the value
+
+
+def test_exp2_is_exact_at_0_and_0_for_a_masked_score():
+    got = exp2(mx.array([0.0, -1.0, -127.0, -500.0, -1e30, -np.inf], dtype=mx.float32)).tolist()
+    assert got == [1.0, 0.5, 0.0, 0.0, 0.0, 0.0]
+
+
+# -- the attention against MLX's ------------------------------------------------------------------
+
+CASES = {
+    "prefill after a cached prefix, grouped heads": ((1, 8, 2, 24, 90), "causal"),
+    "a whole prompt, causal": ((1, 4, 4, 33, 33), "causal"),
+    "decode step, no mask": ((3, 8, 2, 1, 70), None),
+    "boolean (L, S) mask": ((1, 4, 1, 5, 40), "bool"),
+    "left-padded batch, rows masked whole": ((3, 4, 2, 6, 6), "left"),
+    "additive mask": ((2, 6, 3, 7, 20), "additive"),
+    "a mask per head": ((2, 4, 2, 3, 11), "per-head"),
+}
+
+
+def mask_for(kind, b, heads, length, keys, seed=1):
+    key = mx.random.key(seed)
+    match kind:
+        case None | "causal":
+            return kind
+        case "bool":
+            return mx.random.bernoulli(0.7, (length, keys), key=key) | (mx.arange(keys) == 0)[None]
+        case "left":
+            return left_padded(b, length, keys)
+        case "additive":
+            return mx.random.normal((b, 1, length, keys), key=key) * 3.0
+        case "per-head":
+            return mx.random.bernoulli(0.6, (b, heads, length, keys), key=key)
+
+
+@pytest.mark.parametrize("shape, kind", CASES.values(), ids=CASES.keys())
+def test_the_attention_is_mlx_s_to_rounding(shape, kind):
+    b, heads, kv, length, keys = shape
+    q, k, v = qkv(b, heads, kv, length, keys)
+    mask = mask_for(kind, b, heads, length, keys)
+    assert close(scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask),
+                 mlx_attention(q, k, v, scale=0.25, mask=mask))
+
+
+def test_half_precision_inputs_get_a_float32_softmax():
+    q, k, v = qkv(1, 8, 2, 9, 50, dtype=mx.float16)
+    ours = scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
+    assert ours.dtype == mx.float16
+    reference = mlx_attention(*(a.astype(mx.float32) for a in (q, k, v)), scale=0.25, mask="causal")
+    assert close(ours, reference, rtol=2e-3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(b=st.integers(1, 3), kv=st.integers(1, 3), rep=st.integers(1, 3), length=st.integers(1, 12),
+       extra=st.integers(0, 40), kind=st.sampled_from([None, "causal", "bool", "left", "additive", "per-head"]),
+       scale=st.floats(0.05, 2.0), seed=st.integers(0, 2**16))
+def test_any_shape_and_mask_matches_mlx(b, kv, rep, length, extra, kind, scale, seed):
+    keys = length + extra if kind != "left" else length
+    q, k, v = qkv(b, kv * rep, kv, length, keys, dim=8, seed=seed)
+    mask = mask_for(kind, b, kv * rep, length, keys, seed=seed + 1)
+    assert close(scaled_dot_product_attention(q, k, v, scale=scale, mask=mask),
+                 mlx_attention(q, k, v, scale=scale, mask=mask), rtol=5e-6)
+
+
+def test_what_it_does_not_handle_goes_to_mlx_unchanged():
+    q, k, v = qkv(1, 4, 2, 5, 12)
+    sinks = mx.zeros((4,))
+    wide = mx.ones((1, 2, 5, 12), dtype=mx.bool_)  # a mask per KV head is not a broadcast of [B, heads, L, S]
+    for kwargs in ({"sinks": sinks}, {"mask": wide}):
+        try:
+            expected = mlx_attention(q, k, v, scale=0.5, **kwargs)
+        except ValueError:  # MLX refuses it: so must the call through ours
+            with pytest.raises(ValueError):
+                scaled_dot_product_attention(q, k, v, scale=0.5, **kwargs)
+            continue
+        assert mx.array_equal(scaled_dot_product_attention(q, k, v, scale=0.5, **kwargs), expected).item()
+
+
+# -- per thread ---------------------------------------------------------------------------------
+
+def test_enable_changes_the_calling_thread_only():
+    q, k, v = qkv(1, 8, 2, 16, 64, seed=3)
+    ours = scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
+    theirs = mlx_attention(q, k, v, scale=0.25, mask="causal")
+    mx.eval(ours, theirs)
+    assert not mx.array_equal(ours, theirs).item()  # else this test could not tell them apart
+
+    seen = {}
+
+    def engine_thread():
+        attention.enable()
+        try:
+            seen["enabled"] = attention.enabled()
+            seen["out"] = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
+            mx.eval(seen["out"])
+        finally:
+            attention.disable()
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    thread.join()
+    assert seen["enabled"] and mx.array_equal(seen["out"], ours).item()
+    assert not attention.enabled()
+    assert mx.array_equal(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal"), theirs).item()
+
+
+# -- in the engine ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_path):
+    return mlx_lm.load(str(tiny_model_path))
+
+
+@pytest.mark.parametrize("setting", [None, True, False])
+async def test_the_engine_thread_uses_it_on_the_cpu_and_keeps_mlx_lm_greedy_tokens(tiny_model_path, reference,
+                                                                                   setting):
+    on = on_cpu() if setting is None else setting
+    if on:
+        attention.enable()  # the reference under the same arithmetic (module docstring)
+    try:
+        expected = [reference_greedy(reference, p, 16, eos=NO_EOS)[0] for p in PROMPTS]
+    finally:
+        attention.disable()
+    async with Engine(cpu_attention=setting) as engine:
+        info = await engine.load("tiny", tiny_model_path, eos_token_ids=NO_EOS)
+        results = await asyncio.gather(*(
+            engine.submit("tiny", ChatRequest(f"r{i}", messages(p), greedy(16))).collect()
+            for i, p in enumerate(PROMPTS)))
+    assert info.cpu_attention == on
+    assert [list(r[1].completion_ids) for r in results] == expected
