@@ -27,6 +27,7 @@ SHAPES = [  # (batch, new tokens L, cached tokens S, what it stands for)
     (1, 150, 1700, "chat turn 2-6: the answer and the next message"),
     (1, 64, 2200, "a 64-token prefill chunk late in a chat"),
     (1, 512, 0, "a first prompt"),
+    (1, 1500, 0, "the chat's 1,500-token first message (in blocks of rows)"),
     (1, 1, 2000, "decode, one conversation at 2,000 tokens"),
     (8, 1, 200, "decode, a batch of 8 W1 requests"),
 ]

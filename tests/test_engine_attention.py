@@ -183,3 +183,36 @@ async def test_the_engine_thread_uses_it_on_the_cpu_and_keeps_mlx_lm_greedy_toke
             for i, p in enumerate(PROMPTS)))
     assert info.cpu_attention == on
     assert [list(r[1].completion_ids) for r in results] == expected
+
+
+# -- memory ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", [None, "causal", "left", "additive", "per-head"])
+def test_queries_in_blocks_give_the_same_attention(monkeypatch, kind):
+    b, heads, kv, length, keys = 2, 4, 2, 37, 45
+    q, k, v = qkv(b, heads, kv, length, keys, seed=5)
+    mask = mask_for(kind, b, heads, length, keys)
+    whole = scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
+    monkeypatch.setattr(attention, "BLOCK_BYTES", b * heads * keys * 4 * 5)  # blocks of 5 rows, the last of 2
+    blocked = scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask)
+    assert close(blocked, whole, rtol=1e-6)  # the BLAS may block a 5-row matmul its own way: rounding only
+    assert close(blocked, mlx_attention(q, k, v, scale=0.3, mask=mask))
+
+
+def peak_above(fn) -> int:
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    mx.eval(fn())
+    return mx.get_peak_memory() - base
+
+
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_a_long_prompt_s_attention_peaks_below_mlx_s(mask):
+    q, k, v = qkv(1, 8, 2, 512, 4096, dim=32, seed=7)  # 64 MiB of float32 scores
+    mx.eval(q, k, v)
+    scores = 8 * 512 * 4096 * 4
+    theirs = peak_above(lambda: mlx_attention(q, k, v, scale=0.2, mask=mask))
+    ours = peak_above(lambda: scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask))
+    assert theirs >= scores  # MLX's holds the whole [heads, L, S] of scores at once
+    assert ours <= 8 * attention.BLOCK_BYTES  # about five blocks, whatever the prompt
