@@ -216,3 +216,10 @@ def test_a_long_prompt_s_attention_peaks_below_mlx_s(mask):
     ours = peak_above(lambda: scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask))
     assert theirs >= scores  # MLX's holds the whole [heads, L, S] of scores at once
     assert ours <= 8 * attention.BLOCK_BYTES  # about five blocks, whatever the prompt
+
+
+def test_blocks_inside_mx_compile_go_to_mlx_s(monkeypatch):
+    q, k, v = qkv(1, 4, 2, 12, 30, seed=9)
+    monkeypatch.setattr(attention, "BLOCK_BYTES", 4 * 30 * 4 * 3)  # 4 blocks: each would be evaluated early
+    compiled = mx.compile(lambda q, k, v: scaled_dot_product_attention(q, k, v, scale=0.5, mask="causal"))
+    assert mx.array_equal(compiled(q, k, v), mlx_attention(q, k, v, scale=0.5, mask="causal")).item()
