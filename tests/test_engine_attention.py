@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine_arithmetic import engine_attention
 from provider.engine import ChatRequest, Engine, attention
 from provider.engine.attention import exp2, mlx_attention, scaled_dot_product_attention
 from provider.engine.layout import on_cpu
@@ -170,12 +171,8 @@ def reference(tiny_model_path):
 async def test_the_engine_thread_uses_it_on_the_cpu_and_keeps_mlx_lm_greedy_tokens(tiny_model_path, reference,
                                                                                    setting):
     on = on_cpu() if setting is None else setting
-    if on:
-        attention.enable()  # the reference under the same arithmetic (module docstring)
-    try:
+    with engine_attention(on):  # the reference under the same arithmetic (module docstring)
         expected = [reference_greedy(reference, p, 16, eos=NO_EOS)[0] for p in PROMPTS]
-    finally:
-        attention.disable()
     async with Engine(cpu_attention=setting) as engine:
         info = await engine.load("tiny", tiny_model_path, eos_token_ids=NO_EOS)
         results = await asyncio.gather(*(

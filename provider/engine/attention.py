@@ -102,7 +102,7 @@ def _rows(mask, start: int, stop: int, length: int, keys: int):
     """The grouped mask of query rows [start, stop)."""
     if isinstance(mask, str):  # causal, aligned to the end of the keys (MLX's)
         return mx.arange(keys - length + start, keys - length + stop)[:, None] >= mx.arange(keys)[None]
-    return mask if mask.shape[-2] == 1 or (start, stop) == (0, length) else mask[..., start:stop, :]
+    return mask if mask.shape[-2] == 1 else mask[..., start:stop, :]
 
 
 def _block(q: mx.array, k: mx.array, v: mx.array, scale: float, mask, kv: int) -> mx.array:
@@ -151,7 +151,7 @@ def scaled_dot_product_attention(q: mx.array, k: mx.array, v: mx.array, *, scale
 
 
 def _dispatch(q, k, v, *, scale, mask=None, sinks=None, stream=None):
-    if getattr(_local, "on", False):
+    if enabled():
         return scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks, stream=stream)
     return mlx_attention(q, k, v, scale=scale, mask=mask, sinks=sinks, stream=stream)
 

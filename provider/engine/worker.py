@@ -81,8 +81,8 @@ from provider.engine.commands import (
     Submit,
     Unload,
 )
-from provider.engine.device import DeviceLimits
 from provider.engine import attention
+from provider.engine.device import DeviceLimits
 from provider.engine.layout import MAX_WEIGHT_BYTES, on_cpu, transpose_weights
 from provider.engine.prefill import (
     PREFILL_STEP,
@@ -241,7 +241,7 @@ class Worker:
     def serve(self) -> None:
         """The engine thread: `run` under MLX's memory settings, put back as found when it ends."""
         self._device.start()
-        if self._attention_on():
+        if _on_cpu_unless(self._cpu_attention):
             attention.enable()  # this thread's attention calls only (attention.py)
         try:
             self.run()
@@ -369,7 +369,7 @@ class Worker:
             mx.eval(model.parameters())
             # One weight's copy at a time, within the load's estimate (on-disk bytes x 1.2).
             bound = min(MAX_WEIGHT_BYTES, (mx.get_active_memory() - before) // 10)
-            transposed = transpose_weights(model, max_bytes=bound) if self._layout_weights() else 0
+            transposed = transpose_weights(model, max_bytes=bound) if _on_cpu_unless(self._weight_layout) else 0
             ctx = context_length(config)
         except Exception:  # an edge: any broken model folder must not kill the worker
             log.exception("model load failed", extra={"model_id": cmd.model_id})
@@ -397,12 +397,6 @@ class Worker:
         self._slots[cmd.model_id] = slot
         self.stats[cmd.model_id] = ModelStats(0, 0, 0)
         return info
-
-    def _layout_weights(self) -> bool:
-        return on_cpu() if self._weight_layout is None else self._weight_layout
-
-    def _attention_on(self) -> bool:
-        return on_cpu() if self._cpu_attention is None else self._cpu_attention
 
     def _calibrate(self, slot: _Slot) -> None:
         """Whether and from how many tokens a prompt is prefilled alone (module docstring, prefill.py)."""
@@ -968,6 +962,11 @@ class Worker:
 def _deliver(items: list[tuple[EventSink, Event]]) -> None:
     for sink, event in items:
         sink.push(event)
+
+
+def _on_cpu_unless(setting: bool | None) -> bool:
+    """A CPU-device tuning's setting: None = on the CPU device only (layout.py, attention.py)."""
+    return on_cpu() if setting is None else setting
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], enough: int) -> int:
