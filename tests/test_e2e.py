@@ -403,6 +403,64 @@ async def test_sigterm_drains_the_job_in_flight_then_exits_0(coordinator_double,
     assert double.anomalies() == []
 
 
+async def test_a_drain_that_runs_out_ends_every_accepted_request_with_its_terminal(coordinator_double,
+                                                                                   tiny_model_path, tmp_path):
+    """Issue 29 item 1: SIGTERM with two long streams (the double's [A] concurrency for an 8 GB machine)
+    and ``drain_timeout_s = 2``. When the drain runs
+    out, each accepted request still gets exactly one terminal frame (503 ``draining``: nothing more
+    will come) before the socket closes with 1000; the consumers see their streams fail, not hang."""
+    double = coordinator_double
+    env = {**os.environ, "HF_HUB_OFFLINE": "1",
+           "DARKBLOOM_COORDINATOR_URL": double.ws_url, "DARKBLOOM_DEV_POSTURE": "true",
+           "DARKBLOOM_STATE_DIR": str(tmp_path / "state"), "DARKBLOOM_HF_CACHE_DIR": str(tmp_path / "hf"),
+           "DARKBLOOM_MODEL_ALIASES": f"tiny={tiny_model_path}", "DARKBLOOM_MEMORY_LIMIT_GB": "8",
+           "DARKBLOOM_MEMORY_RESERVE_GB": "0.5", "DARKBLOOM_DRAIN_TIMEOUT_S": "2",
+           "DARKBLOOM_LOG_FORMAT": "json", "DARKBLOOM_HEARTBEAT_INTERVAL_S": "0.5",
+           "DARKBLOOM_LOCAL_ENABLED": "false"}
+    process = await asyncio.create_subprocess_exec(sys.executable, "-m", "provider.agent", env=env, cwd=REPO,
+                                                   stdout=asyncio.subprocess.DEVNULL,
+                                                   stderr=asyncio.subprocess.PIPE)
+
+    async def consume(consumer: openai.AsyncOpenAI, n: int) -> BaseException | None:
+        stream = await consumer.chat.completions.create(
+            model="tiny", messages=chat_messages(f"long drain {n}"), max_tokens=1900, temperature=0, stream=True)
+        try:
+            async for _ in stream:
+                pass
+        except (openai.APIError, httpx.HTTPError) as exc:
+            return exc
+        return None
+
+    try:
+        await double.wait_routable(model="tiny", timeout=60)
+        async with consumer_for(double) as consumer:
+            streams = [asyncio.create_task(consume(consumer, n)) for n in range(2)]
+            await double.wait_for(lambda e: len({c.request_id for c in double.events.of(ChunkReceived)}) == 2,
+                                  timeout=30)
+            process.send_signal(signal.SIGTERM)
+            ends = await asyncio.wait_for(asyncio.gather(*streams), 30)
+        code = await asyncio.wait_for(process.wait(), 30)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert code == 0
+    disconnected = await double.wait_for(lambda e: isinstance(e, Disconnected), timeout=10)
+    assert disconnected.close_code == 1000
+    accepted = [e.request_id for e in double.events.of(Accepted)]
+    assert len(accepted) == 2
+    for rid in accepted:
+        terminals = [e for e in double.events.of(FrameReceived)
+                     if getattr(e.message, "request_id", None) == rid
+                     and e.message.type in ("inference_complete", "inference_error")]
+        assert len(terminals) == 1, (rid, terminals)
+        assert terminals[0].at < disconnected.at
+        assert terminals[0].message.type == "inference_error"
+        assert (terminals[0].message.status_code, terminals[0].message.error_reason) == (503, "draining")
+    assert all(isinstance(end, BaseException) for end in ends)  # each consumer sees its stream fail
+    assert double.anomalies() == []
+
+
 async def test_an_agent_stopped_past_the_eviction_window_registers_afresh(tiny_model_path, tmp_path):
     """Issue 12 item 2: ``kill -STOP`` until the coordinator has evicted the provider, then ``kill -CONT``:
     the socket is still open and heartbeats would be ignored for good, so the agent must notice the gap

@@ -7,6 +7,7 @@ the Go coordinator does (protocol.md §11).
 from __future__ import annotations
 
 import asyncio
+import time
 import base64
 import json
 from pathlib import Path
@@ -20,6 +21,7 @@ from protocol.crypto import ProviderIdentity
 from provider.config import Settings
 from provider.doctor import cap_figures
 from provider.engine import ChatRequest, Engine, SamplingParams
+from provider.session.connection import DRAIN_EXPIRED
 from provider.jobs import JobContext, JobOutcome, JobState, PromptCounter, ServingStats, run_job
 from provider.jobs.job import Job
 from provider.models import discover
@@ -256,6 +258,33 @@ async def test_cancel_while_waiting_for_the_load(harness):
         await task
     assert [f["type"] for f in harness.of("w1")] == ["inference_accepted"]
     assert harness.stats.cancellations_before_output == 1
+
+
+@pytest.mark.parametrize("phase", ["waiting_for_the_load", "streaming"])
+async def test_a_drain_that_runs_out_ends_the_job_with_503_draining(harness, phase):
+    """Issue 29 item 1: the connection cancels a job the drain ran out on with ``DRAIN_EXPIRED``; unlike a
+    coordinator's cancel, the request then gets its one terminal frame (and the reservation goes back)."""
+    reached = asyncio.Event()
+    wanted = 1 if phase == "waiting_for_the_load" else 3  # the accept alone, or accept + chunks
+
+    def send(text: str) -> None:
+        harness.send(text)
+        if len(harness.of("d1")) >= wanted:
+            reached.set()
+
+    task = asyncio.create_task(run_job(harness.coordinator.request("d1", chat(max_tokens=1900)), harness.ctx, send))
+    await reached.wait()
+    task.cancel(DRAIN_EXPIRED)
+    assert await task is JobOutcome.FAILED and not task.cancelled()
+    frames = harness.of("d1")
+    assert frames[0]["type"] == "inference_accepted" and [f["type"] for f in frames].count("inference_error") == 1
+    assert frames[-1]["type"] == "inference_error"
+    assert (frames[-1]["status_code"], frames[-1]["error_reason"]) == (503, "draining")
+    # The engine frees the sequence on its thread, then the KV lease goes back (no event to wait on).
+    deadline = time.monotonic() + 10
+    while harness.ledger.snapshot().count_by_kind[ReservationKind.REQUEST_KV]:
+        assert time.monotonic() < deadline, "the drained request's KV was never released"
+        await asyncio.sleep(0.01)
 
 
 async def test_concurrent_jobs_each_get_their_own_box_and_stream(harness):

@@ -27,6 +27,8 @@ terminal frame and nothing after it.
   (before any output, so the coordinator reroutes without counting it against us).
 * Cancellation (``cancel`` from the coordinator, or a lost connection) cancels the job's task: the
   engine stream is closed, the manager releases the KV reservation, and nothing more is sent (§7.4).
+  A drain that runs out cancels it too, with ``DRAIN_EXPIRED`` as the message: the coordinator still
+  waits for this request, so it gets its one terminal frame, 503 ``draining``.
 
 Privacy: no prompt or completion text and no exception text is logged; ``request_id`` and ``model``
 are bound in structlog's context for the job's lifetime.
@@ -59,6 +61,7 @@ from provider.request.tokens import PromptCounter
 from provider.slots import Refused
 from provider.slots.leases import Booking
 from provider.metrics import Metrics, RequestOutcome
+from provider.session.connection import DRAIN_EXPIRED
 from provider.session.status import RequestTally
 from provider.telemetry import get_logger
 
@@ -176,7 +179,9 @@ class Job:
         with bound_contextvars(request_id=self.request_id):
             try:
                 return await self._run()
-            except asyncio.CancelledError:
+            except asyncio.CancelledError as cancel:
+                if DRAIN_EXPIRED in cancel.args and not self.lifecycle.terminal:
+                    return self._drain_expired()
                 self._cancelled()
                 raise
             except Exception as exc:  # the edge of a job: even a bug leaves the request its one answer
@@ -377,6 +382,14 @@ class Job:
         ttft = (self._first_output or now) - self._started
         log.info("request_completed", prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                  duration_s=round(now - self._started, 4), ttft_ms=round(ttft * 1000, 2))
+
+    def _drain_expired(self) -> JobOutcome:
+        """The drain ran out: end the request with its terminal frame (the task's cancel ends here)."""
+        rejected = self.lifecycle.state < JobState.ACCEPTED
+        asyncio.current_task().uncancel()
+        log.info("request_drain_expired", phase="before_output" if self._first_output is None else "streaming")
+        self._fail(Failure.draining())
+        return JobOutcome.REJECTED if rejected else JobOutcome.FAILED
 
     def _cancelled(self) -> None:
         if self.lifecycle.terminal:

@@ -23,8 +23,9 @@ after a session that stayed registered ≥ 30 s. Every connection gets a fresh c
 reservation is released before the next connection starts.
 
 Drain (``stop`` set): new requests get 503 ``draining``, heartbeats say ``draining``, running jobs get
-``drain_timeout_s`` to finish and are cancelled after it, queued frames are flushed, then the socket
-is closed with 1000 and ``run`` returns.
+``drain_timeout_s`` to finish; after it each is cancelled with ``DRAIN_EXPIRED`` as the message, which
+a job answers with its one terminal frame (503 ``draining``) instead of going silent, queued frames
+are flushed, then the socket is closed with 1000 and ``run`` returns.
 
 The shell keeps ``Session.status`` (``status.SessionStatus``) up to date: link state, attempts,
 registrations, how each connection ended (close code and reason, and whose doing), the backoff
@@ -70,6 +71,9 @@ MAX_FRAME_BYTES = MAX_INBOUND_FRAME_BYTES + (1 << 20)  # the largest request plu
 ABNORMAL_CLOSURE = 1006  # RFC 6455: the socket ended without a close frame
 DRAIN_CLOSE_REASON = "provider shutting down"
 RECONNECT_CLOSE_REASON = "reconnecting"
+# The cancel message of a job the drain ran out on: unlike a coordinator's cancel or a lost
+# connection, the coordinator still waits for this request's terminal frame, and the socket is open.
+DRAIN_EXPIRED = "drain_expired"
 COORDINATOR_EVICTION_WINDOW_S = 90.0  # [A] StartEvictionLoop(ctx, 90*time.Second); [N] evicts later (~120 s)
 
 
@@ -376,7 +380,7 @@ class _Connection:
                 return  # the connection died while draining: close() cancels what is left
         if self.jobs:
             log.warning("drain_timeout", in_flight=len(self.jobs))
-            await self._cancel_jobs()
+            await self._cancel_jobs(DRAIN_EXPIRED)
         heartbeat.cancel()
         self.queue.put_nowait(None)  # the writer sends everything queued, then stops
         writer = next(t for t in tasks if t.get_name() == "session-writer")
@@ -401,10 +405,10 @@ class _Connection:
             with contextlib.suppress(ConnectionClosed, OSError):
                 await self.transport.close(1000, RECONNECT_CLOSE_REASON)
 
-    async def _cancel_jobs(self) -> None:
+    async def _cancel_jobs(self, message: str | None = None) -> None:
         pending = list(self.jobs.values())
         for task in pending:
-            task.cancel()
+            task.cancel(message)
         await asyncio.gather(*pending, return_exceptions=True)
 
 
@@ -450,6 +454,7 @@ async def _until_stopped(awaitable: Awaitable[Transport], stop: asyncio.Event) -
 __all__ = [
     "CLOSE_TIMEOUT_S",
     "COORDINATOR_EVICTION_WINDOW_S",
+    "DRAIN_EXPIRED",
     "MAX_FRAME_BYTES",
     "PING_INTERVAL_S",
     "PING_TIMEOUT_S",
