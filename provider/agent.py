@@ -314,7 +314,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"darkbloom-provider: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     configure_logging(settings.log_level, settings.log_format)
-    return main_serve(settings)
+    from provider.state_lock import AlreadyRunning, StateLock
+
+    try:  # one agent per state directory, as `darkbloom-provider serve` (provider/state_lock.py)
+        lock = StateLock.for_serving(settings, local=False)
+    except AlreadyRunning as exc:
+        print(f"darkbloom-provider: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    with lock:
+        return main_serve(settings)
 
 
 if __name__ == "__main__":

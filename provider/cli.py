@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, get_args
 from provider import __version__, supervision
 from provider.config import FIELDS, ConfigError, Settings, default_state_dir, flag_name, load_settings
 from provider.progress import Progress
+from provider.state_lock import AgentRecord, AlreadyRunning, StateLock, running_agent
 
 if TYPE_CHECKING:
     from provider.service import ServiceStatus
@@ -179,11 +180,23 @@ def setting_args(settings: Settings, fields: Iterable[str]) -> list[str]:
 
 
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
-    """Serve, under the crash-loop guard (`provider/supervision.py`): a run that returns 0 or refuses its
-    configuration was not a crash; any other exit code (75, a memory self-restart, included) is counted
-    when it is returned, a kill or a crash at the next start, and enough of them in the window keep a
-    launchd service down."""
+    """Serve, holding the state directory's lock for the process's life (a second agent on it refuses
+    to start, exit 78, naming this one: `provider/state_lock.py`), under the crash-loop guard
+    (`provider/supervision.py`): a run that returns 0 or refuses its configuration was not a crash; any
+    other exit code (75, a memory self-restart, included) is counted when it is returned, a kill or a
+    crash at the next start, and enough of them in the window keep a launchd service down."""
     env = dict(os.environ)
+    try:  # first of all: a second agent on this state directory must not touch it
+        lock = StateLock.for_serving(settings, local=args.local)
+    except AlreadyRunning as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return supervision.exit_code_for(supervision.ExitReason.CONFIGURATION, EX_CONFIG, str(exc),
+                                         home=_home(env), env=env)
+    with lock:
+        return _serve_supervised(args, settings, env)
+
+
+def _serve_supervised(args: argparse.Namespace, settings: Settings, env: dict[str, str]) -> int:
     decision = supervision.on_start(settings.state_dir, env=env, limit=settings.crash_loop_limit,
                                     window_s=settings.crash_loop_window_s)
     if decision.stay_down:
@@ -257,24 +270,44 @@ def cmd_models(args: argparse.Namespace, settings: Settings) -> int:
     return EX_OK
 
 
-def fetch_status(settings: Settings, timeout_s: float = 3.0) -> dict[str, Any]:
-    """GET the running agent's local /status (loopback only, so plain urllib is enough)."""
-    with urllib.request.urlopen(settings.local_base_url + "/status", timeout=timeout_s) as resp:
+def fetch_status(base_url: str, timeout_s: float = 3.0) -> dict[str, Any]:
+    """GET a running agent's local /status (loopback only, so plain urllib is enough)."""
+    with urllib.request.urlopen(base_url + "/status", timeout=timeout_s) as resp:
         return json.loads(resp.read())
 
 
+def status_urls(settings: Settings) -> tuple[AgentRecord | None, list[str]]:
+    """Where to ask: the local server of the agent running on this state directory (whatever port it
+    was started with), then the configured one."""
+    agent = running_agent(settings.state_dir)
+    urls = [agent.local_url] if agent is not None and agent.local_url else []
+    return agent, urls + [u for u in (settings.local_base_url,) if u not in urls]
+
+
 def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
-    try:
-        status = fetch_status(settings)
-    except (urllib.error.URLError, OSError, ValueError):
-        print(f"{PROG}: no agent answering on {settings.local_base_url}/status (is `serve` running?)",
-              file=sys.stderr)
-        return EX_FAILED
-    if args.json:
-        print(json.dumps(status, indent=2))
+    agent, urls = status_urls(settings)
+    for url in urls:
+        try:
+            status = fetch_status(url)
+        except (urllib.error.URLError, OSError, ValueError):
+            continue
+        if args.json:
+            print(json.dumps(status, indent=2))
+        else:
+            if agent is not None and url == agent.local_url:
+                print(f"agent {agent.describe()}, since {agent.started_at}")
+            print(render_status(status))
+        return EX_OK
+    if agent is None:
+        print(f"{PROG}: no agent is running on the state directory {settings.state_dir}, and none answers on "
+              f"{settings.local_base_url}/status (is `serve` running? with another --state-dir?)", file=sys.stderr)
+    elif agent.local_url is None:
+        print(f"{PROG}: an agent is running on {settings.state_dir} ({agent.describe()}): `status` asks its "
+              "local server, which it runs only with local_enabled = true", file=sys.stderr)
     else:
-        print(render_status(status))
-    return EX_OK
+        print(f"{PROG}: an agent is running on {settings.state_dir} ({agent.describe()}) but its local server "
+              "does not answer", file=sys.stderr)
+    return EX_FAILED
 
 
 def render_status(status: dict[str, Any], now: float | None = None) -> str:

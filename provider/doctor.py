@@ -103,6 +103,7 @@ from provider.config import Settings, unrecognised_env
 from provider.doctor_guest import GuestReport, gather_guest, guest_json, guest_lines
 from provider.doctor_routing import BLOCKING, RoutingReport, gather_routing, routing_json, routing_lines, untrusted_sentence
 from provider.hardening import Hardening
+from provider.state_lock import running_agent
 from provider.supervision import AbnormalExits, read_abnormal_exits
 from provider.models import Inventory, ModelInfo, Quantization, default_hf_cache, discover
 
@@ -400,13 +401,19 @@ def run_doctor(
 
 
 def running_agent_diagnostics(settings: Settings, timeout_s: float = 2.0) -> dict[str, Any] | None:
-    """The memory diagnostics of an agent running with these settings (its loopback /status), or
-    None when none answers. The same figures and recommendation the agent acts on."""
-    try:
-        with urllib.request.urlopen(settings.local_base_url + "/status", timeout=timeout_s) as resp:
-            status = json.loads(resp.read())
-    except (OSError, ValueError):
-        return None
+    """The memory diagnostics of an agent running with these settings (its loopback /status: the one
+    its state directory records, else the configured one), or None when none answers. The same
+    figures and recommendation the agent acts on."""
+    running = running_agent(settings.state_dir)
+    urls = dict.fromkeys(u for u in (running and running.local_url, settings.local_base_url) if u)
+    status = None
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url + "/status", timeout=timeout_s) as resp:
+                status = json.loads(resp.read())
+            break
+        except (OSError, ValueError):
+            continue
     diagnostics = status.get("diagnostics") if isinstance(status, dict) else None
     return diagnostics if isinstance(diagnostics, dict) else None
 
