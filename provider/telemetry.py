@@ -62,6 +62,8 @@ SAFE_KEYS: frozenset[str] = frozenset(
         "host", "url", "path", "platform",
         # operator settings: the variable's name (the values go under SHORT_KEYS)
         "variable",
+        # advice for the operator: always a literal written in our code
+        "hint",
     }
 )
 # Keys whose value is a number, or a string shown at most this long: what an operator set

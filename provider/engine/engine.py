@@ -15,6 +15,7 @@ or awaits a future the worker resolves.
 
 `stream.aclose()` (or `engine.cancel(request_id)`) cancels: the stream ends at once with no
 further event, and the worker removes the request from its batch before the next decode step.
+`stream.interrupt(code)` cancels too, but the stream's last event is `Failed(code)`.
 """
 
 from __future__ import annotations
@@ -102,13 +103,14 @@ class RequestStream:
             self._engine._forget(self.request_id)
         self._queue.put_nowait(event)
 
-    def _close_local(self) -> bool:
+    def _close_local(self, last: Failed | None = None) -> bool:
+        """End the stream here: undelivered events are dropped, then `last` (or nothing) is read."""
         if self._done:
             return False
         self._done = True
-        while not self._queue.empty():  # undelivered events are dropped: nothing after a cancel
+        while not self._queue.empty():
             self._queue.get_nowait()
-        self._queue.put_nowait(_End.CLOSED)
+        self._queue.put_nowait(_End.CLOSED if last is None else last)
         return True
 
     def __aiter__(self) -> RequestStream:
@@ -127,6 +129,10 @@ class RequestStream:
     async def aclose(self) -> None:
         """Cancel the request if it is still running; no event follows."""
         self._engine.cancel(self.request_id)
+
+    def interrupt(self, code: EngineFailure) -> bool:
+        """Cancel the request if it is still running; its last event is `Failed(code)`."""
+        return self._engine.interrupt(self.request_id, code)
 
     async def collect(self) -> tuple[str, Finished | Failed | None]:
         """Read the stream to its end: (all text, terminal event or None if cancelled)."""
@@ -248,6 +254,15 @@ class Engine:
         True when a cancel went to the worker (the request had not ended yet)."""
         stream = self._streams.pop(request_id, None)
         if stream is not None and stream._close_local():
+            self._commands.put(Cancel(request_id))
+            return True
+        return False
+
+    def interrupt(self, request_id: str, code: EngineFailure) -> bool:
+        """Stop a request and end its stream with `Failed(code)` (a server whose drain ran out ends
+        every stream with an error instead of cutting it). Unknown or ended ids are ignored."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and stream._close_local(Failed(code)):
             self._commands.put(Cancel(request_id))
             return True
         return False

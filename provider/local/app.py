@@ -21,7 +21,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from typing import Any, Protocol
 
@@ -37,6 +37,7 @@ from protocol.sse import DONE
 from provider.engine import EngineFailure, Event, Failed, Finished, RequestStream, TextDelta
 from provider.engine.openai import ChatChunks, chat_completion
 from provider.local.backend import Refused
+from provider.local.drain import InFlight
 from provider.request.body import ChatBody, InvalidBody
 from provider.metrics import CONTENT_TYPE, CapFigure, Metrics, RequestOutcome
 from provider.telemetry import get_logger
@@ -57,6 +58,8 @@ class Backend(Protocol):
 
 
 def _failure_for(code: EngineFailure) -> Failure:
+    if code is EngineFailure.ENGINE_CLOSED:  # the server's drain ran out (or the engine stopped under it)
+        return Failure.draining()
     if code is EngineFailure.REQUEST_EXCEEDS_CONTEXT:
         return Failure.request_exceeds_context()
     if code is EngineFailure.INVALID_REQUEST:
@@ -123,12 +126,13 @@ def cap_metric_figures(cap: CapFigures) -> dict[CapFigure, int]:
 
 
 class LocalState:
-    """Mutable bits of the running server: draining flag and start time."""
+    """Mutable bits of the running server: draining flag, start time, the chat requests in flight."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
         self.draining = False
         self.started = time.monotonic()
+        self.requests = InFlight()
 
 
 def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: str = "local") -> FastAPI:
@@ -172,22 +176,30 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
         raw = await request.body()
         if state.draining:
             return error_response(Failure.draining(), 5)
-        opened = backend.open(request_id, raw)
+        state.requests.begin(request_id)
+        handed_over = False  # to the streaming response, which ends the request when it is over
         try:
-            body, stream = await opened.__aenter__()
-        except InvalidBody as exc:
-            log.info("request_invalid", request_id=request_id, reason=exc.field)
-            metrics.request_finished(RequestOutcome.REJECTED)
-            return invalid_body_response(exc)
-        except Refused as refused:
-            failure = refused.failure
-            log.info("request_refused", request_id=request_id, code=failure.code,
-                     reason=failure.reason, rejection_reason=failure.rejection)
-            if failure.rejection is not None:
-                metrics.rejected(failure.rejection)
-            metrics.request_finished(RequestOutcome.REJECTED)
-            return error_response(failure, refused.retry_after_s)
-        if body.stream:
+            opened = backend.open(request_id, raw)
+            try:
+                body, stream = await state.requests.unless_expired(opened.__aenter__())
+            except InvalidBody as exc:
+                log.info("request_invalid", request_id=request_id, reason=exc.field)
+                metrics.request_finished(RequestOutcome.REJECTED)
+                return invalid_body_response(exc)
+            except Refused as refused:
+                failure = refused.failure
+                log.info("request_refused", request_id=request_id, code=failure.code,
+                         reason=failure.reason, rejection_reason=failure.rejection)
+                if failure.rejection is not None:
+                    metrics.rejected(failure.rejection)
+                metrics.request_finished(RequestOutcome.REJECTED)
+                return error_response(failure, refused.retry_after_s)
+            state.requests.attach(request_id, stream)
+            if not body.stream:
+                try:
+                    return await _complete(stream, request_id, body, metrics)
+                finally:
+                    await opened.__aexit__(None, None, None)
             # The 200 goes out with the first output: anything that fails before it (a load, the
             # engine) is still a plain HTTP error a client or balancer can retry elsewhere, and in
             # a storm the refusals are never answered later than the work that was admitted.
@@ -199,13 +211,15 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
                     return error_response(Failure.cancelled())
                 log.info("request_failed", request_id=request_id, code=first.code)
                 metrics.request_finished(RequestOutcome.FAILED)
-                return error_response(_failure_for(first.code))
-            return StreamingResponse(_sse(opened, stream, request_id, body, metrics, first),
+                failure = _failure_for(first.code)
+                return error_response(failure, Refused(failure).retry_after_s)
+            handed_over = True
+            return StreamingResponse(_sse(opened, stream, request_id, body, metrics, first,
+                                          ended=lambda: state.requests.end(request_id)),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        try:
-            return await _complete(stream, request_id, body, metrics)
         finally:
-            await opened.__aexit__(None, None, None)
+            if not handed_over:
+                state.requests.end(request_id)
 
     return app
 
@@ -221,7 +235,8 @@ async def _complete(stream: RequestStream, request_id: str, body: ChatBody, metr
         case Failed(code):
             log.info("request_failed", request_id=request_id, model=body.model, code=code)
             metrics.request_finished(RequestOutcome.FAILED)
-            return error_response(_failure_for(code))
+            failure = _failure_for(code)
+            return error_response(failure, Refused(failure).retry_after_s)
         case _:
             metrics.request_finished(RequestOutcome.CANCELLED)
             return error_response(Failure.cancelled())
@@ -254,7 +269,7 @@ async def _events(first: Event, stream: RequestStream) -> AsyncIterator[Event]:
 
 
 async def _sse(opened: Any, stream: RequestStream, request_id: str, body: ChatBody,
-               metrics: Metrics, first: Event) -> AsyncIterator[bytes]:
+               metrics: Metrics, first: Event, ended: Callable[[], None]) -> AsyncIterator[bytes]:
     chunks = ChatChunks(request_id, body.model)
     outcome = RequestOutcome.CANCELLED  # the client went away unless we reach a terminal event
     try:
@@ -282,7 +297,10 @@ async def _sse(opened: Any, stream: RequestStream, request_id: str, body: ChatBo
         yield DONE
     finally:
         metrics.request_finished(outcome)
-        await opened.__aexit__(None, None, None)
+        try:
+            await opened.__aexit__(None, None, None)
+        finally:
+            ended()
 
 
 def _event(obj: sse.ChatCompletionChunk | dict[str, Any]) -> bytes:

@@ -2,9 +2,10 @@
 
 * `serve_local(settings)`: `darkbloom-provider serve --local`, no coordinator. An OpenAI-compatible
   server over the shared `provider.runtime.Runtime` (same admission and memory policy as the
-  agent), with the idle reaper running. SIGTERM or SIGINT: new requests get 503 `draining`,
-  uvicorn stops accepting, in-flight requests get `drain_timeout_s` to finish, then every model is
-  unloaded (its prefix cache purged), the engine closes, exit 0.
+  agent), with the idle reaper running. SIGTERM or SIGINT: the listener stays open and new requests
+  and `/healthz` get 503 `draining`; in-flight requests get `drain_timeout_s` to finish, and any
+  still running then ends with an error event (`draining`) and `[DONE]`; then uvicorn closes, every
+  model is unloaded (its prefix cache purged), the engine closes, exit 0. A second signal stops now.
 * `StatusEndpoint`: `/healthz`, `/status`, `/metrics` beside the coordinator session (`serve`), so
   `darkbloom-provider status` can ask a running agent. It leaves signals to the agent.
 
@@ -18,17 +19,19 @@ import contextlib
 import signal
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from types import FrameType
 
 import uvicorn
 
 from provider.config import Settings, _is_loopback
-from provider.local.app import create_app
+from provider.local.app import LocalState, create_app
 from provider.local.backend import RuntimeBackend
 from provider.runtime import Runtime
 from provider.telemetry import get_logger
 
 log = get_logger(__name__)
+EXPIRED_GRACE_S = 5.0  # after the drain: time for the ended responses to reach their clients
 
 
 class NotLoopback(ValueError):
@@ -36,18 +39,33 @@ class NotLoopback(ValueError):
 
 
 class LocalServer(uvicorn.Server):
-    """uvicorn re-raises SIGTERM after its graceful stop (exit 143). Here a drained stop is a clean
-    exit 0, which launchd's `KeepAlive {SuccessfulExit: false}` and systemd's `Restart=on-failure` need.
-    `on_exit` runs at the first signal (the drain starts there)."""
+    """uvicorn, with the agent's drain in place of uvicorn's graceful stop.
 
-    def __init__(self, config: uvicorn.Config, *, on_exit=None) -> None:
+    At the first SIGTERM or SIGINT uvicorn is *not* told to exit: `on_signal` starts the drain on the
+    loop while the listener stays open (new requests and `/healthz` get 503 `draining`); the drain
+    sets `should_exit` when it is over. A second SIGINT or SIGTERM stops now (`force_exit`).
+    uvicorn re-raises the signal after its own stop (exit 143); here a stop is a clean exit 0, which
+    launchd's `KeepAlive {SuccessfulExit: false}` and systemd's `Restart=on-failure` need."""
+
+    def __init__(self, config: uvicorn.Config, *, on_signal: Callable[[], None] | None = None) -> None:
         super().__init__(config)
-        self._on_exit = on_exit
+        self._on_signal = on_signal
+        self.signalled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    def handle_exit(self, sig: int, frame) -> None:
-        if self._on_exit is not None and not self.should_exit:
-            self._on_exit()
-        super().handle_exit(sig, frame)
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.signalled or self._on_signal is None or self._loop is None:
+            if self.signalled:
+                log.warning("local_server_stopping_now", signal=signal.Signals(sig).name)
+            self.force_exit = True
+            self.should_exit = True
+            return
+        self.signalled = True
+        self._loop.call_soon_threadsafe(self._on_signal)  # a signal handler runs between bytecodes
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -75,31 +93,51 @@ def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
         raise NotLoopback(settings.local_host)
     # log_config=None: uvicorn's records go through our redacting handlers; no access log (paths only
     # anyway, but one line per request is noise in a service log).
+    # The drain happens before uvicorn is told to stop (LocalServer); what is left for uvicorn's
+    # graceful stop is closing idle connections and writing responses that already ended.
     return uvicorn.Config(app, host=settings.local_host, port=settings.local_port, log_config=None,
-                          access_log=False, lifespan="off", timeout_graceful_shutdown=int(settings.drain_timeout_s))
+                          access_log=False, lifespan="off", timeout_graceful_shutdown=int(EXPIRED_GRACE_S))
 
 
 async def run_local(settings: Settings) -> None:
     runtime = await Runtime.start(settings)
     app = create_app(RuntimeBackend(runtime), runtime.metrics, chat=True, mode="local")
+    state = app.state.local
+    drain: asyncio.Task[None] | None = None
 
     def begin_drain() -> None:
-        log.info("local_server_draining")
-        app.state.local.draining = True
+        nonlocal drain
+        state.draining = True
         runtime.manager.start_draining()
+        drain = asyncio.create_task(_drain(server, state, settings.drain_timeout_s), name="local-drain")
 
-    server = LocalServer(uvicorn_config(app, settings), on_exit=begin_drain)
+    server = LocalServer(uvicorn_config(app, settings), on_signal=begin_drain)
     reaper = asyncio.create_task(runtime.manager.run_idle_reaper(), name="local-idle-reaper")
     log.info("local_server_starting", url=settings.local_base_url, models=list(runtime.servable),
              effective_cap_bytes=runtime.ledger.figures.effective_cap_bytes)
     try:
         await server.serve()
     finally:
-        app.state.local.draining = True
-        reaper.cancel()
-        await asyncio.gather(reaper, return_exceptions=True)
+        state.draining = True
+        state.requests.expire()  # a forced stop: whatever still runs ends with its error event
+        for task in (reaper, drain):
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in (reaper, drain) if t is not None), return_exceptions=True)
         await runtime.aclose()
         log.info("local_server_stopped")
+
+
+async def _drain(server: LocalServer, state: LocalState, timeout_s: float) -> None:
+    """Let the requests in flight finish for `timeout_s`, end the rest with an error event, then let
+    uvicorn close (it waits for those responses to be written, `EXPIRED_GRACE_S` at most)."""
+    in_flight = len(state.requests)
+    log.info("local_server_draining", in_flight=in_flight, timeout_s=timeout_s,
+             hint="press Ctrl-C again to stop now")
+    if in_flight and not await state.requests.wait_idle(timeout_s):
+        log.warning("local_drain_expired", in_flight=state.requests.expire(), timeout_s=timeout_s)
+        await state.requests.wait_idle(EXPIRED_GRACE_S)
+    server.should_exit = True
 
 
 def serve_local(settings: Settings) -> int:

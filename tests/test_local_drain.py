@@ -1,0 +1,109 @@
+"""`serve --local` on SIGTERM / Ctrl-C, as a real process (issue 29 item 7).
+
+The owner's server drains like the agent: it keeps listening (new requests and `/healthz` get 503
+`draining`, never a refused connection), lets running requests finish for `drain_timeout_s`, ends every
+stream still running then with an error event and `[DONE]` (a client's SDK sees an error, not a cut
+connection), logs one line that says how many requests are draining, for how long, and that a second
+Ctrl-C stops at once, and exits 0. A second SIGINT stops it now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+
+from test_local_server import MODEL, start_server
+
+LONG = {"model": MODEL, "messages": [{"role": "user", "content": "tell me a long story"}], "max_tokens": 1900,
+        "temperature": 0, "stream": True}
+
+
+async def _stream(client: httpx.AsyncClient, url: str, started: asyncio.Event) -> list[str]:
+    """The SSE `data:` payloads of one streamed request; sets `started` at the first content."""
+    events: list[str] = []
+    async with client.stream("POST", url + "/v1/chat/completions", json=LONG) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+                if len(events) >= 2:
+                    started.set()
+    return events
+
+
+def _log_events(log: str) -> list[dict]:
+    return [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+
+
+async def test_sigterm_keeps_listening_while_draining_and_ends_every_stream_with_an_error_event(
+        tmp_path, tiny_model_path):
+    srv = start_server(tmp_path, tiny_model_path, "--drain-timeout-s", "2")
+    try:
+        async with httpx.AsyncClient(timeout=60) as client:
+            started = [asyncio.Event(), asyncio.Event()]
+            streams = [asyncio.create_task(_stream(client, srv.base_url, s)) for s in started]
+            await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
+            srv.proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            # Draining: still listening, and saying so.
+            health = await _until_draining(client, srv.base_url + "/healthz")
+            assert health.status_code == 503 and health.json() == {"status": "draining"}
+            refused = await client.post(srv.base_url + "/v1/chat/completions", json={**LONG, "stream": False})
+            assert refused.status_code == 503 and refused.json()["error"]["reason"] == "draining"
+            assert int(refused.headers["retry-after"]) > 0
+            ends = await asyncio.wait_for(asyncio.gather(*streams), 30)
+            ended_after = time.monotonic() - signalled
+        code = srv.proc.wait(timeout=30)
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+    log = srv.log_path.read_text()
+    assert code == 0
+    for events in ends:
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert (error["code"], error["reason"]) == ("capacity", "draining")
+        assert len(events) > 3  # content came first: the drain cut a running stream
+    assert ended_after >= 1.5  # the streams had their drain time before they were ended
+    events = _log_events(log)
+    draining = [e for e in events if e["event"] == "local_server_draining"]
+    assert len(draining) == 1
+    assert draining[0]["in_flight"] == 2 and draining[0]["timeout_s"] == 2
+    assert "ctrl-c" in draining[0]["hint"].lower()
+    assert not [e for e in events if e["level"] in ("error", "critical")], log
+
+
+async def test_a_second_ctrl_c_stops_now(tmp_path, tiny_model_path):
+    srv = start_server(tmp_path, tiny_model_path, "--drain-timeout-s", "120")
+    try:
+        async with httpx.AsyncClient(timeout=60) as client:
+            started = asyncio.Event()
+            stream = asyncio.create_task(_stream(client, srv.base_url, started))
+            await asyncio.wait_for(started.wait(), 60)
+            srv.proc.send_signal(signal.SIGINT)
+            await _until_draining(client, srv.base_url + "/healthz")
+            srv.proc.send_signal(signal.SIGINT)
+            stopped = time.monotonic()
+            code = await asyncio.to_thread(srv.proc.wait, 30)
+            assert time.monotonic() - stopped < 20  # not the 120 s drain
+            await asyncio.gather(stream, return_exceptions=True)
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+    assert code == 0
+    assert any(e["event"] == "local_server_stopping_now" for e in _log_events(srv.log_path.read_text()))
+
+
+async def _until_draining(client: httpx.AsyncClient, url: str) -> httpx.Response:
+    """`/healthz` once the signal has reached the server (it turns 503 at the first signal). A refused
+    connection fails the test: the listener must stay open while draining."""
+    deadline = time.monotonic() + 10
+    while True:
+        response = await client.get(url)
+        if response.status_code == 503 or time.monotonic() > deadline:
+            return response
+        await asyncio.sleep(0.05)  # the signal crosses processes: no event to wait on
