@@ -242,6 +242,7 @@ def cmd_models(args: argparse.Namespace, settings: Settings) -> int:
     from provider.doctor import human_bytes, quantization_text, report_json, run_doctor
     from provider.models import DigestCache, weight_hash_sync
     from provider.models.hashing import CACHE_FILE
+    from provider.models.searched import no_models_lines
 
     report = run_doctor(settings, check_coordinator_url=False, explain_routing=False, guest=None)
     hashes: dict[str, str] = {}
@@ -255,10 +256,8 @@ def cmd_models(args: argparse.Namespace, settings: Settings) -> int:
         for m in doc["models"]:
             if m["id"] in hashes:
                 m["weight_hash"] = hashes[m["id"]]
-        print(json.dumps({"models": doc["models"], "skipped": doc["skipped"]}, indent=2))
+        print(json.dumps({"models": doc["models"], "skipped": doc["skipped"], "searched": doc["searched"]}, indent=2))
         return EX_OK
-    if not report.models:
-        print("no models found (see `darkbloom-provider doctor`)")
     for r in report.models:
         m = r.model
         line = (f"{m.id}  {human_bytes(m.weight_bytes)}  {quantization_text(m.quantization, m.dtype.value)}  "
@@ -267,6 +266,8 @@ def cmd_models(args: argparse.Namespace, settings: Settings) -> int:
         print(f"    {m.path}")
     for s in report.inventory.skipped:
         print(f"skipped {s.id or s.path}: {s.reason.value}")
+    if not report.models:
+        print("\n".join(no_models_lines(report.inventory.searched, report.inventory.disabled)))
     return EX_OK
 
 

@@ -53,6 +53,8 @@ An invalid configuration never reaches this module: the CLI exits 78 with one li
 `CapFigures` field (bytes) plus ``*_gib`` conveniences, ``pressure`` {level, utilization},
 ``runtime_hash``, ``models`` [{id, path, source, weight_bytes, quantization, context_length,
 kv_bytes_per_token, verdict, required_bytes, ever_fits}], ``skipped`` [{id, path, reason}],
+``searched`` [{source: alias | model_dir | hf_cache, id (an alias's), path, exists}] (where discovery
+looked; ``no_models`` names them too),
 ``coordinator`` {url, checked, reachable, detail}, ``machine`` {...}, ``problems`` [{code, severity,
 subject, detail}], ``settings_adjusted`` [{variable, given, used, action, rule}], ``ok``, ``crash_loop``
 {abnormal_exits [{at, kind: crash | memory_restart | error_exit}], stayed_down_at}, and
@@ -106,10 +108,10 @@ from provider.hardening import Hardening
 from provider.state_lock import running_agent
 from provider.supervision import AbnormalExits, read_abnormal_exits
 from provider.models import Inventory, ModelInfo, Quantization, default_hf_cache, discover
+from provider.models.searched import README_MODELS_HEADING, place_lines, places_text
 
 GIB = 1 << 30
 DEFAULT_COORDINATOR_TIMEOUT_S = 5.0
-README_MODELS_HEADING = "Pointing the provider at real MLX models"  # a heading of README.md (a test checks)
 
 # What the operator calls each input of the cap math (a config key, or the memory policy's own variable).
 ROOM_CAUSE_SETTING: dict[RoomCause, str] = {
@@ -503,7 +505,7 @@ def _problems(models: tuple[ModelReport, ...], inventory: Inventory, level: Pres
               no_room: Problem | None) -> tuple[Problem, ...]:
     found: list[Problem] = []
     if not models:
-        found.append(Problem(ProblemCode.NO_MODELS))
+        found.append(Problem(ProblemCode.NO_MODELS, detail=f"looked in {places_text(inventory.searched)}"))
     found += [Problem(ProblemCode.ENABLED_MODEL_MISSING, i) for i in inventory.missing]
     if no_room is not None:
         found.append(no_room)  # the reason every model is too large: say it once, not per model
@@ -554,6 +556,7 @@ def report_json(report: DoctorReport) -> dict[str, Any]:
         "runtime_hash": report.runtime_hash,
         "models": [_model_json(r) for r in report.models],
         "skipped": [{"id": s.id, "path": str(s.path), "reason": s.reason.value} for s in report.inventory.skipped],
+        "searched": [p.as_json() for p in report.inventory.searched],
         "coordinator": {"url": report.coordinator.url, "checked": report.coordinator.checked,
                         "reachable": report.coordinator.reachable, "detail": report.coordinator.detail.value,
                         "http_status": report.coordinator.http_status},
@@ -604,6 +607,12 @@ def _table(rows: list[tuple[str, ...]], indent: str = "  ") -> list[str]:
     return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
+def _looked_in(inventory: Inventory) -> list[str]:
+    """Where discovery looked, each place and whether it is there."""
+    lines = place_lines(inventory.searched, indent="    ")
+    return ["  looked in:", *lines] if lines else ["  looked in: nowhere (no source configured)"]
+
+
 def render_table(report: DoctorReport) -> str:
     """The human `doctor` output: aligned sections, human units."""
     snap, cap = report.snapshot, report.cap
@@ -636,6 +645,7 @@ def render_table(report: DoctorReport) -> str:
         out += _table(rows)
     for s in report.inventory.skipped:
         out.append(f"  skipped {s.id or s.path}: {s.reason.value}")
+    out += _looked_in(report.inventory)
     c = report.coordinator
     reach = "not checked" if not c.checked else ("reachable" if c.reachable else f"UNREACHABLE ({c.detail.value}"
                                                   + (f", HTTP {c.http_status}" if c.http_status else "") + ")")

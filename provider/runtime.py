@@ -155,13 +155,16 @@ def freeze_startup_heap() -> None:
 def _log_unservable(settings: Settings, inventory: Inventory) -> None:
     """Say once at start which models found on disk cannot be served, and why: a warning for the
     ones the operator named (an alias, `enabled_models`, `preload_models`), a note for the others
-    (a hub-cache folder that is not an MLX model is normal)."""
+    (a hub-cache folder that is not an MLX model is normal); and a warning naming every place
+    searched when there is no model at all."""
     named = {*settings.model_aliases, *settings.enabled_models, *settings.preload_models}
     for s in inventory.skipped:
         emit = log.warning if s.id in named else log.info
         emit("model_skipped", model=s.id, path=str(s.path), reason=s.reason.value, detail=s.message)
     for model_id in inventory.missing:
         log.warning("enabled_model_missing", model=model_id)
+    if not inventory.models:  # every request would be a 404: say where we looked
+        log.warning("no_models_found", path=[p.words for p in inventory.searched], models=list(inventory.disabled))
 
 
 @dataclasses.dataclass(slots=True)

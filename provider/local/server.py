@@ -27,6 +27,7 @@ import uvicorn
 from provider.config import Settings, _is_loopback
 from provider.local.app import LocalState, create_app
 from provider.local.backend import RuntimeBackend
+from provider.models.searched import say_if_no_models
 from provider.runtime import Runtime
 from provider.telemetry import get_logger
 
@@ -101,6 +102,7 @@ def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
 
 async def run_local(settings: Settings) -> None:
     runtime = await Runtime.start(settings)
+    say_if_no_models(runtime.inventory)  # every request would be a 404: the owner reads why on stderr
     app = create_app(RuntimeBackend(runtime), runtime.metrics, chat=True, mode="local")
     state = app.state.local
     drain: asyncio.Task[None] | None = None

@@ -1,6 +1,7 @@
 """Model discovery and inventory: which MLX models are on disk, what they cost, what they are.
 
-* `discover()` -> `Inventory(models, skipped, disabled, missing)` (discovery.py)
+* `discover()` -> `Inventory(models, skipped, disabled, missing, searched)` (discovery.py); the
+  words for where it looked (`searched: SearchedPlace`) are in searched.py
 * `ModelInfo`, `SkippedModel(path, reason: SkipReason, message)` (discovery.py)
 * `kv_bytes_for_tokens(info.kv, tokens)` and `KvLayout` (kv.py)
 * `weight_hash(path)` (hashing.py)
@@ -10,6 +11,7 @@ from provider.models.discovery import (
     Inventory,
     ModelInfo,
     ModelSource,
+    SearchedPlace,
     SkippedModel,
     SkipReason,
     default_hf_cache,
@@ -33,6 +35,6 @@ from provider.models.vision import VisionInfo
 __all__ = [
     "ALLOC_STEP", "HASHED_PATTERNS", "DType", "DigestCache", "Inventory", "KvAccuracy",
     "KvConfigError", "KvLayout", "ModelInfo", "ModelSource", "QuantMode", "Quantization",
-    "SkipReason", "SkippedModel", "SlidingGroup", "VisionInfo", "default_hf_cache", "discover", "inspect_model",
+    "SearchedPlace", "SkipReason", "SkippedModel", "SlidingGroup", "VisionInfo", "default_hf_cache", "discover", "inspect_model",
     "kv_bytes_for_tokens", "kv_layout", "newest_snapshot", "weight_hash", "weight_hash_sync",
 ]

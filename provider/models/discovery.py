@@ -34,6 +34,7 @@ import os
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -107,12 +108,42 @@ class ModelInfo:
         return self.kv.bytes_per_token
 
 
+_PLACE_LABEL = {ModelSource.HF_CACHE: "Hugging Face cache", ModelSource.MODEL_DIR: "model_dirs"}
+
+
+@dataclass(frozen=True, slots=True)
+class SearchedPlace:
+    """A place `discover()` looked in (`provider/models/searched.py` says them to the operator)."""
+
+    source: ModelSource
+    path: Path
+    exists: bool  # a directory is there
+    id: str | None = None  # the model id an alias names
+
+    @property
+    def label(self) -> str:
+        return f"alias {self.id}" if self.source is ModelSource.ALIAS else _PLACE_LABEL[self.source]
+
+    @property
+    def state(self) -> str:
+        return "exists" if self.exists else "missing"
+
+    @property
+    def words(self) -> str:
+        """E.g. "model_dirs /srv/models (missing)"."""
+        return f"{self.label} {self.path} ({self.state})"
+
+    def as_json(self) -> dict[str, Any]:
+        return {"source": self.source.value, "id": self.id, "path": str(self.path), "exists": self.exists}
+
+
 @dataclass(frozen=True, slots=True)
 class Inventory:
     models: tuple[ModelInfo, ...]
     skipped: tuple[SkippedModel, ...]
     disabled: tuple[str, ...] = ()  # found, but not in enabled_ids
     missing: tuple[str, ...] = ()  # in enabled_ids, but found nowhere
+    searched: tuple[SearchedPlace, ...] = ()  # where discover() looked, in its order of precedence
 
     def get(self, model_id: str) -> ModelInfo | None:
         return next((m for m in self.models if m.id == model_id), None)
@@ -153,12 +184,13 @@ def discover(
     (`await asyncio.to_thread(discover, ...)`). Only models whose id is in `enabled_ids` are
     inspected when it is given."""
     found = _Collector()
+    searched: list[SearchedPlace] = []
     for model_id, path in (aliases or {}).items():
-        _add_alias(found, model_id, Path(path))
+        searched.append(_add_alias(found, model_id, Path(path)))
     for root in model_dirs:
-        _scan_model_dir(found, Path(root))
+        searched.append(_scan_model_dir(found, Path(root)))
     if hf_cache is not None:
-        _scan_hf_cache(found, Path(hf_cache))
+        searched.append(_scan_hf_cache(found, Path(hf_cache)))
 
     models: list[ModelInfo] = []
     skipped: list[SkippedModel] = []
@@ -187,7 +219,7 @@ def discover(
             skipped.append(result)
     missing = sorted(set(enabled_ids or ()) - set(taken)
                      - {s.id for s in skipped if s.id is not None})
-    return Inventory(tuple(models), tuple(skipped), tuple(sorted(set(disabled))), tuple(missing))
+    return Inventory(tuple(models), tuple(skipped), tuple(sorted(set(disabled))), tuple(missing), tuple(searched))
 
 
 def inspect_model(
@@ -331,26 +363,32 @@ def _check_links(directory: Path, root: Path) -> None:
                             f"{entry.relative_to(directory)} links outside the cache")
 
 
-def _add_alias(found: _Collector, model_id: str, path: Path) -> None:
+def _add_alias(found: _Collector, model_id: str, path: Path) -> SearchedPlace:
     path = path.expanduser()
-    if not path.is_dir():
+    place = SearchedPlace(ModelSource.ALIAS, path, path.is_dir(), model_id)
+    if not place.exists:
         found.skipped.append(SkippedModel(path, SkipReason.NOT_FOUND,
                                           "alias path is not a directory", model_id))
-        return
-    if (path / "snapshots").is_dir() and not (path / metadata.CONFIG_FILE).exists():
+    elif (path / "snapshots").is_dir() and not (path / metadata.CONFIG_FILE).exists():
         _add_hf_repo(found, path, path.parent, model_id, ModelSource.ALIAS)
-        return
-    found.candidates.append(_Candidate(model_id, path, ModelSource.ALIAS))
+    else:
+        found.candidates.append(_Candidate(model_id, path, ModelSource.ALIAS))
+    return place
 
 
-def _scan_model_dir(found: _Collector, root: Path) -> None:
+def _scan_model_dir(found: _Collector, root: Path) -> SearchedPlace:
     root = root.expanduser()
-    if not root.is_dir():
+    place = SearchedPlace(ModelSource.MODEL_DIR, root, root.is_dir())
+    if not place.exists:
         found.skipped.append(SkippedModel(root, SkipReason.NOT_FOUND, "model directory not found"))
-        return
-    if _looks_like_model(root):
+    elif _looks_like_model(root):
         found.candidates.append(_Candidate(root.name, root, ModelSource.MODEL_DIR))
-        return
+    else:
+        _scan_children(found, root)
+    return place
+
+
+def _scan_children(found: _Collector, root: Path) -> None:
     for child in _subdirs(root):
         if _looks_like_model(child):
             found.candidates.append(_Candidate(child.name, child, ModelSource.MODEL_DIR))
@@ -373,12 +411,14 @@ def _subdirs(path: Path) -> list[Path]:
         return []
 
 
-def _scan_hf_cache(found: _Collector, cache: Path) -> None:
+def _scan_hf_cache(found: _Collector, cache: Path) -> SearchedPlace:
     cache = cache.expanduser()
-    for repo in _subdirs(cache) if cache.is_dir() else []:
+    place = SearchedPlace(ModelSource.HF_CACHE, cache, cache.is_dir())
+    for repo in _subdirs(cache) if place.exists else []:
         if repo.name.startswith(_HF_REPO_PREFIX):
             model_id = repo.name[len(_HF_REPO_PREFIX):].replace("--", "/")
             _add_hf_repo(found, repo, cache, model_id, ModelSource.HF_CACHE)
+    return place
 
 
 def _add_hf_repo(found: _Collector, repo: Path, link_root: Path, model_id: str,

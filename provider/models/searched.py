@@ -1,0 +1,52 @@
+"""Saying where discovery looked for models.
+
+`discover()` records each place it searched (`Inventory.searched`, `SearchedPlace`): every alias
+path, every `model_dirs` entry, the Hugging Face cache, each with whether a directory is there.
+`models`, `doctor` and the start of `serve` / `serve --local` name them when nothing was found, so an
+operator with no model sees where the provider looked instead of a silent 404. These are the words.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Sequence
+from typing import TextIO
+
+from provider.models.discovery import Inventory, SearchedPlace
+
+README_MODELS_HEADING = "Pointing the provider at real MLX models"  # a heading of README.md (a test checks)
+
+
+def place_lines(places: Iterable[SearchedPlace], indent: str = "  ") -> list[str]:
+    """One aligned line per place: "Hugging Face cache  /path  (exists)"."""
+    rows = [(p.label, str(p.path), f"({p.state})") for p in places]
+    if not rows:
+        return []
+    widths = [max(len(r[i]) for r in rows) for i in range(2)]
+    return [f"{indent}{a.ljust(widths[0])}  {b.ljust(widths[1])}  {c}" for a, b, c in rows]
+
+
+def places_text(places: Iterable[SearchedPlace]) -> str:
+    """The places on one line: "Hugging Face cache /path (exists); model_dirs /x (missing)"."""
+    return "; ".join(p.words for p in places) or "nowhere (no source configured)"
+
+
+def no_models_lines(places: Sequence[SearchedPlace], disabled: Sequence[str] = (), *, consequence: str = "") -> list[str]:
+    """Where the provider looked when it found no model, and what to do."""
+    lines = [f"no models found{consequence}. Looked in:", *(place_lines(places) or ["  nowhere (no source configured)"])]
+    if disabled:
+        lines.append(f"  found, but not in enabled_models: {', '.join(disabled)}")
+    lines.append("Download one (`huggingface-cli download mlx-community/<model>`) or set model_dirs / model_aliases: "
+                 f"'{README_MODELS_HEADING}' in the README.")
+    return lines
+
+
+def no_models_text(places: Sequence[SearchedPlace], disabled: Sequence[str] = ()) -> str:
+    """What `serve --local` prints on stderr when it starts with no model."""
+    return "\n".join(no_models_lines(places, disabled, consequence=": every request will get 404 until there is one"))
+
+
+def say_if_no_models(inventory: Inventory, stream: TextIO | None = None) -> None:
+    """`serve --local`: with no model, tell the owner on stderr, in words, where it looked."""
+    if not inventory.models:
+        print(no_models_text(inventory.searched, inventory.disabled), file=stream or sys.stderr, flush=True)
