@@ -317,6 +317,17 @@ def configure_logging(
     threading.excepthook = _log_uncaught_in_thread
 
 
+def request_timings(*, started: float, first_output: float | None, ended: float,
+                    completion_tokens: int) -> dict[str, float]:
+    """The numbers of a request's one served line (monotonic seconds in): time to first output,
+    duration, and the decode rate after the first token (what `mlx_lm.server` and Ollama print)."""
+    first = ended if first_output is None else first_output
+    decode_s = ended - first
+    rate = (completion_tokens - 1) / decode_s if completion_tokens > 1 and decode_s > 0 else 0.0
+    return {"ttft_ms": round((first - started) * 1000, 2), "duration_s": round(ended - started, 4),
+            "tokens_per_s": round(rate, 2)}
+
+
 def get_logger(name: str) -> Any:
     """A structlog logger named ``name``; configures the redacting pipeline first if nobody has."""
     if not structlog.is_configured():
@@ -359,6 +370,7 @@ def capture_redacted_logs() -> Iterator[list[EventDict]]:
 
 
 __all__ = [
+    "request_timings",
     "SHORT_KEYS",
     "SAFE_FOREIGN_FORMATS",
     "FormatKnownForeign",

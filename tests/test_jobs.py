@@ -297,6 +297,17 @@ async def test_concurrent_jobs_each_get_their_own_box_and_stream(harness):
         assert sse_json(harness.events(f"p{i}")[-1])["choices"][0]["finish_reason"] == "length"
 
 
+async def test_a_completed_job_leaves_one_served_line_with_its_numbers(harness):
+    """Issue 29 item 8: one info line per request: model, tokens, TTFT, tok/s, outcome (never text)."""
+    with capture_redacted_logs() as logs:
+        assert await harness.run(harness.coordinator.request("n1", chat(max_tokens=6))) is JobOutcome.COMPLETED
+    (line,) = [e for e in logs if e["event"] == "request_completed"]
+    usage = harness.of("n1")[-1]["usage"]
+    assert line["log_level"] == "info" and line["model"] == "tiny" and line["outcome"] == "completed"
+    assert (line["prompt_tokens"], line["completion_tokens"]) == (usage["prompt_tokens"], usage["completion_tokens"])
+    assert 0 < line["ttft_ms"] <= line["duration_s"] * 1000 and line["tokens_per_s"] >= 0
+
+
 async def test_no_prompt_text_or_consumer_strings_in_logs(harness):
     canary = "CANARY-7f3a9-SECRET"
     with capture_redacted_logs() as logs:

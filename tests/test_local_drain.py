@@ -107,3 +107,25 @@ async def _until_draining(client: httpx.AsyncClient, url: str) -> httpx.Response
         if response.status_code == 503 or time.monotonic() > deadline:
             return response
         await asyncio.sleep(0.05)  # the signal crosses processes: no event to wait on
+
+
+def test_every_served_request_leaves_one_info_line_with_its_numbers_and_never_its_text(tmp_path, tiny_model_path):
+    """Issue 29 item 8: as `mlx_lm.server` and Ollama give: one info line per request with the model, the
+    prompt and completion tokens, TTFT, tok/s and the outcome; never text."""
+    canary = "CANARY-served-line-4c1d"
+    srv = start_server(tmp_path, tiny_model_path)
+    try:
+        client = srv.client()
+        ask = {"model": MODEL, "messages": [{"role": "user", "content": canary}], "max_tokens": 12, "temperature": 0}
+        whole = client.chat.completions.create(**ask)
+        chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    finally:
+        code, log = srv.stop()
+    assert code == 0 and canary not in log
+    lines = [e for e in _log_events(log) if e["event"] == "request_completed"]
+    assert len(lines) == 2
+    for line, usage in zip(lines, (whole.usage, chunks[-1].usage), strict=True):
+        assert line["level"] == "info" and line["model"] == MODEL and line["outcome"] == "completed"
+        assert (line["prompt_tokens"], line["completion_tokens"]) == (usage.prompt_tokens, usage.completion_tokens)
+        assert 0 < line["ttft_ms"] <= line["duration_s"] * 1000
+        assert line["request_id"] and (line["tokens_per_s"] > 0) == (usage.completion_tokens > 1)

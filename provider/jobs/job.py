@@ -63,7 +63,7 @@ from provider.slots.leases import Booking
 from provider.metrics import Metrics, RequestOutcome
 from provider.session.connection import DRAIN_EXPIRED
 from provider.session.status import RequestTally
-from provider.telemetry import get_logger
+from provider.telemetry import get_logger, request_timings
 
 log = get_logger("provider.jobs")
 
@@ -378,10 +378,10 @@ class Job:
         if self._ctx.metrics is not None:
             self._ctx.metrics.request_finished(RequestOutcome.COMPLETED)
             self._ctx.metrics.add_tokens(prompt=prompt_tokens, completion=completion_tokens)
-        now = self._ctx.monotonic()
-        ttft = (self._first_output or now) - self._started
-        log.info("request_completed", prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 duration_s=round(now - self._started, 4), ttft_ms=round(ttft * 1000, 2))
+        log.info("request_completed", outcome="completed", prompt_tokens=prompt_tokens,
+                 completion_tokens=completion_tokens,
+                 **request_timings(started=self._started, first_output=self._first_output,
+                                   ended=self._ctx.monotonic(), completion_tokens=completion_tokens))
 
     def _drain_expired(self) -> JobOutcome:
         """The drain ran out: end the request with its terminal frame (the task's cancel ends here)."""

@@ -22,7 +22,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -34,13 +34,13 @@ from memory import CapFigures
 from protocol.errors import Failure
 from protocol import sse
 from protocol.sse import DONE
-from provider.engine import EngineFailure, Event, Failed, Finished, RequestStream, TextDelta
+from provider.engine import EngineFailure, Event, Failed, Finished, RequestStream, TextDelta, Usage
 from provider.engine.openai import ChatChunks, chat_completion
 from provider.local.backend import Refused
 from provider.local.drain import InFlight
 from provider.request.body import ChatBody, InvalidBody
 from provider.metrics import CONTENT_TYPE, CapFigure, Metrics, RequestOutcome
-from provider.telemetry import get_logger
+from provider.telemetry import get_logger, request_timings
 
 log = get_logger(__name__)
 
@@ -173,6 +173,7 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         request_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        started = time.monotonic()
         raw = await request.body()
         if state.draining:
             return error_response(Failure.draining(), 5)
@@ -195,26 +196,27 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
                 metrics.request_finished(RequestOutcome.REJECTED)
                 return error_response(failure, refused.retry_after_s)
             state.requests.attach(request_id, stream)
+            served = _Served(request_id, body.model, started, metrics)
             if not body.stream:
                 try:
-                    return await _complete(stream, request_id, body, metrics)
+                    return await _complete(stream, body, served)
                 finally:
                     await opened.__aexit__(None, None, None)
             # The 200 goes out with the first output: anything that fails before it (a load, the
             # engine) is still a plain HTTP error a client or balancer can retry elsewhere, and in
             # a storm the refusals are never answered later than the work that was admitted.
             first = await _first_event(stream, request)
+            served.output()
             if first is None or isinstance(first, Failed):
                 await opened.__aexit__(None, None, None)
                 if first is None:
-                    metrics.request_finished(RequestOutcome.CANCELLED)
+                    served.end(RequestOutcome.CANCELLED)
                     return error_response(Failure.cancelled())
-                log.info("request_failed", request_id=request_id, code=first.code)
-                metrics.request_finished(RequestOutcome.FAILED)
+                served.end(RequestOutcome.FAILED, code=first.code)
                 failure = _failure_for(first.code)
                 return error_response(failure, Refused(failure).retry_after_s)
             handed_over = True
-            return StreamingResponse(_sse(opened, stream, request_id, body, metrics, first,
+            return StreamingResponse(_sse(opened, stream, body, served, first,
                                           ended=lambda: state.requests.end(request_id)),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         finally:
@@ -224,22 +226,50 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
     return app
 
 
-async def _complete(stream: RequestStream, request_id: str, body: ChatBody, metrics: Metrics) -> Response:
-    text, terminal = await stream.collect()
-    match terminal:
-        case Finished() as done:
-            metrics.add_tokens(completion=done.usage.completion_tokens)
-            metrics.request_finished(RequestOutcome.COMPLETED)
-            completion = chat_completion(request_id, body.model, text, done)
-            return Response(completion.__pydantic_serializer__.to_json(completion), media_type="application/json")
-        case Failed(code):
-            log.info("request_failed", request_id=request_id, model=body.model, code=code)
-            metrics.request_finished(RequestOutcome.FAILED)
-            failure = _failure_for(code)
-            return error_response(failure, Refused(failure).retry_after_s)
-        case _:
-            metrics.request_finished(RequestOutcome.CANCELLED)
-            return error_response(Failure.cancelled())
+@dataclass(slots=True)
+class _Served:
+    """An admitted request's end: its outcome in the metrics and its one log line (numbers, never text)."""
+
+    request_id: str
+    model: str  # one of ours: the request was admitted
+    started: float  # monotonic, at arrival
+    metrics: Metrics
+    first_output: float | None = None
+
+    def output(self) -> None:
+        if self.first_output is None:
+            self.first_output = time.monotonic()
+
+    def end(self, outcome: RequestOutcome, usage: Usage | None = None, code: EngineFailure | None = None) -> None:
+        self.metrics.request_finished(outcome)
+        tokens = {} if usage is None else {"prompt_tokens": usage.prompt_tokens,
+                                           "completion_tokens": usage.completion_tokens}
+        if usage is not None:
+            self.metrics.add_tokens(completion=usage.completion_tokens)
+        log.info(f"request_{outcome.value}", request_id=self.request_id, model=self.model, outcome=outcome.value,
+                 **({} if code is None else {"code": code}), **tokens,
+                 **request_timings(started=self.started, first_output=self.first_output, ended=time.monotonic(),
+                                   completion_tokens=0 if usage is None else usage.completion_tokens))
+
+
+async def _complete(stream: RequestStream, body: ChatBody, served: _Served) -> Response:
+    parts: list[str] = []
+    async for event in stream:
+        served.output()
+        match event:
+            case TextDelta(text):
+                parts.append(text)
+            case Finished(usage=usage) as done:
+                served.end(RequestOutcome.COMPLETED, usage)
+                completion = chat_completion(served.request_id, body.model, "".join(parts), done)
+                return Response(completion.__pydantic_serializer__.to_json(completion),
+                                media_type="application/json")
+            case Failed(code):
+                served.end(RequestOutcome.FAILED, code=code)
+                failure = _failure_for(code)
+                return error_response(failure, Refused(failure).retry_after_s)
+    served.end(RequestOutcome.CANCELLED)
+    return error_response(Failure.cancelled())
 
 
 async def _first_event(stream: RequestStream, request: Request) -> Event | None:
@@ -268,10 +298,10 @@ async def _events(first: Event, stream: RequestStream) -> AsyncIterator[Event]:
             yield event
 
 
-async def _sse(opened: Any, stream: RequestStream, request_id: str, body: ChatBody,
-               metrics: Metrics, first: Event, ended: Callable[[], None]) -> AsyncIterator[bytes]:
-    chunks = ChatChunks(request_id, body.model)
-    outcome = RequestOutcome.CANCELLED  # the client went away unless we reach a terminal event
+async def _sse(opened: Any, stream: RequestStream, body: ChatBody, served: _Served, first: Event,
+               ended: Callable[[], None]) -> AsyncIterator[bytes]:
+    chunks = ChatChunks(served.request_id, body.model)
+    outcome, usage, code = RequestOutcome.CANCELLED, None, None  # the client left, unless a terminal event came
     try:
         yield _event(chunks.role())
         async for event in _events(first, stream):
@@ -282,21 +312,19 @@ async def _sse(opened: Any, stream: RequestStream, request_id: str, body: ChatBo
                     chunk = chunks.for_event(event)
                     if not body.include_usage:
                         chunk = chunk.model_copy(update={"usage": None})
-                    metrics.add_tokens(completion=usage.completion_tokens)
                     outcome = RequestOutcome.COMPLETED
                     yield _event(chunk)
-                case Failed(code):
-                    log.info("request_failed", request_id=request_id, model=body.model, code=code)
+                case Failed(code=code):
                     outcome = RequestOutcome.FAILED
                     yield _event(error_body(_failure_for(code)))
         yield DONE
     except Exception as exc:  # mid-stream the status is sent: the error becomes the last event
-        log.error("request_unexpected_error", request_id=request_id, phase="streaming", exc_info=exc)
+        log.error("request_unexpected_error", request_id=served.request_id, phase="streaming", exc_info=exc)
         outcome = RequestOutcome.FAILED
         yield _event(error_body(Failure.internal()))
         yield DONE
     finally:
-        metrics.request_finished(outcome)
+        served.end(outcome, usage, code)
         try:
             await opened.__aexit__(None, None, None)
         finally:
