@@ -134,3 +134,36 @@ def test_nan_temperature_and_malformed_json_are_named_too(server):
     assert resp.status_code == 400 and error["param"] is None and error["type"] == "invalid_request_error"
     assert error["message"] == "The request body is not valid JSON."
     assert resp.headers["content-type"] == "application/json"
+
+
+def test_what_this_machine_can_never_serve_is_explained_in_numbers():
+    """Issue 29 item 6, the three kinds of "never here" the local server answers with a 400 (the first is
+    also driven end to end in test_local_server): the model alone, one request's KV over what a request
+    may take, and the model with this request's KV over the cap."""
+    from memory import compute_figures
+    from memory.fit import FitResult, FitVerdict
+    from protocol.errors import Failure, RejectionReason
+    from provider.local.backend import too_large
+
+    gib = 2**30
+    figures = compute_figures(16 * gib)
+    cap = figures.effective_cap_bytes
+
+    def fit(required: int) -> FitResult:
+        return FitResult(FitVerdict.TOO_LARGE if required > cap else FitVerdict.FITS_NOW, required, required, cap,
+                         cap, cap, required <= cap)
+
+    model = too_large(Failure.exceeds_node(RejectionReason.MEMORY_CAP), "org/big", fit(cap + gib), 0, figures)
+    assert (model.code, model.param) == ("model_too_large", "model")
+    assert "'org/big'" in model.message and f"{(cap + gib) / gib:.2f} GiB" in model.message
+    assert f"{cap / gib:.2f} GiB" in model.message
+
+    kv = figures.single_request_limit_bytes + gib
+    request = too_large(Failure.exceeds_node(RejectionReason.TOKEN_BUDGET), "org/m", fit(gib), kv, figures)
+    assert (request.code, request.param) == ("request_too_large", "max_tokens")
+    assert f"{kv / gib:.2f} GiB" in request.message
+    assert f"{figures.single_request_limit_bytes / gib:.2f} GiB" in request.message
+
+    both = too_large(Failure.exceeds_node(RejectionReason.MEMORY_CAP), "org/m", fit(cap - gib), 2 * gib, figures)
+    assert (both.code, both.param) == ("request_too_large", "max_tokens")
+    assert f"{(cap + gib) / gib:.2f} GiB" in both.message and f"{cap / gib:.2f} GiB" in both.message

@@ -185,21 +185,23 @@ def test_metrics_parse_with_prometheus_client(server):
         status["cap"]["effective_cap_bytes"]
 
 
-def test_over_capacity_is_503_with_retry_after_and_no_request_text_in_the_log(tmp_path, tiny_model_path):
-    # A 6 GiB machine: effective cap 2 GiB, but a load needs weights + 3 GiB activation + 1 GiB KV,
-    # so fast admission refuses it as bigger than this node (503, rerouteable) and nothing loads.
+def test_a_model_too_large_for_this_machine_is_a_400_naming_it_its_need_and_the_cap(tmp_path, tiny_model_path):
+    """Issue 29 item 6. A 6 GiB machine: effective cap 2 GiB, but a load needs weights + 3 GiB activation
+    + 1 GiB KV. On the owner's own server there is no other node to reroute to, so this is permanent: a
+    400 (no Retry-After, which an SDK would take as "try again") whose message names the model, what it
+    needs and the cap, and nothing loads. The coordinator's front keeps its rerouted 503."""
     small = start_server(tmp_path, tiny_model_path, "--memory-limit-gb", "6")
     try:
-        with pytest.raises(openai.APIStatusError) as err:
+        with pytest.raises(openai.BadRequestError) as err:
             small.client().chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": f"tell me about {CANARY}"}], max_tokens=4)
-        assert err.value.status_code == 503
-        assert int(err.value.response.headers["retry-after"]) > 0
+        assert "retry-after" not in err.value.response.headers
         body = err.value.response.json()["error"]
-        expected = Failure.exceeds_node(RejectionReason.MEMORY_CAP)
-        assert body["code"] == "capacity" and body["reason"] == "request_exceeds_node"
-        assert body["message"] == expected.message
-        assert CANARY not in err.value.response.text
+        assert (body["code"], body["reason"], body["param"]) == ("model_too_large", "request_exceeds_node", "model")
+        status = httpx.get(small.base_url + "/status").json()
+        cap_gib = status["cap"]["effective_cap_bytes"] / 2**30
+        assert MODEL in body["message"] and f"{cap_gib:.2f} GiB" in body["message"]
+        assert "doctor" in body["message"] and CANARY not in err.value.response.text
         metrics = httpx.get(small.base_url + "/metrics").text
         assert 'darkbloom_rejects_total{reason="memory_cap"} 1.0' in metrics
         assert 'darkbloom_model_loads_total{result="loaded"} 0.0' in metrics

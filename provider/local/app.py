@@ -36,7 +36,7 @@ from protocol import sse
 from protocol.sse import DONE
 from provider.engine import EngineFailure, Event, Failed, Finished, RequestStream, TextDelta, Usage
 from provider.engine.openai import ChatChunks, chat_completion
-from provider.local.backend import Refused
+from provider.local.backend import Refused, TooLarge
 from provider.local.drain import InFlight
 from provider.request.body import ChatBody, InvalidBody
 from provider.metrics import CONTENT_TYPE, CapFigure, Metrics, RequestOutcome
@@ -79,6 +79,13 @@ def invalid_body_response(invalid: InvalidBody) -> JSONResponse:
     body = error_body(Failure.invalid_request())
     body["error"].update(message=invalid.message, param=None if invalid.field == "body" else invalid.field)
     return JSONResponse(body, status_code=400)
+
+
+def too_large_response(refused: TooLarge) -> JSONResponse:
+    """400: this machine can never serve it (no Retry-After: trying again cannot help)."""
+    reason = refused.failure.reason.value if refused.failure.reason else None
+    return JSONResponse({"error": {"message": refused.message, "type": "invalid_request_error",
+                                   "param": refused.param, "code": refused.code, "reason": reason}}, status_code=400)
 
 
 def error_response(failure: Failure, retry_after_s: int | None = None) -> JSONResponse:
@@ -187,13 +194,15 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
                 log.info("request_invalid", request_id=request_id, reason=exc.field)
                 metrics.request_finished(RequestOutcome.REJECTED)
                 return invalid_body_response(exc)
-            except Refused as refused:
+            except (Refused, TooLarge) as refused:
                 failure = refused.failure
                 log.info("request_refused", request_id=request_id, code=failure.code,
                          reason=failure.reason, rejection_reason=failure.rejection)
                 if failure.rejection is not None:
                     metrics.rejected(failure.rejection)
                 metrics.request_finished(RequestOutcome.REJECTED)
+                if isinstance(refused, TooLarge):
+                    return too_large_response(refused)
                 return error_response(failure, refused.retry_after_s)
             state.requests.attach(request_id, stream)
             served = _Served(request_id, body.model, started, metrics)

@@ -14,7 +14,10 @@ are the job's (`provider.jobs.job`), minus the encryption:
   `slot.submit(...)` starts it; leaving the block cancels it if it is still running.
 
 Every 503 carries `Retry-After` (a capacity refusal is transient: memory frees as requests finish; a
-pause says when it ends, `Failure.retry_after_s`).
+pause says when it ends, `Failure.retry_after_s`). A request this machine can never serve (the model,
+or the request's KV, over the cap: `request_exceeds_node`) is not a 503 here: the coordinator's front
+refuses it so another provider takes it, but behind the owner's server there is no other node, so it
+is `TooLarge`, a 400 whose message gives the numbers (what `doctor` shows).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from memory import CapFigures
-from protocol.errors import Failure
+from memory.fit import FitResult
+from protocol.errors import ErrorReason, Failure, RejectionReason
 from provider.engine import ChatRequest, RequestStream
 from provider.request import PromptCounter
 from provider.request.body import ChatBody, InvalidBody, parse_chat_body
@@ -33,6 +37,7 @@ from provider.request.intake import Intake, Refusal
 from provider.request.media import NO_MEDIA, MediaPlan, MediaRefused, inspect_images
 from provider.runtime import Runtime
 from provider.slots import Refused as AdmissionRefused, SlotRefused
+from provider.slots.admission import kv_need
 from provider.telemetry import get_logger
 
 log = get_logger(__name__)
@@ -54,6 +59,42 @@ class Refused(Exception):
         if self.failure.retry_after_s is not None:  # a pause says when it ends (provider/guest)
             return self.failure.retry_after_s
         return DRAINING_RETRY_AFTER_S if self.failure == Failure.draining() else RETRY_AFTER_S
+
+
+class TooLarge(Exception):
+    """A request this machine can never serve: a 400 (`code`, `param`) whose message has the numbers."""
+
+    def __init__(self, failure: Failure, code: str, param: str, message: str) -> None:
+        super().__init__(code)
+        self.failure = failure
+        self.code = code
+        self.param = param
+        self.message = message
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+def too_large(failure: Failure, model_id: str, fit: FitResult, kv_bytes: int, figures: CapFigures) -> TooLarge:
+    """Why `model_id` (one of ours) with this request's `kv_bytes` can never be served here, in numbers."""
+    if not fit.ever_fits:
+        return TooLarge(failure, "model_too_large", "model",
+                        f"Model '{model_id}' needs {_gib(fit.required_bytes)} of memory to load (its weights and "
+                        f"the load headroom) but this machine's memory cap is {_gib(fit.cap_bytes)}, so it can "
+                        "never be served here. `darkbloom-provider doctor` shows what fits.")
+    if failure.rejection is RejectionReason.TOKEN_BUDGET:
+        return TooLarge(failure, "request_too_large", "max_tokens",
+                        f"This request needs {_gib(kv_bytes)} of KV cache for its prompt and max_tokens, but one "
+                        f"request may use at most {_gib(figures.single_request_limit_bytes)} on this machine. "
+                        "Lower max_tokens or shorten the prompt.")
+    return TooLarge(failure, "request_too_large", "max_tokens",
+                    f"Model '{model_id}' with this request's KV cache needs {_gib(fit.required_bytes + kv_bytes)} "
+                    f"but this machine's memory cap is {_gib(fit.cap_bytes)}. Lower max_tokens or shorten the "
+                    "prompt.")
+
+
+_NEVER_HERE = frozenset({ErrorReason.REQUEST_EXCEEDS_NODE, ErrorReason.REQUEST_EXCEEDS_NODE_BUDGET})
 
 
 class RuntimeBackend:
@@ -88,6 +129,8 @@ class RuntimeBackend:
         booked = await rt.manager.book_when_released(request_id, body.model, len(prompt_ids), body.max_tokens,
                                                      media=media)
         if isinstance(booked, AdmissionRefused):
+            if booked.failure.reason in _NEVER_HERE:
+                raise self._too_large(booked.failure, body.model, len(prompt_ids), body.max_tokens)
             raise Refused(booked.failure)
         ids = prompt_ids if booked.reservation is not None else None  # a VLM's processor places its images
         request = ChatRequest(request_id, body.messages, body.sampling(booked.kv.max_tokens), prompt_ids=ids,
@@ -107,6 +150,15 @@ class RuntimeBackend:
             raise Refused(exc.failure) from None
         finally:
             rt.stats.ended(request_id)
+
+    def _too_large(self, failure: Failure, model_id: str, prompt_tokens: int, max_tokens: int | None) -> Exception:
+        manager = self.runtime.manager
+        fit = next((r for m, r in manager.verdicts() if m.id == model_id), None)
+        info = manager.info(model_id)
+        if fit is None or info is None:  # not ours after all (it was just admitted): keep the refusal
+            return Refused(failure)
+        kv = kv_need(self.figures, info, prompt_tokens, max_tokens).nbytes
+        return too_large(failure, model_id, fit, kv, self.figures)
 
     def status(self) -> dict[str, Any]:
         return self.runtime.status()
