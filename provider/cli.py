@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     actions = service.add_subparsers(dest="action", metavar="ACTION", required=True)
     install = actions.add_parser("install", parents=[common], allow_abbrev=False, help="write the service file and start it")
     install.add_argument("--no-load", action="store_true", default=False, help="only write the file")
+    install.add_argument("--local", action="store_true", default=False,
+                         help="run `serve --local` (the OpenAI-compatible server on the loopback address) instead of the agent")
     install.add_argument("--user", dest="run_as", metavar="NAME", default=None,
                          help="with --system: the user the agent runs as (default: the user who ran sudo)")
     uninstall = actions.add_parser("uninstall", parents=[common], allow_abbrev=False, help="stop the service and remove its file")
@@ -468,9 +470,14 @@ def cmd_service(args: argparse.Namespace, settings: Settings) -> int:
         done = service.install(home=home, env=env, load=not args.no_load, config_path=getattr(args, "config", None),
                                args=setting_args(settings, given), drain_timeout_s=settings.drain_timeout_s,
                                process_type=settings.process_type, crash_loop_limit=settings.crash_loop_limit,
-                               crash_loop_window_s=settings.crash_loop_window_s, system_user=user)
+                               crash_loop_window_s=settings.crash_loop_window_s, system_user=user, local=args.local)
         supervision.reset_abnormal_exits(state_dir)  # started again on purpose: a crash-loop count starts afresh
         print(f"wrote {done.path} ({done.kind.value}{', boot-time daemon running as ' + user if user else ''})")
+        print("runs: serve --local (the OpenAI-compatible server on " + settings.local_base_url + "/v1)" if args.local
+              else f"runs: serve (the agent, coordinator {settings.coordinator_url})")
+        if (other := running_agent(state_dir)) is not None and other.pid != os.getpid():
+            print(f"note: an agent is already running on {state_dir} ({other.describe()}); the service's refuses "
+                  "to start until it stops")
         if given:
             print(f"carried settings: {', '.join(flag_name(f) for f in given)}")
         if done.env_names:
@@ -481,6 +488,9 @@ def cmd_service(args: argparse.Namespace, settings: Settings) -> int:
     elif args.action == "uninstall":
         gone = service.uninstall(home=home, env=env, load=not args.no_load, system=args.system)
         print(f"removed {gone.path}" if gone.removed else f"nothing installed at {gone.path}")
+        if gone.manager_error is not None:
+            print(f"{PROG}: {gone.manager_error}", file=sys.stderr)
+            return EX_UNAVAILABLE
     else:
         st = service.status(home=home, env=env, system=args.system, state_dir=state_dir,
                             crash_loop_window_s=settings.crash_loop_window_s)
@@ -496,6 +506,9 @@ def service_status_lines(st: ServiceStatus, settings: Settings) -> list[str]:
              f"loaded={st.loaded} running={st.running}"
              + (f" pid={st.pid}" if st.pid else "") + f" ({st.detail})"
              + (f" last exit code {st.last_exit_code}" if st.last_exit_code is not None and not st.running else "")]
+    if st.command is not None:
+        lines.append(f"runs: {st.command}" + (" (the OpenAI-compatible server)" if st.command.endswith("--local")
+                                             else " (the agent)"))
     exits = st.crash_loop
     if exits is not None and exits.abnormal_exits:
         lines.append(f"abnormal exits: {len(exits.abnormal_exits)} in the last {settings.crash_loop_window_mins:g} "

@@ -18,12 +18,18 @@ The files installed are the templates in ``deploy/`` with their ``@NAME@`` place
   ``systemctl --user daemon-reload``, ``enable``, ``reset-failed`` (a crash loop's start limit), ``restart``;
   logs in the user journal.
 
-The program is ``darkbloom-provider serve`` plus every setting given on the ``install`` command line
-(``args``, e.g. ``--memory-reserve-gb 8 --model-dirs /srv/models``) and ``--config``. The
-``DARKBLOOM_*`` variables of the installing shell (plus ``PATH``, ``HF_HOME``, ``HF_HUB_CACHE``) are
-written into the service's environment, so the background agent sees what the operator set. When that
-includes ``DARKBLOOM_AUTH_TOKEN`` the file is written 0600 instead of 0644. If starting the service
-fails, the file is removed again: a failed install leaves nothing behind.
+The program is ``darkbloom-provider serve`` (``local=True``: ``serve --local``, the owner's OpenAI
+server in the background, as Ollama and LM Studio run; one service per user either way, so `status`
+and `uninstall` find whichever is installed and say which) plus every setting given on the
+``install`` command line (``args``, e.g. ``--memory-reserve-gb 8 --model-dirs /srv/models``) and
+``--config``. The ``DARKBLOOM_*`` variables of the installing shell (plus ``PATH``, ``HF_HOME``,
+``HF_HUB_CACHE``) are written into the service's environment, so the background agent sees what the
+operator set. When that includes ``DARKBLOOM_AUTH_TOKEN`` the file is written 0600 instead of 0644.
+If starting the service fails, the file is put back as it was: removed when the install created it,
+restored when one was there before (an earlier ``--no-load`` install's): a failed install never
+deletes what it did not write. Without a systemd user session (SSH, su) ``systemctl --user`` cannot
+reach a manager; the error then says how to get one (``loginctl enable-linger``) or to use
+``--no-load``, and ``uninstall`` still removes the file and says that systemd was not told.
 
 Under launchd a configuration error ends the agent without a relaunch loop and is shown by
 ``service status`` (``provider/supervision.py``).
@@ -38,6 +44,7 @@ import math
 import os
 import plistlib
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -98,6 +105,7 @@ class UninstallResult:
     path: Path
     removed: bool  # a file was there and is gone
     commands: tuple[tuple[str, ...], ...]
+    manager_error: str | None = None  # the service manager could not be asked (the file is gone regardless)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +121,7 @@ class ServiceStatus:
     last_error: str | None = None  # why the last start ended, when it was an error a restart cannot fix
     crash_loop: AbnormalExits | None = None  # the agent's own count of abnormal exits (state directory)
     system: bool = False  # the boot-time LaunchDaemon
+    command: str | None = None  # what the installed file runs: "serve" or "serve --local" (None: no file)
 
 
 # --- where things go
@@ -263,11 +272,14 @@ def install(
     system_user: str | None = None,
     root: Path = Path("/"),
     euid: int | None = None,
+    local: bool = False,
 ) -> InstallResult:
     """Write the service file (directories created) and, unless ``load=False``, start it.
 
-    ``args`` are setting flags for ``serve`` (values already validated, paths absolute). If a
-    service manager command fails, the file is removed and the error says so. ``system_user``
+    ``args`` are setting flags for ``serve`` (values already validated, paths absolute); ``local``
+    runs ``serve --local``, the owner's OpenAI server, instead of the agent. If a service manager
+    command fails, the file is put back as it was: removed if this call created it, its earlier
+    content restored otherwise (a ``--no-load`` install's), and the error says which. ``system_user``
     installs the boot-time LaunchDaemon that runs as that user (``home`` is that user's home); it
     needs root to load (``euid``: the effective uid, for tests), and ``root`` is where
     ``Library/LaunchDaemons`` is (``/``, or a test directory)."""
@@ -282,6 +294,8 @@ def install(
     _refuse_both(kind, home, env, root, system=system)
     manager = _manager(kind, env) if load else None  # refuse before writing anything
     argv = list(program) if program is not None else default_program(env)
+    if local:
+        argv.append("--local")
     if config_path is not None:
         argv += ["--config", str(config_path.expanduser().absolute())]
     if kind is ServiceKind.LAUNCHD:
@@ -299,6 +313,7 @@ def install(
     else:
         data = render_unit(program=argv, env=env, drain_timeout_s=drain_timeout_s, crash_loop_limit=crash_loop_limit,
                            crash_loop_window_s=crash_loop_window_s).encode()
+    earlier = _read_earlier(path)
     try:
         _write(path, data, mode)
     except PermissionError:
@@ -309,10 +324,15 @@ def install(
         try:
             _start(kind, manager, runner, path, _domain(kind, uid, system), commands)
         except ServiceError as exc:
-            path.unlink(missing_ok=True)
+            if earlier is None:
+                path.unlink(missing_ok=True)
+                undone = f"Nothing was installed ({path} removed)."
+            else:  # never delete what this call did not write
+                _write(path, *earlier)
+                undone = f"Nothing was installed: {path} is as it was before."
             if kind is ServiceKind.SYSTEMD:  # forget the unit it may have read; best effort
                 _run(runner, (manager, "--user", "daemon-reload"), check=False)
-            raise ServiceError(f"{exc}. Nothing was installed ({path} removed).") from None
+            raise ServiceError(f"{exc}. {_fix_for(kind, str(exc), local)}{undone}") from None
     return InstallResult(
         kind=kind,
         path=path,
@@ -393,20 +413,30 @@ def uninstall(
         raise ServiceError("--system is the macOS boot-time daemon; there is none on this platform")
     path = daemon_path(root) if system else service_path(kind, home, env)
     commands: list[tuple[str, ...]] = []
-    if load:
-        manager = _manager(kind, env)
-        if kind is ServiceKind.LAUNCHD:
+    failed: list[str] = []  # systemctl's own words when it could not be asked
+    manager = _manager(kind, env) if load else None
+    if manager is not None:
+        if kind is ServiceKind.LAUNCHD:  # fails when the job is not loaded: nothing to say then
             commands.append(_run(runner, (manager, "bootout", f"{_domain(kind, uid, system)}/{LABEL}"), check=False))
         else:
-            commands.append(_run(runner, (manager, "--user", "disable", "--now", UNIT_NAME), check=False))
+            commands.append(_run(runner, (manager, "--user", "disable", "--now", UNIT_NAME), check=False,
+                                 failures=failed))
     removed = path.exists()
     try:
         path.unlink(missing_ok=True)
     except PermissionError:
         raise ServiceError(f"cannot remove {path}: permission denied (run it with sudo)") from None
-    if load and kind is ServiceKind.SYSTEMD:
-        commands.append(_run(runner, (_manager(kind, env), "--user", "daemon-reload")))
-    return UninstallResult(kind=kind, path=path, removed=removed, commands=tuple(commands))
+    if manager is not None and kind is ServiceKind.SYSTEMD:
+        commands.append(_run(runner, (manager, "--user", "daemon-reload"), check=False, failures=failed))
+    manager_error = None
+    if any(_no_user_session(f) for f in failed):
+        manager_error = (f"{failed[0]}. {_NO_SESSION}, so systemd was not told: an agent this unit started may "
+                         "still run (`loginctl enable-linger $USER`, or a login session, lets "
+                         f"`systemctl --user disable --now {UNIT_NAME}` reach it)")
+    elif failed:
+        manager_error = failed[-1]
+    return UninstallResult(kind=kind, path=path, removed=removed, commands=tuple(commands),
+                           manager_error=manager_error)
 
 
 def status(
@@ -429,6 +459,7 @@ def status(
     path = daemon_path(root) if system else service_path(kind, home, env)
     manager = _manager(kind, env)
     crash_loop = None if state_dir is None else read_abnormal_exits(state_dir, window_s=crash_loop_window_s)
+    command = installed_command(kind, path)
     if kind is ServiceKind.LAUNCHD:
         proc = runner([manager, "print", f"{_domain(kind, uid, system)}/{LABEL}"], capture_output=True, text=True,
                       check=False)
@@ -436,7 +467,7 @@ def status(
         last_error = None if record is None else f"{record.reason.value} at {record.at}: {record.message}"
         if proc.returncode != 0:
             return ServiceStatus(kind, path, path.exists(), False, False, None, "not loaded", None, last_error,
-                                 crash_loop, system)
+                                 crash_loop, system, command)
         fields = _launchctl_fields(proc.stdout)
         state = fields.get("state", "unknown")
         pid = int(fields["pid"]) if fields.get("pid", "").isdigit() else None
@@ -444,7 +475,7 @@ def status(
         last_code = re.match(r"-?\d+", fields.get("last exit code", ""))
         return ServiceStatus(kind, path, path.exists(), True, state == "running", pid, state,
                              int(last_code.group()) if last_code else None,
-                             None if state == "running" else last_error, crash_loop, system)
+                             None if state == "running" else last_error, crash_loop, system, command)
 
     proc = runner(
         [manager, "--user", "show", UNIT_NAME,
@@ -466,7 +497,7 @@ def status(
     elif sub == "failed" and props.get("Result") == "start-limit-hit":
         last_error = "crash_loop: systemd's start limit was hit (StartLimitBurst within StartLimitIntervalSec)"
     return ServiceStatus(kind, path, path.exists(), loaded, running, pid, f"{active}/{sub}", code, last_error,
-                         crash_loop)
+                         crash_loop, command=command)
 
 
 # --- helpers
@@ -484,12 +515,62 @@ def _manager(kind: ServiceKind, env: Mapping[str, str]) -> str:
     return found
 
 
-def _run(runner: Runner, argv: tuple[str, ...], *, check: bool = True) -> tuple[str, ...]:
+def _run(runner: Runner, argv: tuple[str, ...], *, check: bool = True,
+         failures: list[str] | None = None) -> tuple[str, ...]:
+    """Run one manager command; a failure raises (`check`) or is described into `failures`."""
     proc = runner(list(argv), capture_output=True, text=True, check=False)
-    if check and proc.returncode != 0:
+    if proc.returncode != 0 and (check or failures is not None):
         shown = " ".join(Path(argv[0]).name if i == 0 else a for i, a in enumerate(argv))
-        raise ServiceError(f"`{shown}` failed (exit {proc.returncode}): {_first_line(proc.stderr)}")
+        failure = f"`{shown}` failed (exit {proc.returncode}): {_first_line(proc.stderr)}"
+        if check:
+            raise ServiceError(failure)
+        failures.append(failure)  # type: ignore[union-attr]
     return argv
+
+
+def _no_user_session(failure: str) -> bool:
+    """systemctl --user's words when there is no user manager to talk to (an SSH or su login without a
+    session: "Failed to connect to bus", "$DBUS_SESSION_BUS_ADDRESS and $XDG_RUNTIME_DIR not defined")."""
+    return "systemctl" in failure and ("bus" in failure.lower() or "XDG_RUNTIME_DIR" in failure)
+
+
+_NO_SESSION = "There is no systemd user session here (common over SSH or su)"
+
+
+def _fix_for(kind: ServiceKind, failure: str, local: bool) -> str:
+    """What the operator can do when starting failed for a reason we recognise ("" otherwise), ending in a space."""
+    if kind is not ServiceKind.SYSTEMD or not _no_user_session(failure):
+        return ""
+    serve = "darkbloom-provider serve --local" if local else "darkbloom-provider serve"
+    return (f"{_NO_SESSION}: run `loginctl enable-linger $USER` and log in again (or `export "
+            "XDG_RUNTIME_DIR=/run/user/$(id -u)`), then install again; or install with --no-load and start it "
+            f"yourself (`{serve}`). ")
+
+
+def _read_earlier(path: Path) -> tuple[bytes, int] | None:
+    """The service file already there (its bytes and mode), to put back if starting fails."""
+    try:
+        return path.read_bytes(), path.stat().st_mode & 0o777
+    except FileNotFoundError:
+        return None
+    except OSError:
+        raise ServiceError(f"cannot read {path} (an earlier service file): check its permissions") from None
+
+
+def installed_command(kind: ServiceKind, path: Path) -> str | None:
+    """What the installed service file runs: "serve", "serve --local", or None (no file, not ours)."""
+    try:
+        if kind is ServiceKind.LAUNCHD:
+            argv = [str(a) for a in plistlib.loads(path.read_bytes()).get("ProgramArguments", [])]
+        else:
+            line = next((ln for ln in path.read_text().splitlines() if ln.startswith("ExecStart=")), "")
+            argv = shlex.split(line.removeprefix("ExecStart="))  # the double quotes render_unit writes
+    except (OSError, ValueError, AttributeError, UnicodeDecodeError):
+        return None
+    if "serve" not in argv:
+        return None
+    after = argv[argv.index("serve") + 1:]
+    return "serve --local" if after[:1] == ["--local"] else "serve"
 
 
 def _write(path: Path, data: bytes, mode: int) -> None:

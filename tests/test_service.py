@@ -5,6 +5,7 @@ from __future__ import annotations
 import plistlib
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -344,3 +345,97 @@ def test_systemd_status_shows_a_configuration_exit(home: Path, bin_dir: Path) ->
     st = status(home=home, platform="linux", env={"PATH": str(bin_dir)}, runner=Recorder({"show": (0, shown, "")}))
     assert (st.running, st.last_exit_code) == (False, 78)
     assert st.last_error is not None and "journalctl --user -u darkbloom-provider" in st.last_error
+
+
+# --- the operator's first hour on Linux (issue 29 item 11)
+
+NO_BUS = (1, "", "Failed to connect to bus: No medium found")  # systemctl --user without a user session
+
+
+def test_systemd_without_a_user_session_says_how_to_fix_it(home: Path, bin_dir: Path) -> None:
+    runner = Recorder({"daemon-reload": NO_BUS})
+    with pytest.raises(ServiceError) as info:
+        install(home=home, platform="linux", env={"PATH": str(bin_dir)}, runner=runner, program=PROGRAM)
+    message = str(info.value)
+    assert "Failed to connect to bus" in message  # what systemctl said, then the fix
+    assert "loginctl enable-linger" in message and "--no-load" in message and "darkbloom-provider serve" in message
+    assert not (home / ".config/systemd/user" / UNIT_NAME).exists()
+
+
+@pytest.mark.parametrize(("platform", "failing"), [("linux", "daemon-reload"), ("darwin", "bootstrap")])
+def test_a_failed_install_keeps_the_file_an_earlier_no_load_wrote(home: Path, bin_dir: Path, platform: str,
+                                                                   failing: str) -> None:
+    env = {"PATH": str(bin_dir)}
+    earlier = install(home=home, platform=platform, env=env, load=False, program=PROGRAM).path
+    written = earlier.read_bytes()
+    runner = Recorder({failing: NO_BUS if platform == "linux" else (5, "", "Bootstrap failed: 5: Input/output error")})
+    with pytest.raises(ServiceError) as info:
+        install(home=home, platform=platform, env=env, runner=runner, program=[*PROGRAM, "--local"], uid=501)
+    assert earlier.read_bytes() == written  # not deleted, not left half-changed
+    assert f"{earlier} is as it was before" in str(info.value) and "removed" not in str(info.value)
+    assert list(earlier.parent.iterdir()) == [earlier]  # no temporary file either
+
+
+def test_uninstall_says_what_it_removed_when_systemd_cannot_be_asked(home: Path, bin_dir: Path) -> None:
+    env = {"PATH": str(bin_dir)}
+    path = install(home=home, platform="linux", env=env, load=False, program=PROGRAM).path
+    result = uninstall(home=home, platform="linux", env=env, runner=Recorder({"disable": NO_BUS,
+                                                                             "daemon-reload": NO_BUS}))
+    assert result.removed and not path.exists()
+    assert result.manager_error is not None and "loginctl enable-linger" in result.manager_error
+
+
+def test_install_local_runs_the_openai_server_and_status_finds_it(home: Path, bin_dir: Path) -> None:
+    env = {"PATH": str(bin_dir)}
+    result = install(home=home, platform="linux", env=env, load=False, program=PROGRAM, local=True)
+    exec_start = next(line for line in result.path.read_text().splitlines() if line.startswith("ExecStart="))
+    assert exec_start == 'ExecStart="/opt/darkbloom/venv/bin/darkbloom-provider" "serve" "--local"'
+    shown = "LoadState=loaded\nActiveState=active\nSubState=running\nMainPID=777\n"
+    st = status(home=home, platform="linux", env=env, runner=Recorder({"show": (0, shown, "")}))
+    assert st.installed and st.command == "serve --local"
+    plist = install(home=home, platform="darwin", env=env, load=False, program=PROGRAM, local=True).path
+    assert plistlib.loads(plist.read_bytes())["ProgramArguments"][:3] == [*PROGRAM, "--local"]
+    st = status(home=home, platform="darwin", env=env, runner=Recorder({"print": (113, "", "not found")}), uid=501)
+    assert st.installed and st.command == "serve --local"
+    assert uninstall(home=home, platform="linux", env=env, runner=Recorder()).removed
+
+
+def fake_manager(tmp_path: Path, script: str) -> str:
+    """A PATH whose `launchctl` or `systemctl` (this platform's) runs `script`."""
+    bin_dir = tmp_path / "fake-bin"
+    bin_dir.mkdir()
+    tool = bin_dir / ("launchctl" if sys.platform == "darwin" else "systemctl")
+    tool.write_text(f"#!/bin/sh\n{script}\n")
+    tool.chmod(0o755)
+    return f"{bin_dir}:/usr/bin:/bin"
+
+
+def test_cli_install_local_status_and_uninstall(tmp_path: Path) -> None:
+    from test_cli import run_cli
+
+    home = tmp_path / "home"
+    home.mkdir()
+    out = run_cli("service", "install", "--local", "--no-load", "--local-port", "9100", home=home)
+    assert out.returncode == 0, out.stderr
+    assert "serve --local" in out.stdout and "http://127.0.0.1:9100/v1" in out.stdout
+    path = fake_manager(tmp_path, "printf 'LoadState=loaded\\nActiveState=active\\nSubState=running\\nMainPID=4242\\n'"
+                        if sys.platform != "darwin" else "exit 113")
+    st = run_cli("service", "status", home=home, env={"PATH": path})
+    assert "serve --local" in st.stdout, st.stdout + st.stderr
+    gone = run_cli("service", "uninstall", "--no-load", home=home)
+    assert gone.returncode == 0 and "removed" in gone.stdout
+
+
+def test_cli_uninstall_without_a_user_session_says_it_removed_the_unit(tmp_path: Path) -> None:
+    from test_cli import run_cli
+
+    home = tmp_path / "home"
+    home.mkdir()
+    assert run_cli("service", "install", "--no-load", home=home).returncode == 0
+    path = fake_manager(tmp_path, "echo 'Failed to connect to bus: No medium found' >&2; exit 1")
+    out = run_cli("service", "uninstall", home=home, env={"PATH": path})
+    unit = (home / "Library/LaunchAgents/io.darkbloom.provider.plist" if sys.platform == "darwin"
+            else home / ".config/systemd/user" / UNIT_NAME)
+    assert not unit.exists() and f"removed {unit}" in out.stdout
+    if sys.platform != "darwin":  # launchd's bootout may fail for a job never loaded: nothing to say then
+        assert out.returncode == 69 and "loginctl enable-linger" in out.stderr
