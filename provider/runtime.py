@@ -243,6 +243,10 @@ class Runtime:
         await runtime.preload(settings.preload_models)
         return runtime
 
+    def servable_now(self) -> tuple[str, ...]:
+        """`servable` less the models dropped since start (their folder went away)."""
+        return tuple(m for m in self.servable if m not in self.manager.gone)
+
     async def release_models(self) -> bool:
         """Unload every idle model (kept-warm ones too) so the owner gets the memory back; True once
         nothing is resident or loading. A busy model is left to finish its requests (retry later)."""
@@ -330,6 +334,8 @@ class Runtime:
             in_flight_by_model[model_id] = in_flight_by_model.get(model_id, 0) + 1
         models = []
         for m in self.inventory.models:
+            if m.id in self.manager.gone:
+                continue
             state = self.manager.state(m.id)
             slot = by_slot.get(m.id)
             info = self.manager.info(m.id) or m
@@ -358,6 +364,7 @@ class Runtime:
             **guest,
             "preload": {"requested": list(self.settings.preload_models), "refused": dict(self.preload_refused)},
             "models": models,
+            "models_gone": {m: reason.value for m, reason in self.manager.gone.items()},  # dropped since start
             "in_flight": len(self.stats.in_flight),
             "ledger": {"bytes_by_kind": {k.value: v for k, v in ledger.bytes_by_kind.items()},
                        "count_by_kind": {k.value: v for k, v in ledger.count_by_kind.items()},

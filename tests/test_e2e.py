@@ -210,6 +210,32 @@ async def test_two_providers_one_full_the_request_is_rerouted(coordinator_double
     assert full.agent.stats.requests_served == 0 and spare.agent.stats.requests_served == 1
 
 
+async def test_a_model_folder_deleted_after_discovery_is_refused_before_the_accept_and_dropped(
+        coordinator_double, openai_consumer, start_agent, tiny_model_path, tmp_path):
+    """Issue 29 item 5: a folder deleted after discovery was accepted, then failed 503 ``model_load`` 0.04 s
+    later. It is refused before ``inference_accepted`` with a permanent 404, dropped from the inventory
+    (the next register does not list it), and the other model is still served."""
+    import shutil
+
+    double = coordinator_double
+    doomed = tmp_path / "doomed"
+    shutil.copytree(tiny_model_path, doomed)
+    running = await start_agent(double.ws_url, models={"doomed": doomed, "tiny": tiny_model_path})
+    await double.wait_routable(model="doomed", timeout=15)
+    shutil.rmtree(doomed)
+    mark = double.mark()
+    with pytest.raises(openai.NotFoundError):
+        await openai_consumer.chat.completions.create(model="doomed", messages=chat_messages(), max_tokens=4)
+    rejects = [e for e in double.events[mark:] if isinstance(e, Rejected)]
+    assert rejects and all((r.status_code, r.failure_code) == (404, "model_unavailable") for r in rejects)
+    assert not any(isinstance(e, Accepted) for e in double.events[mark:])
+    assert [m.id for m, _ in running.agent.manager.verdicts()] == ["tiny"]
+    assert "doomed" not in running.agent.runtime.servable_now()
+    done = await openai_consumer.chat.completions.create(model="tiny", messages=chat_messages(), max_tokens=4)
+    assert done.usage.completion_tokens >= 1
+    assert no_request_reservations(running.agent.ledger)
+
+
 async def test_a_cold_model_is_accepted_within_one_second(coordinator_double, openai_consumer, start_agent,
                                                           small_model_path):
     double = coordinator_double

@@ -112,7 +112,7 @@ class RuntimeBackend:
         return self.runtime.counter
 
     def model_ids(self) -> list[str]:
-        return list(self.runtime.servable)
+        return list(self.runtime.servable_now())
 
     @asynccontextmanager
     async def open(self, request_id: str, raw: bytes) -> AsyncIterator[tuple[ChatBody, RequestStream]]:

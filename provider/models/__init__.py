@@ -18,6 +18,7 @@ from provider.models.discovery import (
     discover,
     inspect_model,
     newest_snapshot,
+    on_disk,
 )
 from provider.models.hashing import HASHED_PATTERNS, DigestCache, weight_hash, weight_hash_sync
 from provider.models.kv import (
@@ -36,5 +37,6 @@ __all__ = [
     "ALLOC_STEP", "HASHED_PATTERNS", "DType", "DigestCache", "Inventory", "KvAccuracy",
     "KvConfigError", "KvLayout", "ModelInfo", "ModelSource", "QuantMode", "Quantization",
     "SearchedPlace", "SkipReason", "SkippedModel", "SlidingGroup", "VisionInfo", "default_hf_cache", "discover", "inspect_model",
-    "kv_bytes_for_tokens", "kv_layout", "newest_snapshot", "weight_hash", "weight_hash_sync",
+    "kv_bytes_for_tokens", "kv_layout", "newest_snapshot",
+    "on_disk", "weight_hash", "weight_hash_sync",
 ]

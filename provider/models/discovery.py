@@ -108,6 +108,12 @@ class ModelInfo:
         return self.kv.bytes_per_token
 
 
+def on_disk(info: ModelInfo) -> bool:
+    """The model's folder and every weight file are still there (a few stats: cheap enough to ask
+    before each cold load; a folder deleted since discovery would only fail the load)."""
+    return info.path.is_dir() and all(f.is_file() for f in info.weight_files)
+
+
 _PLACE_LABEL = {ModelSource.HF_CACHE: "Hugging Face cache", ModelSource.MODEL_DIR: "model_dirs"}
 
 

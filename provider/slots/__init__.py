@@ -86,9 +86,10 @@ from provider.slots.batchkv import BatchKv, KvBook, KvHold, join_share
 from provider.slots.capacity import CapacityReport, SlotCapacity
 from provider.slots.leases import Booking
 from provider.slots.manager import LoadStep, ModelManager, ServeSlot, SlotRefused, UnloadReport
-from provider.slots.state import InvalidTransition, ModelSlot, ModelState, SlotView
+from provider.slots.state import GoneReason, InvalidTransition, ModelSlot, ModelState, SlotView
 
 __all__ = [
+    "GoneReason",
     "Admission",
     "Admitted",
     "BatchKv",

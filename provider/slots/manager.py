@@ -53,7 +53,7 @@ from protocol.errors import ErrorReason, Failure, RejectionReason
 from provider.engine import Engine, LoadedModelInfo
 from provider.guest.availability import Paused
 from provider.metrics import EvictionCause, LoadResult, Metrics
-from provider.models import Inventory, ModelInfo
+from provider.models import Inventory, ModelInfo, on_disk
 from provider.progress import ProgressFactory
 from provider.request.media import NO_MEDIA, MediaPlan
 from provider.slots.admission import (
@@ -77,9 +77,12 @@ from provider.slots.leases import (
 from provider.slots.loading import FaultHook, Loading, LoadStep
 from provider.slots.prefix import PrefixRoom, WeightHashes
 from provider.slots.reporting import Reporting
-from provider.slots.state import ModelSlot, ModelState
+from provider.slots.state import GoneReason, ModelSlot, ModelState
+from provider.telemetry import get_logger
 from provider.slots.unloading import Unloading, UnloadReport
 from provider.slots.vision import VisionServing
+
+log = get_logger("provider.slots")
 
 KvPurge = Callable[[str], Awaitable[None]]
 # How long an admission waits for KV that cancelled requests are giving back (the engine removes them
@@ -149,6 +152,7 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
         self.diagnostics = MemoryDiagnostics(lambda: self._ledger.figures, restart_thresholds or RestartThresholds(),
                                              wall_clock=time.time)
         self._kept_warm: set[str] = set()  # preloaded: the idle reaper leaves them resident
+        self.gone: dict[str, GoneReason] = {}  # models dropped from the inventory since start (`forget`)
         self.on_capacity_change: Callable[[], None] | None = None  # called on the loop after a publish/unload
         self.pause_source: Callable[[], Paused | None] = _never_paused  # provider/guest: asked at every view
 
@@ -213,6 +217,17 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
         slot = self._slots.get(model_id)
         return slot.loaded if slot is not None and slot.state is ModelState.LOADED else None
 
+    def forget(self, model_id: str, reason: GoneReason) -> None:
+        """Drop a model that is not loaded from the inventory for good (its folder went away): it is no
+        longer advertised (the next register, `/v1/models`) and requests for it are 404s."""
+        slot = self._slots.get(model_id)
+        if slot is None or slot.state is not ModelState.NOT_LOADED:
+            return
+        del self._slots[model_id]
+        self.gone[model_id] = reason
+        log.warning("model_gone", model=model_id, reason=reason.value, path=str(slot.info.path))
+        self._resident_set_changed()
+
     def info(self, model_id: str) -> ModelInfo | None:
         """The model's info as the manager sizes it (KV per token checked after its last load)."""
         slot = self._slots.get(model_id)
@@ -259,6 +274,9 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
         admissions never promise the same bytes twice. Release with `Booking.release()` unless it
         is handed to `serve(booking=...)`."""
         slot = self._slots.get(model_id)
+        if slot is not None and slot.state is ModelState.NOT_LOADED and not on_disk(slot.info):
+            self.forget(model_id, GoneReason.FOLDER_MISSING)  # deleted since discovery: a load could only fail
+            return Refused(Failure.model_unavailable())
         if slot is not None and slot.info.is_vision:  # KV and media reserved in `_serve_vision` (slots/vision.py)
             checked = self.admit(model_id, prompt_tokens, max_tokens, media=media)
             if isinstance(checked, Refused):

@@ -28,6 +28,12 @@ if TYPE_CHECKING:
 log = get_logger("provider.slots")
 
 
+class GoneReason(enum.StrEnum):
+    """Why a discovered model was dropped from the inventory while the agent ran (`ModelManager.forget`)."""
+
+    FOLDER_MISSING = "folder_missing"  # its folder or a weight file was deleted since discovery
+
+
 class ModelState(enum.IntEnum):
     NOT_LOADED = 0
     LOADING = 1  # a single-flight load task owns the model; later requests wait for it
