@@ -1,29 +1,36 @@
 """`darkbloom-provider` command line.
 
-    darkbloom-provider [--config PATH] [--<setting> VALUE ...] COMMAND
+    darkbloom-provider [--config PATH] [--<setting> VALUE ...] [--help-settings] COMMAND
 
     serve [--local]             the agent (coordinator link); --local: only the local OpenAI server
     doctor [--json] [--no-coordinator] [--timeout S] [--machine-gb N]
     models [--json] [--hash]    discovered models with size, quantization, context and fit
     status [--json]             what the running agent is doing (its local /status endpoint)
     runtime-hash                the runtime hash sent in `register`
-    service install [--no-load] [--system [--user NAME]] | uninstall [--no-load] [--system] | status [--system]
+    service install [--no-load] [--local] [--system [--user NAME]] | uninstall [--no-load] [--system]
+            | status [--system]
 
 Every setting of `provider/config.py` is also a flag (`--max-model-slots 2`), accepted before or
 after the command, overriding the environment and the file; `auth_token` is the exception (a flag
 would show the token in `ps`). Lists repeat the flag (`--model-dirs A --model-dirs B`), aliases are
-`--model-aliases id=path`.
+`--model-aliases id=path`. Each command's `--help` shows its own flags and the few settings it is
+about (`_SHOWN_SETTINGS`); `--help-settings` prints every setting (`config.settings_reference`).
 
 Exit codes: 0 fine, 1 a check failed (`doctor` found an error, `status` found no agent), 2 a bad
-command line, 69 the service manager is missing or failed, 78 (EX_CONFIG) invalid configuration --
-one line on stderr, no traceback; the systemd unit does not restart on 78. Under the launchd agent
-(which cannot be told not to restart on 78) a configuration or command-line error is recorded for
-`service status` and the exit is 0 (`provider/supervision.py`).
+command line, 69 the service manager is missing or failed, 78 (EX_CONFIG) invalid configuration, or
+another agent already running on the state directory -- one line on stderr, no traceback; the systemd
+unit does not restart on 78. Under the launchd agent (which cannot be told not to restart on 78) a
+configuration or command-line error is recorded for `service status` and the exit is 0
+(`provider/supervision.py`).
+
+`serve` holds the state directory's lock while it runs (`provider/state_lock.py`), which also records
+where its local server listens: `status` and `doctor` find it there whatever `--local-port` they get.
 
 `service install` carries every setting given on its command line into the service's `serve`
-command (`--memory-reserve-gb 8 --model-dirs /srv/models` ...); `service uninstall` and `service
-status` refuse settings, which they would not use. `--system` (macOS, with sudo) is the boot-time
-LaunchDaemon that runs as `--user` (default: the user who ran sudo) instead of the per-user agent.
+command (`--memory-reserve-gb 8 --model-dirs /srv/models` ...); `--local` makes it `serve --local`.
+`service uninstall` and `service status` refuse settings, which they would not use. `--system`
+(macOS, with sudo) is the boot-time LaunchDaemon that runs as `--user` (default: the user who ran
+sudo) instead of the per-user agent.
 
 `serve` counts its own abnormal exits in the state directory; under launchd, `crash_loop_limit` of them
 within `crash_loop_window_mins` keep it down (exit 0, recorded for `service status`; `doctor` says so).
@@ -44,7 +51,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
 from provider import __version__, supervision
-from provider.config import FIELDS, ConfigError, Settings, default_state_dir, flag_name, load_settings
+from provider.config import (
+    FIELDS,
+    LIST_FIELDS,
+    NO_FLAG,
+    ConfigError,
+    Settings,
+    default_state_dir,
+    flag_name,
+    load_settings,
+    settings_reference,
+)
 from provider.progress import Progress
 from provider.state_lock import AgentRecord, AlreadyRunning, StateLock, running_agent
 
@@ -57,49 +74,101 @@ EX_USAGE = 2  # argparse's own
 EX_UNAVAILABLE = 69
 EX_CONFIG = 78
 PROG = "darkbloom-provider"
-_NO_FLAG = frozenset({"auth_token"})  # secrets: environment or file only
-_LIST_FLAGS = frozenset({"model_dirs", "enabled_models", "preload_models", "serve_windows"})
+# The settings each command's --help shows (every one is accepted as a flag; --help-settings lists them all).
+_SHOWN_SETTINGS: dict[str, tuple[str, ...]] = {
+    "serve": ("coordinator_url", "model_dirs", "model_aliases", "hf_cache_dir", "local_port", "state_dir",
+              "memory_reserve_gb"),
+    "doctor": ("coordinator_url", "model_dirs", "model_aliases", "hf_cache_dir", "memory_limit_gb",
+               "memory_reserve_gb"),
+    "models": ("model_dirs", "model_aliases", "hf_cache_dir", "enabled_models", "memory_limit_gb",
+               "memory_reserve_gb"),
+    "status": ("state_dir", "local_host", "local_port"),
+    "runtime-hash": ("runtime_hash",),
+    "install": ("model_dirs", "local_port", "drain_timeout_s", "process_type"),
+}
+_MORE_SETTINGS = ("Every setting is also a flag (a TOML key, a DARKBLOOM_* variable, a --flag): "
+                  f"`{PROG} --help-settings` lists them all; deploy/README.md explains them.")
 
 
 # --- parser
 
 
-def _settings_parent() -> argparse.ArgumentParser:
-    """One flag per setting; SUPPRESS defaults so only flags actually given reach the namespace."""
+class _HelpSettings(argparse.Action):
+    """`--help-settings`: print every setting (provider/config.py's own reference) and exit."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0,
+                         help="list every setting: flag, environment variable, default, what is allowed")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(settings_reference())
+        parser.exit()
+
+
+def _settings_parent(shown: Iterable[str] = (), *, config: bool = True) -> argparse.ArgumentParser:
+    """One flag per setting; SUPPRESS defaults so only flags actually given reach the namespace. Only
+    the `shown` ones appear in --help (and --config, with `config`); every one is accepted."""
+    shown = frozenset(shown)
     parent = argparse.ArgumentParser(add_help=False, allow_abbrev=False, argument_default=argparse.SUPPRESS)
     group = parent.add_argument_group("settings (override DARKBLOOM_* and the config file)")
-    group.add_argument("--config", type=Path, metavar="PATH", help="TOML configuration file")
+    group.add_argument("--config", type=Path, metavar="PATH",
+                       help="TOML configuration file" if config else argparse.SUPPRESS)
+    if config:
+        group.add_argument("--help-settings", action=_HelpSettings)
     for field in FIELDS:
-        if field in _NO_FLAG:
+        if field in NO_FLAG:
             continue
         info = Settings.model_fields[field]
-        dest = f"setting_{field}"
-        if field in _LIST_FLAGS:
-            group.add_argument(flag_name(field), dest=dest, action="append", metavar="VALUE",
-                               help=f"{info.description} (repeatable)")
+        dest, text = f"setting_{field}", info.description if field in shown else argparse.SUPPRESS
+        if field in LIST_FIELDS:
+            group.add_argument(flag_name(field), dest=dest, action="append", metavar=_LIST_METAVAR[field],
+                               help=text if field not in shown else f"{text} (repeatable)")
         elif field == "model_aliases":
             group.add_argument(flag_name(field), dest=dest, action="append", metavar="ID=PATH",
-                               help=f"{info.description} (repeatable)")
+                               help=text if field not in shown else f"{text} (repeatable)")
         else:
-            metavar = "true|false" if bool in get_args(info.annotation) or info.annotation is bool else "VALUE"
-            group.add_argument(flag_name(field), dest=dest, metavar=metavar, help=info.description)
+            group.add_argument(flag_name(field), dest=dest, metavar=_metavar(info.annotation), help=text)
     return parent
 
 
+_LIST_METAVAR = {"model_dirs": "PATH", "enabled_models": "ID", "preload_models": "ID", "serve_windows": "WINDOW"}
+
+
+def _metavar(annotation: Any) -> str:
+    """What a flag takes, from its field's type: true|false, N, PATH, the choices, or VALUE."""
+    types = set(get_args(annotation)) - {type(None)} or {annotation}
+    if bool in types:
+        return "true|false"
+    if types <= {int, float}:
+        return "N"
+    if Path in types:
+        return "PATH"
+    if len(types) == 1 and isinstance(kind := next(iter(types)), type) and issubclass(kind, Enum):
+        return "|".join(str(m.value) for m in kind)
+    return "VALUE"
+
+
+def _command(sub: Any, name: str, help_text: str, shown: Iterable[str] | None) -> argparse.ArgumentParser:
+    """A subcommand that accepts every setting, showing `shown` (None: refuses them, shows none)."""
+    return sub.add_parser(name, parents=[_settings_parent(shown or (), config=shown is not None)],
+                          allow_abbrev=False, help=help_text, description=help_text,
+                          epilog=_MORE_SETTINGS if shown is not None else None)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    common = _settings_parent()
     parser = argparse.ArgumentParser(
-        prog=PROG, parents=[common], allow_abbrev=False,
-        description="Darkbloom provider agent: serve MLX models to the Darkbloom network.",
+        prog=PROG, parents=[_settings_parent()], allow_abbrev=False,
+        description="Darkbloom provider agent: serve MLX models to the Darkbloom network.", epilog=_MORE_SETTINGS,
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    serve = sub.add_parser("serve", parents=[common], allow_abbrev=False, help="run the agent in the foreground")
+    serve = _command(sub, "serve", "run the agent in the foreground", _SHOWN_SETTINGS["serve"])
     serve.add_argument("--local", action="store_true", default=False,
                        help="no coordinator: an OpenAI-compatible server on the loopback address only")
 
-    doctor = sub.add_parser("doctor", parents=[common], allow_abbrev=False, help="check this machine, its cap, models and coordinator")
+    doctor = _command(sub, "doctor", "check this machine, its cap, models and coordinator", _SHOWN_SETTINGS["doctor"])
     doctor.add_argument("--json", action="store_true", default=False, help="machine-readable (stable schema)")
     doctor.add_argument("--no-coordinator", action="store_true", default=False,
                         help="skip the coordinator check (local-only use)")
@@ -107,27 +176,32 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--machine-gb", type=float, default=None, metavar="N",
                         help="what-if: figures and verdicts for an idle machine with N GiB instead of this one")
 
-    models = sub.add_parser("models", parents=[common], allow_abbrev=False, help="list discovered models and whether they fit")
-    models.add_argument("--json", action="store_true", default=False)
+    models = _command(sub, "models", "list discovered models and whether they fit", _SHOWN_SETTINGS["models"])
+    models.add_argument("--json", action="store_true", default=False, help="machine-readable")
     models.add_argument("--hash", action="store_true", default=False, help="also compute each weight hash")
 
-    status = sub.add_parser("status", parents=[common], allow_abbrev=False, help="what the running agent is doing")
-    status.add_argument("--json", action="store_true", default=False)
+    status = _command(sub, "status", "what the running agent is doing (found from the state directory)",
+                      _SHOWN_SETTINGS["status"])
+    status.add_argument("--json", action="store_true", default=False, help="its /status document")
 
-    sub.add_parser("runtime-hash", parents=[common], allow_abbrev=False, help="print the runtime hash sent in register")
+    _command(sub, "runtime-hash", "print the runtime hash sent in register", _SHOWN_SETTINGS["runtime-hash"])
 
-    service = sub.add_parser("service", help="background service (launchd on macOS, systemd on Linux)")
+    service = sub.add_parser("service", help="background service (launchd on macOS, systemd on Linux)",
+                             description="background service (launchd on macOS, systemd on Linux)")
     actions = service.add_subparsers(dest="action", metavar="ACTION", required=True)
-    install = actions.add_parser("install", parents=[common], allow_abbrev=False, help="write the service file and start it")
+    install = _command(actions, "install", "write the service file and start it; every setting given here is "
+                       "carried into the service's command line", _SHOWN_SETTINGS["install"])
     install.add_argument("--no-load", action="store_true", default=False, help="only write the file")
     install.add_argument("--local", action="store_true", default=False,
-                         help="run `serve --local` (the OpenAI-compatible server on the loopback address) instead of the agent")
+                         help="run `serve --local` (the OpenAI-compatible server on the loopback address) "
+                              "instead of the agent")
     install.add_argument("--user", dest="run_as", metavar="NAME", default=None,
                          help="with --system: the user the agent runs as (default: the user who ran sudo)")
-    uninstall = actions.add_parser("uninstall", parents=[common], allow_abbrev=False, help="stop the service and remove its file")
+    uninstall = _command(actions, "uninstall", "stop the service and remove its file", None)
     uninstall.add_argument("--no-load", action="store_true", default=False,
                            help="only remove the file, do not ask the service manager")
-    status_cmd = actions.add_parser("status", parents=[common], allow_abbrev=False, help="ask the service manager")
+    status_cmd = _command(actions, "status", "ask the service manager (and the agent's own count of its abnormal "
+                          "exits)", None)
     for action in (install, uninstall, status_cmd):
         action.add_argument("--system", action="store_true", default=False,
                             help="the boot-time LaunchDaemon (macOS, needs sudo) rather than the per-user agent")
@@ -163,7 +237,7 @@ def setting_args(settings: Settings, fields: Iterable[str]) -> list[str]:
     argv: list[str] = []
     for field in fields:
         flag, value = flag_name(field), getattr(settings, field)
-        if field in _LIST_FLAGS:
+        if field in LIST_FIELDS:
             for item in value:
                 argv += [flag, str(item)]
         elif field == "model_aliases":

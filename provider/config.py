@@ -13,8 +13,9 @@ Every field has exactly one name, used everywhere:
 
 The file is ``--config``, else ``$DARKBLOOM_CONFIG``, else ``$XDG_CONFIG_HOME/darkbloom/provider.toml``
 (default ``~/.config/darkbloom/provider.toml``); a missing default file just means "no file".
-``deploy/provider.example.toml`` lists every key with its default, and ``deploy/README.md`` has
-the table of environment names.
+``deploy/provider.example.toml`` lists every key with its default, ``deploy/README.md`` has
+the table of environment names, and ``settings_reference()`` (``darkbloom-provider --help-settings``)
+prints every setting from the fields below, which stay the one source.
 
 Not settings: ``DARKBLOOM_MEM_CAP_FRACTION`` and ``DARKBLOOM_ACTIVATION_RESERVE_GB`` are read by
 ``memory/policy`` itself (it treats bad values as unset, by design of the cap).
@@ -301,7 +302,7 @@ class Settings(BaseModel):
     )
     local_host: str = Field(
         "127.0.0.1", description="Local server address; loopback only.",
-        **_allowed("a loopback address: 127.0.0.1, ::1 or localhost"),
+        **_allowed("a loopback address: any of 127.0.0.0/8 (127.0.0.1, 127.0.0.2, ...), ::1 or localhost"),
     )
     local_port: int = Field(
         DEFAULT_LOCAL_PORT, ge=1, le=65535, description="Local server port.",
@@ -467,7 +468,6 @@ class Settings(BaseModel):
 
 FIELDS: tuple[str, ...] = tuple(Settings.model_fields)
 _PATH_FIELDS = frozenset({"model_dirs", "hf_cache_dir", "state_dir", "log_file"})
-_LIST_FIELDS = frozenset({"model_dirs", "enabled_models", "preload_models", "serve_windows"})
 _SECRET_FIELDS = frozenset({"auth_token"})
 
 
@@ -484,6 +484,50 @@ def allowed_text(field: str) -> str:
     extra = Settings.model_fields[field].json_schema_extra
     assert isinstance(extra, dict)
     return str(extra["allowed"])
+
+
+NO_FLAG = frozenset({"auth_token"})  # secrets: environment or file only (a flag would show in `ps`)
+LIST_FIELDS = frozenset({"model_dirs", "enabled_models", "preload_models", "serve_windows"})
+
+
+def default_text(field: str) -> str:
+    """A field's default as the operator would write it (``unset``, ``empty``, ``true``, ``8484``)."""
+    info = Settings.model_fields[field]
+    if info.default_factory is not None and field == "state_dir":
+        return "per platform (below)"
+    value = info.get_default(call_default_factory=True)
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (tuple, dict)) and not value:
+        return "empty"
+    if isinstance(value, StrEnum):
+        return value.value
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def settings_reference(width: int = 100) -> str:
+    """Every setting: its flag, environment variable, default, what it does and what is allowed
+    (`darkbloom-provider --help-settings`)."""
+    import textwrap
+
+    lines = [
+        "Every setting is a TOML key (in ~/.config/darkbloom/provider.toml, or the file --config PATH or",
+        "DARKBLOOM_CONFIG names), a DARKBLOOM_* environment variable and a --flag given before or after the",
+        "command; a flag overrides the variable, which overrides the file. Lists repeat the flag",
+        "(--model-dirs A --model-dirs B; comma-separated in the variable), aliases are --model-aliases ID=PATH,",
+        "sizes are GiB. deploy/README.md (\"Configuration\") has the same table with more on each.",
+        "",
+    ]
+    for field in FIELDS:
+        info = Settings.model_fields[field]
+        flag = "(no flag: a secret)" if field in NO_FLAG else flag_name(field)
+        lines.append(f"{flag}  {env_name(field)}  key {field}, default: {default_text(field)}")
+        text = f"{info.description} Allowed: {allowed_text(field)}."
+        lines += textwrap.wrap(text, width=width, initial_indent="    ", subsequent_indent="    ",
+                               break_on_hyphens=False)
+    return "\n".join(lines)
 
 
 def unrecognised_env(env: Mapping[str, str]) -> list[str]:
@@ -561,7 +605,7 @@ def _read_env(env: Mapping[str, str], home: Path) -> dict[str, Any]:
         if raw is None or raw.strip() == "":
             continue
         value: Any = raw.strip()
-        if field in _LIST_FIELDS:
+        if field in LIST_FIELDS:
             value = [item.strip() for item in raw.split(",") if item.strip()]
         elif field == "model_aliases":
             value = _parse_aliases(raw, env_name(field))

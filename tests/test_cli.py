@@ -172,3 +172,14 @@ def test_status_rendering_shows_models_ledger_and_prefix_cache():
     assert "mode coordinator, pressure green, in flight 1" in text
     assert "tiny  loaded" in text and "ledger prefix_cache" in text
     assert "prefix cache: 3 hits, 1 partial, 2 misses" in text
+
+
+def test_the_local_host_message_says_what_is_really_accepted(home):
+    """Issue 29: 127.0.0.2 was accepted while the message listed only 127.0.0.1, ::1 and localhost."""
+    from provider.config import load_settings
+
+    for host in ("127.0.0.2", "127.255.0.9", "::1", "localhost"):
+        assert load_settings(env={"HOME": str(home)}, overrides={"local_host": host}).local_host == host
+    out = run_cli("status", "--local-host", "10.0.0.1", home=home)
+    assert out.returncode == 78
+    assert "127.0.0.0/8" in out.stderr and "::1" in out.stderr and "localhost" in out.stderr, out.stderr
