@@ -287,8 +287,8 @@ class Settings(BaseModel):
     # --- local state
     state_dir: Path = Field(
         default_factory=lambda: default_state_dir(Path.home()),
-        description="Identity keys and the KV SSD cache (default: ~/Library/Application Support/darkbloom "
-        "on macOS, ~/.local/share/darkbloom elsewhere).",
+        description="Identity keys, the KV SSD cache and the running agent's lock: one agent per state directory "
+        "(default: ~/Library/Application Support/darkbloom on macOS, ~/.local/share/darkbloom elsewhere).",
         **_allowed("a directory path"),
     )
     kv_ssd_budget_gb: float = Field(
