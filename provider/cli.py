@@ -549,7 +549,7 @@ def cmd_service(args: argparse.Namespace, settings: Settings) -> int:
         print(f"wrote {done.path} ({done.kind.value}{', boot-time daemon running as ' + user if user else ''})")
         print("runs: serve --local (the OpenAI-compatible server on " + settings.local_base_url + "/v1)" if args.local
               else f"runs: serve (the agent, coordinator {settings.coordinator_url})")
-        if (other := running_agent(state_dir)) is not None and other.pid != os.getpid():
+        if (other := running_agent(state_dir)) is not None:
             print(f"note: an agent is already running on {state_dir} ({other.describe()}); the service's refuses "
                   "to start until it stops")
         if given:
