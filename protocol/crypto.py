@@ -97,7 +97,9 @@ def write_private_file(path: str | os.PathLike[str], data: bytes) -> None:
     try:
         try:
             os.fchmod(fd, 0o600)
-            os.write(fd, data)
+            view = memoryview(data)
+            while view:  # a full disk may take part of it, then refuse the rest
+                view = view[os.write(fd, view):]
             os.fsync(fd)
         finally:
             os.close(fd)

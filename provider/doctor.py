@@ -46,7 +46,8 @@ the next change, every signal's reading): ``signal_unavailable`` (a pause rule i
 cannot be read here; subject: the setting, detail: the reader's source). From the service's own
 count: ``abnormal_exits`` (the agent ended abnormally — a crash, a kill, a memory self-restart, an
 error exit — within `crash_loop_window_mins`, fewer times than it takes to stay down; the detail
-counts each kind).
+counts each kind), ``crash_loop_guard_off`` (the state directory cannot take that count, e.g. a full
+disk: the agent serves without the guard; subject: the OS error's name; one probe written and removed).
 An invalid configuration never reaches this module: the CLI exits 78 with one line first.
 
 `report_json()` is a stable interface (keys are only ever added): ``cap`` holds every
@@ -106,7 +107,7 @@ from provider.doctor_guest import GuestReport, gather_guest, guest_json, guest_l
 from provider.doctor_routing import BLOCKING, RoutingReport, gather_routing, routing_json, routing_lines, untrusted_sentence
 from provider.hardening import Hardening
 from provider.state_lock import running_agent
-from provider.supervision import AbnormalExits, read_abnormal_exits
+from provider.supervision import AbnormalExits, guard_unwritable, read_abnormal_exits
 from provider.models import Inventory, ModelInfo, Quantization, default_hf_cache, discover
 from provider.models.searched import README_MODELS_HEADING, place_lines, places_text
 
@@ -150,6 +151,7 @@ class ProblemCode(StrEnum):
     SIGNAL_UNAVAILABLE = "signal_unavailable"
     SERVICE_STAYED_DOWN = "service_stayed_down"
     ABNORMAL_EXITS = "abnormal_exits"
+    CRASH_LOOP_GUARD_OFF = "crash_loop_guard_off"
 
 
 _SEVERITY: dict[ProblemCode, Severity] = {
@@ -174,6 +176,7 @@ _SEVERITY: dict[ProblemCode, Severity] = {
     ProblemCode.SIGNAL_UNAVAILABLE: Severity.WARNING,
     ProblemCode.SERVICE_STAYED_DOWN: Severity.ERROR,
     ProblemCode.ABNORMAL_EXITS: Severity.WARNING,
+    ProblemCode.CRASH_LOOP_GUARD_OFF: Severity.WARNING,
 }
 
 _EXPLAIN: dict[ProblemCode, str] = {
@@ -201,6 +204,8 @@ _EXPLAIN: dict[ProblemCode, str] = {
                                      "self-restarts): the launchd service stays down (find the cause in "
                                      "provider.log, then `service install`)",
     ProblemCode.ABNORMAL_EXITS: "the agent ended abnormally recently (a crash, a kill or a memory self-restart)",
+    ProblemCode.CRASH_LOOP_GUARD_OFF: "the agent cannot count its abnormal exits in the state directory (a full "
+                                      "disk?): it serves, but a crash loop would not be stopped",
 }
 
 
@@ -385,7 +390,7 @@ def run_doctor(
     no_room = _no_room(settings, snapshot, policy, cap)
     crash_loop = read_abnormal_exits(settings.state_dir, window_s=settings.crash_loop_window_s)
     problems = (_problems(models, inventory, level, coordinator, rhash, env, policy, no_room) + _ssd_tier(settings)
-                + _crash_loop_problems(settings, crash_loop))
+                + _crash_loop_problems(settings, crash_loop) + _crash_loop_guard(settings))
     routing = None
     if explain_routing:
         routing = gather_routing(settings, total_bytes=snapshot.physical_bytes,
@@ -444,6 +449,15 @@ def _crash_loop_problems(settings: Settings, exits: AbnormalExits) -> tuple[Prob
         return (Problem(ProblemCode.SERVICE_STAYED_DOWN, "service",
                         "; ".join(filter(None, (f"stayed down at {exits.stayed_down_at}", detail)))),)
     return (Problem(ProblemCode.ABNORMAL_EXITS, "service", detail),) if n else ()
+
+
+def _crash_loop_guard(settings: Settings) -> tuple[Problem, ...]:
+    """The guard's files cannot be written (`supervision.guard_unwritable`: a probe written and removed)."""
+    exc = guard_unwritable(settings.state_dir)
+    if exc is None:
+        return ()
+    return (Problem(ProblemCode.CRASH_LOOP_GUARD_OFF, os_error_name(exc),
+                    f"{settings.state_dir}: {os.strerror(exc.errno) if exc.errno else 'not usable'}"),)
 
 
 def _routing_problems(routing: RoutingReport) -> tuple[Problem, ...]:

@@ -35,6 +35,12 @@ window has usually passed, or `service install`, which starts the count afresh).
 stays down: the systemd unit has the same limit as ``StartLimitBurst`` / ``StartLimitIntervalSec``
 (every restart counts there, exit 75 included), and a terminal has a person in front of it.
 `doctor` reports both the recent abnormal exits and a stay-down.
+
+The guard's files are written like the identity keys (`protocol.crypto.write_private_file`: 0600,
+a temporary file renamed into place, removed when a write fails). When the state directory cannot
+take them (a full disk, a read-only one) the agent still serves, without the guard: it logs
+``crash_loop_guard_off`` (the OS error's name, never its text), and `doctor`, which writes and removes
+a probe the same way, reports ``crash_loop_guard_off`` until it can again.
 """
 
 from __future__ import annotations
@@ -49,12 +55,19 @@ from pathlib import Path
 
 import psutil
 
+from kvcache.disk import os_error_name
+from protocol.crypto import write_private_file
 from provider.config import SERVICE_MANAGER_ENV  # set by the launchd plist; not a setting
+from provider.telemetry import get_logger
+
+log = get_logger(__name__)
 
 EXIT_RECORD_FILE = "last-exit.json"
 MAX_MESSAGE = 2000  # characters of the message kept
 RUN_MARKER_FILE = "agent.running"  # in the state directory, while an agent runs
 ABNORMAL_EXITS_FILE = "abnormal-exits.json"  # in the state directory: the recent abnormal exits
+GUARD_PROBE_FILE = "crash-loop-guard.probe"  # `doctor` writes and removes it: can the guard write here?
+GUARD_PROBE_BYTES = 4096  # more than a record of many exits takes
 EX_CRASH_LOOP = 1  # recorded as the exit it replaced (only launchd stays down: elsewhere it never happens)
 EXIT_RESTART = 75  # EX_TEMPFAIL: the agent's memory self-restart (provider/agent.py), relaunched by the manager
 CLEAN_EXITS = (0, 78)  # a drain, a refused configuration
@@ -104,9 +117,7 @@ def exit_code_for(reason: ExitReason, code: int, message: str, *, home: Path, en
     path = exit_record_path(home)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(asdict(record), indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        write_private_file(path, (json.dumps(asdict(record), indent=2) + "\n").encode())
     except OSError:
         pass  # the message is in the stderr log anyway; not relaunching matters more
     return 0
@@ -191,9 +202,25 @@ def _read_json(path: Path) -> dict | None:
 
 def _write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the state directory, if it is the first thing
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_private_file(path, (json.dumps(data, indent=2) + "\n").encode())  # 0600; no temp file left on failure
+
+
+def _guard_off(state_dir: Path, exc: OSError, phase: str) -> None:
+    log.warning("crash_loop_guard_off", phase=phase, path=str(state_dir), reason=os_error_name(exc),
+                hint="the state directory cannot be written (a full disk?): abnormal exits are not counted, so a "
+                     "crash loop would not be stopped, until it can")
+
+
+def guard_unwritable(state_dir: Path) -> OSError | None:
+    """Why the guard cannot write its files in `state_dir` now (None: it can), for `doctor`: writes a
+    probe the way the guard writes them, and removes it."""
+    probe = state_dir / GUARD_PROBE_FILE
+    try:
+        _write_json(probe, {"probe": "x" * GUARD_PROBE_BYTES})
+        probe.unlink()
+    except OSError as exc:
+        return exc
+    return None
 
 
 def _entry(item: object, now: datetime, window_s: float) -> AbnormalExit | None:
@@ -260,8 +287,8 @@ def on_start(state_dir: Path, *, env: Mapping[str, str], limit: int, window_s: f
             (state_dir / RUN_MARKER_FILE).unlink(missing_ok=True)
         elif not other_alive:
             _write_json(state_dir / RUN_MARKER_FILE, {"pid": pid, "created": _created(pid), "started_at": stamp})
-    except OSError:
-        pass  # an unusable state directory stops the agent a moment later, with its own message
+    except OSError as exc:  # the agent serves all the same: it says so
+        _guard_off(state_dir, exc, "start")
     return StartDecision(record, stay_down, crashed)
 
 
@@ -281,8 +308,8 @@ def on_exit(state_dir: Path, code: int, *, window_s: float, pid: int | None = No
             _write_json(state_dir / ABNORMAL_EXITS_FILE, AbnormalExits(exits, record.stayed_down_at).as_json())
         if ours:
             (state_dir / RUN_MARKER_FILE).unlink(missing_ok=True)
-    except OSError:
-        pass  # counted as a crash at the next start instead, if the marker stayed
+    except OSError as exc:  # counted as a crash at the next start instead, if the marker stayed
+        _guard_off(state_dir, exc, "exit")
 
 
 def reset_abnormal_exits(state_dir: Path) -> None:

@@ -23,6 +23,7 @@ from provider.agent import EXIT_RESTART
 from provider.config import Settings
 from provider.doctor import run_doctor
 from provider.service import status
+from provider.session.identity import load_or_create_keys
 from provider.supervision import (
     ABNORMAL_EXITS_FILE,
     RUN_MARKER_FILE,
@@ -171,21 +172,35 @@ def serve_env(home: Path, state: Path) -> dict[str, str]:
             "DARKBLOOM_HF_CACHE_DIR": str(home / "hub"), "DARKBLOOM_KEEP_AWAKE": "false"}
 
 
-def start_and_kill(home: Path, env: dict[str, str]) -> None:
+def cli_argv(*args: str, max_file_bytes: int | None = None) -> list[str]:
+    """`python -m provider.cli ARGS`; with `max_file_bytes`, under that RLIMIT_FSIZE: a write that would
+    make a file larger really fails (EFBIG, after a short write), as on a full disk."""
+    if max_file_bytes is None:
+        return [sys.executable, "-m", "provider.cli", *args]
+    limit = ("import os, resource, sys; n = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_FSIZE, (n, n)); "
+             "os.execv(sys.executable, [sys.executable, '-m', 'provider.cli', *sys.argv[2:]])")
+    return [sys.executable, "-c", limit, str(max_file_bytes), *args]
+
+
+def start_and_kill(home: Path, env: dict[str, str], *, max_file_bytes: int | None = None) -> list[str]:
+    """Start the real `serve`, wait until it serves, SIGKILL it; the log lines it wrote until then."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("DARKBLOOM_")}
     base.update(HOME=str(home), **env)
-    proc = subprocess.Popen([sys.executable, "-m", "provider.cli", "serve"], env=base, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(cli_argv("serve", max_file_bytes=max_file_bytes), env=base, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
+    lines = []
     try:
         assert proc.stderr is not None
         deadline = time.monotonic() + 60
         for line in proc.stderr:  # serving: the agent is up and trying the (closed) coordinator
+            lines.append(line)
             if "agent_ready" in line or time.monotonic() > deadline:
                 break
         assert proc.poll() is None, "the agent ended by itself"
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+    return lines
 
 
 def test_killed_the_launchd_agent_counts_a_crash_stays_down_and_says_so(tmp_path):
@@ -214,6 +229,42 @@ def test_killed_the_launchd_agent_counts_a_crash_stays_down_and_says_so(tmp_path
     [problem] = [p for p in doc["problems"] if p["subject"] == "service"]
     assert (problem["code"], problem["severity"]) == ("service_stayed_down", "error")
     assert [e["kind"] for e in doc["crash_loop"]["abnormal_exits"]] == ["crash"] and doc["crash_loop"]["stayed_down_at"]
+
+
+def test_the_guard_s_files_are_private(tmp_path):
+    """abnormal-exits.json and agent.running are 0600 like the rest of the state directory."""
+    old = os.umask(0o022)
+    try:
+        crash(tmp_path, T0)
+        assert {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()} == {
+            ABNORMAL_EXITS_FILE: 0o600, RUN_MARKER_FILE: 0o600}
+        on_exit(tmp_path, 1, window_s=WINDOW_S, now=T0)
+        assert (tmp_path / ABNORMAL_EXITS_FILE).stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old)
+
+
+def test_a_full_disk_at_start_is_logged_leaves_no_temp_file_and_doctor_says_so(tmp_path):
+    """The state directory cannot take the guard's files (a write past 16 bytes fails for real): the
+    agent still serves, but says the guard is off; nothing half-written is left; `doctor` says so too."""
+    home, state = tmp_path / "home", tmp_path / "state"
+    (home / "hub").mkdir(parents=True)
+    load_or_create_keys(state)  # an agent that ran before: only the guard writes at this start
+    env = serve_env(home, state)
+    lines = start_and_kill(home, env, max_file_bytes=16)
+
+    [warning] = [line for line in lines if "crash_loop_guard_off" in line]
+    assert "EFBIG" in warning and str(state) in warning
+    assert [p.name for p in state.rglob("*") if p.name.endswith(".tmp")] == []
+    assert not (state / ABNORMAL_EXITS_FILE).exists() and not (state / RUN_MARKER_FILE).exists()
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("DARKBLOOM_")} | {"HOME": str(home), **env}
+    doctor = [subprocess.run(cli_argv("doctor", *fmt, "--no-coordinator", max_file_bytes=16), env=base,
+                             capture_output=True, text=True, timeout=60) for fmt in (["--json"], [])]
+    [problem] = [p for p in json.loads(doctor[0].stdout)["problems"] if p["code"] == "crash_loop_guard_off"]
+    assert (problem["severity"], problem["subject"]) == ("warning", "EFBIG") and str(state) in problem["detail"]
+    assert "crash_loop_guard_off" in doctor[1].stdout
+    assert [p.name for p in state.rglob("*") if p.name.endswith(".tmp")] == []
 
 
 def test_service_status_on_the_command_line_counts_the_abnormal_exits(tmp_path):
