@@ -13,14 +13,17 @@ Memory: RAM entries are `prefix_cache` reservations in the ledger. When admissio
 room it calls `evict_for(nbytes)` (least recently used first, across models); under RED pressure
 or worse `relieve(level)` drops the whole RAM tier. The SSD tier is never charged to the ledger.
 
-SSD writes: the engine thread copies a sequence to host bytes, and the encryption and file write
-run on `write_executor` when one is given (inline otherwise). A sequence that starts a new line is
-written through at `store` time. A sequence that extends the entry its request reused (a
-conversation's next turn) is written only once it has stayed quiet for `write_delay_s` (no longer
-turn stored over it, no running request extending it): each turn of a live conversation would
-otherwise encrypt and write the whole conversation again, on the CPU the next turn's prefill needs.
-The engine thread drives this with `write_quiet`; an entry evicted from RAM before it went quiet is
-not written.
+SSD writes copy the RAM entry, never the request's cache, and nothing of them waits on the engine
+thread: the entry's copy was only scheduled at `store`; the engine thread hands it over at its next
+`write_quiet` (one step later, when the copy has run: its `settle` then costs nothing), and the
+device→host copy (`state.host_copy`), the encryption and the file write run on `write_executor`
+when one is given (inline otherwise). A sequence that starts a new line is handed over that way at
+once. A sequence that extends the entry its request reused (a conversation's next turn) is written
+only once it has stayed quiet for `write_delay_s` (no longer turn stored over it, no running request
+extending it): each turn of a live conversation would otherwise encrypt and write the whole
+conversation again, on the CPU the next turn's prefill needs. An entry evicted from RAM before it
+went quiet is not written, nor is one whose RAM store was refused, nor anything of a purged model;
+one evicted after it was due is still written (the pending hand-over keeps it).
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ from dataclasses import dataclass
 from enum import Enum
 
 from kvcache import state
-from kvcache.host import HostCache
 from kvcache.ram import PrefixCache, StoreOutcome
 from kvcache.ssd import SsdStore, WriteOutcome
 from kvcache.trie import Key
@@ -101,6 +103,9 @@ class ModelKvCache:
         self._delay = write_delay_s
         self._clock = clock
         self._pending: dict[Key, float] = {}  # sequence -> when it is due on SSD (engine thread only)
+        # Due on SSD: the entry (kept even if RAM evicts it first), and whether a write_quiet saw it since.
+        self._copying: dict[Key, tuple[list, bool]] = {}
+        self._closed = False
         self._lock = threading.Lock()
         self._hits = self._partial = self._misses = self._ssd_hits = self._reused = 0
 
@@ -166,18 +171,24 @@ class ModelKvCache:
             return outcome
         if extends is not None:
             self._pending.pop(extends, None)  # a later turn replaces it
+            self._copying.pop(extends, None)
             if self._delay > 0 and outcome is StoreOutcome.STORED:
                 self._pending[key] = self._clock() + self._delay
                 return outcome
-        self._write_through(key, cache)
+        entry = self.ram.entry(key) if outcome is StoreOutcome.STORED else None  # refused: nothing to copy
+        if entry is not None:
+            self._copying[key] = (entry, False)  # handed over once a `write_quiet` has seen it (the copy has run)
         return outcome
 
     def write_quiet(self, in_use: Collection[Key] = ()) -> float | None:
-        """Write the pending sequences that stayed quiet for the delay; `in_use`: the sequences
-        running requests reused (they are about to be extended, so they wait). Engine thread.
-        Returns the seconds until the next one is due, None when nothing is pending."""
+        """Hand the sequences due on SSD over to the writer, once their entry's copy has run (seen
+        here once before), and make due the pending ones that stayed quiet for the delay; `in_use`:
+        the sequences running requests reused (they are about to be extended, so they wait). Engine
+        thread, between steps. Returns the seconds until the next call has work (0: a copy waits for
+        its hand-over), None when nothing is pending."""
+        self._hand_over()
         now = self._clock()
-        next_due = None
+        next_due = 0.0 if self._copying else None
         for key, due in list(self._pending.items()):
             if key in in_use:
                 due = self._pending[key] = now + self._delay
@@ -187,25 +198,39 @@ class ModelKvCache:
             del self._pending[key]
             cache = self.ram.entry(key)
             if cache is not None:
-                self._write_through(key, cache)
-        return None if next_due is None else next_due - now
+                self._copying[key] = (cache, True)  # its copy was scheduled a delay ago: handed over next call
+                next_due = 0.0
+        return None if next_due is None else max(0.0, next_due - now)
 
-    def _write_through(self, key: Key, cache: Sequence[object]) -> None:
-        match = self._ssd.lookup(self.model_id, key)
-        if match is not None and match.common == len(key):
-            return
-        host = state.to_host(cache, len(key))
-        if self._executor is None:
-            self._write(key, host)
-        else:
-            self._executor.submit(self._write, key, host)
+    def _hand_over(self) -> None:
+        for key, (cache, seen) in list(self._copying.items()):
+            if not seen:
+                self._copying[key] = (cache, True)
+                continue
+            del self._copying[key]
+            if self._closed:
+                continue  # purged meanwhile: nothing of it is written
+            match = self._ssd.lookup(self.model_id, key)
+            if match is not None and match.common == len(key):
+                continue
+            state.settle(cache)  # done a step ago: no wait
+            if self._executor is None:
+                self._write(key, cache)
+            else:
+                self._executor.submit(self._write, key, cache)
 
-    def _write(self, key: tuple[int, ...], host: HostCache) -> WriteOutcome | None:
+    def _write(self, key: Key, cache: Sequence[object]) -> WriteOutcome | None:
+        """The writer thread: host bytes of the settled entry, sealed and written."""
         try:
-            return self._ssd.write(self.model_id, self.weight_hash, key, host)
+            return self._ssd.write(self.model_id, self.weight_hash, key, state.host_copy(cache))
         except OSError:  # a full or failing disk only costs the SSD tier
             log.warning("kv cache write failed", exc_info=True)
             return None
+
+    def close(self) -> None:
+        """Purged (any thread): nothing pending is handed over any more; the engine thread no longer
+        finds this cache, and what it held goes with it."""
+        self._closed = True
 
     def stats(self) -> PrefixCacheStats:
         with self._lock:
@@ -262,6 +287,8 @@ class KvCacheManager:
         """Remove the model's RAM and SSD state (the `kv_purge` hook of every unload). Idempotent."""
         with self._lock:
             mc = self._models.pop(model_id, None)
+        if mc is not None:
+            mc.close()
         ram = mc.ram.purge() if mc is not None else 0
         if mc is not None:
             s = mc.stats()

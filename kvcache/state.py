@@ -1,9 +1,15 @@
-"""mlx-lm cache lists ↔ what the tiers keep. Engine thread only: everything here runs MLX.
+"""mlx-lm cache lists ↔ what the tiers keep. Engine thread only, but for `host_copy`.
 
 The tiers store plain `KVCache` layers (the Llama-style models mlx-lm builds by default), cut to
 exactly the token sequence they are keyed by (a finished request's prompt + completion, or a
 shorter prefix of a cache), and the slice is made contiguous so its `nbytes` is what the entry
 really pins (mlx-lm's own buffers are rounded up to 256-token steps).
+
+Nothing here waits for the device: `prefix_copy` only schedules its copies (`mx.async_eval`), so
+a store or a fetch between two decode steps never stalls the step in flight (an `mx.eval` there
+waited for it: the copy reads the batch cache that step writes). `host_copy` reads arrays that are
+already evaluated into host bytes with no MLX operation, so the SSD tier's writer thread does the
+device→host copy, not the engine thread (`ModelKvCache` hands an entry over only once it is done).
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ def cache_nbytes(cache: Sequence[KVCache]) -> int:
 
 
 def prefix_copy(cache: Sequence[KVCache], n: int) -> list[KVCache]:
-    """New `KVCache` layers holding exactly the first `n` positions, materialized.
+    """New `KVCache` layers holding exactly the first `n` positions, contiguous, scheduled (not
+    waited for: whatever reads them next, on this thread, waits for them as MLX does for any input).
 
     The result shares nothing mutable with `cache`: a batch may write into it freely."""
     if not 0 < n <= cache_tokens(cache):
@@ -52,8 +59,28 @@ def prefix_copy(cache: Sequence[KVCache], n: int) -> list[KVCache]:
         c.values = mx.contiguous(layer.values[..., :n, :])
         c.offset = n
         out.append(c)
-    mx.eval([(c.keys, c.values) for c in out])
+    mx.async_eval([(c.keys, c.values) for c in out])
     return out
+
+
+def settle(cache: Sequence[KVCache]) -> None:
+    """Wait for `cache`'s arrays (engine thread). Cheap once their copy has run: a later step has."""
+    mx.eval([(c.keys, c.values) for c in cache])
+
+
+def host_copy(cache: Sequence[KVCache]) -> HostCache:
+    """Every layer's keys and values as host bytes. Any thread: the arrays must be evaluated
+    (`settle`), contiguous and exactly `cache_tokens` long (what `prefix_copy` makes), so reading them
+    is a plain buffer copy (the buffer protocol, no MLX operation; bfloat16 as its 16-bit pattern)."""
+    n = cache_tokens(cache)
+    return HostCache(n, tuple((_host_bytes(c.keys, n), _host_bytes(c.values, n)) for c in cache))
+
+
+def _host_bytes(a: mx.array, n: int) -> HostArray:
+    name, _ = _DTYPES[a.dtype]
+    if a.shape[-2] != n:
+        raise ValueError("not an entry of exactly its tokens")
+    return HostArray(name, tuple(a.shape), bytes(memoryview(a).cast("B")))
 
 
 def _to_host(a: mx.array) -> HostArray:

@@ -28,6 +28,7 @@ import mlx_lm
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
+from engine_arithmetic import assert_decisive_continuation
 from kvcache.disk import DiskBudget
 from kvcache.manager import KvCacheManager, Tier
 from kvcache.ssd import SsdStore
@@ -77,13 +78,17 @@ class Keep(enum.Enum):
     API_TEXT = "api_text"  # the text the engine streamed (leading space dropped)
 
 
-_TOKENIZERS: dict[Path, object] = {}
+_LOADED: dict[Path, tuple] = {}
+
+
+def loaded(model_path: Path) -> tuple:
+    if model_path not in _LOADED:
+        _LOADED[model_path] = mlx_lm.load(str(model_path))
+    return _LOADED[model_path]
 
 
 def tokenizer(model_path: Path):
-    if model_path not in _TOKENIZERS:
-        _TOKENIZERS[model_path] = mlx_lm.load(str(model_path))[1]
-    return _TOKENIZERS[model_path]
+    return loaded(model_path)[1]
 
 
 def templated(model_path: Path, messages) -> list[int]:
@@ -109,6 +114,13 @@ class Conversation:
         """Turn n's prompt + answer: the tokens its KV was computed for."""
         return self.prompts[n] + list(self.turns[n][1])
 
+    def assert_decisive(self) -> None:
+        """Each answer's greedy choices are no near-tie: reuse splits the prefill another way, and the
+        tests compare the answers with a run that reuses nothing (engine_arithmetic.py)."""
+        model, _ = loaded(self.model_path)
+        for n, (prompt, (_, answer, _)) in enumerate(zip(self.prompts, self.turns)):
+            assert_decisive_continuation(model, prompt, answer, f"{self.name} turn {n}")
+
     async def turn(self, engine: Engine, model_id: str) -> Finished:
         messages = self.next_messages()
         text, fin = await engine.submit(model_id, ChatRequest(f"{self.name}-{len(self.turns)}", messages,
@@ -129,6 +141,7 @@ async def cache_off_outputs(model_path: Path, turns: int, keep: Keep = Keep.DECO
         await engine.load("m", model_path)
         for _ in range(turns):
             await conv.turn(engine, "m")
+    conv.assert_decisive()
     return [ids for _, ids, _ in conv.turns]
 
 
@@ -167,7 +180,9 @@ async def test_each_turn_reuses_the_whole_previous_turn(tiny_model_path: Path, t
             reused = after.reused_tokens - before.reused_tokens
             assert prev_prompt + len(prev_answer) <= reused < fin.usage.prompt_tokens
             assert (after.ssd_hits - before.ssd_hits) == (1 if tier is Tier.SSD else 0)
-        # One entry per conversation: each turn's sequence replaced the shorter one it extends.
+        # One entry per conversation: each turn's sequence replaced the shorter one it extends. (The
+        # idle worker hands the last turn over to the SSD tier before it takes the next command.)
+        await engine.kv_cache_bytes("m")
         assert manager.get("m").ram.nbytes == ledger.snapshot().bytes_by_kind[ReservationKind.PREFIX_CACHE]
         assert len(manager.get("m").ram) == 1
         assert ssd.entries("m") == 1
@@ -223,6 +238,8 @@ async def test_sequences_finished_inside_a_left_padded_batch_are_kept_exactly(ti
         await asyncio.gather(*(c.turn(engine, "m") for c in off))
         for c in off:
             await c.turn(engine, "m")
+    for c in off:
+        c.assert_decisive()
 
     manager = KvCacheManager(ledger)
     async with Engine(prefix_cache=manager.get) as engine:

@@ -180,6 +180,9 @@ def test_ssd_hit_after_ram_eviction_and_purge_removes_files(tiny, ledger: Ledger
     ids = prompt(14, 150)
     cold, cache, _ = generate(tiny, ids)
     kv.store(ids, cache)
+    assert kv.write_quiet() == 0.0  # the entry's copy was only scheduled: handed over at the next call
+    assert not [f for f in tmp_path.rglob("*") if f.is_file()]
+    assert kv.write_quiet() is None
     assert len(list(tmp_path.rglob("*"))) == 2  # the model directory and one file
     assert manager.evict_for(2**40) > 0 and kv.ram.nbytes == 0
 
@@ -222,7 +225,8 @@ def test_a_conversation_turn_goes_to_ssd_once_it_is_quiet(tiny, ledger: Ledger, 
         return list(sequence)
 
     first = turn(None, 20)
-    assert written == [len(first)]  # a new line: at once
+    assert kv.write_quiet() == 0.0 and written == []  # a new line: at once, one engine step later
+    assert kv.write_quiet() is None and written == [len(first)]
     second = turn(first, 21)
     assert written == [len(first)] and kv.write_quiet() == 5.0  # waits
     third = turn(second, 22)  # replaces the second before it was due
@@ -230,7 +234,7 @@ def test_a_conversation_turn_goes_to_ssd_once_it_is_quiet(tiny, ledger: Ledger, 
     assert kv.write_quiet(in_use={tuple(third)}) == 5.0  # a running request extends it: it waits on
     assert written == [len(first)]
     now[0] = 9.5
-    assert kv.write_quiet() is None and written == [len(first), len(third)]
+    assert kv.write_quiet() == 0.0 and kv.write_quiet() is None and written == [len(first), len(third)]
     m = ssd.lookup("tiny", third + [7])
     assert ssd.entries("tiny") == 1 and m is not None and m.key == tuple(third)  # one file per conversation
 

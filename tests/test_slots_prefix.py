@@ -50,6 +50,12 @@ class PrefixRig:
     def files(self) -> list[Path]:
         return sorted(p for p in self.root.rglob("*"))
 
+    async def written(self) -> list[Path]:
+        """The files once the engine has handed its pending SSD copies over: an idle worker does that
+        before it takes its next command, so one command's round trip is enough (writes are inline here)."""
+        await self.engine.memory_reading()
+        return self.files()
+
 
 @pytest.fixture
 async def rig(tiny_model_path, tmp_path):
@@ -86,7 +92,7 @@ async def test_prefix_entries_give_way_to_a_request_the_ledger_would_refuse(rig)
     await serve(r.manager, "warm", LONG)
     held = r.kv.stats().ram_bytes
     assert held > 0 and held == prefix_bytes(r.ledger)
-    assert r.files(), "the SSD tier holds the entry too"
+    assert await r.written(), "the SSD tier holds the entry too"
 
     # Leave the ledger `short` bytes short of this request's KV, less than the prefix cache holds:
     # refused without eviction, admitted with it. MLX's own buffer cache is emptied first: it would
@@ -113,7 +119,7 @@ async def test_prefix_entries_give_way_to_a_request_the_ledger_would_refuse(rig)
 async def test_unload_purges_ram_and_ssd_state(rig):
     r = rig()
     await serve(r.manager, "a", LONG)
-    assert r.kv.get("tiny") is not None and r.kv.stats().ram_bytes > 0 and r.files()
+    assert r.kv.get("tiny") is not None and r.kv.stats().ram_bytes > 0 and await r.written()
     assert await r.manager.unload("tiny")
     assert r.kv.get("tiny") is None and prefix_bytes(r.ledger) == 0
     assert r.files() == []
