@@ -1,12 +1,18 @@
 """SSD tier: prefix caches encrypted to disk, readable only by the process that wrote them.
 
-File layout (one file per cached prefix, in the model's directory):
+File layout (one file per cached prefix, in the model's directory), format 2:
 
-    MAGIC(4) | header_len(u32 BE) | header (msgpack) | nonce(12) | AES-256-GCM(payload)
+    MAGIC(4) | version(u16 BE) | nonce(12) | AES-256-GCM(header_len(u32 BE) | header | payload | padding)
 
-* The header (format version, model id, weight hash, token count, per-layer dtypes and shapes) is
-  authenticated as associated data together with MAGIC and the file name, so a header edit, a
-  swapped or renamed file all fail the tag. The payload is the raw K/V bytes, encrypted.
+* Only MAGIC and the format version are in clear. The header (model id, weight hash, token count,
+  per-layer dtypes and shapes, msgpack) is sealed with the payload (the raw K/V bytes), so the disk
+  does not say which model a file is for or how long its prompt was. MAGIC, the version and the file
+  name are the associated data: an edit, a swapped or renamed file all fail the tag.
+* The sealed plaintext is padded with zeros to the Padmé length (`_padme`): a file's size is the one
+  thing left that grows with the prompt, and it now gives the number of positions only to within a
+  few percent (at most 12 % of padding, about 3 % for files of megabytes), not exactly.
+* Format 1 had its header in clear. A file of another version is a miss (deleted, never parsed), and
+  files of an earlier process, whatever their format, are removed unread by `disk.startup_sweep`.
 * The AES key and the HMAC key are random per process and kept only in memory: files from an
   earlier process are unreadable by design, and `disk.startup_sweep` deletes them.
 * File names are HMAC-SHA256(name key, model id ‖ token ids): no token content is visible on disk.
@@ -45,9 +51,12 @@ from kvcache.host import HostArray, HostCache
 from kvcache.trie import Key, Match, PrefixIndex
 
 MAGIC = b"DBKV"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: the header in clear
+_VERSION = struct.Struct(">H")
 _LEN = struct.Struct(">I")
+_CLEAR = len(MAGIC) + _VERSION.size  # MAGIC | version: the associated data, with the file name
 _NONCE_BYTES = 12
+_TAG_BYTES = 16
 _MAX_HEADER_BYTES = 1 << 20
 # What a damaged file can raise while being parsed; each one means "miss, delete it".
 _CORRUPT = (InvalidTag, ValueError, TypeError, KeyError, IndexError, struct.error,
@@ -212,38 +221,41 @@ class SsdStore:
     @staticmethod
     def _header(model_id: str, weight_hash: str, cache: HostCache) -> bytes:
         layers = [[[k.dtype, list(k.shape)], [v.dtype, list(v.shape)]] for k, v in cache.layers]
-        return msgpack.packb({"v": FORMAT_VERSION, "model": model_id, "weights": weight_hash,
-                              "tokens": cache.tokens, "layers": layers})
+        return msgpack.packb({"model": model_id, "weights": weight_hash, "tokens": cache.tokens, "layers": layers})
 
     def _seal(self, header: bytes, name: str, cache: HostCache) -> bytes:
-        prefix = MAGIC + _LEN.pack(len(header)) + header
+        clear = MAGIC + _VERSION.pack(FORMAT_VERSION)
         nonce = secrets.token_bytes(_NONCE_BYTES)
-        payload = b"".join(a.data for pair in cache.layers for a in pair)
-        return prefix + nonce + self._aead.encrypt(nonce, payload, prefix + name.encode())
+        size = _LEN.size + len(header) + cache.nbytes
+        plaintext = b"".join([_LEN.pack(len(header)), header, *(a.data for pair in cache.layers for a in pair),
+                              bytes(_padme(size) - size)])
+        return clear + nonce + self._aead.encrypt(nonce, plaintext, clear + name.encode())
 
     def _open_blob(self, blob: bytes, name: str, model_id: str, weight_hash: str, tokens: int) -> HostCache:
-        if blob[:4] != MAGIC:
+        if blob[: len(MAGIC)] != MAGIC:
             raise ValueError("bad magic")
-        (hlen,) = _LEN.unpack_from(blob, 4)
-        if hlen > _MAX_HEADER_BYTES or 8 + hlen + _NONCE_BYTES > len(blob):
+        if len(blob) < _CLEAR + _NONCE_BYTES + _TAG_BYTES:
             raise ValueError("truncated")
-        prefix = blob[: 8 + hlen]
-        nonce = blob[8 + hlen: 8 + hlen + _NONCE_BYTES]
-        payload = self._aead.decrypt(nonce, blob[8 + hlen + _NONCE_BYTES:], prefix + name.encode())
-        header = msgpack.unpackb(prefix[8:])
-        if (header["v"], header["model"], header["weights"], header["tokens"]) != (
-                FORMAT_VERSION, model_id, weight_hash, tokens):
+        if _VERSION.unpack_from(blob, len(MAGIC))[0] != FORMAT_VERSION:
+            raise ValueError("another format")  # format 1 reads as version 0 (its header length's high bytes)
+        clear, nonce = blob[:_CLEAR], blob[_CLEAR: _CLEAR + _NONCE_BYTES]
+        plaintext = self._aead.decrypt(nonce, blob[_CLEAR + _NONCE_BYTES:], clear + name.encode())
+        (hlen,) = _LEN.unpack_from(plaintext)
+        if hlen > _MAX_HEADER_BYTES:
+            raise ValueError("header too long")
+        header = msgpack.unpackb(plaintext[_LEN.size: _LEN.size + hlen])
+        if (header["model"], header["weights"], header["tokens"]) != (model_id, weight_hash, tokens):
             raise ValueError("header does not match the request")
-        layers, at = [], 0
+        layers, at = [], _LEN.size + hlen
         for pair in header["layers"]:
             arrays = []
             for dtype, shape in pair:
                 shape = tuple(int(x) for x in shape)
                 n = HostArray.expected_nbytes(dtype, shape)
-                arrays.append(HostArray(dtype, shape, payload[at: at + n]))
+                arrays.append(HostArray(dtype, shape, plaintext[at: at + n]))
                 at += n
             layers.append(tuple(arrays))
-        if at != len(payload):
+        if len(plaintext) != _padme(at):
             raise ValueError("payload length does not match the header")
         return HostCache(tokens, tuple(layers))
 
@@ -269,6 +281,17 @@ class SsdStore:
                 d.index.remove(key)
                 break
         return d.path / name
+
+
+def _padme(length: int) -> int:
+    """`length` rounded up to the Padmé length (Nikitin et al., "Reducing Metadata Leakage from
+    Encrypted Files and Communication with PURBs", 2019): all but its top log2(log2(length)) + 1
+    significant bits are zero, so sizes fall into few classes, at most 12 % above the length."""
+    if length < 2:
+        return length
+    exponent = length.bit_length() - 1  # floor(log2(length))
+    low = (1 << (exponent - exponent.bit_length())) - 1  # the bits that are rounded away
+    return (length + low) & ~low
 
 
 def _atomic_write(final: Path, blob: bytes) -> None:

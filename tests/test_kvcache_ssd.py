@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import os
 import stat
+import struct
 import threading
 from pathlib import Path
 
+import msgpack
 import pytest
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvcache.disk import DiskBudget, startup_sweep
 from kvcache.host import HostArray, HostCache
-from kvcache.ssd import SsdStore, WriteOutcome
+from kvcache.ssd import FORMAT_VERSION, MAGIC, SsdStore, WriteOutcome
 
 GiB = 2**30
 MODEL, WEIGHTS = "org/tiny-model", "sha256:abc"
@@ -60,6 +63,48 @@ def test_round_trip_names_and_permissions(tmp_path: Path) -> None:
     assert store.disk_bytes(MODEL) == store.disk_bytes() == len(blob)
     m = store.lookup(MODEL, [101, 102, 103, 9])
     assert m is not None and (m.key, m.common) == (tuple(tokens), 3)
+
+
+def test_only_the_format_is_in_clear_and_the_size_tells_the_length_only_roughly(tmp_path: Path) -> None:
+    """The header (model, weight hash, token count, shapes) is sealed with the payload: in clear are
+    the magic and the format version; the plaintext is padded (Padmé), so a file's size gives the
+    number of positions only to a few percent, not exactly."""
+    sizes = {}
+    for n in range(40, 56):
+        store = make_store(tmp_path / str(n))
+        store.write(MODEL, WEIGHTS, list(range(n)), host_cache(n))
+        blob = the_file(tmp_path / str(n)).read_bytes()
+        assert blob[:6] == MAGIC + FORMAT_VERSION.to_bytes(2, "big")
+        for clear in (MODEL.encode(), WEIGHTS.encode(), b"tokens", b"float32", b"layers"):
+            assert clear not in blob
+        assert store.read(MODEL, WEIGHTS, list(range(n))) == host_cache(n)
+        sizes[n] = len(blob)
+        assert len(blob) < 1.15 * host_cache(n).nbytes  # the padding: a few percent
+    assert len(set(sizes.values())) <= len(sizes) // 2  # 16 lengths, at most 8 sizes
+
+
+def test_a_file_of_the_previous_format_is_a_miss_that_deletes_it_and_the_sweep_removes_it(tmp_path: Path) -> None:
+    """Format 1 had the header in clear (MAGIC | header length | msgpack header | nonce | sealed
+    payload). One met by `read`, even sealed with this process's own key, is a miss and deleted,
+    never parsed as the current format; the start-up sweep removes any such directory unread."""
+    key = bytes(range(64))
+    store = SsdStore(tmp_path, budget=DiskBudget(tmp_path, GiB, free_bytes_fn=lambda _: 100 * GiB), key=key)
+    store.open(MODEL, WEIGHTS)
+    tokens, cache = [1, 2, 3], host_cache(3)
+    store.write(MODEL, WEIGHTS, tokens, cache)
+    path = the_file(tmp_path)
+    layers = [[[k.dtype, list(k.shape)], [v.dtype, list(v.shape)]] for k, v in cache.layers]
+    header = msgpack.packb({"v": 1, "model": MODEL, "weights": WEIGHTS, "tokens": 3, "layers": layers})
+    prefix = MAGIC + struct.pack(">I", len(header)) + header
+    nonce = os.urandom(12)
+    payload = b"".join(a.data for pair in cache.layers for a in pair)
+    path.write_bytes(prefix + nonce + AESGCM(key[:32]).encrypt(nonce, payload, prefix + path.name.encode()))
+    assert store.read(MODEL, WEIGHTS, tokens) is None
+    assert not path.exists() and store.entries(MODEL) == 0 and store.disk_bytes(MODEL) == 0
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(prefix + nonce)  # a previous process's directory, left by a kill
+    assert startup_sweep(tmp_path) == 1 and files_under(tmp_path) == []
 
 
 def test_names_are_keyed_per_process(tmp_path: Path) -> None:
