@@ -9,14 +9,27 @@
   `<|endoftext|>` (0, bos/pad), `<|im_start|>` (1) and `<|im_end|>` (2, eos);
 * the weights are a seeded random init of `mlx_lm.models.llama.Model`.
 
-Presets (weights are float32 because float32 is the fastest dtype on an x86 CPU; see
-reference/mlx-notes.md §3):
+Presets (the small ones are float32 because float32 is the fastest dtype on an x86 CPU; see
+reference/mlx-notes.md §3; `1b` and `8b` are the real shapes measured on a GPU, in bfloat16):
 
-| preset | hidden/layers/ffn/heads/kv/vocab | context | fp32 weights |
-| ------ | -------------------------------- | ------- | ------------ |
-| tiny   | 256/2/256/4/2/2048               | 2048    | ~5.2 MB      |
-| small  | 512/4/1024/8/4/6144              | 4096    | ~50 MB       |
-| medium | 1024/8/2816/16/4/8192            | 4096    | ~394 MB      |
+| preset | hidden/layers/ffn/heads/kv/vocab | context | weights          |
+| ------ | -------------------------------- | ------- | ---------------- |
+| tiny   | 256/2/256/4/2/2048               | 2048    | ~5.2 MB fp32     |
+| small  | 512/4/1024/8/4/6144              | 4096    | ~50 MB fp32      |
+| medium | 1024/8/2816/16/4/8192            | 4096    | ~394 MB fp32     |
+| 1b     | 2048/16/8192/32/8/32000          | 8192    | ~2.1 GB bf16     |
+| 8b     | 4096/32/14336/32/8/32000         | 8192    | ~14.2 GB bf16    |
+
+Weights are drawn with `mx.random` on the default device (the GPU where there is one) and written
+one safetensors shard (at most 5 GiB) at a time, each tensor computed just before its shard is
+written: building never holds the model twice, and the 8B builds in the time its bytes take to
+reach the disk.
+
+`no_eos=True` (`--no-eos`) zeroes the embedding rows of the EOS ids the config and tokenizer
+declare (`<|endoftext|>` 0 and `<|im_end|>` 2). The embeddings are tied, so those tokens' logits
+are exactly 0 while the largest of the others is positive: greedy decoding never picks them, and
+every consumer (mlx-lm, `mlx_lm.server`, the provider) runs to max_tokens with the EOS set it
+reads from the folder. Everything else is byte for byte the model built without it.
 
 `q_bits=4` (or 8) quantizes with `mlx_lm.utils.quantize_model`; the scales stay float32, which
 keeps a quantized tiny model usable on CPU (half-precision scales are 10-50x slower there).
@@ -24,8 +37,8 @@ keeps a quantized tiny model usable on CPU (half-precision scales are 10-50x slo
 Building is deterministic: the same arguments give the same bytes. A marker file records the
 builder version and the arguments, so a second call with the same arguments reuses the folder.
 
-CLI: ``python -m provider.tinymodel OUT [--preset tiny|small|medium] [--dtype float32]
-[--q-bits 4] [--seed 0] [--force] [--check]``.
+CLI: ``python -m provider.tinymodel OUT [--preset tiny|small|medium|1b|8b] [--dtype float32]
+[--q-bits 4] [--seed 0] [--no-eos] [--force] [--check]``.
 """
 
 from __future__ import annotations
@@ -67,13 +80,28 @@ class Shape:
     num_key_value_heads: int
     vocab_size: int
     max_position_embeddings: int
+    dtype: str = "float32"  # the weights' dtype when the caller names none
 
 
 PRESETS: dict[str, Shape] = {
     "tiny": Shape(256, 2, 256, 4, 2, 2048, 2048),
     "small": Shape(512, 4, 1024, 8, 4, 6144, 4096),
     "medium": Shape(1024, 8, 2816, 16, 4, 8192, 4096),
+    # Llama shapes at ~1B and ~8B for a GPU (MLX's CUDA backend batches bf16 matmuls; see
+    # reference/mlx-notes.md, "MLX on CUDA").
+    "1b": Shape(2048, 16, 8192, 32, 8, 32000, 8192, "bfloat16"),
+    "8b": Shape(4096, 32, 14336, 32, 8, 32000, 8192, "bfloat16"),
 }
+EOS_IDS = (2, 0)  # <|im_end|>, <|endoftext|>: what config.json declares as eos_token_id
+
+
+def parameter_count(shape: Shape) -> int:
+    """Parameters of the preset's model: tied embedding, per-layer attention, MLP and norms."""
+    head_dim = shape.hidden_size // shape.num_attention_heads
+    attn = (2 * shape.hidden_size * shape.num_attention_heads * head_dim
+            + 2 * shape.hidden_size * shape.num_key_value_heads * head_dim)
+    per_layer = attn + 3 * shape.hidden_size * shape.intermediate_size + 2 * shape.hidden_size
+    return shape.vocab_size * shape.hidden_size + shape.num_hidden_layers * per_layer + shape.hidden_size
 
 # A small seeded corpus: pseudo-words from syllables, some real words and punctuation, and
 # non-ASCII words so that multi-byte UTF-8 characters get their own merges.
@@ -156,6 +184,11 @@ def _save_tokenizer(out: Path, vocab_size: int, seed: int) -> int:
     return len(hf)
 
 
+def model_config(preset: str) -> dict:
+    """The config.json a preset's folder gets, before the dtype (and quantization) are added."""
+    return _model_config(PRESETS[preset])
+
+
 def _model_config(shape: Shape) -> dict:
     return {
         "model_type": "llama",
@@ -172,30 +205,75 @@ def _model_config(shape: Shape) -> dict:
         "rope_theta": 10000.0,
         "tie_word_embeddings": True,
         "bos_token_id": 0,
-        "eos_token_id": [2, 0],
+        "eos_token_id": list(EOS_IDS),
     }
 
 
-def _save_weights(out: Path, config: dict, dtype: str, q_bits: int | None, q_group_size: int,
-                  seed: int) -> dict:
+def lazy_weights(config: dict, dtype: str, seed: int, no_eos: bool = False) -> dict:
+    """The model's weights as unevaluated MLX arrays (name -> array, in save order): nothing is
+    computed or allocated until an array is evaluated."""
+    from mlx.utils import tree_flatten
+
+    return dict(tree_flatten(_lazy_model(config, dtype, seed, no_eos).parameters()))
+
+
+def _lazy_model(config: dict, dtype: str, seed: int, no_eos: bool):
     import mlx.core as mx
     from mlx.utils import tree_map
     from mlx_lm.models import llama
-    from mlx_lm.utils import quantize_model, save_config, save_model
 
     mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model = llama.Model(llama.ModelArgs.from_dict(config))  # lazy: random draws are graph nodes
     # Small embeddings keep logits in a sane range for a tied random model.
-    model.model.embed_tokens.weight = model.model.embed_tokens.weight * 0.02
+    embed = model.model.embed_tokens.weight * 0.02
+    if no_eos:
+        embed[mx.array(EOS_IDS)] = 0.0  # tied: these tokens' logits are exactly 0
+    model.model.embed_tokens.weight = embed
     target = getattr(mx, dtype)
     model.update(tree_map(lambda p: p.astype(target), model.parameters()))
-    mx.eval(model.parameters())
+    return model
+
+
+def _save_weights(out: Path, config: dict, dtype: str, q_bits: int | None, q_group_size: int,
+                  seed: int, no_eos: bool) -> dict:
+    from mlx_lm.utils import quantize_model, save_config
+
+    model = _lazy_model(config, dtype, seed, no_eos)
     config = dict(config, torch_dtype=dtype)
     if q_bits is not None:
         model, config = quantize_model(model, config, q_group_size, q_bits)
-    save_model(out, model)
+    _write_shards(out, model)
     save_config(config, out / "config.json")
     return config
+
+
+def _write_shards(out: Path, model) -> None:
+    """`mlx_lm.utils.save_model`'s files, byte for byte, from a lazy model: each tensor is computed
+    just before its shard is written and freed after, so the model is never held twice."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_lm.utils import get_total_parameters, make_shards
+
+    weights = dict(tree_flatten(model.parameters()))
+    total_parameters = get_total_parameters(model)
+    total_size = sum(v.nbytes for v in weights.values())
+    shards = make_shards(weights)
+    model.update(tree_map(lambda _: mx.array([]), model.parameters()))  # the shards hold the only refs
+    del weights
+    name = "model-{:05d}-of-{:05d}.safetensors" if len(shards) > 1 else "model.safetensors"
+    weight_map = {}
+    for i in range(len(shards)):
+        shard, shards[i] = shards[i], None
+        for array in shard.values():
+            mx.eval(array)  # one at a time: a tensor's float32 draw is freed before the next one's
+        shard_name = name.format(i + 1, len(shards))
+        mx.save_safetensors(str(out / shard_name), shard, metadata={"format": "mlx"})
+        weight_map.update(dict.fromkeys(shard, shard_name))
+        del shard
+    index = {"metadata": {"total_size": total_size, "total_parameters": total_parameters},
+             "weight_map": {k: weight_map[k] for k in sorted(weight_map)}}
+    with open(out / "model.safetensors.index.json", "w") as f:
+        json.dump(index, f, indent=4)
 
 
 @dataclass(frozen=True)
@@ -206,6 +284,14 @@ class _Marker:
     q_bits: int | None
     q_group_size: int
     seed: int
+    no_eos: bool = False
+
+    def as_json(self) -> dict:
+        # `no_eos` is written only when set, so folders built before the option are still reused.
+        fields = asdict(self)
+        if not self.no_eos:
+            del fields["no_eos"]
+        return fields
 
 
 def _marker_matches(out: Path, marker: _Marker) -> bool:
@@ -213,7 +299,7 @@ def _marker_matches(out: Path, marker: _Marker) -> bool:
     if not path.is_file():
         return False
     try:
-        return json.loads(path.read_text()) == asdict(marker)
+        return json.loads(path.read_text()) == marker.as_json()
     except (OSError, ValueError):
         return False
 
@@ -222,13 +308,17 @@ def build_tiny_model(
     out_dir: str | Path,
     *,
     preset: str = "tiny",
-    dtype: str = "float32",
+    dtype: str | None = None,
     q_bits: int | None = None,
     q_group_size: int = 64,
     seed: int = 0,
+    no_eos: bool = False,
     force: bool = False,
 ) -> Path:
     """Build (or reuse) a tiny model folder at `out_dir` and return its path.
+
+    `dtype`: None = the preset's (float32, bfloat16 for `1b` and `8b`). `no_eos`: greedy
+    decoding never stops on an EOS token (see the module docstring).
 
     The folder is reused when its marker says it was built by this builder version with
     the same arguments, unless `force` is set. The folder is built under a temporary name and
@@ -236,10 +326,11 @@ def build_tiny_model(
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    dtype = dtype or PRESETS[preset].dtype
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {DTYPES}")
     out = Path(out_dir)
-    marker = _Marker(BUILDER_VERSION, preset, dtype, q_bits, q_group_size, seed)
+    marker = _Marker(BUILDER_VERSION, preset, dtype, q_bits, q_group_size, seed, no_eos)
     if not force and _marker_matches(out, marker):
         return out
     # Build next to the target and rename at the end, so a concurrent test run never sees a
@@ -251,8 +342,8 @@ def build_tiny_model(
     try:
         shape = PRESETS[preset]
         _save_tokenizer(tmp, shape.vocab_size, seed)
-        _save_weights(tmp, _model_config(shape), dtype, q_bits, q_group_size, seed)
-        (tmp / MARKER_FILE).write_text(json.dumps(asdict(marker), indent=2, sort_keys=True) + "\n")
+        _save_weights(tmp, _model_config(shape), dtype, q_bits, q_group_size, seed, no_eos)
+        (tmp / MARKER_FILE).write_text(json.dumps(marker.as_json(), indent=2, sort_keys=True) + "\n")
         if out.exists():
             if not force and _marker_matches(out, marker):
                 return out  # another process finished the same build first
@@ -281,16 +372,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m provider.tinymodel", description=__doc__.split("\n")[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--dtype", choices=DTYPES, default=None, help="default: the preset's")
     parser.add_argument("--q-bits", type=int, default=None)
     parser.add_argument("--q-group-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-eos", action="store_true",
+                        help="zero the EOS ids' embedding rows: greedy decoding runs to max_tokens")
     parser.add_argument("--force", action="store_true")
     parser.add_argument("--check", action="store_true", help="load it with mlx_lm and generate 16 tokens")
     args = parser.parse_args(argv)
     path = build_tiny_model(args.out, preset=args.preset, dtype=args.dtype, q_bits=args.q_bits,
-                            q_group_size=args.q_group_size, seed=args.seed, force=args.force)
-    print(f"{path}: {weights_bytes(path) / 1e6:.1f} MB of weights")
+                            q_group_size=args.q_group_size, seed=args.seed, no_eos=args.no_eos,
+                            force=args.force)
+    print(f"{path}: {weights_bytes(path) / 1e6:.1f} MB of weights"
+          f"{' (EOS unreachable)' if args.no_eos else ''}")
     if args.check:
         print(repr(_check(path)))
     return 0

@@ -84,3 +84,93 @@ def test_build_is_deterministic_and_reused(tmp_path, tiny_model_path):
 def test_unknown_preset_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown preset"):
         build_tiny_model(tmp_path / "x", preset="huge")
+
+
+# -- the real shapes (measuring on a GPU) and --no-eos ---------------------------------------
+
+def test_real_shape_presets_are_bf16_llama_at_1b_and_8b_without_building_them():
+    from provider.tinymodel import model_config, parameter_count
+
+    one, eight = PRESETS["1b"], PRESETS["8b"]
+    assert (one.hidden_size, one.num_hidden_layers, one.intermediate_size,
+            one.num_attention_heads, one.num_key_value_heads) == (2048, 16, 8192, 32, 8)
+    assert (eight.hidden_size, eight.num_hidden_layers, eight.intermediate_size,
+            eight.num_attention_heads, eight.num_key_value_heads) == (4096, 32, 14336, 32, 8)
+    for shape in (one, eight):
+        assert (shape.vocab_size, shape.max_position_embeddings, shape.dtype) == (32000, 8192, "bfloat16")
+    config = model_config("8b")
+    assert (config["head_dim"], config["max_position_embeddings"], config["eos_token_id"]) == (128, 8192, [2, 0])
+    # bf16 bytes from the shape: ~2.1 GB and ~14.2 GB (tied embeddings).
+    assert 2.0e9 < 2 * parameter_count(one) < 2.2e9
+    assert 14.0e9 < 2 * parameter_count(eight) < 14.5e9
+    # The small presets keep float32 (their marker, hence their cached folders, are unchanged).
+    assert {PRESETS[p].dtype for p in ("tiny", "small", "medium")} == {"float32"}
+
+
+def test_8b_weights_are_planned_lazily_in_bf16_without_computing_them():
+    # The same code path as every build, stopped before anything is evaluated: shapes and dtypes
+    # of all 8B tensors, in shards of at most 5 GiB, with no memory spent on them.
+    import mlx.core as mx
+
+    from provider.tinymodel import lazy_weights, model_config, parameter_count
+
+    before = mx.get_active_memory()
+    weights = lazy_weights(model_config("8b"), "bfloat16", seed=0, no_eos=True)
+    assert {v.dtype for v in weights.values()} == {mx.bfloat16}
+    assert sum(v.size for v in weights.values()) == parameter_count(PRESETS["8b"])
+    assert weights["model.embed_tokens.weight"].shape == (32000, 4096)
+    assert weights["model.layers.31.mlp.down_proj.weight"].shape == (4096, 14336)
+    assert mx.get_active_memory() - before < 1e6
+
+
+@pytest.fixture(scope="module")
+def no_eos_model_path(tiny_models_dir):
+    return build_tiny_model(tiny_models_dir / "tiny-f32-noeos", preset="tiny", no_eos=True)
+
+
+def test_no_eos_zeroes_only_the_eos_rows_and_keeps_the_declared_eos(no_eos_model_path, tiny_model_path):
+    import mlx.core as mx
+
+    plain = mx.load(str(tiny_model_path / "model.safetensors"))
+    no_eos = mx.load(str(no_eos_model_path / "model.safetensors"))
+    assert plain.keys() == no_eos.keys()
+    for name in plain:
+        if name != "model.embed_tokens.weight":
+            assert mx.array_equal(plain[name], no_eos[name]).item(), name
+    embed, ref = no_eos["model.embed_tokens.weight"], plain["model.embed_tokens.weight"]
+    assert mx.all(embed[mx.array([0, 2])] == 0).item()  # eos ids: their tied logits are exactly 0
+    assert mx.array_equal(embed[3:], ref[3:]).item() and mx.array_equal(embed[1], ref[1]).item()
+    assert json.loads((no_eos_model_path / "config.json").read_text())["eos_token_id"] == [2, 0]
+    marker = json.loads((no_eos_model_path / MARKER_FILE).read_text())
+    assert marker["no_eos"] is True
+    # A default build's marker is the one folders were built with before the option existed.
+    assert "no_eos" not in json.loads((tiny_model_path / MARKER_FILE).read_text())
+
+
+def test_no_eos_greedy_runs_to_max_tokens_in_mlx_lm_and_in_the_engine(no_eos_model_path):
+    import asyncio
+
+    from mlx_lm.generate import stream_generate
+
+    from provider.engine import ChatRequest, Engine, Finished, FinishReason, SamplingParams
+
+    model, tok = mlx_lm.load(str(no_eos_model_path))
+    assert tok.eos_token_ids == {0, 2}  # still declared: unreachable, not undeclared
+    prompts = [[{"role": "user", "content": f"Tell me about {w} number {i}."}]
+               for i, w in enumerate(["the river", "memory", "seven apples"])]
+    for messages in prompts:
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+        out = list(stream_generate(model, tok, ids, max_tokens=96))
+        assert len(out) == 96 and out[-1].finish_reason == "length"
+        assert not {r.token for r in out} & tok.eos_token_ids
+
+    async def engine_run() -> list[Finished]:
+        async with Engine() as engine:
+            await engine.load("m", no_eos_model_path)  # the tokenizer's own EOS set
+            params = SamplingParams(max_tokens=96, temperature=0.0)
+            streams = [engine.submit("m", ChatRequest(f"r{i}", m, params)) for i, m in enumerate(prompts)]
+            return [(await s.collect())[1] for s in streams]
+
+    for final in asyncio.run(engine_run()):
+        assert isinstance(final, Finished) and final.reason is FinishReason.LENGTH
+        assert final.usage.completion_tokens == 96
