@@ -223,6 +223,12 @@ class Settings(BaseModel):
         5.0, gt=0, description="How long an unload waits for MLX memory to settle.",
         **_allowed("a number of seconds > 0"),
     )
+    template_timeout_s: float = Field(
+        2.0, gt=0, description="How long a model's chat template may take to render a prompt (plus 1 s per 2 MiB "
+        "of prompt text). A template that takes longer, or passes its 1 GiB memory bound, makes the model unservable "
+        "(chat_template_timeout, chat_template_memory): dropped from what is served, the reason in models and doctor.",
+        **_allowed("a number of seconds > 0"),
+    )
     max_vision_requests: int = Field(
         2, ge=1, description="Most requests with images running or waiting per vision model; more are refused "
         "at once with a 503 (a slow consumer cannot pin vision reservations).",
@@ -308,6 +314,12 @@ class Settings(BaseModel):
         DEFAULT_LOCAL_PORT, ge=1, le=65535, description="Local server port.",
         **_allowed("an integer port 1-65535"),
     )
+    local_queue_s: float = Field(
+        30.0, ge=0, description="serve --local: how long a request waits for room when the batch (or the memory "
+        "its KV needs) is taken by requests in flight, before its 503; the owner's server has no other node to "
+        "send a client to, as the coordinator does (the network front always refuses at once).",
+        **_allowed("a number of seconds >= 0 (0 = refuse at once)"),
+    )
 
     # --- the background service
     keep_awake: bool = Field(
@@ -344,7 +356,7 @@ class Settings(BaseModel):
 
     @field_validator(
         "heartbeat_interval_s", "eviction_window_s", "memory_reserve_gb", "memory_limit_gb", "max_model_slots", "max_batch_size", "idle_timeout_mins",
-        "load_wait_timeout_s", "settle_timeout_s", "drain_timeout_s", "restart_drift_fraction", "restart_drift_gb",
+        "load_wait_timeout_s", "settle_timeout_s", "template_timeout_s", "drain_timeout_s", "restart_drift_fraction", "restart_drift_gb",
         "restart_failed_settles", "kv_ssd_budget_gb", "local_port",
         "max_vision_requests", "pause_when_active_mins", "pause_unload_grace_mins", "crash_loop_limit",
         "crash_loop_window_mins",

@@ -29,7 +29,9 @@ Problems (`Problem`) come in two severities. An ERROR makes `doctor` exit 1:
   and the launchd service stayed down for them: it starts again at the next login or boot (once the
   window has passed) or with `service install`.
 
-WARNINGs are printed but keep exit 0: ``model_skipped`` (a broken or partial model folder),
+WARNINGs are printed but keep exit 0: ``model_skipped`` (a broken or partial model folder, or one
+whose chat template passes its time or memory bound on the agent's start-up check, which `doctor`
+and `models` repeat: ``chat_template_timeout``, ``chat_template_memory``),
 ``unrecognised_env`` (a `DARKBLOOM_*` variable nothing reads), ``runtime_hash_unavailable``,
 ``setting_rejected`` / ``setting_clamped`` (a memory-policy variable that was not usable as given:
 the detail says what was given and what was used instead), ``ssd_tier_unavailable`` (the state
@@ -110,6 +112,7 @@ from provider.state_lock import running_agent
 from provider.supervision import AbnormalExits, guard_unwritable, read_abnormal_exits
 from provider.models import Inventory, ModelInfo, Quantization, default_hf_cache, discover
 from provider.models.searched import README_MODELS_HEADING, place_lines, places_text
+from provider.models.template_check import check_inventory
 
 GIB = 1 << 30
 DEFAULT_COORDINATOR_TIMEOUT_S = 5.0
@@ -377,7 +380,8 @@ def run_doctor(
     policy = policy_settings(settings, env)
     cap = memory.compute_figures(snapshot.physical_bytes, policy)
     level = memory.pressure(snapshot)
-    inventory = discover_models(settings)
+    # A chat template past its time or memory bound is a skipped folder, as the agent finds at start.
+    inventory = check_inventory(discover_models(settings), timeout_s=settings.template_timeout_s)
     models = tuple(
         ModelReport(m, memory.fit(cap, snapshot, m.weight_bytes, evictable_bytes=0, outstanding_bytes=0))
         for m in inventory.models

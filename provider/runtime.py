@@ -4,13 +4,16 @@
     ... runtime.manager.admit(...) / async with runtime.manager.serve(...) ...
     await runtime.aclose()                        # drain, unload (and purge) every model, stop
 
-What it builds, in order: model inventory → memory probe and the one ledger → the prefix KV cache
+What it builds, in order: model inventory → memory probe and the one ledger → the tokenizers of
+every model that can ever load (`PromptCounter` counts prompts exactly before a load) and the check
+of their chat templates (provider/models/template_check.py: a template that passes its time or
+memory bound makes the model unservable; it leaves the inventory with its reason, logged as
+``model_skipped``, and the rest is served) → the prefix KV cache
 (`kvcache`: startup sweep of `state_dir/kvcache` before anything writes there, the SSD tier when
 `kv_ssd_budget_gb > 0`, a one-thread executor for its encryption and disk writes) → the engine
 (its prefix-cache lookup is the cache's `get`) → the model manager (same admission and memory
 policy everywhere; it attaches the prefix cache after each load and purges it on every unload)
-→ weight hashes and tokenizers of every model that can ever load (`PromptCounter` counts prompts
-exactly before a load) → the `preload_models`, loaded one by one through the manager's own load
+→ the weight hashes of every model that can ever load → the `preload_models`, loaded one by one through the manager's own load
 gate and kept warm (the idle reaper skips them). A preload is refused, logged with its reason and
 skipped, when the id is unknown (`unknown_model`), it can never load under the cap (`too_large`),
 the slot cap is full (`slot_cap`), it would only fit by evicting an earlier preload
@@ -54,13 +57,15 @@ from provider.jobs import ServingStats
 from provider.request import PromptCounter
 from provider.request.intake import Intake
 from provider.metrics import EvictionCause, Metrics
-from provider.models import DigestCache, Inventory, weight_hash
+from provider.models import DigestCache, Inventory, SkipReason, weight_hash
 from provider.models.hashing import CACHE_FILE
+from provider.models.template import Lane, TemplateBound, renderer
+from provider.models.template_check import without_unservable
 from provider.progress import ProgressFactory, default_progress, terminal_progress
 from provider.session.status import SessionStatus
 from memory import FitVerdict
 from provider.session.status import failure_reason
-from provider.slots import ModelManager, ModelState, SlotRefused
+from provider.slots import GoneReason, ModelManager, ModelState, SlotRefused
 from provider.telemetry import get_logger
 
 log = get_logger("provider.runtime")
@@ -152,14 +157,17 @@ def freeze_startup_heap() -> None:
         gc.freeze()
 
 
+_ALWAYS_WARN = frozenset({SkipReason.CHAT_TEMPLATE_TIMEOUT, SkipReason.CHAT_TEMPLATE_MEMORY})
+
+
 def _log_unservable(settings: Settings, inventory: Inventory) -> None:
     """Say once at start which models found on disk cannot be served, and why: a warning for the
-    ones the operator named (an alias, `enabled_models`, `preload_models`), a note for the others
-    (a hub-cache folder that is not an MLX model is normal); and a warning naming every place
-    searched when there is no model at all."""
+    ones the operator named (an alias, `enabled_models`, `preload_models`) and for a chat template
+    past its bounds, a note for the others (a hub-cache folder that is not an MLX model is normal);
+    and a warning naming every place searched when there is no model at all."""
     named = {*settings.model_aliases, *settings.enabled_models, *settings.preload_models}
     for s in inventory.skipped:
-        emit = log.warning if s.id in named else log.info
+        emit = log.warning if s.id in named or s.reason in _ALWAYS_WARN else log.info
         emit("model_skipped", model=s.id, path=str(s.path), reason=s.reason.value, detail=s.message)
     for model_id in inventory.missing:
         log.warning("enabled_model_missing", model=model_id)
@@ -199,10 +207,18 @@ class Runtime:
         hash_progress = progress if progress is not None else default_progress()
         progress = progress if progress is not None else terminal_progress()
         inventory = await asyncio.to_thread(discover_models, settings)
-        _log_unservable(settings, inventory)
+        for lane in Lane:  # the template renderers' imports overlap everything up to the tokenizers' check
+            await asyncio.to_thread(renderer(lane).start)
         probe = Probe(settings.memory_limit_gb)
         snapshot, policy = probe.snapshot(), policy_settings(settings)
         ledger = Ledger(memory.compute_figures(snapshot.physical_bytes, policy), sample=probe.snapshot)
+        counter = PromptCounter({m.id: m.path for m in inventory.models},
+                                vision={m.id for m in inventory.models if m.is_vision},
+                                template_timeout_s=settings.template_timeout_s)
+        unservable = await counter.warm(m.id for m in inventory.models
+                                        if memory.fit(ledger.figures, snapshot, m.weight_bytes).ever_fits)
+        inventory = without_unservable(inventory, unservable, timeout_s=settings.template_timeout_s)
+        _log_unservable(settings, inventory)
         if causes := memory.no_room_causes(unlimited_physical_bytes(snapshot), policy):
             # Otherwise every model would just be "too large": say once which settings take the room.
             log.warning("memory_reserves_leave_no_room", variable=[ROOM_CAUSE_SETTING[c] for c in causes],
@@ -224,12 +240,10 @@ class Runtime:
                                              weight_hash=hashes.get, progress=progress)
         servable = tuple(m.id for m, verdict in manager.verdicts() if verdict.ever_fits)
         await hashes.warm(servable)
-        counter = PromptCounter({m.id: m.path for m in inventory.models},
-                                vision={m.id for m in inventory.models if m.is_vision})
-        await counter.warm(servable)
         intake = Intake(counter, ledger, manager)
         runtime = cls(settings, inventory, probe, ledger, prefix, engine, owns_engine, manager, hashes, counter,
                       intake, ServingStats(), metrics, servable, writer, guest=guest)
+        counter.on_unservable = runtime._drop_unservable
         manager.diagnostics.sample(probe.snapshot())  # the no-model baseline at start
         freeze_startup_heap()
         if guest is not None:
@@ -244,8 +258,17 @@ class Runtime:
         return runtime
 
     def servable_now(self) -> tuple[str, ...]:
-        """`servable` less the models dropped since start (their folder went away)."""
-        return tuple(m for m in self.servable if m not in self.manager.gone)
+        """`servable` less the models dropped since start (their folder went away, their template
+        passed a bound on a request)."""
+        unservable = self.counter.unservable()
+        return tuple(m for m in self.servable if m not in self.manager.gone and m not in unservable)
+
+    def _drop_unservable(self, model_id: str, bound: TemplateBound) -> None:
+        """A request found the model's template past a bound: the counter refuses the model's requests
+        from now on (404, and `servable_now` leaves it out); one that is not loaded also leaves the
+        inventory (the next register, /status `models_gone`). One that is resident stays listed to the
+        coordinator until a restart (the manager drops only models that are not loaded)."""
+        self.manager.forget(model_id, GoneReason(bound.value))
 
     async def release_models(self) -> bool:
         """Unload every idle model (kept-warm ones too) so the owner gets the memory back; True once

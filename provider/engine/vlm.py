@@ -6,8 +6,9 @@ touches MLX runs on the engine's worker thread, like the text path.
 `VisionRun` is mlx-vlm's `generate_step` (mlx_vlm/generate/ar.py, 0.7.x) cut into steps the worker
 can interleave with the text batch, so text requests keep streaming while an image is encoded:
 
-    PREPARE  the model's chat template (mlx-vlm's `apply_chat_template`) and processor
-             (`prepare_inputs`: tokens with the image soft tokens expanded, pixel values)
+    PREPARE  the model's chat template (mlx-vlm's `apply_chat_template`, the template itself
+             rendered in the bounded renderer of provider/models/template.py: `BoundedTemplates`)
+             and processor (`prepare_inputs`: tokens with the image soft tokens expanded, pixel values)
     ENCODE   `model.get_input_embeddings`: the vision tower and the projector; the rasters and the
              pixel tensor are dropped afterwards (the `media` reservation can go)
     PREFILL  the language model over the prompt embeddings, `prefill_step` tokens per step, then
@@ -31,6 +32,14 @@ from typing import Any
 import mlx.core as mx
 
 from provider.engine.types import EngineError, EngineFailure
+from provider.models.template import (
+    DEFAULT_TIMEOUT_S,
+    ChatTemplate,
+    Lane,
+    RendererUnavailable,
+    TemplateExceeded,
+    renderer,
+)
 
 DEFAULT_PREFILL_STEP = 256  # prompt tokens per prefill step (mlx-vlm's one-shot default is 2048)
 
@@ -78,13 +87,64 @@ def template_messages(messages: Sequence[Mapping[str, object]]) -> tuple[list[di
     return out, images
 
 
-def render_prompt(processor: Any, config: Any, messages: Sequence[Mapping[str, object]]) -> tuple[str, int]:
+class BoundedTemplates:
+    """A processor (or its tokenizer) as mlx-vlm's template helper sees it, whose
+    ``apply_chat_template(..., tokenize=False)`` renders the template in the bounded renderer
+    (transformers' own steps around it: the processor's template and its tokenizer's special
+    tokens, OpenAI image blocks as image blocks). Every other attribute is the real object's."""
+
+    def __init__(self, target: Any, lane: Lane, timeout_s: float) -> None:
+        self._target, self._lane, self._timeout_s = target, lane, timeout_s
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._target, name)
+        if name == "tokenizer" and value is not None:  # mlx-vlm renders with it when the processor has no template
+            return BoundedTemplates(value, self._lane, self._timeout_s)
+        return value
+
+    def apply_chat_template(self, conversation: Any, chat_template: str | None = None, tools: Any = None,
+                            add_generation_prompt: bool = False, tokenize: bool = False, **kwargs: Any) -> Any:
+        template = None if tokenize or chat_template is not None else self._template()
+        if template is None:  # not how mlx-vlm builds a prompt: the real method
+            return self._target.apply_chat_template(conversation, chat_template=chat_template, tools=tools,
+                                                    add_generation_prompt=add_generation_prompt,
+                                                    tokenize=tokenize, **kwargs)
+        extra = {**kwargs, **({"tools": tools} if tools is not None else {})}
+        return renderer(self._lane).render(template, _image_blocks(conversation),
+                                           add_generation_prompt=add_generation_prompt, extra=extra,
+                                           timeout_s=self._timeout_s)
+
+    def _template(self) -> ChatTemplate | None:
+        if hasattr(self._target, "image_processor") or hasattr(self._target, "_resolve_chat_template"):
+            return ChatTemplate.of_processor(self._target)
+        return ChatTemplate.of(self._target)
+
+
+def _image_blocks(conversation: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI ``image_url`` blocks as transformers' processors hand them to the template."""
+    out = []
+    for message in conversation:
+        message = dict(message)
+        content = message.get("content")
+        if isinstance(content, list):
+            message["content"] = [
+                {"type": "image", "url": (p["image_url"].get("url", "") if isinstance(p["image_url"], dict)
+                                          else p["image_url"])}
+                if isinstance(p, dict) and p.get("type") == "image_url" and "image_url" in p else p
+                for p in content]
+        out.append(message)
+    return out
+
+
+def render_prompt(processor: Any, config: Any, messages: Sequence[Mapping[str, object]], *,
+                  lane: Lane = Lane.INTERACTIVE, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[str, int]:
     """The prompt text mlx-vlm would build for these messages (image markers in place), and the
-    number of images it expects."""
+    number of images it expects. The template is bounded (blocking: not on the event loop);
+    raises `TemplateFailed`, `TemplateExceeded`, `RendererUnavailable` from the renderer."""
     from mlx_vlm.prompt_utils import apply_chat_template
 
     msgs, images = template_messages(messages)
-    return apply_chat_template(processor, config, msgs, num_images=images), images
+    return apply_chat_template(BoundedTemplates(processor, lane, timeout_s), config, msgs, num_images=images), images
 
 
 def add_special_tokens(model_type: str, processor: Any) -> bool:
@@ -93,10 +153,11 @@ def add_special_tokens(model_type: str, processor: Any) -> bool:
     return should_add_special_tokens(model_type, processor)
 
 
-def prompt_text_ids(processor: Any, config: Mapping[str, Any], messages: Sequence[Mapping[str, object]]) -> list[int]:
+def prompt_text_ids(processor: Any, config: Mapping[str, Any], messages: Sequence[Mapping[str, object]], *,
+                    lane: Lane = Lane.INTERACTIVE, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[int]:
     """The prompt's text tokens: the rendered template with one marker per image, before the
     processor expands each marker into the image's soft tokens (the policy adds those)."""
-    prompt, _ = render_prompt(processor, config, messages)
+    prompt, _ = render_prompt(processor, config, messages, lane=lane, timeout_s=timeout_s)
     tokenizer = getattr(processor, "tokenizer", processor)
     return list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens(str(config.get("model_type", "")),
                                                                                processor)))
@@ -206,7 +267,7 @@ class VisionRun:
         vlm = self._vlm
         try:
             prompt, expected = render_prompt(vlm.processor, vlm.model.config, self._messages)
-        except (TypeError, ValueError, KeyError):
+        except (TypeError, ValueError, KeyError, TemplateExceeded, RendererUnavailable):  # TemplateFailed is a ValueError
             raise EngineError(EngineFailure.INVALID_REQUEST) from None
         if expected != len(self._images or ()):
             raise EngineError(EngineFailure.INVALID_REQUEST)

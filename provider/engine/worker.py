@@ -111,10 +111,13 @@ from provider.engine.types import (
 )
 from provider.models.kv import ALLOC_STEP
 from provider.models.metadata import context_length
+from provider.models.template import RendererUnavailable, TemplateExceeded, render_ids
 
 log = logging.getLogger("provider.engine")
 
-_TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError)
+# A template renders in the bounded renderer (provider/models/template.py), never on this thread:
+# its own errors (TemplateFailed is a ValueError) and its bounds both refuse the request.
+_TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, TemplateExceeded, RendererUnavailable)
 # Caches that grow with the sequence (recurrent state has a constant size and is not per token).
 _GROWING_CACHES = (KVCache, RotatingKVCache, QuantizedKVCache)
 
@@ -512,7 +515,7 @@ class Worker:
 
     def _prompt_ids(self, slot: _Slot, messages: Sequence[Mapping[str, object]]) -> list[int]:
         try:
-            ids = slot.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+            ids = render_ids(slot.tokenizer, messages, add_generation_prompt=True)
         except _TEMPLATE_ERRORS:
             raise EngineError(EngineFailure.INVALID_REQUEST) from None
         if not ids:
@@ -661,7 +664,7 @@ class Worker:
         """Render the conversation with the answer, and take a copy of its longest cached prefix."""
         messages = [*turn.messages, {"role": "assistant", "content": turn.answer}]
         try:
-            ids = list(slot.tokenizer.apply_chat_template(messages, add_generation_prompt=False))
+            ids = render_ids(slot.tokenizer, messages, add_generation_prompt=False)
         except _TEMPLATE_ERRORS:
             return False
         ctx = slot.info.context_length

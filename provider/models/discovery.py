@@ -73,6 +73,9 @@ class SkipReason(enum.Enum):
     DUPLICATE_ID = "duplicate_id"  # id already provided by a higher-precedence source
     UNREADABLE = "unreadable"  # an OS error (permissions, I/O) while reading
     NO_VISION_RUNTIME = "no_vision_runtime"  # a vision model, but mlx-vlm (the `vision` extra) is not installed
+    # Found after discovery, by rendering (provider/models/template_check.py): the chat template passed a bound.
+    CHAT_TEMPLATE_TIMEOUT = "chat_template_timeout"
+    CHAT_TEMPLATE_MEMORY = "chat_template_memory"
 
 
 @dataclass(frozen=True, slots=True)

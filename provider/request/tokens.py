@@ -6,30 +6,38 @@ loader (``mlx_lm.utils.load_tokenizer``, the one ``mlx_lm.load`` uses: same chat
 special tokens) and the ids it produces are handed to the engine (``ChatRequest.prompt_ids``), which
 then never tokenizes on its thread. The agent warms every advertised model's tokenizer at startup.
 
+The chat template is the model folder's code: it renders in a bounded child process
+(`provider.models.template`), never on the event loop or a thread of ours. Tokenizing the rendered
+text stays here. A template that passes its time or memory bound — on the start-up check (`warm`
+renders one and three short messages) or on a request — makes the model unservable from then on
+(`unservable()`, `on_unservable`): that request fails with `TemplateTooCostly` (a `PromptError`),
+later ones as an unknown model.
+
 Where the work runs (issue 11: a 15 MiB prompt must not delay a 100-token one):
 
-* **inline**, on the event loop, for prompts up to ``INLINE_CHARS`` characters: a short prompt
-  costs well under a millisecond to count, less than a hop to a thread pool and back, and it never
-  waits behind anyone;
+* **inline**, for prompts up to ``INLINE_CHARS`` characters: the render is awaited on the event loop
+  (the interactive renderer, ~0.2 ms there and back), and the rendered text (up to
+  ``INLINE_RENDERED_CHARS``) is counted on the loop: well under a millisecond;
 * **the bulk lane** (``BulkLane``: one dedicated thread, a short bounded queue) for anything longer,
-  with a tokenizer instance of its own, so the loop's never waits on a lock. There a prompt is first
-  rendered (a string join, no tokenization) and checked against the size bound of ``bounds.py``;
-  past ``CHUNK_CHARS`` it is counted piece by piece and given up as soon as it is surely over the
-  context window, so the tokenizer's working memory stays bounded by the window, not by what the
-  consumer sent. Only a prompt that can fit is tokenized whole.
+  with a tokenizer instance of its own, so the loop's never waits on a lock, and the bulk renderer,
+  so a short prompt never waits behind a long one. There the rendered prompt is checked against the
+  size bound of ``bounds.py``; past ``CHUNK_CHARS`` it is counted piece by piece and given up as soon
+  as it is surely over the context window, so the tokenizer's working memory stays bounded by the
+  window, not by what the consumer sent. Only a prompt that can fit is tokenized whole.
 
-The count is exact: the same ``apply_chat_template(..., add_generation_prompt=True)`` the engine would
-run, so admission neither over-reserves KV nor refuses a prompt that fits.
+The count is exact: the ids of the same ``apply_chat_template(..., add_generation_prompt=True)`` the
+engine would run, so admission neither over-reserves KV nor refuses a prompt that fits.
 
 Vision models (``vision=`` ids): the count is the prompt *text* as mlx-vlm renders it, one marker per
-image (``provider.engine.vlm.prompt_text_ids``, what the engine renders too); the image soft tokens are
-the policy's to add (``memory.media.vision_span``). For a text model, image markers count as nothing
-(admission refuses the images with 415 before anything is served).
+image (``provider.engine.vlm.prompt_text_ids``, what the engine renders too), always in the lane; the
+image soft tokens are the policy's to add (``memory.media.vision_span``). For a text model, image
+markers count as nothing (admission refuses the images with 415 before anything is served).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
@@ -38,6 +46,17 @@ from typing import Any
 
 import jinja2
 
+from provider.models.template import (
+    DEFAULT_TIMEOUT_S,
+    ChatTemplate,
+    Lane,
+    TemplateBound,
+    TemplateExceeded,
+    TemplateFailed,
+    render_ids,
+    renderer,
+)
+from provider.models.template_check import PROBES
 from provider.request.bounds import NO_BOUND, TokenBounds, normalizer_shrink
 from provider.request.lanes import BulkLane
 from provider.telemetry import get_logger
@@ -46,9 +65,11 @@ log = get_logger("provider.request.tokens")
 
 TokenizerLoader = Callable[[Path], Any]
 LaneRunner = Callable[..., Awaitable[Any]]  # (fn, *args) -> fn(*args) on the bulk lane
+# What mlx-lm's own Python renderers (in-process) raise for messages they cannot render.
 _TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
 
-INLINE_CHARS = 4096  # counted on the loop: ~1 ms at most
+INLINE_CHARS = 4096  # rendered on the loop's renderer and counted on the loop: ~1 ms at most
+INLINE_RENDERED_CHARS = 64 * 1024  # a short prompt its template made longer than this is counted in the lane
 CHUNK_CHARS = 256 * 1024  # longer rendered prompts are counted piece by piece, stopping early
 BOUNDARY_SLACK_TOKENS = 8  # tokens a piece boundary may add to the count (a split pre-token)
 _PIECE_BREAK = re.compile(r"(?<=\S) (?=\S)")  # a single space between two words: a pre-token boundary
@@ -58,12 +79,20 @@ class PromptError(ValueError):
     """The messages cannot be rendered by the model's chat template (a client error)."""
 
 
+class TemplateTooCostly(PromptError):
+    """The template passed its time or memory bound on this prompt: the model is unservable now."""
+
+    def __init__(self, bound: TemplateBound) -> None:
+        super().__init__(bound.value)
+        self.bound = bound
+
+
 class PromptTooLong(ValueError):
     """The templated prompt leaves no room in the context window for one output token."""
 
 
 class UnknownModel(KeyError):
-    """No tokenizer path for this model id."""
+    """No tokenizer path for this model id, or its template made it unservable."""
 
 
 def _mlx_lm_loader(path: Path) -> Any:
@@ -74,18 +103,19 @@ def _mlx_lm_loader(path: Path) -> Any:
 
 class VisionPromptTokenizer:
     """A VLM's processor behind the one method `_count` calls: the prompt text ids as the engine
-    renders them (mlx-vlm's template helper, one marker per image)."""
+    renders them (mlx-vlm's template helper, one marker per image; the template bounded). Blocking."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         from mlx_vlm.utils import load_config, load_processor  # the vision extra, only for a VLM
 
         self._processor = load_processor(path, add_detokenizer=False)
         self._config = load_config(path)
+        self._timeout_s = timeout_s
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True) -> list[int]:
         from provider.engine.vlm import prompt_text_ids
 
-        return prompt_text_ids(self._processor, self._config, messages)
+        return prompt_text_ids(self._processor, self._config, messages, lane=Lane.BULK, timeout_s=self._timeout_s)
 
 
 def _text_only(messages: Sequence[Mapping[str, object]]) -> list[Mapping[str, object]]:
@@ -101,11 +131,12 @@ def _text_only(messages: Sequence[Mapping[str, object]]) -> list[Mapping[str, ob
 
 
 class _Entry:
-    __slots__ = ("bounds", "bulk", "tokenizer")
+    __slots__ = ("bounds", "bulk", "template", "tokenizer")
 
-    def __init__(self, tokenizer: Any, bounds: TokenBounds) -> None:
-        self.tokenizer = tokenizer  # used on the event loop only
+    def __init__(self, tokenizer: Any, bounds: TokenBounds, template: ChatTemplate | None) -> None:
+        self.tokenizer = tokenizer  # used on the event loop only (a VLM's: at start-up only)
         self.bounds = bounds
+        self.template = template  # None: the tokenizer renders with mlx-lm's own Python code, in-process
         self.bulk: Any | None = None  # the bulk lane's own instance, loaded on first use there
 
 
@@ -113,15 +144,18 @@ class PromptCounter:
     """Exact prompt token ids per model; short prompts on the loop, long ones in the bulk lane."""
 
     def __init__(self, paths: Mapping[str, Path], *, loader: TokenizerLoader = _mlx_lm_loader,
-                 vision: Collection[str] = (), vision_loader: TokenizerLoader = VisionPromptTokenizer,
-                 lane: BulkLane | None = None) -> None:
+                 vision: Collection[str] = (), vision_loader: TokenizerLoader | None = None,
+                 lane: BulkLane | None = None, template_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self._paths = dict(paths)
         self._loader = loader
         self._vision = frozenset(vision)
-        self._vision_loader = vision_loader
+        self._vision_loader = vision_loader or functools.partial(VisionPromptTokenizer, timeout_s=template_timeout_s)
         self._lane = lane if lane is not None else BulkLane()
+        self._timeout_s = template_timeout_s
         self._entries: dict[str, _Entry] = {}
         self._loading: dict[str, asyncio.Future[_Entry]] = {}
+        self._unservable: dict[str, TemplateBound] = {}
+        self.on_unservable: Callable[[str, TemplateBound], None] | None = None  # called on the loop, once per model
 
     @property
     def lane(self) -> BulkLane:
@@ -134,21 +168,30 @@ class PromptCounter:
         return list(self._paths)
 
     def knows(self, model_id: str) -> bool:
-        """Whether ``model_id`` is one of ours (a consumer-chosen string otherwise: not for logs)."""
-        return model_id in self._paths
+        """Whether ``model_id`` is one of ours and servable (a consumer-chosen string otherwise: not for logs)."""
+        return model_id in self._paths and model_id not in self._unservable
+
+    def unservable(self) -> dict[str, TemplateBound]:
+        """Models whose chat template passed a bound, with the bound."""
+        return dict(self._unservable)
 
     def bounds(self, model_id: str) -> TokenBounds:
         """The model's size bound (no bound while its tokenizer is not loaded yet)."""
         entry = self._entries.get(model_id)
         return entry.bounds if entry is not None else NO_BOUND
 
-    async def warm(self, model_ids: Iterable[str]) -> None:
-        """Load these models' tokenizers now (startup), one after the other on a worker thread."""
-        for model_id in model_ids:
+    async def warm(self, model_ids: Iterable[str]) -> dict[str, TemplateBound]:
+        """Load these models' tokenizers and check their templates now (startup), one after the
+        other; returns the models whose template passed a bound (unservable from now on)."""
+        ids = list(model_ids)
+        for model_id in ids:
             try:
                 await self._entry(model_id)
+            except UnknownModel:
+                pass  # its template passed a bound: recorded, and logged by the caller
             except Exception as exc:  # an edge: a broken tokenizer folder must not stop the agent
                 log.warning("tokenizer_unavailable", model=model_id, exc_type=type(exc).__name__)
+        return {m: self._unservable[m] for m in ids if m in self._unservable}
 
     async def count(self, model_id: str, messages: Sequence[Mapping[str, object]]) -> int:
         """Tokens of the templated prompt. Raises ``PromptError`` or ``UnknownModel``."""
@@ -161,41 +204,69 @@ class PromptCounter:
         has it (it decides inline or lane); ``limit``: the context window — ``PromptTooLong`` as soon as the prompt surely reaches it;
         ``run``: how to run lane work (``intake.Ticket.in_lane``, which keeps the request's working
         memory reserved until the thread is done), default the lane itself.
-        Raises ``PromptError``, ``PromptTooLong``, ``UnknownModel`` or ``lanes.LaneFull``."""
+        Raises ``PromptError`` (``TemplateTooCostly``), ``PromptTooLong``, ``UnknownModel`` or ``lanes.LaneFull``."""
         entry = await self._entry(model_id)
-        msgs = list(messages) if model_id in self._vision else _text_only(messages)
+        run = run or self._lane.run
+        vision = model_id in self._vision
+        msgs = list(messages) if vision else _text_only(messages)
         size = chars if chars is not None else _text_chars(messages)
-        if size <= INLINE_CHARS:
-            ids = _encode(entry.tokenizer, msgs)
-            if limit is not None and len(ids) >= limit:
-                raise PromptTooLong()
-            return ids
-        return await (run or self._lane.run)(self._bulk_ids, model_id, entry, msgs, limit)
+        try:
+            if vision or size > INLINE_CHARS:
+                return await run(self._bulk_ids, model_id, entry, msgs, limit)
+            if entry.template is None:
+                ids = _encode_in_process(entry.tokenizer, msgs)
+            else:
+                rendered = await renderer(Lane.INTERACTIVE).arender(entry.template, msgs, add_generation_prompt=True,
+                                                                    timeout_s=self._timeout_s)
+                if len(rendered) > INLINE_RENDERED_CHARS:
+                    return await run(self._counted, model_id, entry, rendered, limit)
+                ids = _encode(entry.tokenizer, rendered)
+        except TemplateExceeded as exc:
+            self._mark_unservable(model_id, exc.bound)
+            raise TemplateTooCostly(exc.bound) from None
+        except TemplateFailed:
+            raise PromptError("chat template could not render the messages") from None
+        if limit is not None and len(ids) >= limit:
+            raise PromptTooLong()
+        return ids
+
+    def _mark_unservable(self, model_id: str, bound: TemplateBound) -> None:
+        if model_id in self._unservable:
+            return
+        self._unservable[model_id] = bound
+        log.warning("model_unservable", model=model_id, reason=bound.value)
+        if self.on_unservable is not None:
+            self.on_unservable(model_id, bound)
 
     # -- the bulk lane (its own thread) -----------------------------------------------------------
 
     def _bulk_ids(self, model_id: str, entry: _Entry, messages: list[Mapping[str, object]],
                   limit: int | None) -> list[int]:
+        tokenizer = self._bulk_tokenizer(model_id, entry)
+        if model_id in self._vision or entry.template is None:  # a VLM's processor renders its image markers
+            ids = _encode_in_process(tokenizer, messages)
+        else:
+            rendered = renderer(Lane.BULK).render(entry.template, messages, add_generation_prompt=True,
+                                                  timeout_s=self._timeout_s)
+            return self._counted(model_id, entry, rendered, limit)
+        if limit is not None and len(ids) >= limit:
+            raise PromptTooLong()
+        return ids
+
+    def _bulk_tokenizer(self, model_id: str, entry: _Entry) -> Any:
         if entry.bulk is None:
             entry.bulk = self._loader_for(model_id)(self._paths[model_id])
-        tokenizer = entry.bulk
-        if model_id in self._vision:  # the processor renders its image markers: count it exactly
-            ids = _encode(tokenizer, messages)
-            if limit is not None and len(ids) >= limit:
-                raise PromptTooLong()
-            return ids
-        try:
-            rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except _TEMPLATE_ERRORS:
-            raise PromptError("chat template could not render the messages") from None
-        if not isinstance(rendered, str):
-            return _encode(tokenizer, messages)
+        return entry.bulk
+
+    def _counted(self, model_id: str, entry: _Entry, rendered: str, limit: int | None) -> list[int]:
+        """A rendered prompt's ids, given up early when it is surely over `limit` (lane thread)."""
+        tokenizer = self._bulk_tokenizer(model_id, entry)
         if limit is not None:
             if entry.bounds.lower_bound(len(rendered)) >= limit:
                 raise PromptTooLong()
             if len(rendered) > CHUNK_CHARS and _surely_over(tokenizer, rendered, limit):
                 raise PromptTooLong()
-        ids = _encode(tokenizer, messages)
+        ids = _encode(tokenizer, rendered)
         if limit is not None and len(ids) >= limit:
             raise PromptTooLong()
         return ids
@@ -204,10 +275,10 @@ class PromptCounter:
 
     async def _entry(self, model_id: str) -> _Entry:
         entry = self._entries.get(model_id)
-        if entry is not None:
+        if entry is not None and model_id not in self._unservable:
             return entry
         path = self._paths.get(model_id)
-        if path is None:
+        if path is None or model_id in self._unservable:
             raise UnknownModel(model_id)
         task = self._loading.get(model_id)
         if task is None:
@@ -219,13 +290,39 @@ class PromptCounter:
     async def _load(self, model_id: str, path: Path) -> _Entry:
         try:
             tokenizer = await asyncio.to_thread(self._loader_for(model_id), path)
-            bounds = await asyncio.to_thread(measure_bounds, tokenizer)
+            template = None if model_id in self._vision else ChatTemplate.of(tokenizer)
+            try:
+                lengths = await self._probe(model_id, tokenizer, template)
+            except TemplateExceeded as exc:
+                self._mark_unservable(model_id, exc.bound)
+                raise UnknownModel(model_id) from None
+            bounds = await asyncio.to_thread(measure_bounds, tokenizer, per_message=_per_message(tokenizer, lengths))
         finally:
             self._loading.pop(model_id, None)
-        entry = self._entries[model_id] = _Entry(tokenizer, bounds)
+        entry = self._entries[model_id] = _Entry(tokenizer, bounds, template)
         log.info("tokenizer_ready", model=model_id, longest_token_count=bounds.longest_token_chars,
                  per_message_tokens=bounds.per_message_tokens, outcome="bounded" if bounds.shrink else "unbounded")
         return entry
+
+    async def _probe(self, model_id: str, tokenizer: Any, template: ChatTemplate | None) -> list[int | None]:
+        """The start-up check: each probe's token count (None where the template refuses it).
+        Raises `TemplateExceeded` for a template that passes a bound on any of them."""
+        lengths: list[int | None] = []
+        for messages, generation in PROBES:
+            try:
+                if template is None:  # a VLM's processor, or mlx-lm's own renderer: blocking, so in a thread
+                    ids = await asyncio.to_thread(tokenizer.apply_chat_template, list(messages),
+                                                  add_generation_prompt=generation)
+                else:
+                    text = await renderer(Lane.INTERACTIVE).arender(template, messages, add_generation_prompt=generation,
+                                                                    timeout_s=self._timeout_s)
+                    ids = _encode(tokenizer, text)
+                lengths.append(len(ids))
+            except TemplateExceeded:
+                raise
+            except Exception:  # an edge: a template is third-party code; no bound is claimed from it then
+                lengths.append(None)
+        return lengths
 
 
 def _text_chars(messages: Sequence[Mapping[str, object]]) -> int:
@@ -240,9 +337,21 @@ def _text_chars(messages: Sequence[Mapping[str, object]]) -> int:
     return total
 
 
-def _encode(tokenizer: Any, messages: Sequence[Mapping[str, object]]) -> list[int]:
+def _encode(tokenizer: Any, rendered: str) -> list[int]:
+    """The ids of a rendered prompt, as ``apply_chat_template`` makes them."""
+    ids = tokenizer.encode(rendered, add_special_tokens=False)
+    if not ids:
+        raise PromptError("empty prompt")
+    return list(ids)
+
+
+def _encode_in_process(tokenizer: Any, messages: Sequence[Mapping[str, object]]) -> list[int]:
+    """Render and tokenize in this process: mlx-lm's own Python renderers, and a VLM's processor
+    (whose template it hands to the bounded renderer itself)."""
     try:
         ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+    except TemplateFailed:
+        raise PromptError("chat template could not render the messages") from None
     except _TEMPLATE_ERRORS:
         raise PromptError("chat template could not render the messages") from None
     if not ids:
@@ -271,9 +380,12 @@ def _surely_over(tokenizer: Any, rendered: str, limit: int) -> bool:
     return False
 
 
-def measure_bounds(tokenizer: Any) -> TokenBounds:
+def measure_bounds(tokenizer: Any, *, per_message: int | None = None) -> TokenBounds:
     """The size bound of one tokenizer (see bounds.py): its longest token in characters, what its
-    normalizer can shorten, and the template tokens each message adds at least."""
+    normalizer can shorten, and the template tokens each message adds at least (`per_message`, as
+    the counter's start-up check measured it; None: measured here, the template bounded). Blocking."""
+    if per_message is None:
+        per_message = _per_message(tokenizer, [_bounded_length(tokenizer, m, g) for m, g in PROBES])
     backend = getattr(getattr(tokenizer, "_tokenizer", tokenizer), "backend_tokenizer", None)
     if backend is None:
         return NO_BOUND
@@ -285,23 +397,27 @@ def measure_bounds(tokenizer: Any) -> TokenBounds:
         return NO_BOUND
     # +1: a decoder may strip the one leading space a token stands for ("▁the" -> "the").
     longest = max((len(p) for p in pieces), default=0) + 1
-    return TokenBounds(longest_token_chars=longest, shrink=shrink, per_message_tokens=_per_message(tokenizer))
+    return TokenBounds(longest_token_chars=longest, shrink=shrink, per_message_tokens=per_message or 0)
 
 
-def _per_message(tokenizer: Any) -> int:
-    """Template tokens one message adds at least: [u] against [u, a, u], less their content."""
-    def length(messages: list[dict[str, str]]) -> int:
-        return len(tokenizer.apply_chat_template(messages, add_generation_prompt=False))
-
-    user, assistant = {"role": "user", "content": "x"}, {"role": "assistant", "content": "x"}
+def _bounded_length(tokenizer: Any, messages: list[dict[str, str]], generation: bool) -> int | None:
     try:
-        one = length([user])
-        three = length([user, assistant, user])
+        return len(render_ids(tokenizer, messages, add_generation_prompt=generation))
+    except Exception:  # an edge: see PromptCounter._probe
+        return None
+
+
+def _per_message(tokenizer: Any, lengths: Sequence[int | None]) -> int:
+    """Template tokens one message adds at least: [u] against [u, a, u], less their content."""
+    one, three = lengths[1], lengths[2]
+    if one is None or three is None:
+        return 0
+    try:
         content = len(tokenizer.encode("x", add_special_tokens=False))
-    except Exception:  # an edge: a template is third-party code; no bound is claimed from it then
+    except Exception:  # an edge: see _probe
         return 0
     return max(0, (three - one - 2 * content) // 2)
 
 
-__all__ = ["INLINE_CHARS", "PromptCounter", "PromptError", "PromptTooLong", "TokenizerLoader", "UnknownModel",
-           "measure_bounds"]
+__all__ = ["INLINE_CHARS", "PromptCounter", "PromptError", "PromptTooLong", "TemplateTooCostly", "TokenizerLoader",
+           "UnknownModel", "measure_bounds"]

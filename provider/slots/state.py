@@ -32,6 +32,9 @@ class GoneReason(enum.StrEnum):
     """Why a discovered model was dropped from the inventory while the agent ran (`ModelManager.forget`)."""
 
     FOLDER_MISSING = "folder_missing"  # its folder or a weight file was deleted since discovery
+    # its chat template passed its time or memory bound on a request (provider/models/template.py)
+    CHAT_TEMPLATE_TIMEOUT = "chat_template_timeout"
+    CHAT_TEMPLATE_MEMORY = "chat_template_memory"
 
 
 class ModelState(enum.IntEnum):
