@@ -22,10 +22,10 @@ LONG = {"model": MODEL, "messages": [{"role": "user", "content": "tell me a long
         "temperature": 0, "stream": True}
 
 
-async def _stream(client: httpx.AsyncClient, url: str, started: asyncio.Event) -> list[str]:
+async def _stream(client: httpx.AsyncClient, url: str, started: asyncio.Event, body: dict = LONG) -> list[str]:
     """The SSE `data:` payloads of one streamed request; sets `started` at the first content."""
     events: list[str] = []
-    async with client.stream("POST", url + "/v1/chat/completions", json=LONG) as response:
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():
             if line.startswith("data: "):
@@ -129,3 +129,34 @@ def test_every_served_request_leaves_one_info_line_with_its_numbers_and_never_it
         assert (line["prompt_tokens"], line["completion_tokens"]) == (usage.prompt_tokens, usage.completion_tokens)
         assert 0 < line["ttft_ms"] <= line["duration_s"] * 1000
         assert line["request_id"] and (line["tokens_per_s"] > 0) == (usage.completion_tokens > 1)
+
+
+async def test_the_owners_server_queues_a_request_for_a_full_batch_then_refuses_when_the_wait_runs_out(
+        tmp_path, tiny_model_path):
+    """Issue 30 item 3: with the batch full (max_batch_size 1), a second request waits for the first to end
+    and is served, as `mlx_lm.server` queues (a chat's next turn must not get a 503); the wait is bounded
+    (`local_queue_s`), after which the 503 stands."""
+    srv = start_server(tmp_path, tiny_model_path, "--max-batch-size", "1", "--local-queue-s", "60")
+    try:
+        async with httpx.AsyncClient(timeout=60) as client:
+            started = asyncio.Event()
+            long = asyncio.create_task(_stream(client, srv.base_url, started, {**LONG, "max_tokens": 150}))
+            await asyncio.wait_for(started.wait(), 60)
+            short = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            answer = await client.post(srv.base_url + "/v1/chat/completions", json=short)
+            assert answer.status_code == 200 and long.done(), answer.text  # served once the first one had ended
+    finally:
+        srv.stop()
+    brief = start_server(tmp_path, tiny_model_path, "--max-batch-size", "1", "--local-queue-s", "0.3")
+    try:
+        async with httpx.AsyncClient(timeout=60) as client:
+            started = asyncio.Event()
+            long = asyncio.create_task(_stream(client, brief.base_url, started))
+            await asyncio.wait_for(started.wait(), 60)
+            asked = time.monotonic()
+            refused = await client.post(brief.base_url + "/v1/chat/completions", json=short)
+            assert refused.status_code == 503 and refused.json()["error"]["reason"] == "queue_full"
+            assert time.monotonic() - asked >= 0.3 and not long.done()
+            long.cancel()
+    finally:
+        brief.stop()

@@ -27,7 +27,7 @@ class Manager:
     def __init__(self, context: int = 2048) -> None:
         self.context = context
 
-    def precheck(self, model_id, prompt_tokens, max_tokens=None):
+    def precheck(self, model_id, prompt_tokens, max_tokens=None, *, queued=False):
         return None
 
     def context_length(self, model_id):

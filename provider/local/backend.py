@@ -123,11 +123,11 @@ class RuntimeBackend:
             async with rt.intake.ticket(request_id, len(raw)) as ticket:
                 body = await ticket.run(_parse, rt.intake, raw)
                 media = await ticket.run(_inspect, request_id, body.images) if body.images else NO_MEDIA
-                prompt_ids = await rt.intake.prompt_ids(ticket, body)
+                prompt_ids = await rt.intake.prompt_ids(ticket, body, queued=rt.settings.local_queue_s > 0)
         except Refusal as refusal:
             raise Refused(refusal.failure) from None
         booked = await rt.manager.book_when_released(request_id, body.model, len(prompt_ids), body.max_tokens,
-                                                     media=media)
+                                                     media=media, queue_s=rt.settings.local_queue_s)
         if isinstance(booked, AdmissionRefused):
             if booked.failure.reason in _NEVER_HERE:
                 raise self._too_large(booked.failure, body.model, len(prompt_ids), body.max_tokens)

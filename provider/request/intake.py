@@ -106,7 +106,8 @@ class Ticket:
 class Admits(Protocol):
     """What the intake asks of the model manager (`provider.slots.ModelManager`)."""
 
-    def precheck(self, model_id: str, prompt_tokens: int, max_tokens: int | None = None) -> Failure | None: ...
+    def precheck(self, model_id: str, prompt_tokens: int, max_tokens: int | None = None, *,
+                 queued: bool = False) -> Failure | None: ...
 
     def context_length(self, model_id: str) -> int | None: ...
 
@@ -155,15 +156,16 @@ class Intake:
         """Tokens the prompt has at least, from its size alone (0 when the tokenizer claims no bound)."""
         return self.counter.bounds(model_id).lower_bound(chars, messages)
 
-    async def prompt_ids(self, ticket: Ticket, body: ChatBody) -> list[int]:
+    async def prompt_ids(self, ticket: Ticket, body: ChatBody, *, queued: bool = False) -> list[int]:
         """Steps 3 and 4: the size bound through admission (read-only), then the exact ids.
         Raises `Refusal`: 404 for a model that is not ours, 400 request_exceeds_context, 503 when
-        even the bound does not fit, 422 when the template cannot render the messages."""
+        even the bound does not fit (`queued`: not for room that requests in flight hold, which the
+        booking waits for), 422 when the template cannot render the messages."""
         if not self.counter.knows(body.model):
             raise Refusal(Failure.model_unavailable())
         lower = self.lower_bound(body.model, body.chars, len(body.messages))
         if lower > 0:
-            refused = self._manager.precheck(body.model, lower, body.max_tokens)
+            refused = self._manager.precheck(body.model, lower, body.max_tokens, queued=queued)
             if refused is not None:
                 raise Refusal(refused)
         try:

@@ -253,14 +253,16 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
                 verdict = cleared
         return verdict
 
-    def precheck(self, model_id: str, prompt_tokens: int, max_tokens: int | None = None) -> Failure | None:
+    def precheck(self, model_id: str, prompt_tokens: int, max_tokens: int | None = None, *,
+                 queued: bool = False) -> Failure | None:
         """The refusal a request of at least `prompt_tokens` would get now, before it is counted
         exactly (the intake's size bound); None when it may be admitted, or when only room that
-        cancelled requests are about to give back stands in the way (`book_when_released` waits)."""
+        cancelled requests are about to give back (or, `queued`, any request in flight) stands in the
+        way (`book_when_released` waits)."""
         decision = self.admit(model_id, prompt_tokens, max_tokens)
         if not isinstance(decision, Refused):
             return None
-        if self._releasing and _room_refusal(decision.failure):
+        if (self._releasing or queued) and _room_refusal(decision.failure):
             return None
         return decision.failure
 
@@ -316,16 +318,22 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
 
     async def book_when_released(self, request_id: str, model_id: str, prompt_tokens: int,
                                  max_tokens: int | None = None, *, media: MediaPlan | None = None,
-                                 wait_s: float = RELEASE_WAIT_S) -> Booking | Refused:
+                                 wait_s: float = RELEASE_WAIT_S, queue_s: float = 0.0) -> Booking | Refused:
         """`book`, but a refusal for room that cancelled requests are about to give back (the engine
         removes them before its next step) waits for those releases first, up to `wait_s`: after
         a mass disconnect, the next wave is admitted as the first was, never refused for KV that is
-        already on its way out. Waits on release events, never on a clock tick."""
-        deadline = asyncio.get_running_loop().time() + wait_s
+        already on its way out. With `queue_s` (the owner's own server, which has no other node to
+        send a client to) a refusal for room waits up to that long for any request in flight to end
+        (a chat's next turn beside a full batch), as `mlx_lm.server` queues; the network front keeps
+        its fast refusal (0). Waits on release events, never on a clock tick."""
+        now = asyncio.get_running_loop().time()
+        release_deadline, queue_deadline = now + wait_s, now + queue_s
         while True:
             result = self.book(request_id, model_id, prompt_tokens, max_tokens, media=media)
-            if not isinstance(result, Refused) or not self._releasing or not _room_refusal(result.failure):
+            if not isinstance(result, Refused) or not _room_refusal(result.failure):
                 return result
+            deadline = max(release_deadline if self._releasing else 0.0,
+                           queue_deadline if queue_s > 0 and self._requests_in_flight() else 0.0)
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 return result
@@ -378,6 +386,10 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
         slot.state = ModelState.LOADING
         slot.load_task = asyncio.create_task(self._load(slot), name=f"load:{slot.model_id}")
         return True
+
+    def _requests_in_flight(self) -> bool:
+        """Some request holds a place in a batch: its end will free room (a residue alone will not)."""
+        return any(slot.kv.members for slot in self.view().slots.values())
 
     def _released(self, request_id: str) -> None:
         """A request's KV went back to the ledger (any thread): wake admissions waiting for room."""
