@@ -58,9 +58,10 @@ from memory.mlx_limits import MlxLimits, mlx_limits
 from memory.pressure import Pressure, PressureLevel, pressure, pressure_thresholds
 from memory.probe import Probe
 from memory.settle import SettleResult, settle
-from memory.snapshot import MemorySnapshot, MlxCounters
+from memory.snapshot import DeviceMemory, MemorySnapshot, MlxCounters
 
 __all__ = [
+    "DeviceMemory",
     "MAX_BYTES",
     "MIN_KV_BYTES",
     "MIN_OS_BYTES",

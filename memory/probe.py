@@ -8,6 +8,12 @@ container's limits change.
 
 `snapshot()` at module level keeps one cached `Probe` per argument set, so callers that don't hold a
 `Probe` still pay only the per-sample cost.
+
+The device (`read_device_memory`): on Apple silicon, and on MLX's CPU device, MLX allocates from the
+machine's RAM, so the cap is taken of it (unified memory). On MLX's CUDA backend it allocates from
+the GPU's own memory (`mx.device_info()["total_memory"]`): the cap is taken of that, what MLX holds
+is set against it, and host RAM (which a cgroup bounds) is read and reported apart. Counting GPU
+allocations against host RAM both under-uses a large GPU and misjudges a small one.
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ import psutil
 
 from memory import cgroup
 from memory.policy import memory_limit_bytes_from_gb
-from memory.snapshot import MemorySnapshot, MlxCounters
+from memory.snapshot import DeviceMemory, MemorySnapshot, MlxCounters
 
 MlxCountersFn = Callable[[], MlxCounters]
+DeviceMemoryFn = Callable[[], int | None]  # a discrete GPU's memory in bytes; None: unified memory
 
 
 def read_mlx_counters() -> MlxCounters:
@@ -39,6 +46,22 @@ def no_mlx_counters() -> MlxCounters:
     return MlxCounters()
 
 
+def read_device_memory() -> int | None:
+    """The GPU's own memory when MLX's default device is a discrete GPU (the CUDA backend), else None
+    (Apple silicon's GPU shares the machine's RAM; MLX's CPU device is the machine's RAM)."""
+    import mlx.core as mx
+
+    if mx.default_device().type != mx.DeviceType.gpu or mx.metal.is_available():
+        return None
+    total = mx.device_info().get("total_memory")
+    return int(total) if isinstance(total, int) and total > 0 else None
+
+
+def unified_memory() -> int | None:
+    """For a process that must not import MLX, or a test of unified memory: no discrete GPU."""
+    return None
+
+
 class Probe:
     """Samples coherent `MemorySnapshot`s. Build once, call `snapshot()` as often as needed."""
 
@@ -51,8 +74,10 @@ class Probe:
         mlx_counters: MlxCountersFn = read_mlx_counters,
         virtual_memory: Callable[[], Any] = psutil.virtual_memory,
         clock: Callable[[], float] = time.monotonic,
+        device_memory: DeviceMemoryFn = read_device_memory,
     ) -> None:
         self._memory_limit_bytes = memory_limit_bytes_from_gb(memory_limit_gb)
+        self._device_memory = device_memory
         self._cgroup_root = Path(cgroup_root)
         self._proc_cgroup = Path(proc_cgroup)
         self._mlx_counters = mlx_counters
@@ -62,13 +87,20 @@ class Probe:
         self.refresh()
 
     def refresh(self) -> None:
-        """Re-read the static parts: machine RAM and the cgroup levels that carry a limit."""
-        self._machine_bytes = int(self._virtual_memory().total)
+        """Re-read the static parts: machine RAM, a discrete GPU's memory, the cgroup levels that carry
+        a limit."""
+        self._host_bytes = int(self._virtual_memory().total)
+        self._gpu_bytes = self._device_memory()
         self._cgroup_levels = cgroup.locate(self._cgroup_root, self._proc_cgroup)
 
     @property
+    def device(self) -> DeviceMemory:
+        return DeviceMemory.UNIFIED if self._gpu_bytes is None else DeviceMemory.DISCRETE
+
+    @property
     def machine_bytes(self) -> int:
-        return self._machine_bytes
+        """What MLX allocates from, before any limit: the machine's RAM, or a discrete GPU's memory."""
+        return self._host_bytes if self._gpu_bytes is None else self._gpu_bytes
 
     @property
     def cgroup_levels(self) -> tuple[cgroup.CgroupLevel, ...]:
@@ -81,14 +113,20 @@ class Probe:
         rss = self._process.memory_info().rss
         reading = cgroup.read(self._cgroup_levels) if self._cgroup_levels else cgroup.CgroupReading(None, None)
 
-        physical = self._machine_bytes
-        available = int(vm.available)
+        host = self._host_bytes
+        host_available = int(vm.available)
         if reading.limit_bytes is not None:
-            physical = min(physical, reading.limit_bytes)
+            host = min(host, reading.limit_bytes)
         if reading.available_bytes is not None:
-            available = min(available, reading.available_bytes)
+            host_available = min(host_available, reading.available_bytes)
+        if self._gpu_bytes is None:  # unified: the machine's RAM is what MLX allocates from
+            physical, available = host, host_available
+        else:  # discrete: the GPU's memory, less what MLX holds of it (other processes' use is not seen)
+            physical = self._gpu_bytes
+            available = self._gpu_bytes - counters.active_bytes - counters.cache_bytes
         if self._memory_limit_bytes is not None:
             physical = min(physical, self._memory_limit_bytes)
+        discrete = self._gpu_bytes is not None
         return MemorySnapshot(
             physical_bytes=physical,
             available_bytes=max(0, available),
@@ -96,10 +134,13 @@ class Probe:
             mlx_cache_bytes=counters.cache_bytes,
             mlx_peak_bytes=counters.peak_bytes,
             rss_bytes=rss,
-            machine_bytes=self._machine_bytes,
-            cgroup_limit_bytes=reading.limit_bytes,
+            machine_bytes=self.machine_bytes,
+            cgroup_limit_bytes=None if discrete else reading.limit_bytes,  # a cgroup bounds host RAM only
             memory_limit_bytes=self._memory_limit_bytes,
             taken_at=self._clock(),
+            device_memory=self.device,
+            host_physical_bytes=host if discrete else None,
+            host_available_bytes=max(0, host_available) if discrete else None,
         )
 
 

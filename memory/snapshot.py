@@ -20,6 +20,14 @@ The one rule for MLX's buffer cache (freed buffers MLX keeps for reuse, `mx.get_
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from enum import StrEnum
+
+
+class DeviceMemory(StrEnum):
+    """Where MLX allocates from, which is the memory the cap is taken of."""
+
+    UNIFIED = "unified"  # the machine's RAM (Apple silicon's GPU, MLX's CPU device)
+    DISCRETE = "discrete"  # a GPU's own memory (MLX's CUDA backend); host RAM is counted apart
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,9 +43,12 @@ class MlxCounters:
 class MemorySnapshot:
     """Memory figures sampled together at one instant (bytes, monotonic seconds).
 
-    `physical_bytes` is the policy's `P`: the machine's RAM lowered to the cgroup limit and to the
-    operator's `memory_limit_gb` when either is smaller. `available_bytes` is the policy's
-    `sys_avail`: OS-available memory, lowered to what the cgroup still allows when one binds.
+    `physical_bytes` is the policy's `P`: the memory MLX allocates from, lowered to the operator's
+    `memory_limit_gb` when that is smaller. With unified memory that is the machine's RAM, lowered to
+    the cgroup limit too; `available_bytes` (the policy's `sys_avail`) is then OS-available memory,
+    lowered to what the cgroup still allows when one binds. On a discrete GPU (`device_memory`) it is
+    the GPU's memory, and `available_bytes` what MLX has not taken of it; host RAM, which a cgroup
+    bounds there, is `host_physical_bytes` / `host_available_bytes` (None with unified memory).
     """
 
     physical_bytes: int
@@ -50,6 +61,9 @@ class MemorySnapshot:
     cgroup_limit_bytes: int | None = None  # effective cgroup memory limit, None when unlimited / no cgroup
     memory_limit_bytes: int | None = None  # operator memory_limit_gb in bytes, None when unset
     taken_at: float = 0.0  # time.monotonic() when sampled
+    device_memory: DeviceMemory = DeviceMemory.UNIFIED
+    host_physical_bytes: int | None = None  # discrete GPU only: host RAM (cgroup-lowered)
+    host_available_bytes: int | None = None  # discrete GPU only: host RAM available
 
     def __post_init__(self) -> None:
         for name in ("physical_bytes", "available_bytes", "mlx_active_bytes", "mlx_cache_bytes",

@@ -93,6 +93,7 @@ import memory
 from memory import (
     CapFigures,
     EnvAction,
+    DeviceMemory,
     EnvAdjustment,
     FitResult,
     MemorySnapshot,
@@ -568,6 +569,10 @@ def report_json(report: DoctorReport) -> dict[str, Any]:
             "memory_limit_bytes": snap.memory_limit_bytes,
             "physical_bytes": snap.physical_bytes,
             "available_bytes": snap.available_bytes,
+            # what the figures above are of: the machine's RAM (unified) or a GPU's own (discrete)
+            "device_memory": snap.device_memory.value,
+            "host_physical_bytes": snap.host_physical_bytes,
+            "host_available_bytes": snap.host_available_bytes,
         },
         "cap": cap,
         "pressure": {"level": report.pressure.level.name.lower(), "utilization": report.pressure.utilization},
@@ -631,14 +636,25 @@ def _looked_in(inventory: Inventory) -> list[str]:
     return ["  looked in:", *lines] if lines else ["  looked in: nowhere (no source configured)"]
 
 
+def _memory_rows(snap: MemorySnapshot) -> list[tuple[str, str]]:
+    """The memory MLX allocates from (what the cap is taken of), and on a discrete GPU the host's RAM."""
+    if snap.device_memory is DeviceMemory.DISCRETE:
+        return [("memory", f"{human_bytes(snap.machine_bytes or snap.physical_bytes)} GPU memory (discrete: "
+                           "the cap is taken of it)"),
+                ("host RAM", f"{human_bytes(snap.host_physical_bytes or 0)}, "
+                             f"{human_bytes(snap.host_available_bytes or 0)} available (not under the cap)")]
+    return [("memory", f"{human_bytes(snap.machine_bytes or snap.physical_bytes)} (unified: MLX allocates "
+                       "from the machine's RAM)"),
+            ("cgroup limit", human_bytes(snap.cgroup_limit_bytes) if snap.cgroup_limit_bytes else "none")]
+
+
 def render_table(report: DoctorReport) -> str:
     """The human `doctor` output: aligned sections, human units."""
     snap, cap = report.snapshot, report.cap
     out = ["Machine" + (" (hypothetical, --machine-gb)" if report.hypothetical else "")]
     out += _table([
         ("platform", f"{sys.platform} {platform.machine()}, {os.cpu_count()} CPUs"),
-        ("memory", human_bytes(snap.machine_bytes or snap.physical_bytes)),
-        ("cgroup limit", human_bytes(snap.cgroup_limit_bytes) if snap.cgroup_limit_bytes else "none"),
+        *_memory_rows(snap),
         ("memory_limit_gb", human_bytes(snap.memory_limit_bytes) if snap.memory_limit_bytes else "unset"),
         ("available now", human_bytes(snap.available_bytes)),
     ])

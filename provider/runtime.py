@@ -396,7 +396,10 @@ class Runtime:
             "memory": {"physical_bytes": snap.physical_bytes, "available_bytes": snap.available_bytes,
                        "mlx_active_bytes": snap.mlx_active_bytes, "mlx_cache_bytes": snap.mlx_cache_bytes,
                        "mlx_peak_bytes": snap.mlx_peak_bytes, "rss_bytes": snap.rss_bytes,
-                       "free_for_load_bytes": capacity.free_for_load_bytes},
+                       "free_for_load_bytes": capacity.free_for_load_bytes,
+                       # which memory the figures above are of; a discrete GPU's host RAM beside it
+                       "device_memory": snap.device_memory.value, "host_physical_bytes": snap.host_physical_bytes,
+                       "host_available_bytes": snap.host_available_bytes},
             "prefix_cache": {"hits": kv.hits, "partial_hits": kv.partial_hits, "misses": kv.misses,
                              "ssd_hits": kv.ssd_hits, "reused_tokens": kv.reused_tokens, "entries": kv.entries,
                              "ram_bytes": kv.ram_bytes, "disk_bytes": kv.disk_bytes},

@@ -119,6 +119,8 @@ def test_every_served_request_leaves_one_info_line_with_its_numbers_and_never_it
         ask = {"model": MODEL, "messages": [{"role": "user", "content": canary}], "max_tokens": 12, "temperature": 0}
         whole = client.chat.completions.create(**ask)
         chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+        memory = httpx.get(srv.base_url + "/status").json()["memory"]  # issue 30 item 4: which memory it is
+        assert memory["device_memory"] == "unified" and memory["host_physical_bytes"] is None
     finally:
         code, log = srv.stop()
     assert code == 0 and canary not in log

@@ -233,3 +233,50 @@ def test_module_snapshot_reuses_one_probe() -> None:
 def test_probe_ignores_unusable_limits(bad: float | None) -> None:
     s = Probe(bad, mlx_counters=MlxCounters).snapshot()
     assert s.memory_limit_bytes is None and s.physical_bytes == (s.cgroup_limit_bytes or s.machine_bytes)
+
+
+# -- a discrete GPU (MLX's CUDA backend) ------------------------------------------------------------
+
+
+def test_on_a_discrete_gpu_the_cap_is_taken_of_the_gpus_memory_and_host_ram_is_counted_apart(tmp_path: Path) -> None:
+    """Issue 30 item 4, as measured on an H200 host: MLX CUDA allocates from the GPU's 140 GiB, the host has
+    126 GiB under a 113 GiB cgroup. The device budget is the GPU's (a cgroup bounds host RAM only), what
+    MLX holds is set against it, pressure is GPU bytes over GPU memory, and the host's RAM is read apart."""
+    from memory import DeviceMemory, compute_figures, pressure
+
+    root, proc = v2_tree(tmp_path)
+    v2_level(root / "app.slice" / "agent.service", str(113 * GiB), current=20 * GiB)
+    gpu = 140 * GiB
+    host = SimpleNamespace(total=126 * GiB, available=100 * GiB)
+    counters = MlxCounters(active_bytes=20 * GiB, cache_bytes=2 * GiB, peak_bytes=21 * GiB)
+    p = Probe(None, cgroup_root=root, proc_cgroup=proc, mlx_counters=lambda: counters,
+              virtual_memory=lambda: host, device_memory=lambda: gpu)
+    snap = p.snapshot()
+    assert snap.device_memory is DeviceMemory.DISCRETE and p.machine_bytes == gpu
+    assert (snap.physical_bytes, snap.available_bytes) == (gpu, gpu - 22 * GiB)
+    assert snap.cgroup_limit_bytes is None  # the cgroup does not bound the GPU
+    assert (snap.host_physical_bytes, snap.host_available_bytes) == (113 * GiB, 93 * GiB)
+    assert compute_figures(snap.physical_bytes).hard_cap_bytes == int(0.9 * gpu)
+    assert pressure(snap).utilization == pytest.approx(22 / 140)
+    # memory_limit_gb still lowers the device budget (an operator emulating a smaller card).
+    small = Probe(24.0, cgroup_root=root, proc_cgroup=proc, mlx_counters=lambda: counters,
+                  virtual_memory=lambda: host, device_memory=lambda: gpu).snapshot()
+    assert small.physical_bytes == 24 * GiB and small.host_physical_bytes == 113 * GiB
+
+
+def test_with_unified_memory_nothing_changes(tmp_path: Path) -> None:
+    from memory import DeviceMemory
+
+    host = SimpleNamespace(total=64 * GiB, available=40 * GiB)
+    snap = Probe(None, cgroup_root=tmp_path / "none", proc_cgroup=tmp_path / "none", mlx_counters=MlxCounters,
+                 virtual_memory=lambda: host, device_memory=probe.unified_memory).snapshot()
+    assert snap.device_memory is DeviceMemory.UNIFIED
+    assert (snap.physical_bytes, snap.available_bytes, snap.host_physical_bytes) == (64 * GiB, 40 * GiB, None)
+
+
+def test_this_machine_is_read_as_it_is() -> None:
+    """On MLX's CPU device (this machine, CI) MLX allocates from the machine's RAM: unified."""
+    from memory import DeviceMemory
+
+    assert probe.read_device_memory() is None
+    assert Probe().snapshot().device_memory is DeviceMemory.UNIFIED

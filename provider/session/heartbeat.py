@@ -11,6 +11,9 @@
   psutil's system-wide ``cpu_percent(None)`` / 100 (non-blocking: the share since the previous call);
   ``thermal_state`` from ``ThermalSampler`` (``session/thermal.py``).
 * ``backend_capacity`` — from the model manager (slots, token budgets, MLX memory, ``free_for_load_gb``).
+  ``total_memory_gb`` and ``gpu_memory_*_gb`` are the memory MLX allocates from; ``telemetry.memory``
+  says which (``device``: ``unified``, the machine's RAM; ``discrete``, a GPU's own memory, with the
+  host's RAM beside it as ``host_total_gb`` / ``host_available_gb``).
 """
 
 from __future__ import annotations
@@ -54,7 +57,17 @@ def backend_capacity(report: CapacityReport) -> BackendCapacity:
         gpu_memory_cache_gb=_gb(report.mlx_cache_bytes),
         total_memory_gb=_gb(report.total_memory_bytes),
         free_for_load_gb=_gb(report.free_for_load_bytes),
+        telemetry={"memory": memory_kind(report)},
     )
+
+
+def memory_kind(report: CapacityReport) -> dict[str, object]:
+    """Which memory the capacity figures are of (and, on a discrete GPU, the host's RAM beside it)."""
+    kind: dict[str, object] = {"device": report.device_memory.value}
+    if report.host_physical_bytes is not None:
+        kind["host_total_gb"] = _gb(report.host_physical_bytes)
+        kind["host_available_gb"] = _gb(report.host_available_bytes or 0)
+    return kind
 
 
 def _gb(nbytes: int) -> float:

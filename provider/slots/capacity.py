@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memory import LedgerSnapshot, Pressure, default_max_tokens
+from memory import DeviceMemory, LedgerSnapshot, Pressure, default_max_tokens
 from protocol.vocab import SlotState
 
 
@@ -39,6 +39,9 @@ class CapacityReport:
     available_bytes: int  # what a new reservation may take now (ledger)
     pressure: Pressure
     ledger: LedgerSnapshot
+    device_memory: DeviceMemory = DeviceMemory.UNIFIED  # what total_memory_bytes is: the machine's RAM or a GPU's
+    host_physical_bytes: int | None = None  # a discrete GPU's host RAM (None: unified, it is total_memory_bytes)
+    host_available_bytes: int | None = None
 
     @property
     def warm_models(self) -> tuple[str, ...]:

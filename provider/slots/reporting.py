@@ -80,4 +80,5 @@ class Reporting:
             mlx_cache_bytes=snap.mlx_cache_bytes, total_memory_bytes=snap.physical_bytes,
             free_for_load_bytes=free_for_load_bytes(figures, snap, evictable_bytes=self._evictable_bytes(),
                                                     outstanding_bytes=firm),
-            available_bytes=available, pressure=pressure(snap), ledger=ledger)
+            available_bytes=available, pressure=pressure(snap), ledger=ledger, device_memory=snap.device_memory,
+            host_physical_bytes=snap.host_physical_bytes, host_available_bytes=snap.host_available_bytes)
