@@ -34,7 +34,9 @@ Columns: aggregate tok/s = completion tokens of all requests / wall time from t0
 stream's end; TTFT = t0 (or the turn's send) to the first content delta, p50 over the requests;
 chat TTFT t2-6 = p50 over turns 2-6 of every conversation. Ratios are medians of per-repeat
 ratios. `reuse` = prompt tokens served from the prefix cache / prompt tokens (ours: /status
-`reused_tokens`; mlx_lm.server: `usage.prompt_tokens_details.cached_tokens`).
+`reused_tokens`; mlx_lm.server: `usage.prompt_tokens_details.cached_tokens`). A second table gives
+per side TTFT p50 and p99 (medians over the repeats of each run's percentile) and the CPU seconds
+the side's processes (the server and its children; bare: this process) used in a run.
 
     python benchmarks/peer_bench.py [--preset medium] [--repeats 6] [--concurrency 1,4,8]
                                     [--chat-concurrency 1] [--workloads w1,w2,chat]
@@ -42,6 +44,29 @@ ratios. `reuse` = prompt tokens served from the prefix cache / prompt tokens (ou
 
 Run it with OpenBLAS preloaded (`sh tools/with-blas.sh .venv/bin/python benchmarks/peer_bench.py`);
 both servers inherit the environment, so they use the same BLAS.
+
+For a GPU (benchmarks/gpu_run.sh runs it so; the defaults above are the CPU table's):
+
+* `--model-dir PATH` an existing model folder (e.g. `python -m provider.tinymodel PATH --preset 1b
+  --no-eos`), or `--preset 1b|8b [--no-eos]` to build one under .cache/tiny-models;
+* `--batch-size N`: one decode batch size for every side (ours `max_batch_size`, mlx_lm.server
+  `--decode-concurrency`, the bare `BatchGenerator`'s `completion_batch_size`; prefill batches
+  min(8, N) on the two mlx-lm sides, as ours does). Unset: each side's default (32 for all three),
+  raised to the largest concurrency level when that is above 32;
+* `--warmup cells`: before the timed cells, every cell once per side, untimed, with
+  `--warmup-tokens` tokens (chat: its first turn), so MLX's kernels are compiled for every shape
+  (`one`, the default, sends a single short request per server);
+* `--deadline-s S`: no cell starts S seconds after the start; what ran is reported;
+* `--json-out PATH`: rewritten after every cell: `requests` (one record per request: side,
+  workload, concurrency, repeat, turn, start_s / end_s from the run's start, ttft_s from the
+  request's send, prompt / completion / cached tokens, max_tokens, error), `runs` (per side and
+  cell: wall, tok/s, TTFT p50 / p99, CPU seconds) and `summary` (the tables' values);
+* `--ours-toml LINE` (repeatable) adds a line to our server's config, e.g. `kv_ssd_budget_gb = 0`.
+
+mlx_lm.server is started through `benchmarks/mlx_lm_server_backlog.py`, which gives its HTTP
+server a listen backlog of 256 (the standard library's is 5: clients beyond it wait for a SYN
+retransmit). A request that fails (a 503, a dropped connection) is recorded with its error and
+the run goes on; a chat conversation ends at its failed turn.
 """
 
 from __future__ import annotations
@@ -57,6 +82,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -65,18 +91,21 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import openai  # noqa: E402
 import psutil  # noqa: E402
 from openai import AsyncOpenAI  # noqa: E402
 
-from provider.tinymodel import build_tiny_model  # noqa: E402
+from peer_report import BARE, OURS, PEER, TURNS, pct, print_tables, write_json  # noqa: E402
 
+from provider.tinymodel import PRESETS, build_tiny_model, weights_bytes  # noqa: E402
+
+STARTED = time.monotonic()  # --deadline-s counts from here
 REPO = Path(__file__).resolve().parent.parent
-OURS, PEER, BARE = "ours", "mlx_lm.server", "bare"
+PREFILL_BATCH = 8  # mlx-lm's prefill_batch_size default, which ours uses too (capped by the batch size)
 MODEL_ID = "bench/peer-model"
 WORDS = ("river mountain apple stream batch model token quiet room copper wire north wind paper boat "
          "window salt stone memory cache late train green blue seven hundred small open garden lamp "
          "silver market winter summer harbor bridge candle forest meadow thunder valley orchard").split()
-TURNS = 6
 SYSTEM_TOKENS = 709
 FIRST_MESSAGE_TOKENS = 1500
 W1_TOKENS = 110
@@ -130,6 +159,10 @@ class Request:
     cached_tokens: int | None
     text: str
     turn: int = 0
+    start: float = 0.0  # send, seconds since the run's t0
+    end: float = 0.0  # the stream's end, seconds since the run's t0
+    max_tokens: int = 0
+    error: str | None = None  # e.g. "APIStatusError 503"; the request produced nothing usable
 
 
 @dataclass
@@ -142,7 +175,21 @@ class Run:
     requests: list[Request]
     load1: float = 0.0
     others_cpu_s: float = 0.0
+    side_cpu_s: float = 0.0  # the side's own processes (the server and its children; bare: this process)
     reused_tokens: int | None = None  # ours: from /status
+
+    @property
+    def ok(self) -> list[Request]:
+        return [r for r in self.requests if r.error is None]
+
+    @property
+    def errors(self) -> int:
+        return len(self.requests) - len(self.ok)
+
+    @property
+    def short(self) -> int:
+        """Answered requests that ended before max_tokens (an EOS, the context full)."""
+        return sum(1 for r in self.ok if r.completion_tokens < r.max_tokens)
 
     @property
     def tokens(self) -> int:
@@ -152,41 +199,61 @@ class Run:
     def tps(self) -> float:
         return self.tokens / self.wall
 
+    def _ttfts(self, turns: range | None) -> list[float]:
+        return [r.ttft for r in self.ok if turns is None or r.turn in turns] or [float("nan")]
+
     def ttft_p50(self, turns: range | None = None) -> float:
-        return statistics.median(r.ttft for r in self.requests if turns is None or r.turn in turns)
+        return statistics.median(self._ttfts(turns))
+
+    def ttft_p99(self, turns: range | None = None) -> float:
+        return pct(self._ttfts(turns), 99)
 
     @property
     def reuse(self) -> float | None:
         prompt = sum(r.prompt_tokens for r in self.requests)
+        if not prompt:
+            return None
         if self.reused_tokens is not None:
             return self.reused_tokens / prompt
         cached = [r.cached_tokens for r in self.requests]
         return None if any(c is None for c in cached) else sum(cached) / prompt
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of a process and its live children."""
+    total = 0.0
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
 class CpuWatch:
-    """CPU seconds used by processes other than ours over one run, and the load average."""
+    """Per run: CPU seconds of the side's own processes, of processes other than the bench's, and
+    the load average."""
 
     def __init__(self, own_pids: list[int]) -> None:
-        self._own = [psutil.Process(p) for p in own_pids]
+        self._own = own_pids
 
     def _busy(self) -> float:
         t = psutil.cpu_times()
         return t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0) + getattr(t, "steal", 0)
 
     def _ours(self) -> float:
-        total = 0.0
-        for p in self._own:
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.NoSuchProcess:
-                pass
-        return total
+        return sum(tree_cpu_s(p) for p in self._own)
 
-    async def around(self, run: Callable[[], Awaitable[Run]]) -> Run:
-        busy, ours = self._busy(), self._ours()
+    async def around(self, run: Callable[[], Awaitable[Run]], side_pid: int) -> Run:
+        busy, ours, side = self._busy(), self._ours(), tree_cpu_s(side_pid)
         result = await run()
+        result.side_cpu_s = tree_cpu_s(side_pid) - side
         result.others_cpu_s = max(0.0, (self._busy() - busy) - (self._ours() - ours))
         result.load1 = os.getloadavg()[0]
         return result
@@ -243,20 +310,23 @@ class Server:
             return self.proc.wait()
 
 
-def start_peer(model_path: Path, work: Path) -> Server:
+def start_peer(model_path: Path, work: Path, batch_size: int | None) -> Server:
     port = free_port()
     hub = work / "hf-hub"  # mlx_lm.server's /v1/models needs the hub cache folder to exist
     hub.mkdir(exist_ok=True)
     env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", str(model_path),
-                             "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=(work / "peer.log").open("wb"))
+    batch = [] if batch_size is None else ["--decode-concurrency", str(batch_size),
+                                           "--prompt-concurrency", str(min(PREFILL_BATCH, batch_size))]
+    proc = subprocess.Popen([sys.executable, str(REPO / "benchmarks" / "mlx_lm_server_backlog.py"),
+                             "--model", str(model_path), "--host", "127.0.0.1", "--port", str(port),
+                             "--log-level", "WARNING", *batch],
+                            env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=(work / "peer.log").open("wb"))
     base = f"http://127.0.0.1:{port}"
     wait_ready(base + "/health", proc)
     return Server(PEER, proc, base, "default_model")
 
 
-def start_ours(model_path: Path, work: Path) -> Server:
+def start_ours(model_path: Path, work: Path, batch_size: int | None, extra_toml: list[str]) -> Server:
     port = free_port()
     hub = work / "empty-hub"
     hub.mkdir(exist_ok=True)
@@ -266,7 +336,9 @@ def start_ours(model_path: Path, work: Path) -> Server:
         f"hf_cache_dir = {json.dumps(str(hub))}\n"
         f"state_dir = {json.dumps(str(work / 'state'))}\n"
         "log_level = \"warning\"\nlog_format = \"json\"\nidle_timeout_mins = 0\n"
-        "[model_aliases]\n"
+        + ("" if batch_size is None else f"max_batch_size = {batch_size}\n")
+        + "".join(f"{line}\n" for line in extra_toml)
+        + "[model_aliases]\n"
         f"{json.dumps(MODEL_ID)} = {json.dumps(str(model_path))}\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("DARKBLOOM_")}
     proc = subprocess.Popen([sys.executable, "-m", "provider.cli", "--config", str(config), "serve", "--local"],
@@ -278,30 +350,38 @@ def start_ours(model_path: Path, work: Path) -> Server:
 
 # -- one request, one run ----------------------------------------------------------------------
 
-async def ask(server: Server, messages: list[dict[str, str]], max_tokens: int, turn: int = 0) -> Request:
+async def ask(server: Server, messages: list[dict[str, str]], max_tokens: int, turn: int = 0,
+              run_t0: float | None = None) -> Request:
     t0 = time.perf_counter()
-    stream = await server.client.chat.completions.create(
-        model=server.model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True})
+    run_t0 = t0 if run_t0 is None else run_t0
     ttft, parts, usage = None, [], None
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            parts.append(chunk.choices[0].delta.content)
-        if chunk.usage is not None:
-            usage = chunk.usage
+    try:
+        stream = await server.client.chat.completions.create(
+            model=server.model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                parts.append(chunk.choices[0].delta.content)
+            if chunk.usage is not None:
+                usage = chunk.usage
+    except openai.APIError as exc:  # a refusal or a dropped stream: recorded, the run goes on
+        status = getattr(exc, "status_code", None)
+        return Request(float("nan"), 0, 0, None, "", turn, t0 - run_t0, time.perf_counter() - run_t0,
+                       max_tokens, f"{type(exc).__name__}{'' if status is None else f' {status}'}")
+    end = time.perf_counter()
     if usage is None:
         raise RuntimeError(f"{server.name}: a stream ended without usage")
     details = getattr(usage, "prompt_tokens_details", None)
     cached = getattr(details, "cached_tokens", None) if details is not None else None
-    return Request(ttft if ttft is not None else time.perf_counter() - t0, usage.prompt_tokens,
-                   usage.completion_tokens, cached, "".join(parts), turn)
+    return Request(ttft if ttft is not None else end - t0, usage.prompt_tokens,
+                   usage.completion_tokens, cached, "".join(parts), turn, t0 - run_t0, end - run_t0, max_tokens)
 
 
 async def single_shot(server: Server, batch: list[list[dict[str, str]]], max_tokens: int) -> tuple[float, list[Request]]:
     t0 = time.perf_counter()
-    requests = await asyncio.gather(*(ask(server, m, max_tokens) for m in batch))
+    requests = await asyncio.gather(*(ask(server, m, max_tokens, run_t0=t0) for m in batch))
     return time.perf_counter() - t0, list(requests)
 
 
@@ -313,8 +393,10 @@ async def conversations(server: Server, prompts: Prompts, c: int, repeat: int,
         for turn in range(1, TURNS + 1):
             if turn > 1 and think_s > 0:
                 await asyncio.sleep(think_s)  # the user reading and typing (a modelled pause, not a sync)
-            r = await ask(server, history, max_tokens, turn)
+            r = await ask(server, history, max_tokens, turn, run_t0=t0)
             done.append(r)
+            if r.error is not None:
+                break  # no answer to send back: the conversation ends here
             history = history + [{"role": "assistant", "content": r.text},
                                  {"role": "user", "content": prompts.follow_up(turn, i)}]
         return done
@@ -339,19 +421,22 @@ async def server_run(server: Server, prompts: Prompts, workload: str, c: int, re
 class Bare:
     """mlx-lm's BatchGenerator alone, in this process: all prompts inserted at t0, stepped to the end."""
 
-    def __init__(self, model_path: Path) -> None:
+    def __init__(self, model_path: Path, batch_size: int | None) -> None:
         import mlx_lm
         self.model, self.tokenizer = mlx_lm.load(str(model_path))
+        self._sizes = {} if batch_size is None else {
+            "completion_batch_size": batch_size, "prefill_batch_size": min(PREFILL_BATCH, batch_size)}
 
     def run(self, batch: list[list[dict[str, str]]], max_tokens: int, workload: str, c: int, repeat: int) -> Run:
         from mlx_lm.generate import BatchGenerator
         prompts = [list(self.tokenizer.apply_chat_template(m, add_generation_prompt=True)) for m in batch]
         eos = sorted(self.tokenizer.eos_token_ids)
-        gen = BatchGenerator(self.model, stop_tokens=[[t] for t in eos])
+        gen = BatchGenerator(self.model, stop_tokens=[[t] for t in eos], **self._sizes)
         try:
             t0 = time.perf_counter()
             uids = gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
             first: dict[int, float] = {}
+            ends: dict[int, float] = {}
             counts = dict.fromkeys(uids, 0)
             left = set(uids)
             while left:
@@ -361,36 +446,38 @@ class Bare:
                         counts[r.uid] += 1
                     if r.finish_reason is not None:
                         left.discard(r.uid)
+                        ends[r.uid] = time.perf_counter() - t0
             wall = time.perf_counter() - t0
         finally:
             gen.close()
-        requests = [Request(first[u], len(p), counts[u], None, "") for u, p in zip(uids, prompts, strict=True)]
+        requests = [Request(first[u], len(p), counts[u], None, "", end=ends[u], max_tokens=max_tokens)
+                    for u, p in zip(uids, prompts, strict=True)]
         return Run(BARE, workload, c, repeat, wall, requests)
 
 
 # -- the driver --------------------------------------------------------------------------------
 
+class PromptMismatch(Exception):
+    """The two servers counted different prompt lengths: their numbers are not comparable."""
+
+
 def check_same_prompts(a: Run, b: Run) -> None:
+    if a.errors or b.errors:
+        print(f"{a.workload} c={a.c} repeat {a.repeat}: failed requests (ours {a.errors}, "
+              f"server {b.errors}): prompt lengths not compared", file=sys.stderr)
+        return
     pa = [(r.turn, r.prompt_tokens) for r in a.requests]
     pb = [(r.turn, r.prompt_tokens) for r in b.requests]
     if sorted(pa) != sorted(pb):
-        raise SystemExit(f"{a.workload} c={a.c} repeat {a.repeat}: usage.prompt_tokens differ between the sides")
+        raise PromptMismatch(f"{a.workload} c={a.c} repeat {a.repeat}: usage.prompt_tokens differ between the sides")
 
 
-def med(values) -> float:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else float("nan")
-
-
-def ratio(runs: dict, side: str, base: str, key) -> float:
-    pairs = [(runs[(side, r)], runs[(base, r)]) for (s, r) in runs if s == side and (base, r) in runs]
-    return med([key(x) / key(y) for x, y in pairs])
-
-
-async def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="medium", choices=["tiny", "small", "medium"])
-    parser.add_argument("--model-dir", type=Path, default=None, help="an existing tiny-model folder instead")
+    parser.add_argument("--preset", default="medium", choices=sorted(PRESETS))
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="an existing model folder instead (e.g. python -m provider.tinymodel PATH --preset 1b --no-eos)")
+    parser.add_argument("--no-eos", action="store_true", help="--preset: build it with EOS unreachable (greedy runs to max_tokens)")
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--concurrency", default="1,4,8")
     parser.add_argument("--chat-concurrency", default=None, help="levels for the chat workload (default: --concurrency)")
@@ -400,77 +487,159 @@ async def main() -> None:
                         help="chat: seconds between an answer and the next turn (a user reading and typing); "
                              "TTFT is timed from the send either way")
     parser.add_argument("--turn-tokens", type=int, default=64, help="per chat turn (128 can outgrow the 4096-token context: answers from random weights re-tokenize into more tokens)")
-    args = parser.parse_args()
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="decode batch size of every side (ours max_batch_size, mlx_lm.server --decode-concurrency, "
+                             "the bare BatchGenerator's completion_batch_size); default: each side's own (32)")
+    parser.add_argument("--warmup", choices=("one", "cells"), default="one",
+                        help="one: a short request per server; cells: every cell once per side, untimed")
+    parser.add_argument("--warmup-tokens", type=int, default=8, help="--warmup cells: tokens per request")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="start no cell after this many seconds (from the start); report what ran")
+    parser.add_argument("--json-out", type=Path, default=None, help="per-request records, runs and summary (rewritten per cell)")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="the servers' logs, config and state (default: a new temporary folder)")
+    parser.add_argument("--ours-toml", action="append", default=[], metavar="LINE",
+                        help="a line for our server's config, e.g. 'kv_ssd_budget_gb = 0' (repeatable)")
+    return parser.parse_args(argv)
+
+
+def model_folder(args: argparse.Namespace) -> Path:
+    # Absolute: the agent reads its alias from a config file in a temporary folder, where a relative
+    # path would resolve to nothing.
+    if args.model_dir:
+        if not (args.model_dir / "config.json").is_file():
+            raise SystemExit(f"{args.model_dir}: no config.json (not a model folder)")
+        return args.model_dir.resolve()
+    dtype = PRESETS[args.preset].dtype
+    name = f"{args.preset}-{'f32' if dtype == 'float32' else 'bf16'}{'-noeos' if args.no_eos else ''}"
+    return build_tiny_model(REPO / ".cache" / "tiny-models" / name, preset=args.preset, no_eos=args.no_eos)
+
+
+def describe(args: argparse.Namespace, model_path: Path, batch_size: int | None) -> dict:
+    import mlx.core as mx
+    import mlx_lm
+
+    info = {k: v for k, v in mx.device_info().items() if isinstance(v, int | float | str)}
+    config = json.loads((model_path / "config.json").read_text())
+    return {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "model": str(model_path), "weights_bytes": weights_bytes(model_path),
+            "model_config": {k: config.get(k) for k in ("hidden_size", "num_hidden_layers", "intermediate_size",
+                                                        "num_attention_heads", "num_key_value_heads", "vocab_size",
+                                                        "max_position_embeddings", "torch_dtype", "quantization")},
+            "batch_size": batch_size, "device": str(mx.default_device()), "device_info": info,
+            "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "python": sys.version.split()[0]}
+
+
+def cell_batch(prompts: Prompts, workload: str, c: int, repeat: int) -> list[list[dict[str, str]]]:
+    if workload == "chat":  # the first turn only (the warm-up's)
+        return [[{"role": "user", "content": prompts.first_message(c, repeat, i)}] for i in range(c)]
+    return [getattr(prompts, workload)(c, repeat, i) for i in range(c)]
+
+
+class Deadline:
+    def __init__(self, seconds: float | None) -> None:
+        self._at = None if seconds is None else STARTED + seconds
+
+    def passed(self) -> bool:
+        return self._at is not None and time.monotonic() >= self._at
+
+
+async def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",")]
     chat_levels = [int(x) for x in (args.chat_concurrency or args.concurrency).split(",")]
     workloads = args.workloads.split(",")
     cells = [(w, c) for w in workloads for c in (chat_levels if w == "chat" else levels)]
+    batch_size = args.batch_size
+    if batch_size is None and max(c for _, c in cells) > 32:  # every side's default is 32
+        batch_size = max(c for _, c in cells)
+        print(f"--batch-size {batch_size} (the largest concurrency level) for every side", file=sys.stderr)
+    deadline = Deadline(args.deadline_s)
 
-    # Absolute: the agent reads its alias from a config file in a temporary folder, where a relative
-    # path would resolve to nothing.
-    model_path = args.model_dir.resolve() if args.model_dir else build_tiny_model(
-        REPO / ".cache" / "tiny-models" / f"{args.preset}-f32", preset=args.preset)
+    model_path = model_folder(args)
+    meta = describe(args, model_path, batch_size)
     prompts = Prompts(model_path)
-    bare = Bare(model_path) if {"w1", "w2"} & set(workloads) else None
-    work = Path(tempfile.mkdtemp(prefix="peer-bench-"))
-    peer = start_peer(model_path, work)
-    ours = start_ours(model_path, work)
-    servers = {OURS: ours, PEER: peer}
-    watch = CpuWatch([os.getpid(), ours.proc.pid, peer.proc.pid])
+    bare = Bare(model_path, batch_size) if {"w1", "w2"} & set(workloads) else None
+    work = args.work_dir.resolve() if args.work_dir else Path(tempfile.mkdtemp(prefix="peer-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    servers: dict[str, Server] = {}
     runs: dict[tuple[str, int], dict[tuple[str, int], Run]] = {}  # (workload, c) -> (side, repeat) -> run
     log: list[Run] = []
+    stopped: str | None = None
+
+    def save() -> None:
+        if args.json_out is not None:
+            write_json(args.json_out, {**meta, "stopped": stopped, "elapsed_s": time.monotonic() - STARTED}, runs, log)
+
     try:
-        for server in servers.values():  # warm-up: ours loads the model on its first request
-            await single_shot(server, [prompts.w1(0, -1, 0)], 4)
+        servers[PEER] = start_peer(model_path, work, batch_size)
+        servers[OURS] = start_ours(model_path, work, batch_size, args.ours_toml)
+        pids = {OURS: servers[OURS].proc.pid, PEER: servers[PEER].proc.pid, BARE: os.getpid()}
+        watch = CpuWatch(list(pids.values()))
+        stopped = await warm_up(args, servers, bare, prompts, cells, deadline)
         started = time.monotonic()
         for repeat in range(args.repeats):
             for cell, (workload, c) in enumerate(cells):
+                if stopped is None and deadline.passed():
+                    stopped = f"deadline ({args.deadline_s:g} s) before {workload} c={c} repeat {repeat + 1}"
+                if stopped is not None:
+                    break
                 order = [OURS, PEER] if (repeat + cell) % 2 == 0 else [PEER, OURS]
                 cell_runs = runs.setdefault((workload, c), {})
                 if bare is not None and workload != "chat":
-                    batch = [getattr(prompts, workload)(c, repeat, i) for i in range(c)]
+                    batch = cell_batch(prompts, workload, c, repeat)
                     cell_runs[(BARE, repeat)] = await watch.around(
-                        lambda: asyncio.to_thread(bare.run, batch, args.max_tokens, workload, c, repeat))
+                        lambda: asyncio.to_thread(bare.run, batch, args.max_tokens, workload, c, repeat), pids[BARE])
                     log.append(cell_runs[(BARE, repeat)])
                 for side in order:
-                    run = await watch.around(lambda: server_run(servers[side], prompts, workload, c, repeat, args))
+                    run = await watch.around(lambda: server_run(servers[side], prompts, workload, c, repeat, args),
+                                             pids[side])
                     cell_runs[(side, repeat)] = run
                     log.append(run)
                 check_same_prompts(cell_runs[(OURS, repeat)], cell_runs[(PEER, repeat)])
+                save()
+            if stopped is not None:
+                break
             print(f"repeat {repeat + 1}/{args.repeats} done ({time.monotonic() - started:.0f} s)", file=sys.stderr)
+    except Exception as exc:  # the edge of the run: report what was measured, then fail
+        traceback.print_exc()
+        stopped = f"{type(exc).__name__}: {exc}"
     finally:
         codes = {name: await s.close() for name, s in servers.items()}
-    report(args, model_path, runs, log, codes)
-
-
-def report(args, model_path: Path, runs, log: list[Run], codes: dict[str, int]) -> None:
+    meta["server_exit_codes"] = codes
+    save()
     blas = "OpenBLAS (preloaded)" if "openblas" in os.environ.get("LD_PRELOAD", "") else "MLX's bundled BLAS"
-    print(f"\n{model_path.name}, {args.repeats} interleaved repeats, greedy, w1/w2 {args.max_tokens} tokens, "
-          f"chat {TURNS} turns x {args.turn_tokens} tokens, {args.think_s:g} s between turns; BLAS: {blas}; server exit codes {codes}\n")
-    print("| workload | c | ours tok/s | server tok/s | bare tok/s | ours ÷ bare tok/s | server ÷ bare | "
-          "ours ÷ server tok/s | ours ÷ server TTFT p50 | reuse ours / server |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for (workload, c), cell in runs.items():
-        def side_med(side, key):
-            return med([key(run) for (s, _), run in cell.items() if s == side])
+    batch = "each side's default" if batch_size is None else str(batch_size)
+    print_tables(f"{model_path.name}, {args.repeats} interleaved repeats, greedy, w1/w2 {args.max_tokens} tokens, "
+                 f"chat {TURNS} turns x {args.turn_tokens} tokens, {args.think_s:g} s between turns; BLAS: {blas}; "
+                 f"server exit codes {codes}\ndevice {meta['device']} ({meta['device_info'].get('device_name', '?')}), "
+                 f"decode batch size {batch}, warm-up {args.warmup}", runs, log, stopped)
+    if stopped is not None and not stopped.startswith("deadline"):
+        raise SystemExit(1)
 
-        has_bare = any(s == BARE for s, _ in cell)
-        tps = {s: side_med(s, lambda r: r.tps) for s in (OURS, PEER, BARE)}
-        bare_cols = (f"{tps[BARE]:.1f} | {ratio(cell, OURS, BARE, lambda r: r.tps):.3f} | "
-                     f"{ratio(cell, PEER, BARE, lambda r: r.tps):.3f}") if has_bare else "— | — | —"
-        if workload == "chat":
-            turns = range(2, TURNS + 1)
-            ttft = (f"t1 {ratio(cell, OURS, PEER, lambda r: r.ttft_p50(range(1, 2))):.2f}, "
-                    f"t2-6 **{ratio(cell, OURS, PEER, lambda r: r.ttft_p50(turns)):.2f}**")
-        else:
-            ttft = f"{ratio(cell, OURS, PEER, lambda r: r.ttft_p50()):.2f}"
-        reuse = f"{side_med(OURS, lambda r: r.reuse):.2f} / {side_med(PEER, lambda r: r.reuse):.2f}"
-        print(f"| {workload} | {c} | {tps[OURS]:.1f} | {tps[PEER]:.1f} | {bare_cols} | "
-              f"{ratio(cell, OURS, PEER, lambda r: r.tps):.3f} | {ttft} | {reuse} |")
-    print("\nper run (noise): side workload c repeat | wall s | tok/s | TTFT p50 ms | load1 | other processes' CPU s")
-    for run in log:
-        print(f"  {run.side:<14} {run.workload:<4} {run.c} r{run.repeat} | {run.wall:7.2f} | {run.tps:7.1f} | "
-              f"{run.ttft_p50() * 1000:8.0f} | {run.load1:5.2f} | {run.others_cpu_s:6.1f}")
+
+async def warm_up(args, servers: dict[str, Server], bare: Bare | None, prompts: Prompts,
+                  cells: list[tuple[str, int]], deadline: Deadline) -> str | None:
+    """Untimed requests before the timed cells: ours loads the model on its first request, and MLX
+    compiles its kernels on first use (per shape on a GPU). Returns why it stopped, if it did."""
+    if args.warmup == "one":
+        for server in servers.values():
+            await single_shot(server, [prompts.w1(0, -1, 0)], 4)
+        return None
+    t0 = time.monotonic()
+    for workload, c in cells:
+        if deadline.passed():
+            return f"deadline ({args.deadline_s:g} s) during the warm-up"
+        batch = cell_batch(prompts, workload, c, -1)
+        if bare is not None and workload != "chat":
+            await asyncio.to_thread(bare.run, batch, args.warmup_tokens, workload, c, -1)
+        for server in servers.values():
+            _, requests = await single_shot(server, batch, args.warmup_tokens)
+            failed = sum(r.error is not None for r in requests)
+            if failed:
+                print(f"warm-up {workload} c={c}: {server.name} failed {failed} of {len(requests)}", file=sys.stderr)
+    print(f"warm-up: {len(cells)} cells per side in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    return None
 
 
 if __name__ == "__main__":
