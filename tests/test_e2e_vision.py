@@ -10,7 +10,7 @@ from coordinator_double import JOB_HEADER, Completed, FrameReceived
 from double_fixtures import coordinator_double, double_config, openai_consumer  # noqa: F401
 
 from test_e2e import no_request_reservations, start_agent  # noqa: F401
-from engine_arithmetic import engine_attention
+from engine_arithmetic import mlx_vlm_greedy
 from vision_images import data_uri, detokenized, image_part, jpeg_bytes, png_bytes
 
 PNG = data_uri(png_bytes(40, 30, (220, 30, 30)))
@@ -21,13 +21,12 @@ EOS = {1, 4}
 
 
 def mlx_vlm_reference(model_path: Path, max_tokens: int):
-    from mlx_vlm import generate, load
+    from mlx_vlm import load
     from mlx_vlm.prompt_utils import apply_chat_template
 
     model, processor = load(str(model_path))
     prompt = apply_chat_template(processor, model.config, MESSAGES, num_images=2)
-    with engine_attention():
-        return generate(model, processor, prompt, image=[PNG, JPEG], max_tokens=max_tokens, temperature=0.0)
+    return mlx_vlm_greedy(model, processor, prompt, [PNG, JPEG], max_tokens)
 
 
 async def test_png_and_jpeg_chat_through_the_coordinator_double(coordinator_double, openai_consumer, start_agent,

@@ -4,7 +4,9 @@ Its softmax is computed another way (a polynomial `2**t`, normalised after the v
 agrees with MLX's to float32 rounding, not bit for bit. Greedy tokens of the random-weight tiny
 models can flip on rounding alone (moving the attention scale from the queries to the keys flips the
 tiny VLM's second token), so the engine's tokens are compared with mlx-lm's run under the same
-attention: the pipeline is checked there, the arithmetic here.
+attention: the pipeline is checked there, the arithmetic here. Outputs are compared bit for bit only
+where one computation runs twice, the same ops on the same shapes (what goes to MLX's unchanged, the
+attention on another thread): the BLAS kernel cannot differ there.
 """
 
 from __future__ import annotations

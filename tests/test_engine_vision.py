@@ -18,7 +18,7 @@ from provider.engine import ChatRequest, Engine, EngineFailure, Failed, Finished
 from provider.engine.vision import DutyCycle
 from provider.request.body import IMAGE_MARKER
 from provider.request.media import decode_images, inspect_images
-from engine_arithmetic import engine_attention
+from engine_arithmetic import mlx_vlm_greedy
 from vision_images import data_uri, jpeg_bytes, png_bytes
 
 NO_EOS = frozenset({10**9})
@@ -63,7 +63,7 @@ async def engine():
 
 
 async def test_greedy_output_equals_mlx_vlm_generate(engine, tiny_vlm_path):
-    from mlx_vlm import generate, load
+    from mlx_vlm import load
 
     from provider.engine.vlm import render_prompt
 
@@ -80,9 +80,7 @@ async def test_greedy_output_equals_mlx_vlm_generate(engine, tiny_vlm_path):
     model, processor = load(str(tiny_vlm_path))
     prompt, n_images = render_prompt(processor, model.config, two_image_messages())
     assert n_images == 2
-    with engine_attention():
-        ref = generate(model, processor, prompt, image=list(images), max_tokens=24, temperature=0.0,
-                       prefill_step_size=PREFILL_STEP)
+    ref = mlx_vlm_greedy(model, processor, prompt, list(images), 24, prefill_step_size=PREFILL_STEP)
     assert len(done.completion_ids) >= 8  # enough output to compare
     assert list(done.completion_ids) == ref.token_ids[:len(done.completion_ids)]
     if done.reason.value == "length":

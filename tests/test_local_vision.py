@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from test_local_server import MODEL, Server, start_server
-from engine_arithmetic import engine_attention
+from engine_arithmetic import mlx_vlm_greedy
 from vision_images import bomb_png, data_uri, detokenized, image_part, jpeg_bytes, png_bytes
 
 PNG = data_uri(png_bytes(40, 30, (220, 30, 30)))
@@ -42,7 +42,7 @@ def server(tmp_path_factory, tiny_vlm_path) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def reference(tiny_vlm_path):
     """mlx-vlm by itself: its template helper on the OpenAI messages, its own data: URI loader."""
-    from mlx_vlm import generate, load
+    from mlx_vlm import load
     from mlx_vlm.prompt_utils import apply_chat_template
 
     model, processor = load(str(tiny_vlm_path))
@@ -51,8 +51,7 @@ def reference(tiny_vlm_path):
         images = [p["image_url"]["url"] for m in messages if isinstance(m["content"], list)
                   for p in m["content"] if p["type"] == "image_url"]
         prompt = apply_chat_template(processor, model.config, messages, num_images=len(images))
-        with engine_attention():
-            return generate(model, processor, prompt, image=images, max_tokens=max_tokens, temperature=0.0)
+        return mlx_vlm_greedy(model, processor, prompt, images, max_tokens)
 
     return run
 

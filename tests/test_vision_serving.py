@@ -27,7 +27,7 @@ from provider.models import discover, kv_bytes_for_tokens
 from provider.request.body import parse_chat_body
 from provider.slots import ModelManager
 from test_jobs import Coordinator, sse_json
-from engine_arithmetic import engine_attention
+from engine_arithmetic import mlx_vlm_greedy
 from vision_images import data_uri, detokenized, image_part, jpeg_bytes, png_bytes
 
 NO_EOS = frozenset({10**9})
@@ -120,7 +120,7 @@ async def harness(tiny_vlm_path, tmp_path):
 
 
 async def test_png_and_jpeg_chat_equals_mlx_vlm_generate(harness, tiny_vlm_path):
-    from mlx_vlm import generate, load
+    from mlx_vlm import load
     from mlx_vlm.prompt_utils import apply_chat_template
 
     assert await harness.run("v1", vision_body()) is JobOutcome.COMPLETED
@@ -131,8 +131,7 @@ async def test_png_and_jpeg_chat_equals_mlx_vlm_generate(harness, tiny_vlm_path)
     model, processor = load(str(tiny_vlm_path))
     messages = vision_body()["messages"]
     prompt = apply_chat_template(processor, model.config, messages, num_images=2)
-    with engine_attention():
-        ref = generate(model, processor, prompt, image=[PNG, JPEG], max_tokens=20, temperature=0.0)
+    ref = mlx_vlm_greedy(model, processor, prompt, [PNG, JPEG], 20)
     assert harness.content("v1") == detokenized(tiny_vlm_path, ref.token_ids)  # the same greedy tokens
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (ref.prompt_tokens, ref.generation_tokens)
     assert usage["prompt_tokens"] > 2 * 16  # the images' soft tokens are part of the prompt
