@@ -58,7 +58,7 @@ from provider.request import PromptCounter
 from provider.request.intake import Intake
 from provider.metrics import EvictionCause, Metrics
 from provider.models import DigestCache, Inventory, SkipReason, weight_hash
-from provider.models.hashing import CACHE_FILE
+from provider.models.hashing import CACHE_FILE, weight_fingerprint_sync
 from provider.models.template import Lane, TemplateBound, renderer
 from provider.models.template_check import without_unservable
 from provider.progress import ProgressFactory, default_progress, terminal_progress
@@ -79,8 +79,11 @@ class WeightHashes:
     runtime keeps in the state dir, so a restart only reads weight files that changed."""
 
     def __init__(self, paths: Mapping[str, Path], *, progress: ProgressFactory | None = None,
-                 cache: DigestCache | None = None) -> None:
+                 cache: DigestCache | None = None, fingerprints: bool = False) -> None:
+        """`fingerprints`: the prefix cache's binding only (`weight_fingerprint_sync`), for a runtime
+        that advertises nothing (`serve --local`): no weight byte is read."""
         self._paths = dict(paths)
+        self._fingerprints = fingerprints
         self._progress = progress
         self._cache = cache
         self._done: dict[str, str] = {}
@@ -101,6 +104,8 @@ class WeightHashes:
         return value
 
     async def _hash(self, model_id: str) -> str:
+        if self._fingerprints:
+            return await asyncio.to_thread(weight_fingerprint_sync, self._paths[model_id])
         if self._progress is None:
             return await weight_hash(self._paths[model_id], cache=self._cache)
         with self._progress(f"hashing {model_id}") as bar:
@@ -110,7 +115,8 @@ class WeightHashes:
         return {model_id: await self.get(model_id) for model_id in model_ids}
 
     def known(self) -> Mapping[str, str]:
-        return dict(self._done)
+        """The weight hashes computed so far (none with `fingerprints`: those are no weight hashes)."""
+        return {} if self._fingerprints else dict(self._done)
 
 
 # A conversation's latest turn goes to the SSD tier once it has been quiet this long (see kvcache.manager):
@@ -199,9 +205,13 @@ class Runtime:
     @classmethod
     async def start(cls, settings: Settings, *, engine: Engine | None = None, metrics: Metrics | None = None,
                     eos_token_ids: Mapping[str, frozenset[int]] | None = None,
-                    progress: ProgressFactory | None = None, guest: GuestMonitor | None = None) -> Runtime:
+                    progress: ProgressFactory | None = None, guest: GuestMonitor | None = None,
+                    hash_weights: bool = True) -> Runtime:
         """Build everything. A given `engine` stays the caller's (not closed here); prefix reuse
         then happens only if it was built with `prefix_cache=runtime.prefix_cache.get`.
+        `hash_weights`: the agent advertises each model's weight hash in `register`, so it hashes them
+        before it connects; `serve --local` advertises nothing and passes False: it binds its prefix
+        cache to a file fingerprint instead and listens without reading a weight byte.
         `progress` reports weight hashing and model loads (default: a line on stderr when it is a
         terminal; elsewhere hashing, which can take minutes at every cold start, logs events)."""
         hash_progress = progress if progress is not None else default_progress()
@@ -234,12 +244,14 @@ class Runtime:
                                   limits=memory.mlx_limits(ledger.figures), next_turn_scratch_bytes=scratch,
                                   solo_min_tokens=None if settings.solo_prefill else 0)
         digests = await asyncio.to_thread(DigestCache.open, settings.state_dir / WEIGHT_HASH_CACHE)
-        hashes = WeightHashes({m.id: m.path for m in inventory.models}, progress=hash_progress, cache=digests)
+        hashes = WeightHashes({m.id: m.path for m in inventory.models}, progress=hash_progress, cache=digests,
+                              fingerprints=not hash_weights)
         manager = ModelManager.from_settings(settings, engine, inventory, ledger, probe, metrics=metrics,
                                              eos_token_ids=eos_token_ids, prefix_cache=prefix,
                                              weight_hash=hashes.get, progress=progress)
         servable = tuple(m.id for m, verdict in manager.verdicts() if verdict.ever_fits)
-        await hashes.warm(servable)
+        if hash_weights:
+            await hashes.warm(servable)
         intake = Intake(counter, ledger, manager)
         runtime = cls(settings, inventory, probe, ledger, prefix, engine, owns_engine, manager, hashes, counter,
                       intake, ServingStats(), metrics, servable, writer, guest=guest)

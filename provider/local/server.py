@@ -101,7 +101,7 @@ def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
 
 
 async def run_local(settings: Settings) -> None:
-    runtime = await Runtime.start(settings)
+    runtime = await Runtime.start(settings, hash_weights=False)  # nothing advertised: listen without hashing
     say_if_no_models(runtime.inventory)  # every request would be a 404: the owner reads why on stderr
     app = create_app(RuntimeBackend(runtime), runtime.metrics, chat=True, mode="local")
     state = app.state.local

@@ -174,6 +174,18 @@ def weight_hash_sync(model_dir: Path, *, cache: DigestCache | None = None,
     return outer.hexdigest()
 
 
+def weight_fingerprint_sync(model_dir: Path) -> str:
+    """What binds a process's own prefix-cache entries to the weights it loaded, without reading them:
+    the same files as the weight hash, by name, real path, size and modification time. Cheap (a stat
+    per file), so `serve --local`, which advertises nothing to a network, never waits for a weight
+    hash (14 s for an 8B model's first one); its SSD entries never outlive the process anyway."""
+    outer = hashlib.sha256(b"darkbloom-weight-fingerprint v1\n")
+    for path in hashed_files(Path(model_dir)):
+        stat = path.stat()
+        outer.update(f"{path.name}\0{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return "fingerprint-" + outer.hexdigest()
+
+
 async def weight_hash(model_dir: Path, *, cache: DigestCache | None = None,
                       progress: Progress | None = None) -> str:
     """The weight hash of a model directory, computed in a worker thread (see module docstring)."""
