@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import binascii
 import os
+import tempfile
 from pathlib import Path
 
 import nacl.exceptions
@@ -92,8 +93,10 @@ def write_private_file(path: str | os.PathLike[str], data: bytes) -> None:
     """Write ``data`` to ``path`` with mode 0600 whatever the umask, atomically: temp file, fsync,
     rename, fsync of the directory. Key files are the one bit of file I/O this package does."""
     target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    # A fresh random name (O_EXCL, 0600): a temp file a killed process left under a name of its own
+    # (its pid, which a later process may get again) can never block the writes that follow.
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    tmp = Path(name)
     try:
         try:
             os.fchmod(fd, 0o600)

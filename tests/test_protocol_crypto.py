@@ -190,3 +190,18 @@ def test_load_of_a_missing_file_is_a_key_file_error(tmp_path):
 def test_private_key_must_be_32_bytes():
     with pytest.raises(InvalidKeyError):
         ProviderIdentity.from_private_bytes(bytes(31))
+
+
+def test_a_temp_file_a_killed_writer_left_never_blocks_the_next_write(tmp_path):
+    """A writer killed between its temp file and the rename leaves the temp file behind; a later
+    process (which may get the same pid after a reboot) must still write (the crash-loop guard's
+    files and the identity keys go through here)."""
+    import os
+
+    from protocol.crypto import write_private_file
+
+    target = tmp_path / "abnormal-exits.json"
+    (tmp_path / f".{target.name}.{os.getpid()}.tmp").write_bytes(b"half")
+    write_private_file(target, b"{}")
+    write_private_file(target, b'{"exits": []}')
+    assert target.read_bytes() == b'{"exits": []}' and oct(target.stat().st_mode & 0o777) == "0o600"
