@@ -411,14 +411,20 @@ async def test_the_tokens_are_mlx_lms_own(model, tiny_model_path, variables_mode
         counter.lane.close()
 
 
-def test_the_vision_prompt_is_mlx_vlms_own(tiny_vlm_path):
-    """The VLM's prompt text through the bounded renderer equals mlx-vlm's own rendering."""
+@pytest.mark.parametrize("loader", ["load_processor", "load"])
+def test_the_vision_prompt_is_mlx_vlms_own(tiny_vlm_path, loader):
+    """The VLM's prompt text through the bounded renderer equals mlx-vlm's own rendering, with the
+    processor the counter loads (it has the template) and the one the engine loads (its tokenizer has it)."""
+    from mlx_vlm import load
     from mlx_vlm.prompt_utils import apply_chat_template
     from mlx_vlm.utils import load_config, load_processor
 
     from provider.engine.vlm import render_prompt, template_messages
 
-    processor = load_processor(tiny_vlm_path, add_detokenizer=False)
+    if loader == "load":
+        _, processor = load(str(tiny_vlm_path), lazy=True)
+    else:
+        processor = load_processor(tiny_vlm_path, add_detokenizer=False)
     config = load_config(tiny_vlm_path)
     for messages in [
         [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, {"type": "image_url"}]}],

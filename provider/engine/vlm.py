@@ -38,6 +38,7 @@ from provider.models.template import (
     Lane,
     RendererUnavailable,
     TemplateExceeded,
+    TemplateFailed,
     renderer,
 )
 
@@ -104,7 +105,10 @@ class BoundedTemplates:
 
     def apply_chat_template(self, conversation: Any, chat_template: str | None = None, tools: Any = None,
                             add_generation_prompt: bool = False, tokenize: bool = False, **kwargs: Any) -> Any:
-        template = None if tokenize or chat_template is not None else self._template()
+        try:
+            template = None if tokenize or chat_template is not None else self._template()
+        except AttributeError:  # mlx-vlm would take it for "no template" and render a plain prompt instead
+            raise TemplateFailed("the chat template could not be read") from None
         if template is None:  # not how mlx-vlm builds a prompt: the real method
             return self._target.apply_chat_template(conversation, chat_template=chat_template, tools=tools,
                                                     add_generation_prompt=add_generation_prompt,

@@ -101,7 +101,9 @@ class ChatTemplate:
         renderers for some model types, a tokenizer class with its own method): that stays in-process."""
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-        inner = getattr(tokenizer, "_tokenizer", tokenizer)
+        # mlx-lm's wrapper keeps the transformers tokenizer as `_tokenizer` (a transformers tokenizer's
+        # own `_tokenizer` is its Rust backend: not what renders).
+        inner = tokenizer if isinstance(tokenizer, PreTrainedTokenizerBase) else tokenizer._tokenizer
         if inner is not tokenizer and vars(tokenizer).get("_chat_template") is not None:
             return None
         if type(inner).apply_chat_template is not PreTrainedTokenizerBase.apply_chat_template:
