@@ -1,0 +1,92 @@
+#!/bin/sh
+# One complete GPU measurement in one run: build the model (or reuse it), the decode benchmark, then
+# peer_bench; every table and JSON file lands flat under $OUT (6 files), and the script ends before
+# BUDGET_S (540 s) so a 600 s run returns with its results. Nothing here needs the network.
+#
+# On the GPU host (after the kit's stash runs; ../shared/gpu/README.md):
+#     . .gpu/kit/install.sh && sh benchmarks/gpu_run.sh 1b        (or 8b)
+# On this CPU, the same steps with a tiny model and small sizes (a smoke test of every command):
+#     OUT=/tmp/x PYTHON=.venv/bin/python MODELS=/tmp/models QUICK=1 sh benchmarks/gpu_run.sh tiny
+#
+# Environment: OUT (required), PYTHON (python3), MODELS (/root/models), BUDGET_S (540),
+# DECODE_UNTIL_S (script second after which the decode benchmark starts no run; 170), PARTS
+# ("decode peer": leave one out to run the other alone), QUICK=1 (small sizes, for the CPU).
+# Files: $P-run.log (every step's stderr, timings, versions), $P-decode.md/.json,
+# $P-peer.md/.json, $P-servers.log (the end of both servers' logs), with P the preset.
+set -u
+PRESET=${1:-1b}
+OUT=${OUT:?set OUT to the folder for the results}
+PY=${PYTHON:-python3}
+MODELS=${MODELS:-/root/models}
+BUDGET=${BUDGET_S:-540}
+DECODE_UNTIL=${DECODE_UNTIL_S:-170}
+PARTS=${PARTS:-decode peer}
+QUICK=${QUICK:-0}
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+
+START=$(date +%s)
+elapsed() { echo $(( $(date +%s) - START )); }
+left() { echo $(( BUDGET - $(elapsed) )); }
+LOG="$OUT/$PRESET-run.log"
+MODEL="$MODELS/$PRESET-noeos"
+WORK="${TMPDIR:-/tmp}/gpu-run-$PRESET"
+mkdir -p "$OUT" "$MODELS"
+rm -rf "$WORK"
+note() { echo "[$(elapsed) s] $*" | tee -a "$LOG"; }
+has() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
+
+if [ "$QUICK" = 1 ]; then
+  DECODE_ARGS="--batch-sizes 1,8 --repeats 1 --prompt-tokens 32 --short-tokens 4 --long-tokens 12"
+  PEER_ARGS="--workloads w1,w2,chat --concurrency 1,4 --repeats 1 --batch-size 8 --max-tokens 16 --turn-tokens 8 --warmup-tokens 4"
+else
+  REPEATS=3; [ "$PRESET" = 8b ] && REPEATS=2  # the 8B's decode steps are ~5x longer: leave time for peer_bench
+  DECODE_ARGS="--batch-sizes 1,8,32,64 --repeats $REPEATS --prompt-tokens 128 --short-tokens 16 --long-tokens 80"
+  PEER_ARGS="--workloads w1,w2,chat --concurrency 1,8,32 --repeats 3 --batch-size 32 --max-tokens 64 --turn-tokens 64"
+fi
+
+note "gpu_run $PRESET: budget $BUDGET s, parts '$PARTS', quick $QUICK, python $PY, model $MODEL"
+{
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader
+  "$PY" -c "import sys, mlx.core as mx, mlx_lm; print('python', sys.version.split()[0], 'mlx', mx.__version__, 'mlx_lm', mlx_lm.__version__, mx.default_device(), mx.device_info())"
+  git rev-parse HEAD 2>/dev/null && git status --short 2>/dev/null | head -30
+} >>"$LOG" 2>&1
+
+note "build (or reuse) $MODEL"
+if ! "$PY" -m provider.tinymodel "$MODEL" --preset "$PRESET" --no-eos >>"$LOG" 2>&1; then
+  note "FAILED: the model build (see $LOG)"; tail -20 "$LOG"; exit 1
+fi
+note "model ready"
+RC=0
+
+if has decode; then
+  D=$(( DECODE_UNTIL - $(elapsed) )); [ "$D" -lt 30 ] && D=30
+  note "decode_bench (starts no run after $D s)"
+  # shellcheck disable=SC2086
+  timeout -k 10 $(( D + 90 )) "$PY" benchmarks/decode_bench.py --model-dir "$MODEL" $DECODE_ARGS --deadline-s "$D" \
+    --json-out "$OUT/$PRESET-decode.json" >"$OUT/$PRESET-decode.md" 2>>"$LOG"
+  rc=$?; [ $rc -ne 0 ] && RC=$rc
+  note "decode_bench exit $rc"
+fi
+
+if has peer; then
+  L=$(left)
+  if [ "$L" -lt 150 ]; then
+    note "SKIPPED peer_bench: only $L s left"; RC=1
+  else
+    P=$(( L - 75 ))  # the cell under way, closing both servers and the report fit in the rest
+    note "peer_bench (starts no cell after $P s)"
+    # shellcheck disable=SC2086
+    timeout -k 10 $(( L - 15 )) "$PY" benchmarks/peer_bench.py --model-dir "$MODEL" $PEER_ARGS --warmup cells \
+      --deadline-s "$P" --work-dir "$WORK" --json-out "$OUT/$PRESET-peer.json" >"$OUT/$PRESET-peer.md" 2>>"$LOG"
+    rc=$?; [ $rc -ne 0 ] && RC=$rc
+    note "peer_bench exit $rc"
+    for f in ours peer; do
+      [ -f "$WORK/$f.log" ] && { echo "== $f.log (last 150 lines)"; tail -150 "$WORK/$f.log"; }
+    done >"$OUT/$PRESET-servers.log" 2>&1
+  fi
+fi
+
+note "done, exit $RC"
+[ -f "$OUT/$PRESET-decode.md" ] && cat "$OUT/$PRESET-decode.md"
+[ -f "$OUT/$PRESET-peer.md" ] && sed '/^per run (noise)/,$d' "$OUT/$PRESET-peer.md"
+exit $RC
