@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -75,6 +76,9 @@ def _wait_for_os_thread_exit(native_id: int | None, limit: float = 2.0) -> None:
     deadline = time.monotonic() + limit
     while task.exists() and time.monotonic() < deadline:
         time.sleep(0.001)
+
+
+GIL_SWITCH_INTERVAL_S = 0.0005  # see Engine.__init__
 
 
 class _End(enum.Enum):
@@ -178,6 +182,10 @@ class Engine:
                               weight_layout=weight_layout, cpu_attention=cpu_attention)
         self._streams: dict[str, RequestStream] = {}
         self._closed = False
+        # Between two steps the engine thread needs the GIL for a moment; while the event loop thread
+        # runs Python (token delivery, SSE, sealing), CPython hands it over only after the switch
+        # interval, 5 ms by default: a whole decode step on a GPU. Ask for it sooner, process-wide.
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._worker.serve, name=thread_name, daemon=True)
         self._thread.start()
 

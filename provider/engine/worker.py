@@ -82,6 +82,7 @@ from provider.engine.commands import (
     Unload,
 )
 from provider.engine import attention
+from provider.engine.decode import EngineBatchGenerator
 from provider.engine.device import DeviceLimits
 from provider.engine.layout import MAX_WEIGHT_BYTES, on_cpu, transpose_weights
 from provider.engine.prefill import (
@@ -208,8 +209,8 @@ _PREFILL_BATCH = 8  # mlx-lm's prefill_batch_size default
 def _new_generator(model, eos_token_ids: frozenset[int], batch_size: int) -> BatchGenerator:
     # completion_batch_size is how many sequences decode at once; admission never admits more
     # concurrent requests per model than this, so no admitted request waits without tokens.
-    return BatchGenerator(model, stop_tokens=[[t] for t in sorted(eos_token_ids)] or None,
-                          completion_batch_size=batch_size, prefill_batch_size=min(_PREFILL_BATCH, batch_size))
+    return EngineBatchGenerator(model, stop_tokens=[[t] for t in sorted(eos_token_ids)] or None,
+                                completion_batch_size=batch_size, prefill_batch_size=min(_PREFILL_BATCH, batch_size))
 
 
 class Worker:

@@ -1,0 +1,67 @@
+"""The engine's decode step (`provider.engine.decode`, issue 30 item 2) against mlx-lm's, on the tiny model.
+
+Both generators get the same prompts (different lengths, so the batch is left-padded), a second
+wave inserted while the first decodes, and sequences that end at different steps (the batch is
+filtered under them); every sequence must get exactly the tokens mlx-lm's own `BatchGenerator`
+gives it, step for step. The comparison is of one computation done twice with the same ops in the
+same order (the engine's step reuses mlx-lm's arithmetic), so it is exact on any BLAS.
+"""
+
+from __future__ import annotations
+
+import mlx_lm
+import pytest
+from mlx_lm.generate import BatchGenerator
+
+from provider.engine.decode import DecodeBatch, EngineBatchGenerator
+
+
+def run(generator_class, model, first, second, max_tokens):
+    generator = generator_class(model, completion_batch_size=8, prefill_batch_size=4)
+    out: dict[int, list[int]] = {}
+    uids = generator.insert(first, max_tokens=max_tokens[: len(first)])
+    steps = 0
+    while True:
+        _, responses = generator.next()
+        steps += 1
+        for r in responses:
+            out.setdefault(r.uid, []).append(r.token)
+        if steps == 3:
+            uids += generator.insert(second, max_tokens=max_tokens[len(first):])
+        if steps > 3 and not responses and not generator._unprocessed_sequences \
+                and not len(generator._prompt_batch) and not len(generator._generation_batch):
+            break
+    generator.close()
+    return [out[u] for u in uids]
+
+
+def test_the_engines_decode_step_gives_mlx_lms_tokens(tiny_model_path):
+    model, tokenizer = mlx_lm.load(str(tiny_model_path))
+    prompts = [tokenizer.encode(text) for text in (
+        "a river", "the mountain stream is quiet tonight", "seven", "batch of copper wire and salt stone",
+        "north wind", "paper boat on a green lamp garden")]
+    max_tokens = [12, 5, 9, 14, 3, 10]
+    ours = run(EngineBatchGenerator, model, prompts[:4], prompts[4:], max_tokens)
+    theirs = run(BatchGenerator, model, prompts[:4], prompts[4:], max_tokens)
+    assert ours == theirs
+    assert [len(t) for t in ours] == max_tokens  # the tiny model's EOS never wins here: every length is reached
+
+
+def test_the_generator_decodes_with_the_engines_batch(tiny_model_path):
+    model, _ = mlx_lm.load(str(tiny_model_path))
+    generator = EngineBatchGenerator(model)
+    assert type(generator._generation_batch) is DecodeBatch
+    generator.close()
+
+
+async def test_an_engine_gets_the_gil_back_within_half_a_millisecond(tiny_model_path):
+    """CPython hands the GIL to a waiting thread after the switch interval (5 ms by default, a whole
+    decode step on a GPU) while another thread runs Python; the engine asks for 0.5 ms, process-wide."""
+    import sys
+
+    from provider.engine import Engine
+    from provider.engine.engine import GIL_SWITCH_INTERVAL_S
+
+    sys.setswitchinterval(0.005)
+    async with Engine():
+        assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_INTERVAL_S) and GIL_SWITCH_INTERVAL_S <= 0.001
