@@ -113,7 +113,8 @@ from provider.state_lock import running_agent
 from provider.supervision import AbnormalExits, guard_unwritable, read_abnormal_exits
 from provider.models import Inventory, ModelInfo, Quantization, default_hf_cache, discover
 from provider.models.searched import README_MODELS_HEADING, place_lines, places_text
-from provider.models.template_check import check_inventory
+from provider.models.template import TemplateBound
+from provider.models.template_check import check_inventory, without_unservable
 
 GIB = 1 << 30
 DEFAULT_COORDINATOR_TIMEOUT_S = 5.0
@@ -381,8 +382,11 @@ def run_doctor(
     policy = policy_settings(settings, env)
     cap = memory.compute_figures(snapshot.physical_bytes, policy)
     level = memory.pressure(snapshot)
-    # A chat template past its time or memory bound is a skipped folder, as the agent finds at start.
-    inventory = check_inventory(discover_models(settings), timeout_s=settings.template_timeout_s)
+    status = running_agent_status(settings) if check_running_agent else None
+    # A chat template past its time or memory bound is a skipped folder, as the agent finds at start
+    # (and as a running agent found on a request).
+    inventory = without_unservable(check_inventory(discover_models(settings), timeout_s=settings.template_timeout_s),
+                                   _template_drops(status), timeout_s=settings.template_timeout_s)
     models = tuple(
         ModelReport(m, memory.fit(cap, snapshot, m.weight_bytes, evictable_bytes=0, outstanding_bytes=0))
         for m in inventory.models
@@ -402,7 +406,7 @@ def run_doctor(
                                  models=[(r.model, r.fit) for r in models], runtime_hash=rhash,
                                  check_catalog=check_coordinator_url, timeout_s=timeout_s, hardening=hardening)
         problems += _routing_problems(routing)
-    agent = running_agent_diagnostics(settings) if check_running_agent else None
+    agent = _diagnostics(status)
     problems += _restart_problems(agent)
     guest_report = guest(settings) if guest is not None else None
     if guest_report is not None:
@@ -416,6 +420,23 @@ def running_agent_diagnostics(settings: Settings, timeout_s: float = 2.0) -> dic
     """The memory diagnostics of an agent running with these settings (its loopback /status: the one
     its state directory records, else the configured one), or None when none answers. The same
     figures and recommendation the agent acts on."""
+    return _diagnostics(running_agent_status(settings, timeout_s))
+
+
+def _diagnostics(status: dict[str, Any] | None) -> dict[str, Any] | None:
+    diagnostics = status.get("diagnostics") if status is not None else None
+    return diagnostics if isinstance(diagnostics, dict) else None
+
+
+def _template_drops(status: dict[str, Any] | None) -> dict[str, TemplateBound]:
+    """The models a running agent dropped because their template passed a bound on a request."""
+    gone = status.get("models_gone") if status is not None else None
+    bounds = {b.value: b for b in TemplateBound}
+    return {m: bounds[r] for m, r in gone.items() if r in bounds} if isinstance(gone, dict) else {}
+
+
+def running_agent_status(settings: Settings, timeout_s: float = 2.0) -> dict[str, Any] | None:
+    """The /status of an agent running with these settings (see `running_agent_diagnostics`)."""
     running = running_agent(settings.state_dir)
     urls = dict.fromkeys(u for u in (running and running.local_url, settings.local_base_url) if u)
     status = None
@@ -426,8 +447,7 @@ def running_agent_diagnostics(settings: Settings, timeout_s: float = 2.0) -> dic
             break
         except (OSError, ValueError):
             continue
-    diagnostics = status.get("diagnostics") if isinstance(status, dict) else None
-    return diagnostics if isinstance(diagnostics, dict) else None
+    return status if isinstance(status, dict) else None
 
 
 def _restart_problems(agent: dict[str, Any] | None) -> tuple[Problem, ...]:

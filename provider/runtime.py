@@ -119,6 +119,8 @@ class WeightHashes:
         return {} if self._fingerprints else dict(self._done)
 
 
+UNSERVABLE_RETRY_S = 1.0  # how often a resident model whose template passed a bound is tried for unloading
+
 # A conversation's latest turn goes to the SSD tier once it has been quiet this long (see kvcache.manager):
 # rewriting the whole conversation after every turn would take the CPU the next turn's prefill needs.
 SSD_QUIET_S = 5.0
@@ -201,6 +203,7 @@ class Runtime:
     session: SessionStatus | None = None  # the agent's coordinator link (None for `serve --local`)
     preload_refused: dict[str, str] = dataclasses.field(default_factory=dict)  # model id -> reason
     guest: GuestMonitor | None = None  # the owner's rules (the agent only; `serve --local` serves its owner)
+    _dropping: dict[str, asyncio.Task[None]] = dataclasses.field(default_factory=dict)  # resident, unservable
 
     @classmethod
     async def start(cls, settings: Settings, *, engine: Engine | None = None, metrics: Metrics | None = None,
@@ -277,10 +280,20 @@ class Runtime:
 
     def _drop_unservable(self, model_id: str, bound: TemplateBound) -> None:
         """A request found the model's template past a bound: the counter refuses the model's requests
-        from now on (404, and `servable_now` leaves it out); one that is not loaded also leaves the
-        inventory (the next register, /status `models_gone`). One that is resident stays listed to the
-        coordinator until a restart (the manager drops only models that are not loaded)."""
-        self.manager.forget(model_id, GoneReason(bound.value))
+        from now on (404, and `servable_now` leaves it out), and it leaves the inventory (the next
+        register; /status `models_gone`) — a resident one once its requests in flight are done."""
+        if self.manager.state(model_id) is ModelState.NOT_LOADED:
+            self.manager.forget(model_id, GoneReason(bound.value))
+        elif model_id not in self._dropping:
+            self._dropping[model_id] = asyncio.create_task(self._unload_and_forget(model_id, GoneReason(bound.value)),
+                                                           name=f"drop-{model_id}")
+
+    async def _unload_and_forget(self, model_id: str, reason: GoneReason) -> None:
+        # It takes no new request: unload it as soon as the ones in flight are done (a real wait, not a
+        # handshake: the manager has no "idle now" signal), then forget it.
+        while self.manager.state(model_id) is not ModelState.NOT_LOADED and not await self.manager.unload(model_id):
+            await asyncio.sleep(UNSERVABLE_RETRY_S)
+        self.manager.forget(model_id, reason)
 
     async def release_models(self) -> bool:
         """Unload every idle model (kept-warm ones too) so the owner gets the memory back; True once
@@ -330,6 +343,8 @@ class Runtime:
         """Refuse new work, unload every model (each unload purges its prefix cache), stop the engine
         if it is ours, then let queued SSD writes finish (a purged model's writes delete themselves)."""
         self.manager.start_draining()
+        for task in self._dropping.values():
+            task.cancel()
         await self.manager.unload_all()
         if self.owns_engine:
             await self.engine.aclose()
@@ -399,7 +414,9 @@ class Runtime:
             **guest,
             "preload": {"requested": list(self.settings.preload_models), "refused": dict(self.preload_refused)},
             "models": models,
-            "models_gone": {m: reason.value for m, reason in self.manager.gone.items()},  # dropped since start
+            # dropped since start; a model refused for its template counts from the refusal on
+            "models_gone": {**{m: b.value for m, b in self.counter.unservable().items()},
+                            **{m: reason.value for m, reason in self.manager.gone.items()}},
             "in_flight": len(self.stats.in_flight),
             "ledger": {"bytes_by_kind": {k.value: v for k, v in ledger.bytes_by_kind.items()},
                        "count_by_kind": {k.value: v for k, v in ledger.count_by_kind.items()},

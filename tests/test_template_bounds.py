@@ -265,6 +265,28 @@ async def test_a_request_whose_render_loops_fails_alone_while_the_agent_serves_o
         assert await asyncio.wait_for(task, 30) == 0
 
 
+def test_a_model_dropped_on_a_request_is_named_by_models_while_the_server_runs(served, folders, tmp_path):
+    """The local front door: the looping request gets 422, the model leaves /v1/models and is a 404
+    from then on, and `models --json` (asking the running server) names it with its reason."""
+    server = served({"tiny": folders["tiny"], "trap": folders["trap"]}, template_timeout_s=1)
+    server.wait_ready(40)
+    assert chat(server.base, "trap").status_code == 200  # renders fine without the word
+    looping = chat(server.base, "trap", "LOOP")
+    assert looping.status_code == 422 and looping.json()["error"]["code"] == "template_render", looping.text
+    assert [m["id"] for m in httpx.get(server.base + "/v1/models").json()["data"]] == ["tiny"]
+    assert chat(server.base, "trap").status_code == 404
+    assert chat(server.base, "tiny").status_code == 200
+    assert httpx.get(server.base + "/status").json()["models_gone"] == {"trap": "chat_template_timeout"}
+    # It was resident (the first request loaded it): unloaded once idle, and out of the inventory.
+    wait_until(lambda: "trap" not in [m["id"] for m in httpx.get(server.base + "/status").json()["models"]], 10,
+               "the resident model unloaded and dropped")
+    models = subprocess.run([sys.executable, "-m", "provider.cli", "--config", str(tmp_path / "provider.toml"),
+                             "models", "--json"], env=cli_env(tmp_path), capture_output=True, text=True, timeout=120)
+    doc = json.loads(models.stdout)
+    assert [m["id"] for m in doc["models"]] == ["tiny"]
+    assert {s["id"]: s["reason"] for s in doc["skipped"]} == {"trap": "chat_template_timeout"}
+
+
 async def _until(condition, timeout_s: float) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not condition():

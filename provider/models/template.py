@@ -243,9 +243,10 @@ class TemplateRenderer:
         request = pickle.dumps((template.source, dict(template.variables), [dict(m) for m in messages],
                                 add_generation_prompt, extra, max_rendered_chars(sent)), pickle.HIGHEST_PROTOCOL)
         answer = self._exchange(request, timeout_s + sent / RENDER_CHARS_PER_S, 4 * max_rendered_chars(sent) + 16)
+        del request  # a long prompt's copies: one at a time
         status = answer[:1]
         if status == b"R":
-            return answer[1:].decode("utf-8", "surrogatepass")
+            return str(memoryview(answer)[1:], "utf-8", "surrogatepass")
         if status == b"E":
             raise TemplateFailed("the chat template could not render the messages")
         raise TemplateExceeded(TemplateBound.MEMORY)
