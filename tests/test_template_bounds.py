@@ -294,6 +294,26 @@ async def _until(condition, timeout_s: float) -> None:
         await asyncio.sleep(0.01)  # a poll with a deadline
 
 
+async def test_the_engine_threads_render_is_bounded_too(folders):
+    """The engine renders on its own thread when a request comes without prompt ids: a looping
+    template fails that request (invalid_request) within the bound, and the engine serves on."""
+    from provider.engine import ChatRequest, Engine, Failed, Finished, SamplingParams
+    from provider.engine.types import EngineFailure
+
+    async with Engine() as engine:
+        await engine.load("trap", folders["trap"], eos_token_ids=NO_EOS)
+        started = time.monotonic()
+        stream = engine.submit("trap", ChatRequest("r1", [{"role": "user", "content": "LOOP"}],
+                                                   SamplingParams(max_tokens=2, temperature=0)))
+        _, failed = await stream.collect()
+        assert isinstance(failed, Failed) and failed.code is EngineFailure.INVALID_REQUEST
+        assert time.monotonic() - started < 10  # the 2 s bound, and a renderer's start on a busy machine
+        stream = engine.submit("trap", ChatRequest("r2", [{"role": "user", "content": "hello"}],
+                                                   SamplingParams(max_tokens=2, temperature=0)))
+        _, finished = await stream.collect()
+        assert isinstance(finished, Finished)
+
+
 # --- (c) SIGTERM while a render hangs -------------------------------------------------------------
 
 
