@@ -453,6 +453,31 @@ async def test_the_tokens_are_mlx_lms_own(model, tiny_model_path, variables_mode
         counter.lane.close()
 
 
+async def test_a_short_prompt_its_template_makes_long_is_counted_in_the_lane(tmp_path, tiny_model_path):
+    """A short prompt is counted on the loop only when its rendered text is short too: a template that
+    repeats it (here 100 times: 100 KB) has it counted in the bulk lane, to the same ids."""
+    from mlx_lm.utils import load_tokenizer
+
+    from provider.request import PromptCounter
+
+    repeats = with_template(tmp_path, "repeats", tiny_model_path,
+                            "{% for m in messages %}{% for i in range(100) %}{{ m['content'] }}{% endfor %}{% endfor %}")
+    counter = PromptCounter({"m": repeats})
+    in_lane = []
+
+    async def run(fn, *args):
+        in_lane.append(fn.__name__)
+        return await counter.lane.run(fn, *args)
+
+    try:
+        messages = [{"role": "user", "content": "a few words " * 85}]  # 1,020 characters
+        ids = await counter.prompt_ids("m", messages, run=run)
+        assert ids == load_tokenizer(repeats).apply_chat_template(messages, add_generation_prompt=True)
+        assert in_lane == ["_counted"]
+    finally:
+        counter.lane.close()
+
+
 @pytest.mark.parametrize("loader", ["load_processor", "load"])
 def test_the_vision_prompt_is_mlx_vlms_own(tiny_vlm_path, loader):
     """The VLM's prompt text through the bounded renderer equals mlx-vlm's own rendering, with the

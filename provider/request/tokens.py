@@ -134,7 +134,7 @@ class _Entry:
     __slots__ = ("bounds", "bulk", "template", "tokenizer")
 
     def __init__(self, tokenizer: Any, bounds: TokenBounds, template: ChatTemplate | None) -> None:
-        self.tokenizer = tokenizer  # used on the event loop only (a VLM's: at start-up only)
+        self.tokenizer = tokenizer  # used on the event loop only (a VLM's: in the lane, see `_load`)
         self.bounds = bounds
         self.template = template  # None: the tokenizer renders with mlx-lm's own Python code, in-process
         self.bulk: Any | None = None  # the bulk lane's own instance, loaded on first use there
@@ -300,6 +300,8 @@ class PromptCounter:
         finally:
             self._loading.pop(model_id, None)
         entry = self._entries[model_id] = _Entry(tokenizer, bounds, template)
+        if model_id in self._vision:
+            entry.bulk = tokenizer  # a VLM's prompts are all counted in the lane: one processor is enough
         log.info("tokenizer_ready", model=model_id, longest_token_count=bounds.longest_token_chars,
                  per_message_tokens=bounds.per_message_tokens, outcome="bounded" if bounds.shrink else "unbounded")
         return entry
