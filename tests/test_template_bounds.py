@@ -432,7 +432,7 @@ async def test_the_tokens_are_mlx_lms_own(model, tiny_model_path, variables_mode
     the counter inline, the counter's bulk lane, and the engine thread's `render_ids`."""
     from mlx_lm.utils import load_tokenizer
 
-    from provider.request import PromptCounter
+    from provider.request import PromptCounter, PromptError
     from provider.request.tokens import INLINE_CHARS
 
     path = tiny_model_path if model == "tiny" else variables_model
@@ -449,6 +449,11 @@ async def test_the_tokens_are_mlx_lms_own(model, tiny_model_path, variables_mode
                 tokenizer.apply_chat_template(messages, add_generation_prompt=False)
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             assert encode(tokenizer, text) == expected
+        lone_surrogate = [{"role": "user", "content": "a\ud800b"}]  # valid JSON; mlx-lm raises TypeError
+        with pytest.raises(TypeError):
+            tokenizer.apply_chat_template(lone_surrogate, add_generation_prompt=True)
+        with pytest.raises(PromptError):  # a client error, as it was in-process
+            await counter.prompt_ids(model, lone_surrogate)
     finally:
         counter.lane.close()
 

@@ -24,7 +24,9 @@ extra template variables such as ``tools``) -> str.
 
 Each process has two renderers (`renderer(lane)`), started on first use: `Lane.INTERACTIVE` for short
 prompts (awaited on the event loop with `arender`), the engine thread and start-up checks, and
-`Lane.BULK` for the bulk lane's long prompts, so a short prompt never waits behind a long one.
+`Lane.BULK` for the bulk lane's long prompts, so a short prompt never waits behind a long one; and
+when a render has been stuck for `SPARE_AFTER_S`, the interactive renderer starts a second process,
+so the requests behind it are served while it runs out its bound.
 A template error (``raise_exception``, a missing key) is `TemplateFailed`: the client's problem, as
 before. Nothing raised here carries template or prompt text.
 """

@@ -341,7 +341,10 @@ def _text_chars(messages: Sequence[Mapping[str, object]]) -> int:
 
 def _encode(tokenizer: Any, rendered: str) -> list[int]:
     """The ids of a rendered prompt, as ``apply_chat_template`` makes them."""
-    ids = tokenizer.encode(rendered, add_special_tokens=False)
+    try:
+        ids = tokenizer.encode(rendered, add_special_tokens=False)
+    except TypeError:  # text the tokenizer cannot take (a lone surrogate): a client error, as before
+        raise PromptError("the rendered prompt could not be tokenized") from None
     if not ids:
         raise PromptError("empty prompt")
     return list(ids)
@@ -374,7 +377,10 @@ def _surely_over(tokenizer: Any, rendered: str, limit: int) -> bool:
         if end < len(rendered):
             found = _PIECE_BREAK.search(rendered, end, min(len(rendered), end + 4096))
             end = found.start() if found else end
-        total += len(encode(rendered[start:end], add_special_tokens=False))
+        try:
+            total += len(encode(rendered[start:end], add_special_tokens=False))
+        except TypeError:  # see _encode
+            raise PromptError("the rendered prompt could not be tokenized") from None
         pieces += 1
         if total - pieces * BOUNDARY_SLACK_TOKENS >= limit:
             return True
