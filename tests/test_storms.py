@@ -324,7 +324,10 @@ async def test_a_mass_disconnect_frees_the_room_for_the_next_wave(job_rig, small
     assert all(rig.types(rid)[0] == "inference_accepted" for rid in first)
     left = rig.runtime.ledger.figures.available_bytes(rig.runtime.probe.snapshot(),
                                                       rig.runtime.ledger.outstanding_bytes())
-    assert left < 2 * tokens * per_token  # the room is spoken for: at most one more such request fits
+    # The room is spoken for: at most two more such requests fit. (Rounding leaves up to 512 tokens a
+    # request, which the batch's first KV blocks mostly take; whether one or two more fit is decided
+    # by MLX's buffer cache at this moment, which depends on how the prompts reached the engine.)
+    assert left < 3 * tokens * per_token
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
