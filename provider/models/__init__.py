@@ -5,6 +5,9 @@
 * `ModelInfo`, `SkippedModel(path, reason: SkipReason, message)` (discovery.py)
 * `kv_bytes_for_tokens(info.kv, tokens)` and `KvLayout` (kv.py)
 * `weight_hash(path)` (hashing.py)
+* a folder's chat template is its code: `renderer(lane).render(ChatTemplate.of(tokenizer), messages, ...)`
+  renders it in a bounded child process (template.py, _template_child.py); `check_inventory` and
+  `without_unservable` (template_check.py) make one that passes a bound a skipped folder
 """
 
 from provider.models.discovery import (
