@@ -265,20 +265,25 @@ def summarize(args, runs: list[dict], sizes: list[int], ways: list[str], weights
     steps = args.long_tokens - args.short_tokens
     context = args.prompt_tokens + (args.short_tokens + args.long_tokens) / 2
     rows = []
+
+    def rate(run: dict) -> float | None:
+        # A long run no slower than the short one is noise (another process on a shared CPU): left out.
+        span = run["long_s"] - run["short_s"]
+        return run["batch"] * steps / span if span > 0 else None
+
     for batch in sizes:
-        bare = {r["repeat"]: r for r in runs if r["batch"] == batch and r["way"] == "bare"}
+        bare = {r["repeat"]: rate(r) for r in runs if r["batch"] == batch and r["way"] == "bare"}
         for way in ways:
-            mine = [r for r in runs if r["batch"] == batch and r["way"] == way]
-            if not mine:
+            mine = {r["repeat"]: rate(r) for r in runs if r["batch"] == batch and r["way"] == way}
+            tps = [t for t in mine.values() if t is not None]
+            if not tps:
                 continue
-            tps = [batch * steps / (r["long_s"] - r["short_s"]) for r in mine]
-            ratios = [t / (batch * steps / (bare[r["repeat"]]["long_s"] - bare[r["repeat"]]["short_s"]))
-                      for t, r in zip(tps, mine, strict=True) if r["repeat"] in bare]
+            ratios = [t / bare[rep] for rep, t in mine.items() if t is not None and bare.get(rep)]
             decode = statistics.median(tps)
             roof = roofline_tps(batch, weights, kv_token, context, args.bandwidth)
-            rows.append({"batch": batch, "way": way, "repeats": len(mine), "decode_tok_s": decode,
-                         "ms_per_step": 1000 * batch / decode, "roofline_tok_s": roof, "share": decode / roof,
-                         "over_bare": statistics.median(ratios) if ratios else None})
+            rows.append({"batch": batch, "way": way, "repeats": len(tps), "noisy_repeats": len(mine) - len(tps),
+                         "decode_tok_s": decode, "ms_per_step": 1000 * batch / decode, "roofline_tok_s": roof,
+                         "share": decode / roof, "over_bare": statistics.median(ratios) if ratios else None})
     return rows
 
 
@@ -287,12 +292,13 @@ def print_table(args, path: Path, meta: dict, rows: list[dict], stopped: str | N
           f"a token; device {meta['device']} ({meta['device_info'].get('device_name', '?')}); prompts ~"
           f"{args.prompt_tokens} tokens; decode = steps {args.short_tokens + 1}..{args.long_tokens} of every "
           f"sequence; roofline at {args.bandwidth:.3g} B/s; median of {args.repeats}\n")
-    print("| batch | way | decode tok/s | ms/step | roofline tok/s | share of roofline | ÷ bare |")
-    print("|---|---|---|---|---|---|---|")
+    print("| batch | way | decode tok/s | ms/step | roofline tok/s | share of roofline | ÷ bare | repeats |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         over = "—" if r["over_bare"] is None else f"{r['over_bare']:.3f}"
+        noisy = f" ({r['noisy_repeats']} left out)" if r["noisy_repeats"] else ""
         print(f"| {r['batch']} | {r['way']} | {r['decode_tok_s']:.1f} | {r['ms_per_step']:.2f} | "
-              f"{r['roofline_tok_s']:.0f} | {100 * r['share']:.1f} % | {over} |")
+              f"{r['roofline_tok_s']:.0f} | {100 * r['share']:.1f} % | {over} | {r['repeats']}{noisy} |")
     for way, why in failed.items():
         print(f"\nFAILED: {way} at {why} (traceback on stderr); its later runs were skipped")
     if stopped:

@@ -36,11 +36,13 @@ note() { echo "[$(elapsed) s] $*" | tee -a "$LOG"; }
 has() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
 
 if [ "$QUICK" = 1 ]; then
-  DECODE_ARGS="--batch-sizes 1,8 --repeats 1 --prompt-tokens 32 --short-tokens 4 --long-tokens 12"
+  DECODE_ARGS="--batch-sizes 1,8 --repeats 1 --prompt-tokens 32 --short-tokens 4 --long-tokens 36"
   PEER_ARGS="--workloads w1,w2,chat --concurrency 1,4 --repeats 1 --batch-size 8 --max-tokens 16 --turn-tokens 8 --warmup-tokens 4"
 else
-  REPEATS=3; [ "$PRESET" = 8b ] && REPEATS=2  # the 8B's decode steps are ~5x longer: leave time for peer_bench
-  DECODE_ARGS="--batch-sizes 1,8,32,64 --repeats $REPEATS --prompt-tokens 128 --short-tokens 16 --long-tokens 80"
+  # 1B steps take a few ms: 128 measured steps, 3 repeats. The 8B's are ~5x longer: 64 steps, 2 repeats,
+  # leaving peer_bench its time.
+  LONG=144; REPEATS=3; [ "$PRESET" = 8b ] && LONG=80 && REPEATS=2
+  DECODE_ARGS="--batch-sizes 1,8,32,64 --repeats $REPEATS --prompt-tokens 128 --short-tokens 16 --long-tokens $LONG"
   PEER_ARGS="--workloads w1,w2,chat --concurrency 1,8,32 --repeats 3 --batch-size 32 --max-tokens 64 --turn-tokens 64"
 fi
 
@@ -73,11 +75,14 @@ if has peer; then
   if [ "$L" -lt 150 ]; then
     note "SKIPPED peer_bench: only $L s left"; RC=1
   else
-    P=$(( L - 75 ))  # the cell under way, closing both servers and the report fit in the rest
-    note "peer_bench (starts no cell after $P s)"
+    # No cell starts after P; the one under way at S is cancelled (its finished sides kept); then the
+    # servers close and the report is written. timeout's SIGTERM does the same, its SIGKILL is the last resort.
+    P=$(( L - 75 )); S=$(( L - 40 ))
+    note "peer_bench (starts no cell after $P s, stops at $S s)"
     # shellcheck disable=SC2086
     timeout -k 10 $(( L - 15 )) "$PY" benchmarks/peer_bench.py --model-dir "$MODEL" $PEER_ARGS --warmup cells \
-      --deadline-s "$P" --work-dir "$WORK" --json-out "$OUT/$PRESET-peer.json" >"$OUT/$PRESET-peer.md" 2>>"$LOG"
+      --deadline-s "$P" --stop-s "$S" --work-dir "$WORK" --json-out "$OUT/$PRESET-peer.json" \
+      >"$OUT/$PRESET-peer.md" 2>>"$LOG"
     rc=$?; [ $rc -ne 0 ] && RC=$rc
     note "peer_bench exit $rc"
     for f in ours peer; do

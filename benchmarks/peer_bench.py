@@ -54,9 +54,10 @@ For a GPU (benchmarks/gpu_run.sh runs it so; the defaults above are the CPU tabl
   min(8, N) on the two mlx-lm sides, as ours does). Unset: each side's default (32 for all three),
   raised to the largest concurrency level when that is above 32;
 * `--warmup cells`: before the timed cells, every cell once per side, untimed, with
-  `--warmup-tokens` tokens (chat: its first turn), so MLX's kernels are compiled for every shape
-  (`one`, the default, sends a single short request per server);
-* `--deadline-s S`: no cell starts S seconds after the start; what ran is reported;
+  `--warmup-tokens` tokens (chat: its first turn, at most 8 conversations), so MLX's kernels are
+  compiled for every shape (`one`, the default, sends a single short request per server);
+* `--deadline-s S`: no cell starts S seconds after the start; what ran is reported; `--stop-s S`
+  (or a SIGTERM, e.g. from `timeout`) cancels the cell under way and reports the rest;
 * `--json-out PATH`: rewritten after every cell: `requests` (one record per request: side,
   workload, concurrency, repeat, turn, start_s / end_s from the run's start, ttft_s from the
   request's send, prompt / completion / cached tokens, max_tokens, error), `runs` (per side and
@@ -76,6 +77,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import socket
 import statistics
 import subprocess
@@ -268,6 +270,16 @@ def free_port() -> int:
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
+    """Poll until `url` answers 200; a server that never does is stopped before the error."""
+    try:
+        _poll_ready(url, proc, timeout_s)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+def _poll_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -298,13 +310,14 @@ class Server:
         if self.status_url is None:
             return None
         with urllib.request.urlopen(self.status_url, timeout=10) as r:
-            return json.loads(r.read())["prefix_cache"]["reused_tokens"]
+            # None if /status changed shape: reuse then comes from usage's cached_tokens
+            return json.loads(r.read()).get("prefix_cache", {}).get("reused_tokens")
 
     async def close(self) -> int:
         await self.client.close()
         self.proc.terminate()
         try:
-            return self.proc.wait(60)
+            return self.proc.wait(20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
@@ -415,7 +428,7 @@ async def server_run(server: Server, prompts: Prompts, workload: str, c: int, re
         wall, requests = await single_shot(server, batch, args.max_tokens)
     after = server.reused_tokens()
     return Run(server.name, workload, c, repeat, wall, requests,
-               reused_tokens=None if before is None else after - before)
+               reused_tokens=None if before is None or after is None else after - before)
 
 
 class Bare:
@@ -495,6 +508,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-tokens", type=int, default=8, help="--warmup cells: tokens per request")
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="start no cell after this many seconds (from the start); report what ran")
+    parser.add_argument("--stop-s", type=float, default=None,
+                        help="cancel the cell under way after this many seconds (from the start) and report")
     parser.add_argument("--json-out", type=Path, default=None, help="per-request records, runs and summary (rewritten per cell)")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="the servers' logs, config and state (default: a new temporary folder)")
@@ -544,6 +559,74 @@ class Deadline:
         return self._at is not None and time.monotonic() >= self._at
 
 
+@dataclass
+class Bench:
+    """One run's means and what it measured so far (what a stop still reports)."""
+
+    args: argparse.Namespace
+    prompts: Prompts
+    bare: Bare | None
+    servers: dict[str, Server]
+    cells: list[tuple[str, int]]
+    deadline: Deadline
+    save: Callable[[], None]
+    runs: dict[tuple[str, int], dict[tuple[str, int], Run]] = field(default_factory=dict)  # (workload, c) -> (side, repeat) -> run
+    log: list[Run] = field(default_factory=list)
+    doing: str = "the warm-up"  # what is under way, for a stop's message
+
+    async def measure(self) -> str | None:
+        """Warm up, then the interleaved repeats. Returns why it stopped early (a deadline), or None."""
+        args, servers, bare = self.args, self.servers, self.bare
+        pids = {OURS: servers[OURS].proc.pid, PEER: servers[PEER].proc.pid, BARE: os.getpid()}
+        watch = CpuWatch(list(pids.values()))
+        stopped = await warm_up(args, servers, bare, self.prompts, self.cells, self.deadline)
+        if stopped is not None:
+            return stopped
+        started = time.monotonic()
+        for repeat in range(args.repeats):
+            for cell, (workload, c) in enumerate(self.cells):
+                self.doing = f"{workload} c={c} repeat {repeat + 1}"
+                if self.deadline.passed():
+                    return f"deadline ({args.deadline_s:g} s) before {self.doing}"
+                order = [OURS, PEER] if (repeat + cell) % 2 == 0 else [PEER, OURS]
+                cell_runs = self.runs.setdefault((workload, c), {})
+                if bare is not None and workload != "chat":
+                    batch = cell_batch(self.prompts, workload, c, repeat)
+                    cell_runs[(BARE, repeat)] = await watch.around(
+                        lambda: asyncio.to_thread(bare.run, batch, args.max_tokens, workload, c, repeat), pids[BARE])
+                    self.log.append(cell_runs[(BARE, repeat)])
+                for side in order:
+                    run = await watch.around(lambda: server_run(servers[side], self.prompts, workload, c, repeat, args),
+                                             pids[side])
+                    cell_runs[(side, repeat)] = run
+                    self.log.append(run)
+                check_same_prompts(cell_runs[(OURS, repeat)], cell_runs[(PEER, repeat)])
+                self.save()
+            print(f"repeat {repeat + 1}/{args.repeats} done ({time.monotonic() - started:.0f} s)", file=sys.stderr)
+        return None
+
+
+async def measure_until_stopped(bench: Bench) -> str | None:
+    """`bench.measure()`, cancelled at --stop-s or on SIGTERM (e.g. from `timeout`): either way the
+    runs so far are reported. Returns why it stopped early, or None."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.create_task(bench.measure())
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    timer = None
+    if bench.args.stop_s is not None:
+        timer = loop.call_later(max(0.0, STARTED + bench.args.stop_s - time.monotonic()), task.cancel)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():
+            raise  # this coroutine itself was cancelled: not a stop of ours
+        return f"stopped (--stop-s or SIGTERM) during {bench.doing}; that cell is incomplete"
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        if timer is not None:
+            timer.cancel()
+
+
 async def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",")]
@@ -554,7 +637,6 @@ async def main(argv: list[str] | None = None) -> None:
     if batch_size is None and max(c for _, c in cells) > 32:  # every side's default is 32
         batch_size = max(c for _, c in cells)
         print(f"--batch-size {batch_size} (the largest concurrency level) for every side", file=sys.stderr)
-    deadline = Deadline(args.deadline_s)
 
     model_path = model_folder(args)
     meta = describe(args, model_path, batch_size)
@@ -563,44 +645,18 @@ async def main(argv: list[str] | None = None) -> None:
     work = args.work_dir.resolve() if args.work_dir else Path(tempfile.mkdtemp(prefix="peer-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     servers: dict[str, Server] = {}
-    runs: dict[tuple[str, int], dict[tuple[str, int], Run]] = {}  # (workload, c) -> (side, repeat) -> run
-    log: list[Run] = []
     stopped: str | None = None
 
     def save() -> None:
         if args.json_out is not None:
-            write_json(args.json_out, {**meta, "stopped": stopped, "elapsed_s": time.monotonic() - STARTED}, runs, log)
+            write_json(args.json_out, {**meta, "stopped": stopped, "elapsed_s": time.monotonic() - STARTED},
+                       bench.runs, bench.log)
 
+    bench = Bench(args, prompts, bare, servers, cells, Deadline(args.deadline_s), save)
     try:
         servers[PEER] = start_peer(model_path, work, batch_size)
         servers[OURS] = start_ours(model_path, work, batch_size, args.ours_toml)
-        pids = {OURS: servers[OURS].proc.pid, PEER: servers[PEER].proc.pid, BARE: os.getpid()}
-        watch = CpuWatch(list(pids.values()))
-        stopped = await warm_up(args, servers, bare, prompts, cells, deadline)
-        started = time.monotonic()
-        for repeat in range(args.repeats):
-            for cell, (workload, c) in enumerate(cells):
-                if stopped is None and deadline.passed():
-                    stopped = f"deadline ({args.deadline_s:g} s) before {workload} c={c} repeat {repeat + 1}"
-                if stopped is not None:
-                    break
-                order = [OURS, PEER] if (repeat + cell) % 2 == 0 else [PEER, OURS]
-                cell_runs = runs.setdefault((workload, c), {})
-                if bare is not None and workload != "chat":
-                    batch = cell_batch(prompts, workload, c, repeat)
-                    cell_runs[(BARE, repeat)] = await watch.around(
-                        lambda: asyncio.to_thread(bare.run, batch, args.max_tokens, workload, c, repeat), pids[BARE])
-                    log.append(cell_runs[(BARE, repeat)])
-                for side in order:
-                    run = await watch.around(lambda: server_run(servers[side], prompts, workload, c, repeat, args),
-                                             pids[side])
-                    cell_runs[(side, repeat)] = run
-                    log.append(run)
-                check_same_prompts(cell_runs[(OURS, repeat)], cell_runs[(PEER, repeat)])
-                save()
-            if stopped is not None:
-                break
-            print(f"repeat {repeat + 1}/{args.repeats} done ({time.monotonic() - started:.0f} s)", file=sys.stderr)
+        stopped = await measure_until_stopped(bench)
     except Exception as exc:  # the edge of the run: report what was measured, then fail
         traceback.print_exc()
         stopped = f"{type(exc).__name__}: {exc}"
@@ -613,8 +669,8 @@ async def main(argv: list[str] | None = None) -> None:
     print_tables(f"{model_path.name}, {args.repeats} interleaved repeats, greedy, w1/w2 {args.max_tokens} tokens, "
                  f"chat {TURNS} turns x {args.turn_tokens} tokens, {args.think_s:g} s between turns; BLAS: {blas}; "
                  f"server exit codes {codes}\ndevice {meta['device']} ({meta['device_info'].get('device_name', '?')}), "
-                 f"decode batch size {batch}, warm-up {args.warmup}", runs, log, stopped)
-    if stopped is not None and not stopped.startswith("deadline"):
+                 f"decode batch size {batch}, warm-up {args.warmup}", bench.runs, bench.log, stopped)
+    if stopped is not None and not stopped.startswith(("deadline", "stopped")):
         raise SystemExit(1)
 
 
@@ -627,7 +683,10 @@ async def warm_up(args, servers: dict[str, Server], bare: Bare | None, prompts: 
             await single_shot(server, [prompts.w1(0, -1, 0)], 4)
         return None
     t0 = time.monotonic()
-    for workload, c in cells:
+    # Chat warms its first turn only, at most a prefill batch of it: the long prompts are prefilled in
+    # batches of min(8, N) whatever the concurrency, and the decode shapes are w1's and w2's.
+    shapes = list(dict.fromkeys((w, min(c, PREFILL_BATCH) if w == "chat" else c) for w, c in cells))
+    for workload, c in shapes:
         if deadline.passed():
             return f"deadline ({args.deadline_s:g} s) during the warm-up"
         batch = cell_batch(prompts, workload, c, -1)
@@ -638,7 +697,7 @@ async def warm_up(args, servers: dict[str, Server], bare: Bare | None, prompts: 
             failed = sum(r.error is not None for r in requests)
             if failed:
                 print(f"warm-up {workload} c={c}: {server.name} failed {failed} of {len(requests)}", file=sys.stderr)
-    print(f"warm-up: {len(cells)} cells per side in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    print(f"warm-up: {len(shapes)} cells per side in {time.monotonic() - t0:.0f} s", file=sys.stderr)
     return None
 
 
