@@ -50,6 +50,7 @@ from provider.models.template import (
     DEFAULT_TIMEOUT_S,
     ChatTemplate,
     Lane,
+    RendererUnavailable,
     TemplateBound,
     TemplateExceeded,
     TemplateFailed,
@@ -322,6 +323,9 @@ class PromptCounter:
                 lengths.append(len(ids))
             except TemplateExceeded:
                 raise
+            except RendererUnavailable:  # not the template's fault: its requests fail (500) until it starts
+                log.error("template_renderer_unavailable", model=model_id)
+                lengths.append(None)
             except Exception:  # an edge: a template is third-party code; no bound is claimed from it then
                 lengths.append(None)
         return lengths
