@@ -22,7 +22,7 @@ A decode step reads every weight once and every sequence's KV, so it cannot be f
 with context the mean over the measured steps (prompt + (short + long) / 2). `roofline` is B tokens
 per that time; `share` = decode tok/s / roofline. Each cell is the median over --repeats repeats;
 every (way, B) is warmed up first (MLX compiles kernels on first use). `--deadline-s` starts no run
-after that many seconds and reports what ran.
+after that many seconds and reports what ran; so does a SIGTERM.
 
     python benchmarks/decode_bench.py [--model-dir PATH | --preset tiny] [--batch-sizes 1,8,32,64]
         [--prompt-tokens 128] [--short-tokens 16] [--long-tokens 80] [--repeats 3]
@@ -36,6 +36,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import time
@@ -222,9 +223,11 @@ async def main(argv: list[str] | None = None) -> int:
         return await run_engine(engine, b.messages, [len(p) for p in b.prompts], n_tokens, tag)
 
     failed: dict[str, str] = {}  # way -> why it is left out of later runs
+    terminated: list[int] = []  # a SIGTERM (e.g. from `timeout`) ends it like the deadline, at the next run
+    signal.signal(signal.SIGTERM, lambda signum, _frame: terminated.append(signum))
 
     async def attempt(way: str, batch: int, n_tokens: int, tag: str) -> float | None:
-        if deadline is not None and time.monotonic() >= deadline:
+        if terminated or (deadline is not None and time.monotonic() >= deadline):
             raise DeadlinePassed
         if way in failed:
             return None
@@ -247,7 +250,7 @@ async def main(argv: list[str] | None = None) -> int:
                         runs.append({"batch": batch, "way": way, "repeat": rep, "short_s": short, "long_s": long})
             print(f"batch {batch} done ({time.monotonic() - STARTED:.0f} s)", file=sys.stderr)
     except DeadlinePassed:
-        stopped = f"deadline ({args.deadline_s:g} s)"
+        stopped = "SIGTERM" if terminated else f"deadline ({args.deadline_s:g} s)"
     finally:
         if engine is not None:
             await engine.aclose()
