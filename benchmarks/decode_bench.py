@@ -1,13 +1,17 @@
-"""Decode tok/s per batch size against the HBM roofline: bare BatchGenerator, a plain loop, our Engine.
+"""Decode tok/s per batch size against the HBM roofline: bare BatchGenerator, plain loops, our Engine.
 
 For each batch size B (1, 8, 32, 64 by default), B distinct chats of about --prompt-tokens
 templated tokens, greedy, EOS off, three ways on the same model folder in this process:
 
 * ``bare``: mlx-lm's `BatchGenerator` (completion_batch_size=B, prefill_batch_size=min(8, B)):
   insert all, `next_generated()` until done;
+* ``ours``: ``bare`` with the engine's decode step (`provider.engine.decode.EngineBatchGenerator`);
 * ``plain``: the same prompts left-padded into one `BatchKVCache` per layer, one prefill, then
   forward + argmax per step with the next step's `mx.async_eval` issued before the current token
   is read (mlx-lm's `generate_step` pipelining, batched): what the hardware gives a simple loop;
+* ``plainkv``: the plain loop over mlx-lm's plain batched `KVCache`, the prompts cut to one length (no
+  padding, no mask in a decode step: the fused attention path); beside ``plain`` it tells what the padded
+  batch cache and its mask cost;
 * ``engine``: `provider.engine.Engine(batch_size=max B)` (no prefix cache), B requests submitted
   at once, every stream read to its `Finished`: the agent's engine with its delivery.
 
@@ -26,7 +30,7 @@ after that many seconds and reports what ran; so does a SIGTERM.
 
     python benchmarks/decode_bench.py [--model-dir PATH | --preset tiny] [--batch-sizes 1,8,32,64]
         [--prompt-tokens 128] [--short-tokens 16] [--long-tokens 80] [--repeats 3]
-        [--bandwidth 4.8e12] [--ways bare,plain,engine] [--deadline-s S] [--json-out PATH]
+        [--bandwidth 4.8e12] [--ways bare,ours,plain,plainkv,engine] [--deadline-s S] [--json-out PATH]
 """
 
 from __future__ import annotations
@@ -50,13 +54,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 from mlx_lm.generate import BatchGenerator  # noqa: E402
-from mlx_lm.models.cache import BatchKVCache  # noqa: E402
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache  # noqa: E402
 
 from provider.engine import ChatRequest, Engine, Finished, SamplingParams  # noqa: E402
+from provider.engine.decode import EngineBatchGenerator  # noqa: E402
 from provider.tinymodel import PRESETS, build_tiny_model, weights_bytes  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-WAYS = ("bare", "plain", "engine")
+WAYS = ("bare", "ours", "plain", "plainkv", "engine")
 PREFILL_BATCH = 8  # mlx-lm's prefill_batch_size default, which the engine uses too
 WORDS = ("river mountain apple stream batch model token quiet room copper wire north wind paper boat "
          "window salt stone memory cache late train green blue seven hundred small open garden lamp").split()
@@ -91,9 +96,9 @@ def template(tokenizer, text: str) -> list[int]:
 
 # -- the three ways: each returns the wall time from start to the last token of the batch -------
 
-def run_bare(model, prompts: list[list[int]], max_tokens: int) -> float:
+def run_bare(model, prompts: list[list[int]], max_tokens: int, generator=BatchGenerator) -> float:
     b = len(prompts)
-    gen = BatchGenerator(model, stop_tokens=None, completion_batch_size=b,
+    gen = generator(model, stop_tokens=None, completion_batch_size=b,
                          prefill_batch_size=min(PREFILL_BATCH, b))
     try:
         t0 = time.perf_counter()
@@ -104,6 +109,35 @@ def run_bare(model, prompts: list[list[int]], max_tokens: int) -> float:
         return time.perf_counter() - t0
     finally:
         gen.close()
+
+
+def run_ours(model, prompts: list[list[int]], max_tokens: int) -> float:
+    """`bare` with the engine's decode step (`provider.engine.decode.EngineBatchGenerator`), nothing else."""
+    return run_bare(model, prompts, max_tokens, generator=EngineBatchGenerator)
+
+
+def run_plain_kv(model, prompts: list[list[int]], max_tokens: int) -> float:
+    """The plain loop over mlx-lm's plain `KVCache` (batched): the prompts cut to one length, so there is
+    no left padding and a decode step needs no mask (the fused attention path). Set beside `plain`, it
+    tells what the padded batch cache and its per-step mask cost."""
+    n = min(len(p) for p in prompts)
+    t0 = time.perf_counter()
+    cache = make_prompt_cache(model)
+    ids = mx.array([p[:n] for p in prompts])
+
+    def step(inputs: mx.array) -> mx.array:
+        return mx.argmax(model(inputs, cache=cache)[:, -1, :], axis=-1)
+
+    y = step(ids)
+    mx.async_eval(y)
+    for produced in range(1, max_tokens + 1):
+        if produced < max_tokens:
+            nxt = step(y[:, None])
+            mx.async_eval(nxt)
+        y.tolist()
+        if produced < max_tokens:
+            y = nxt
+    return time.perf_counter() - t0
 
 
 def run_plain(model, prompts: list[list[int]], max_tokens: int) -> float:
@@ -218,8 +252,12 @@ async def main(argv: list[str] | None = None) -> int:
         b = batches[batch]
         if way == "bare":
             return run_bare(model, b.prompts, n_tokens)
+        if way == "ours":
+            return run_ours(model, b.prompts, n_tokens)
         if way == "plain":
             return run_plain(model, b.prompts, n_tokens)
+        if way == "plainkv":
+            return run_plain_kv(model, b.prompts, n_tokens)
         return await run_engine(engine, b.messages, [len(p) for p in b.prompts], n_tokens, tag)
 
     failed: dict[str, str] = {}  # way -> why it is left out of later runs

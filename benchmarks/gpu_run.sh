@@ -3,7 +3,7 @@
 # peer_bench; every table and JSON file lands flat under $OUT (6 files), and the script ends before
 # BUDGET_S (540 s) so a 600 s run returns with its results. Nothing here needs the network.
 #
-# On the GPU host (after the kit's stash runs; ../shared/gpu/README.md):
+# On the GPU host (after the kit's stash runs that install MLX's CUDA backend there):
 #     . .gpu/kit/install.sh && sh benchmarks/gpu_run.sh 1b        (or 8b)
 # On this CPU, the same steps with a tiny model and small sizes (a smoke test of every command):
 #     OUT=/tmp/x PYTHON=.venv/bin/python MODELS=/tmp/models QUICK=1 sh benchmarks/gpu_run.sh tiny
