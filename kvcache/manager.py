@@ -13,17 +13,22 @@ Memory: RAM entries are `prefix_cache` reservations in the ledger. When admissio
 room it calls `evict_for(nbytes)` (least recently used first, across models); under RED pressure
 or worse `relieve(level)` drops the whole RAM tier. The SSD tier is never charged to the ledger.
 
-SSD writes copy the RAM entry, never the request's cache, and nothing of them waits on the engine
-thread: the entry's copy was only scheduled at `store`; the engine thread hands it over at its next
-`write_quiet` (one step later, when the copy has run: its `settle` then costs nothing), and the
-device→host copy (`state.host_copy`), the encryption and the file write run on `write_executor`
-when one is given (inline otherwise). A sequence that starts a new line is handed over that way at
-once. A sequence that extends the entry its request reused (a conversation's next turn) is written
-only once it has stayed quiet for `write_delay_s` (no longer turn stored over it, no running request
+What goes to the SSD tier: only sequences whose request reused at least `SSD_MIN_REUSED_TOKENS` of
+a stored one (a conversation's next turn, a question after a shared system prompt): reuse is the
+evidence that a line is worth keeping, and a sequence nothing ever builds on (most requests from the
+network, a benchmark's fresh prompts, which share no more than a chat template's first tokens) is
+never copied off the device at all. Such a sequence is written once
+it has stayed quiet for `write_delay_s` (no longer turn stored over it, no running request
 extending it): each turn of a live conversation would otherwise encrypt and write the whole
-conversation again, on the CPU the next turn's prefill needs. An entry evicted from RAM before it
-went quiet is not written, nor is one whose RAM store was refused, nor anything of a purged model;
-one evicted after it was due is still written (the pending hand-over keeps it).
+conversation again, on the CPU the next turn's prefill needs (0: at once).
+
+SSD writes copy the RAM entry, never the request's cache, and nothing of them waits on the engine
+thread: the entry's copy was only scheduled at `store`; the engine thread hands it over at a later
+`write_quiet` (one step later at the soonest, when the copy has run: its `settle` then costs
+nothing), and the device→host copy (`state.host_copy`), the encryption and the file write run on
+`write_executor` when one is given (inline otherwise). An entry evicted from RAM before it went quiet
+is not written, nor is one whose RAM store was refused, nor anything of a purged model; one evicted
+after it was due is still written (the pending hand-over keeps it).
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ from memory.pressure import PressureLevel
 from memory.snapshot import MemorySnapshot
 
 log = logging.getLogger("kvcache")
+
+SSD_MIN_REUSED_TOKENS = 48  # more than a chat template's own first tokens (Llama 3: ~30, with its dated system header)
 
 
 class Tier(Enum):
@@ -157,24 +164,27 @@ class ModelKvCache:
                 return Reuse(hit.cache, hit.matched, Tier.RAM, hit.key)
         return MISS
 
-    def store(self, tokens: Sequence[int], cache: Sequence[object], *, extends: Key | None = None) -> StoreOutcome:
+    def store(self, tokens: Sequence[int], cache: Sequence[object], *, extends: Key | None = None,
+              reused: int = 0) -> StoreOutcome:
         """Keep `cache` under the leading `tokens` it holds: RAM, and SSD (see the module docstring).
 
         `tokens` may run past the cache (a finished request's prompt + completion, when a cache
         ends before its last token): only the positions the cache really holds are kept.
-        `extends`: the stored sequence the request reused (`Reuse.key`), if any."""
+        `extends`: the stored sequence the request reused (`Reuse.key`), if any, and `reused` how
+        many of its tokens it reused (`Reuse.matched`)."""
         if not state.reusable(cache):
             return StoreOutcome.UNSUPPORTED
         key = tuple(tokens[: state.cache_tokens(cache)])
         outcome = self.ram.store(key, cache)
         if self._ssd is None or outcome in (StoreOutcome.UNSUPPORTED, StoreOutcome.CLOSED, StoreOutcome.COVERED):
             return outcome
-        if extends is not None:
-            self._pending.pop(extends, None)  # a later turn replaces it
-            self._copying.pop(extends, None)
-            if self._delay > 0 and outcome is StoreOutcome.STORED:
-                self._pending[key] = self._clock() + self._delay
-                return outcome
+        if extends is None or reused < SSD_MIN_REUSED_TOKENS:
+            return outcome  # a new line: kept in RAM, copied off the device only once something builds on it
+        self._pending.pop(extends, None)  # a later turn replaces it
+        self._copying.pop(extends, None)
+        if self._delay > 0 and outcome is StoreOutcome.STORED:
+            self._pending[key] = self._clock() + self._delay
+            return outcome
         entry = self.ram.entry(key) if outcome is StoreOutcome.STORED else None  # refused: nothing to copy
         if entry is not None:
             self._copying[key] = (entry, False)  # handed over once a `write_quiet` has seen it (the copy has run)

@@ -13,11 +13,12 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import BatchGenerator
 
-from provider.engine.decode import DecodeBatch, EngineBatchGenerator
+from provider.engine.decode import DecodeBatch, EngineBatchGenerator, PrefillBatch
 
 
-def run(generator_class, model, first, second, max_tokens):
-    generator = generator_class(model, completion_batch_size=8, prefill_batch_size=4)
+def run(generator_class, model, first, second, max_tokens, prefill_step_size=2048):
+    generator = generator_class(model, completion_batch_size=8, prefill_batch_size=4,
+                                prefill_step_size=prefill_step_size)
     out: dict[int, list[int]] = {}
     uids = generator.insert(first, max_tokens=max_tokens[: len(first)])
     steps = 0
@@ -44,13 +45,16 @@ def test_the_engines_decode_step_gives_mlx_lms_tokens(tiny_model_path):
     ours = run(EngineBatchGenerator, model, prompts[:4], prompts[4:], max_tokens)
     theirs = run(BatchGenerator, model, prompts[:4], prompts[4:], max_tokens)
     assert ours == theirs
+    # Prompts prefilled a few tokens a step, joining while others decode, give the same tokens too.
+    assert run(EngineBatchGenerator, model, prompts[:4], prompts[4:], max_tokens, prefill_step_size=3) \
+        == run(BatchGenerator, model, prompts[:4], prompts[4:], max_tokens, prefill_step_size=3) == theirs
     assert [len(t) for t in ours] == max_tokens  # the tiny model's EOS never wins here: every length is reached
 
 
 def test_the_generator_decodes_with_the_engines_batch(tiny_model_path):
     model, _ = mlx_lm.load(str(tiny_model_path))
     generator = EngineBatchGenerator(model)
-    assert type(generator._generation_batch) is DecodeBatch
+    assert type(generator._generation_batch) is DecodeBatch and type(generator._prompt_batch) is PrefillBatch
     generator.close()
 
 

@@ -28,8 +28,14 @@ IDLE = MemorySnapshot(physical_bytes=16 * GiB, available_bytes=15 * GiB)
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0)
 
 
-def chat(n: int) -> list[dict[str, str]]:
-    return [{"role": "user", "content": f"conversation number {n} about rivers and mountains"}]
+def opening(n: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"conversation number {n} " + "about rivers and mountains " * 16}]
+
+
+def chat(n: int, answer: str) -> list[dict[str, str]]:
+    """A conversation's second turn: it builds on the first (more than a template's first tokens), so
+    its sequence is one the SSD tier keeps."""
+    return [*opening(n), {"role": "assistant", "content": answer}, {"role": "user", "content": "and then?"}]
 
 
 async def test_host_copies_and_writes_run_on_the_writer_thread_only(tiny_model_path: Path, tmp_path: Path,
@@ -57,13 +63,17 @@ async def test_host_copies_and_writes_run_on_the_writer_thread_only(tiny_model_p
 
     async with Engine() as plain:
         await plain.load("tiny", tiny_model_path)
-        cold = [await plain.submit("tiny", ChatRequest(f"c{n}", chat(n), PARAMS)).collect() for n in range(3)]
+        answers = [(await plain.submit("tiny", ChatRequest(f"a{n}", opening(n), PARAMS)).collect())[0]
+                   for n in range(3)]
+        cold = [await plain.submit("tiny", ChatRequest(f"c{n}", chat(n, answers[n]), PARAMS)).collect()
+                for n in range(3)]
 
     async with Engine(prefix_cache=manager.get, thread_name="mlx-engine") as engine:
         await engine.load("tiny", tiny_model_path)
         kv = manager.attach("tiny", "weights")
         for n in range(3):
-            text, done = await engine.submit("tiny", ChatRequest(f"r{n}", chat(n), PARAMS)).collect()
+            await engine.submit("tiny", ChatRequest(f"o{n}", opening(n), PARAMS)).collect()  # RAM only
+            text, done = await engine.submit("tiny", ChatRequest(f"r{n}", chat(n, answers[n]), PARAMS)).collect()
             assert isinstance(done, Finished) and (text, done.completion_ids) == (cold[n][0], cold[n][1].completion_ids)
         # The worker hands the last entry over at its next loop; an idle engine gets there at once.
         await engine.reclaim()
@@ -75,7 +85,7 @@ async def test_host_copies_and_writes_run_on_the_writer_thread_only(tiny_model_p
             assert host == state.host_copy(kv.ram.entry(key)) == ssd.read("tiny", "weights", key)
         # Served from the SSD tier alone, a repeat gives the cold greedy tokens.
         manager.evict_for(2**40)
-        again = engine.submit("tiny", ChatRequest("again", chat(1), PARAMS))
+        again = engine.submit("tiny", ChatRequest("again", chat(1, answers[1]), PARAMS))
         text, done = await again.collect()
         assert (text, done.completion_ids) == (cold[1][0], cold[1][1].completion_ids)
         assert manager.stats().ssd_hits == 1

@@ -179,7 +179,7 @@ def test_ssd_hit_after_ram_eviction_and_purge_removes_files(tiny, ledger: Ledger
     kv = manager.attach("tiny", "w0")
     ids = prompt(14, 150)
     cold, cache, _ = generate(tiny, ids)
-    kv.store(ids, cache)
+    kv.store(ids, cache, extends=tuple(ids[:100]), reused=100)  # it built on a stored sequence: worth keeping
     assert kv.write_quiet() == 0.0  # the entry's copy was only scheduled: handed over at the next call
     assert not [f for f in tmp_path.rglob("*") if f.is_file()]
     assert kv.write_quiet() is None
@@ -204,10 +204,33 @@ def test_ssd_hit_after_ram_eviction_and_purge_removes_files(tiny, ledger: Ledger
     assert manager.stats().disk_bytes == 0
 
 
+def test_a_line_nothing_builds_on_is_never_copied_off_the_device(tiny, ledger: Ledger, tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    """Issue 30 item 1: a sequence that reused nothing, or no more than a template's first tokens, stays
+    in RAM only: no host copy, no file (most of a provider's requests are never continued)."""
+    from kvcache import state
+
+    copies: list[int] = []
+    host_copy = state.host_copy
+    monkeypatch.setattr(state, "host_copy", lambda cache: copies.append(1) or host_copy(cache))
+    manager = KvCacheManager(ledger, ssd=SsdStore(tmp_path, budget=DiskBudget(tmp_path, GiB)))
+    kv = manager.attach("tiny", "w0")
+    first = prompt(30, 90)
+    _, cache, sequence = generate(tiny, first)
+    assert kv.store(sequence, cache) is StoreOutcome.STORED
+    second = first[:8] + prompt(31, 90)  # shares a template's worth of tokens with the first
+    reuse = kv.fetch(second)
+    assert reuse.matched == 8 and reuse.key == tuple(sequence)
+    _, cache, sequence = generate(tiny, second, reuse)
+    assert kv.store(sequence, cache, extends=reuse.key, reused=reuse.matched) is StoreOutcome.STORED
+    assert kv.write_quiet() is None and kv.write_quiet() is None
+    assert copies == [] and not [f for f in tmp_path.rglob("*") if f.is_file()] and len(kv.ram) == 2
+
+
 def test_a_conversation_turn_goes_to_ssd_once_it_is_quiet(tiny, ledger: Ledger, tmp_path: Path) -> None:
-    """The first turn is written through; a turn that extends the entry it reused waits until it has
-    been quiet for the delay (not while a running request extends it), and a turn replaced by the
-    next one before then is never written."""
+    """The first turn stays in RAM (nothing built on it yet); a turn that extends the entry it reused
+    waits until it has been quiet for the delay (not while a running request extends it), and a turn
+    replaced by the next one before then is never written."""
     now = [0.0]
     ssd = SsdStore(tmp_path, budget=DiskBudget(tmp_path, GiB))
     written: list[int] = []
@@ -217,24 +240,23 @@ def test_a_conversation_turn_goes_to_ssd_once_it_is_quiet(tiny, ledger: Ledger, 
     kv = manager.attach("tiny", "w0")
 
     def turn(previous: list[int] | None, seed: int) -> list[int]:
-        ids = (previous or []) + prompt(seed, 40)
+        ids = (previous or []) + prompt(seed, 70)
         reuse = kv.fetch(ids)
         assert reuse.key == (None if previous is None else tuple(previous))
         _, cache, sequence = generate(tiny, ids, reuse)
-        assert kv.store(sequence, cache, extends=reuse.key) is StoreOutcome.STORED
+        assert kv.store(sequence, cache, extends=reuse.key, reused=reuse.matched) is StoreOutcome.STORED
         return list(sequence)
 
     first = turn(None, 20)
-    assert kv.write_quiet() == 0.0 and written == []  # a new line: at once, one engine step later
-    assert kv.write_quiet() is None and written == [len(first)]
+    assert kv.write_quiet() is None and written == []  # a new line: nothing built on it yet
     second = turn(first, 21)
-    assert written == [len(first)] and kv.write_quiet() == 5.0  # waits
+    assert written == [] and kv.write_quiet() == 5.0  # waits
     third = turn(second, 22)  # replaces the second before it was due
     now[0] = 4.0
     assert kv.write_quiet(in_use={tuple(third)}) == 5.0  # a running request extends it: it waits on
-    assert written == [len(first)]
+    assert written == []
     now[0] = 9.5
-    assert kv.write_quiet() == 0.0 and kv.write_quiet() is None and written == [len(first), len(third)]
+    assert kv.write_quiet() == 0.0 and kv.write_quiet() is None and written == [len(third)]
     m = ssd.lookup("tiny", third + [7])
     assert ssd.entries("tiny") == 1 and m is not None and m.key == tuple(third)  # one file per conversation
 

@@ -70,7 +70,9 @@ async def test_startup_sweep_prefix_reuse_status_and_clean_shutdown(tmp_path, ti
             kv = status["prefix_cache"]
             assert kv["hits"] == 1 and kv["hits"] + kv["partial_hits"] + kv["misses"] == 2
             assert kv["ram_bytes"] == status["ledger"]["bytes_by_kind"]["prefix_cache"] > 0
-            assert kv["disk_bytes"] > 0 and status["in_flight"] == 0
+            # The repeat builds on the first request's sequence: it goes to the SSD tier once it has
+            # been quiet for SSD_QUIET_S (kvcache.manager), not yet.
+            assert kv["disk_bytes"] == 0 and status["in_flight"] == 0
             assert status["cap"]["effective_cap_bytes"] == runtime.ledger.figures.effective_cap_bytes
         finally:
             await endpoint.aclose()

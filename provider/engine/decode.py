@@ -12,14 +12,29 @@ sampler calls in the same order as mlx-lm's `GenerationBatch._step`, so every se
 mlx-lm would give it. A batch with logits processors takes mlx-lm's own step (they need the token
 context it keeps). `Response.logprobs` is None for the steps taken here.
 
-`EngineBatchGenerator` is mlx-lm's `BatchGenerator` with a `DecodeBatch` as its generation batch: new
-sequences are prefilled and take their first step as mlx-lm does, then `extend` merges them into it.
+Joining the batch (`PrefillBatch`, mlx-lm's prompt batch with three steps changed). When requests
+arrive while a batch decodes (a server's steady state: at 32 concurrent requests of 64 tokens one
+joins almost every step) mlx-lm's prompt batch waited on the host for each prefill (`mx.eval`, behind
+the decode step in flight), cleared MLX's buffer cache after it (on a GPU the next steps then allocate
+afresh), deep-copied the whole prompt cache whenever some of its sequences moved on to decoding, and
+took their first decode step with mlx-lm's step, which waits again. Here a prompt's last prefill
+chunk is scheduled, not waited for (a long prompt's earlier chunks still are, one chunk's activations
+at a time), the buffer cache stays (the engine bounds it: `memory.mlx_limits`), the split copies only
+the cache objects (mlx-lm's `BatchKVCache.filter` rebinds every array it keeps; other cache kinds
+are deep-copied as before), and the first step is a `DecodeBatch`'s. The values computed are the
+same; only when the host waits for them changes.
+
+`EngineBatchGenerator` is mlx-lm's `BatchGenerator` with a `PrefillBatch` as its prompt batch and a
+`DecodeBatch` as its generation batch: `extend` merges the batches mlx-lm builds into them.
 """
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, GenerationBatch
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch, _right_pad_prompts
+from mlx_lm.models.cache import BatchKVCache
 
 
 class DecodeBatch(GenerationBatch):
@@ -44,12 +59,65 @@ class DecodeBatch(GenerationBatch):
         return tokens, [None] * len(tokens)
 
 
+class PrefillBatch(PromptProcessingBatch):
+    def prompt(self, tokens: list[list[int]]) -> None:
+        """mlx-lm's `PromptProcessingBatch.prompt`, the last chunk scheduled and the buffer cache kept."""
+        if len(self.uids) != len(tokens):
+            raise ValueError("The batch length doesn't match the number of inputs")
+        if not tokens:
+            return
+        for sequence, more in zip(self.tokens, tokens):
+            sequence += more
+        lengths = [len(p) for p in tokens]
+        longest = max(lengths)
+        padding = [longest - n for n in lengths]
+        if max(padding) > 0:
+            inputs = _right_pad_prompts(tokens, max_length=longest)
+            for c in self.prompt_cache:
+                c.prepare(lengths=lengths, right_padding=padding)
+        else:
+            inputs = mx.array(tokens)
+        while inputs.shape[1] > 0:
+            n = min(self.prefill_step_size, inputs.shape[1])
+            self.model(inputs[:, :n], cache=self.prompt_cache)
+            inputs = inputs[:, n:]
+            if inputs.shape[1] > 0:
+                mx.eval([c.state for c in self.prompt_cache])  # one chunk's activations at a time
+        if max(padding) > 0:
+            for c in self.prompt_cache:
+                c.finalize()
+        mx.async_eval([c.state for c in self.prompt_cache])
+
+    def _copy(self) -> PrefillBatch:
+        """mlx-lm's copy for `split`, with the batch caches' objects copied instead of their arrays."""
+        cache = self.prompt_cache
+        self.prompt_cache = []
+        try:
+            new = super()._copy()
+        finally:
+            self.prompt_cache = cache
+        new.prompt_cache = [copy.copy(c) if type(c) is BatchKVCache else copy.deepcopy(c) for c in cache]
+        return new
+
+    def generate(self, tokens: list[list[int]]) -> DecodeBatch:
+        """mlx-lm's transition to decoding, its first step a `DecodeBatch`'s."""
+        if any(len(t) > 1 for t in tokens):
+            self.prompt([t[:-1] for t in tokens])
+        batch = DecodeBatch(self.model, self.uids, mx.array([t[-1] for t in tokens]), self.prompt_cache,
+                            self.tokens, self.samplers, self.fallback_sampler, self.logits_processors,
+                            self.stop_sequences, self.max_tokens)
+        self.uids, self.prompt_cache, self.tokens = [], [], []
+        self.samplers, self.logits_processors, self.max_tokens = [], [], []
+        return batch
+
+
 class EngineBatchGenerator(BatchGenerator):
-    """mlx-lm's `BatchGenerator` stepping its decode batch with `DecodeBatch`."""
+    """mlx-lm's `BatchGenerator` with the engine's prompt and decode batches."""
 
     def __init__(self, model, **kwargs) -> None:
         super().__init__(model, **kwargs)
+        self._prompt_batch = PrefillBatch.empty(self.model, self.sampler, prefill_step_size=self.prefill_step_size)
         self._generation_batch = DecodeBatch.empty(self.model, self.sampler)
 
 
-__all__ = ["DecodeBatch", "EngineBatchGenerator"]
+__all__ = ["DecodeBatch", "EngineBatchGenerator", "PrefillBatch"]

@@ -159,6 +159,7 @@ class _NextTurn:
     cache: list | None = None  # the KV of ids[:done]
     done: int = 0
     extends: tuple[int, ...] | None = None  # the stored sequence it started from
+    reused: int = 0  # how many of its tokens it starts from
     due: float = 0.0  # time.monotonic() after which it may start
 
 
@@ -630,7 +631,7 @@ class Worker:
             try:
                 if kv is not None:
                     kv.store(keep.active.prompt_ids + keep.active.completion_ids, keep.cache,
-                             extends=keep.active.reused_key)
+                             extends=keep.active.reused_key, reused=keep.active.reused)
             except Exception:  # an edge: see _reuse
                 log.exception("prefix cache store failed")
             if keep.finished is not None:
@@ -654,7 +655,7 @@ class Worker:
             turn.done += len(chunk)
             if turn.done == len(turn.ids):
                 del self._next_turns[model_id]
-                outcome = kv.store(turn.ids, turn.cache, extends=turn.extends)
+                outcome = kv.store(turn.ids, turn.cache, extends=turn.extends, reused=turn.reused)
                 if self._trace is not None:
                     self._trace(model_id, None, f"next_turn_{outcome.value}")
         except Exception:  # an edge: the preparation is an optimisation, never a reason to fail
@@ -683,6 +684,7 @@ class Worker:
         if per_token * (len(ids) + KVCache.step) > self._next_turn_scratch:
             return False  # the copy is dropped on return
         turn.ids, turn.cache, turn.done, turn.extends = ids, reuse.cache, reuse.matched, reuse.key
+        turn.reused = reuse.matched
         return True
 
     def _write_quiet(self) -> float | None:
@@ -849,7 +851,7 @@ class Worker:
         if not any(_common_prefix(ids, q.prompt_ids, need) >= need for q in slot.queue):
             return
         try:
-            kv.store(ids, cache, extends=active.reused_key)
+            kv.store(ids, cache, extends=active.reused_key, reused=active.reused)
         except Exception:  # an edge: see _reuse
             log.exception("prefix cache store failed")
 
