@@ -481,8 +481,15 @@ def check_same_prompts(a: Run, b: Run) -> None:
         return
     pa = [(r.turn, r.prompt_tokens) for r in a.requests]
     pb = [(r.turn, r.prompt_tokens) for r in b.requests]
-    if sorted(pa) != sorted(pb):
-        raise PromptMismatch(f"{a.workload} c={a.c} repeat {a.repeat}: usage.prompt_tokens differ between the sides")
+    if sorted(pa) == sorted(pb):
+        return
+    if a.workload == "chat" and sorted(p for p in pa if p[0] <= 1) == sorted(p for p in pb if p[0] <= 1):
+        # A later turn sends back the side's own answer: in bf16 on a GPU a batch of another shape
+        # may break a near-tie the other way, so the answers (and the next prompts) can differ.
+        print(f"chat c={a.c} repeat {a.repeat}: later turns' prompts differ (the sides answered differently)",
+              file=sys.stderr)
+        return
+    raise PromptMismatch(f"{a.workload} c={a.c} repeat {a.repeat}: usage.prompt_tokens differ between the sides")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
