@@ -151,6 +151,15 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def _child_env() -> dict[str, str]:
+    """The renderer's environment: ours, less a preloaded BLAS (tools/with-blas.sh preloads OpenBLAS
+    for MLX; a renderer needs none) and with one BLAS thread for the numpy its imports bring: each
+    BLAS thread reserves address space, which the child's memory bound counts."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return env
+
+
 class _Child:
     """One renderer process and this side's ends of its three pipes."""
 
@@ -164,7 +173,8 @@ class _Child:
             self.proc = subprocess.Popen(
                 [sys.executable, "-P", str(_CHILD), str(req_r), str(rep_w), str(life_r), str(memory_bytes)],
                 pass_fds=(req_r, rep_w, life_r), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL, start_new_session=True)  # no terminal signals: we stop it
+                stderr=subprocess.DEVNULL, start_new_session=True,  # no terminal signals: we stop it
+                env=_child_env())
         except OSError:
             for fd in (req_w, rep_r, life_w):
                 os.close(fd)
