@@ -196,9 +196,8 @@ class ModelKvCache:
         the sequences running requests reused (they are about to be extended, so they wait). Engine
         thread, between steps. Returns the seconds until the next call has work (0: a copy waits for
         its hand-over), None when nothing is pending."""
-        self._hand_over()
         now = self._clock()
-        next_due = 0.0 if self._copying else None
+        next_due = None
         for key, due in list(self._pending.items()):
             if key in in_use:
                 due = self._pending[key] = now + self._delay
@@ -208,8 +207,10 @@ class ModelKvCache:
             del self._pending[key]
             cache = self.ram.entry(key)
             if cache is not None:
-                self._copying[key] = (cache, True)  # its copy was scheduled a delay ago: handed over next call
-                next_due = 0.0
+                self._copying[key] = (cache, True)  # its copy was scheduled a delay ago: handed over now
+        self._hand_over()
+        if self._copying:
+            next_due = now  # a copy scheduled since the last call: handed over at the next
         return None if next_due is None else max(0.0, next_due - now)
 
     def _hand_over(self) -> None:

@@ -256,7 +256,7 @@ def test_a_conversation_turn_goes_to_ssd_once_it_is_quiet(tiny, ledger: Ledger, 
     assert kv.write_quiet(in_use={tuple(third)}) == 5.0  # a running request extends it: it waits on
     assert written == []
     now[0] = 9.5
-    assert kv.write_quiet() == 0.0 and kv.write_quiet() is None and written == [len(third)]
+    assert kv.write_quiet() is None and written == [len(third)]  # due a delay after its copy: written at once
     m = ssd.lookup("tiny", third + [7])
     assert ssd.entries("tiny") == 1 and m is not None and m.key == tuple(third)  # one file per conversation
 
