@@ -399,17 +399,23 @@ async def test_prompt_text_never_reaches_the_logs(coordinator_double, openai_con
 # --- drain on SIGTERM, as a real process -------------------------------------------------------------------
 
 
+async def agent_process(double: CoordinatorDouble, model: Path, tmp_path: Path,
+                        **env: str) -> asyncio.subprocess.Process:
+    """`python -m provider.agent` on the tiny model against the double (JSON logs on stderr), with `env`
+    on top of the settings every real-process test here shares."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "provider.agent", cwd=REPO, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "DARKBLOOM_COORDINATOR_URL": double.ws_url,
+             "DARKBLOOM_DEV_POSTURE": "true", "DARKBLOOM_STATE_DIR": str(tmp_path / "state"),
+             "DARKBLOOM_HF_CACHE_DIR": str(tmp_path / "hf"), "DARKBLOOM_MODEL_ALIASES": f"tiny={model}",
+             "DARKBLOOM_MEMORY_LIMIT_GB": "8", "DARKBLOOM_MEMORY_RESERVE_GB": "0.5",
+             "DARKBLOOM_LOG_FORMAT": "json", "DARKBLOOM_HEARTBEAT_INTERVAL_S": "0.5", **env})
+
+
 async def test_sigterm_drains_the_job_in_flight_then_exits_0(coordinator_double, tiny_model_path, tmp_path):
     double = coordinator_double
-    env = {**os.environ, "HF_HUB_OFFLINE": "1",
-           "DARKBLOOM_COORDINATOR_URL": double.ws_url, "DARKBLOOM_DEV_POSTURE": "true",
-           "DARKBLOOM_STATE_DIR": str(tmp_path / "state"), "DARKBLOOM_HF_CACHE_DIR": str(tmp_path / "hf"),
-           "DARKBLOOM_MODEL_ALIASES": f"tiny={tiny_model_path}", "DARKBLOOM_MEMORY_LIMIT_GB": "8",
-           "DARKBLOOM_MEMORY_RESERVE_GB": "0.5", "DARKBLOOM_DRAIN_TIMEOUT_S": "30",
-           "DARKBLOOM_LOG_FORMAT": "json", "DARKBLOOM_HEARTBEAT_INTERVAL_S": "0.5"}
-    process = await asyncio.create_subprocess_exec(sys.executable, "-m", "provider.agent", env=env, cwd=REPO,
-                                                   stdout=asyncio.subprocess.DEVNULL,
-                                                   stderr=asyncio.subprocess.PIPE)
+    process = await agent_process(double, tiny_model_path, tmp_path, DARKBLOOM_DRAIN_TIMEOUT_S="30")
     try:
         await double.wait_routable(model="tiny", timeout=60)
         async with consumer_for(double) as consumer:
@@ -441,16 +447,8 @@ async def test_a_drain_that_runs_out_ends_every_accepted_request_with_its_termin
     out, each accepted request still gets exactly one terminal frame (503 ``draining``: nothing more
     will come) before the socket closes with 1000; the consumers see their streams fail, not hang."""
     double = coordinator_double
-    env = {**os.environ, "HF_HUB_OFFLINE": "1",
-           "DARKBLOOM_COORDINATOR_URL": double.ws_url, "DARKBLOOM_DEV_POSTURE": "true",
-           "DARKBLOOM_STATE_DIR": str(tmp_path / "state"), "DARKBLOOM_HF_CACHE_DIR": str(tmp_path / "hf"),
-           "DARKBLOOM_MODEL_ALIASES": f"tiny={tiny_model_path}", "DARKBLOOM_MEMORY_LIMIT_GB": "8",
-           "DARKBLOOM_MEMORY_RESERVE_GB": "0.5", "DARKBLOOM_DRAIN_TIMEOUT_S": "2",
-           "DARKBLOOM_LOG_FORMAT": "json", "DARKBLOOM_HEARTBEAT_INTERVAL_S": "0.5",
-           "DARKBLOOM_LOCAL_ENABLED": "false"}
-    process = await asyncio.create_subprocess_exec(sys.executable, "-m", "provider.agent", env=env, cwd=REPO,
-                                                   stdout=asyncio.subprocess.DEVNULL,
-                                                   stderr=asyncio.subprocess.PIPE)
+    process = await agent_process(double, tiny_model_path, tmp_path, DARKBLOOM_DRAIN_TIMEOUT_S="2",
+                                  DARKBLOOM_LOCAL_ENABLED="false")
 
     async def consume(consumer: openai.AsyncOpenAI, n: int) -> BaseException | None:
         stream = await consumer.chat.completions.create(
@@ -499,16 +497,8 @@ async def test_an_agent_stopped_past_the_eviction_window_registers_afresh(tiny_m
     sides (the [A] coordinator and the agent's default: 90 s)."""
     config = quick_config(eviction_timeout=2.0, eviction_sweep_interval=0.25)
     async with CoordinatorDouble(config) as double:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1",
-               "DARKBLOOM_COORDINATOR_URL": double.ws_url, "DARKBLOOM_DEV_POSTURE": "true",
-               "DARKBLOOM_STATE_DIR": str(tmp_path / "state"), "DARKBLOOM_HF_CACHE_DIR": str(tmp_path / "hf"),
-               "DARKBLOOM_MODEL_ALIASES": f"tiny={tiny_model_path}", "DARKBLOOM_MEMORY_LIMIT_GB": "8",
-               "DARKBLOOM_MEMORY_RESERVE_GB": "0.5", "DARKBLOOM_LOG_FORMAT": "json",
-               "DARKBLOOM_HEARTBEAT_INTERVAL_S": "0.5", "DARKBLOOM_EVICTION_WINDOW_S": "2",
-               "DARKBLOOM_LOCAL_ENABLED": "false"}
-        process = await asyncio.create_subprocess_exec(sys.executable, "-m", "provider.agent", env=env, cwd=REPO,
-                                                       stdout=asyncio.subprocess.DEVNULL,
-                                                       stderr=asyncio.subprocess.PIPE)
+        process = await agent_process(double, tiny_model_path, tmp_path, DARKBLOOM_EVICTION_WINDOW_S="2",
+                                      DARKBLOOM_LOCAL_ENABLED="false")
         try:
             (first,) = await double.wait_routable(model="tiny", timeout=60)
             mark = double.mark()
