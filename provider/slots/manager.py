@@ -389,7 +389,7 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
 
     def _requests_in_flight(self) -> bool:
         """Some request holds a place in a batch: its end will free room (a residue alone will not)."""
-        return any(slot.kv.members for slot in self.view().slots.values())
+        return any(slot.kv_book for slot in self._slots.values())
 
     def _released(self, request_id: str) -> None:
         """A request's KV went back to the ledger (any thread): wake admissions waiting for room."""
