@@ -1,7 +1,8 @@
 """Host-side (MLX-free) form of a per-layer KV cache: raw bytes plus dtype names and shapes.
 
-`kvcache/state` converts mlx-lm caches to and from this form on the engine thread; `kvcache/ssd`
-encrypts it to disk and back without touching MLX, so the on-disk format is tested without a model.
+`kvcache/state` converts mlx-lm caches to this form (`host_copy`, on the SSD tier's writer thread) and
+back (`from_host`, on the engine thread); `kvcache/ssd` encrypts it to disk and back without touching
+MLX, so the on-disk format is tested without a model.
 """
 
 from __future__ import annotations

@@ -83,26 +83,10 @@ def _host_bytes(a: mx.array, n: int) -> HostArray:
     return HostArray(name, tuple(a.shape), bytes(memoryview(a).cast("B")))
 
 
-def _to_host(a: mx.array) -> HostArray:
-    name, np_type = _DTYPES[a.dtype]
-    raw = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
-    return HostArray(name, tuple(a.shape), np.asarray(raw, dtype=np_type).tobytes())
-
-
 def _from_host(h: HostArray) -> mx.array:
     dt, np_type = _BY_NAME[h.dtype]
     a = mx.array(np.frombuffer(h.data, dtype=np_type).reshape(h.shape))
     return a.view(dt) if dt == mx.bfloat16 else a
-
-
-def to_host(cache: Sequence[KVCache], n: int | None = None) -> HostCache:
-    """Copy the first `n` positions (default: all valid ones) of every layer into host bytes."""
-    n = cache_tokens(cache) if n is None else n
-    if not 0 < n <= cache_tokens(cache):
-        raise ValueError("prefix length out of range")
-    mx.eval([(c.keys, c.values) for c in cache])
-    layers = tuple((_to_host(c.keys[..., :n, :]), _to_host(c.values[..., :n, :])) for c in cache)
-    return HostCache(n, layers)
 
 
 def from_host(host: HostCache) -> list[KVCache]:

@@ -262,13 +262,15 @@ def test_a_conversation_turn_goes_to_ssd_once_it_is_quiet(tiny, ledger: Ledger, 
 
 
 def test_bfloat16_round_trips_through_host_bytes() -> None:
-    from kvcache.state import from_host, prefix_copy, to_host
+    from kvcache.state import from_host, host_copy, prefix_copy, settle
     from mlx_lm.models.cache import KVCache
 
     c = KVCache()
     k = mx.random.normal((1, 2, 9, 8)).astype(mx.bfloat16)
     c.update_and_fetch(k, k * 2)
-    back = from_host(to_host([c], 7))
+    entry = prefix_copy([c], 7)  # what the tiers keep: exactly its tokens, contiguous
+    settle(entry)
+    back = from_host(host_copy(entry))
     assert back[0].keys.dtype == mx.bfloat16 and back[0].offset == 7
     assert mx.array_equal(back[0].values, (k * 2)[..., :7, :]).item()
     assert prefix_copy([c], 3)[0].keys.shape == (1, 2, 3, 8)
