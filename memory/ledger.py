@@ -38,6 +38,7 @@ class ReservationKind(StrEnum):
     PENDING_LOAD = "pending_load"  # a model load's allocation permit: weights_est + MIN_KV
     PREFIX_CACHE = "prefix_cache"  # RAM prefix-cache entries (kvcache/ram)
     PROMPT = "prompt"  # a large request body's working memory while it is parsed and tokenized
+    GRAMMAR = "grammar"  # a constrained request's grammar and mask rows (memory/grammar.py), intake to engine exit
 
 
 class RejectionReason(StrEnum):
