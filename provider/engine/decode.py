@@ -10,7 +10,9 @@ step, for values the engine never reads. `DecodeBatch` schedules and reads the t
 Token identity: the same forward pass, the same log-probabilities (`logits - logsumexp`) and the same
 sampler calls in the same order as mlx-lm's `GenerationBatch._step`, so every sequence gets the tokens
 mlx-lm would give it. A batch with logits processors takes mlx-lm's own step (they need the token
-context it keeps). `Response.logprobs` is None for the steps taken here.
+context it keeps). `Response.logprobs` is None for the steps taken here. A batch whose only
+processors are the engine's own `guided.RowGuide`s (a grammar's masks, log-probabilities: issue 31)
+takes `guided.step` instead, which keeps the plain rows' arithmetic as it is here.
 
 Joining the batch (`PrefillBatch`, mlx-lm's prompt batch with three steps changed). When requests
 arrive while a batch decodes (a server's steady state: at 32 concurrent requests of 64 tokens one
@@ -36,10 +38,14 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch, _right_pad_prompts
 from mlx_lm.models.cache import BatchKVCache
 
+from provider.engine import guided
+
 
 class DecodeBatch(GenerationBatch):
     def _step(self) -> tuple[list[int], list[None]]:
         if any(self.logits_processors):
+            if guided.only_guides(self.logits_processors):  # issue 31: grammar masks, log-probabilities
+                return guided.step(self)
             return super()._step()
         self._current_tokens, self._current_logprobs = self._next_tokens, self._next_logprobs
         inputs = self._current_tokens

@@ -79,6 +79,11 @@ class ChatRequest:
     # The local front's conversations: once this finishes, prefill the prompt's next turn up to the
     # answer as the chat template renders it back, while the engine is idle (worker.py, "Next turn").
     prepare_next_turn: bool = False
+    # Issue 31: the request's grammar (`provider.grammar.Constraint`: the engine masks each token by it
+    # and releases its memory reservation when the request leaves), and its log-probabilities (None:
+    # not asked; else the number of alternatives per token, 0-20).
+    constraint: Any = field(default=None, repr=False)
+    top_logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,10 +97,25 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One sampled token's log-probability and its best alternatives (`ChatRequest.top_logprobs` of
+    them, best first), from the distribution it was sampled from: the model's, renormalized over
+    what the request's grammar allows; before temperature."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class TextDelta:
-    """New completion text. Never empty, never ends inside a UTF-8 character."""
+    """New completion text. Never empty, never ends inside a UTF-8 character.
+
+    `logprobs` (requests that asked): one entry per token sampled since the last delta whose text
+    this one carries (an EOS token has none; a token whose text a stop string cut has none)."""
 
     text: str
+    logprobs: tuple[TokenLogprob, ...] = field(default=(), repr=False)
 
 
 @dataclass(frozen=True, slots=True)

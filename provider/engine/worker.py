@@ -81,7 +81,7 @@ from provider.engine.commands import (
     Submit,
     Unload,
 )
-from provider.engine import attention
+from provider.engine import attention, guided
 from provider.engine.decode import EngineBatchGenerator
 from provider.engine.device import DeviceLimits
 from provider.engine.layout import MAX_WEIGHT_BYTES, on_cpu, transpose_weights
@@ -108,6 +108,7 @@ from provider.engine.types import (
     LoadedModelInfo,
     ModelStats,
     TextDelta,
+    TokenLogprob,
     Usage,
 )
 from provider.models.kv import ALLOC_STEP
@@ -146,6 +147,10 @@ class _Active:
     cache: list | None = None  # ready: its prompt's KV, until it joins the batch
     messages: Sequence[Mapping[str, object]] | None = None  # kept only to prepare the next turn
     answer: list[str] | None = None  # the text sent, kept only to prepare the next turn
+    # Issue 31: its grammar and log-probabilities in the batch (guided.py), None for a plain request;
+    # the log-probabilities of tokens whose text has not gone out yet.
+    guide: guided.RowGuide | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -543,6 +548,8 @@ class Worker:
                 raise EngineError(EngineFailure.REQUEST_EXCEEDS_CONTEXT)
         except EngineError as exc:
             self._emit(cmd.sink, Failed(exc.code))
+            if request.constraint is not None:
+                request.constraint.release()  # issue 31
             self._notify_released(cmd.on_media_released, request.request_id)
             self._notify_released(cmd.on_released, request.request_id)
             return
@@ -551,7 +558,8 @@ class Worker:
         active = _Active(request.request_id, cmd.sink, cmd.on_released, text, len(ids),
                          max_tokens=min(request.params.max_tokens, room), sampler=sampler_for(request.params),
                          prompt_ids=ids, messages=request.messages if prepare else None,
-                         answer=[] if prepare else None)
+                         answer=[] if prepare else None,
+                         guide=guided.guide_for(request.constraint, request.top_logprobs))
         slot.queue.append(active)  # started by _advance: its prefix is looked up then (a burst shares it)
         self._where[request.request_id] = (slot, active)
 
@@ -578,6 +586,7 @@ class Worker:
                 caches=None if reuse.cache is None else [reuse.cache],
                 all_tokens=None if reuse.cache is None else [ids[: reuse.matched]],
                 samplers=[active.sampler],
+                logits_processors=None if active.guide is None else [[active.guide]],  # issue 31
             )
         except Exception:  # an edge: this request fails, the batch goes on
             log.exception("batch insert failed", extra={"model_id": slot.info.model_id})
@@ -752,6 +761,8 @@ class Worker:
         elif active in slot.queue:
             slot.queue.remove(active)
         active.solo = active.cache = None
+        if active.guide is not None and active.guide.constraint is not None:
+            active.guide.constraint.release()  # issue 31: its grammar's reservation (memory/grammar.py)
         del self._where[active.request_id]
         self._publish_stats(slot)  # a cancel leaves no later step to refresh them
         self._notify_released(active.on_released, active.request_id)
@@ -821,7 +832,13 @@ class Worker:
         try:
             with mx.stream(slot.generator.stream):
                 done, logprobs = active.solo.step()
-                token = None if logprobs is None else int(active.sampler(logprobs).item())
+                record = None
+                if logprobs is None:
+                    token = None
+                elif active.guide is None:
+                    token = int(active.sampler(logprobs).item())
+                else:  # issue 31: its grammar's first mask, its log-probabilities
+                    token, record = guided.first_token(active.guide, active.sampler, logprobs)
         except Exception:  # an edge: this request fails, the others go on
             log.exception("prefill failed", extra={"model_id": slot.info.model_id})
             self._emit(active.sink, Failed(EngineFailure.INTERNAL_ERROR))
@@ -839,7 +856,7 @@ class Worker:
             active.cache = cache
             slot.ready.append(active)
             self._share_prompt(slot, active, cache)
-        self._on_token(slot, active, token, finish, cache if finish is not None else None)
+        self._on_token(slot, active, token, finish, cache if finish is not None else None, record)
 
     def _share_prompt(self, slot: _Slot, active: _Active, cache: list) -> None:
         """Store a prompt whose KV a queued request would reuse beyond what the cache holds for it."""
@@ -868,6 +885,8 @@ class Worker:
                 caches=[for_batch(a.cache) for a in ready],
                 all_tokens=[list(a.prompt_ids) for a in ready],  # a copy: mlx-lm appends to it
                 samplers=[a.sampler for a in ready],
+                logits_processors=[[a.guide] if a.guide else [] for a in ready]
+                if any(a.guide for a in ready) else None,  # issue 31
             )
         except Exception:  # an edge: these requests fail, the batch goes on
             log.exception("batch insert failed", extra={"model_id": slot.info.model_id})
@@ -885,7 +904,7 @@ class Worker:
             for r in responses:
                 active = slot.requests.get(r.uid)
                 if active is not None:
-                    self._on_token(slot, active, r.token, r.finish_reason, r.prompt_cache)
+                    self._on_token(slot, active, r.token, r.finish_reason, r.prompt_cache, r.logprobs)
         except Exception:  # an edge: fail this model's requests, keep the worker alive
             log.exception("decode step failed", extra={"model_id": slot.info.model_id})
             self._fail_all(slot, EngineFailure.INTERNAL_ERROR)
@@ -894,8 +913,10 @@ class Worker:
         self._publish_stats(slot)
 
     def _on_token(self, slot: _Slot, active: _Active, token: int, finish: str | None,
-                  cache: list | None = None) -> None:
+                  cache: list | None = None, logprob: TokenLogprob | None = None) -> None:
         active.completion_ids.append(token)
+        if logprob is not None and finish != "stop":  # issue 31; an EOS token is no part of the text
+            active.logprobs.append(logprob)
         if finish is not None:  # the batch handed back this request's cache: keep the sequence
             self._keep_prefix(slot, active, cache)
         if finish == "stop":  # an EOS token: never part of the text
@@ -924,7 +945,11 @@ class Worker:
         if text:
             if active.answer is not None:
                 active.answer.append(text)
-            self._emit(active.sink, TextDelta(text))
+            if active.logprobs:  # issue 31: the log-probabilities of the tokens this text is from
+                logprobs, active.logprobs = tuple(active.logprobs), []
+                self._emit(active.sink, TextDelta(text, logprobs))
+            else:
+                self._emit(active.sink, TextDelta(text))
 
     def _finish(self, slot: _Slot, active: _Active, reason: FinishReason) -> None:
         if active.messages is not None and active.answer is not None:
