@@ -19,13 +19,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import model_validator
 
-from protocol._wire import NULLABLE, OMIT_EMPTY, Int64, Str, WireModel
+from protocol._wire import NULLABLE, OMIT_EMPTY, Float, Int64, Str, WireModel
 
 __all__ = [
     "DONE",
     "ChatCompletion",
     "ChatCompletionChunk",
     "ChatMessage",
+    "ChoiceLogprobs",
     "ChunkChoice",
     "ChunkFactory",
     "CompletionChoice",
@@ -34,8 +35,10 @@ __all__ = [
     "FinishReason",
     "FunctionCall",
     "FunctionCallDelta",
+    "LogprobEntry",
     "ToolCall",
     "ToolCallDelta",
+    "TopLogprob",
     "data_line",
     "event",
 ]
@@ -89,9 +92,33 @@ class Delta(WireModel):
     tool_calls: Annotated[tuple[ToolCallDelta, ...], OMIT_EMPTY] = ()
 
 
+class TopLogprob(WireModel):
+    """One alternative token: its text, log-probability and UTF-8 bytes (a token may hold part of a character)."""
+
+    token: Str
+    logprob: Float
+    bytes: tuple[Int64, ...]
+
+
+class LogprobEntry(WireModel):
+    """One output token's log-probability, with its `top_logprobs` alternatives (best first)."""
+
+    token: Str
+    logprob: Float
+    bytes: tuple[Int64, ...]
+    top_logprobs: tuple[TopLogprob, ...] = ()
+
+
+class ChoiceLogprobs(WireModel):
+    """``choices[].logprobs``: one entry per output token of the chunk (or of the whole completion)."""
+
+    content: tuple[LogprobEntry, ...] = ()
+
+
 class ChunkChoice(WireModel):
     index: Int64 = 0
     delta: Delta
+    logprobs: ChoiceLogprobs | None = None  # left out unless the request asked for them
     finish_reason: Annotated[FinishReason | None, NULLABLE] = None
 
 
@@ -125,6 +152,7 @@ class ChatMessage(WireModel):
 class CompletionChoice(WireModel):
     index: Int64 = 0
     message: ChatMessage
+    logprobs: ChoiceLogprobs | None = None  # left out unless the request asked for them
     finish_reason: Annotated[FinishReason | None, NULLABLE] = None
 
 
@@ -161,15 +189,16 @@ class ChunkFactory:
         delta: Delta,
         finish_reason: FinishReason | None = None,
         usage: CompletionUsage | None = None,
+        logprobs: ChoiceLogprobs | None = None,
     ) -> ChatCompletionChunk:
-        choice = ChunkChoice(delta=delta, finish_reason=finish_reason)
+        choice = ChunkChoice(delta=delta, finish_reason=finish_reason, logprobs=logprobs)
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=(choice,), usage=usage)
 
     def role(self) -> ChatCompletionChunk:
         return self.chunk(Delta(role="assistant"))
 
-    def content(self, text: str) -> ChatCompletionChunk:
-        return self.chunk(Delta(content=text))
+    def content(self, text: str, logprobs: ChoiceLogprobs | None = None) -> ChatCompletionChunk:
+        return self.chunk(Delta(content=text), logprobs=logprobs)
 
     def reasoning(self, text: str) -> ChatCompletionChunk:
         return self.chunk(Delta(reasoning_content=text))

@@ -57,6 +57,8 @@ from provider.jobs.stats import ServingStats
 from provider.request.body import ChatBody, InvalidBody, parse_chat_body
 from provider.request.intake import Intake, Refusal, Ticket
 from provider.request.media import NO_MEDIA, MediaPlan, MediaRefused, inspect_images
+from provider.request.output import OutputPlan
+from provider.engine.openai import choice_logprobs
 from provider.request.tokens import PromptCounter
 from provider.slots import Refused
 from provider.slots.leases import Booking
@@ -170,6 +172,7 @@ class Job:
         budget_ms = request.first_content_budget_ms
         self._content_deadline = self._started + budget_ms / 1000 if budget_ms > 0 else None
         self._deadline_guard: asyncio.Timeout | None = None
+        self._submitted = False  # the engine has the request (and gives its grammar's reservation back)
 
     @property
     def state(self) -> JobState:
@@ -205,7 +208,12 @@ class Job:
                 with bound_contextvars(**({"model": body.model} if self._ctx.counter.knows(body.model) else {})):
                     prompt_ids, media = await self._count(ticket, body)
             with bound_contextvars(model=body.model):
-                return await self._admit_and_serve(box, body, prompt_ids, media)
+                output = await self._output_plan(body)
+                try:
+                    return await self._admit_and_serve(box, body, prompt_ids, media, output)
+                finally:
+                    if not self._submitted:
+                        output.release()  # it never reached the engine
         except Refusal as rejected:
             self._fail(rejected.failure)
             return JobOutcome.REJECTED
@@ -247,12 +255,25 @@ class Job:
             self._count_rejection(refusal.failure)
             raise
 
+    async def _output_plan(self, body: ChatBody) -> OutputPlan:
+        """Issue 31: the request's grammar (compiled, its memory reserved) and log-probabilities."""
+        intake = self._ctx.intake
+        assert intake is not None
+        try:
+            return await intake.output(self.request_id, body)
+        except InvalidBody as exc:
+            log.info("request_refused", reason="invalid_body", kind=exc.field)
+            raise _Rejected(Failure.invalid_request()) from None
+        except Refusal as refusal:
+            self._count_rejection(refusal.failure)
+            raise
+
     def _count_rejection(self, failure: Failure) -> None:
         if self._ctx.metrics is not None:
             self._ctx.metrics.rejected(failure.rejection or failure.reason or failure.code)
 
     async def _admit_and_serve(self, box: RequestBox, body: ChatBody, prompt_ids: list[int],
-                               media: MediaPlan) -> JobOutcome:
+                               media: MediaPlan, output: OutputPlan) -> JobOutcome:
         booked = await self._ctx.manager.book_when_released(self.request_id, body.model, len(prompt_ids),
                                                             body.max_tokens, media=media)
         if isinstance(booked, Refused):
@@ -272,16 +293,18 @@ class Job:
             self._ctx.requests.accept()
         log.info("request_accepted", prompt_tokens=len(prompt_ids), max_tokens=max_tokens)
         try:
-            return await self._serve(box, body, prompt_ids, booked)
+            return await self._serve(box, body, prompt_ids, booked, output)
         finally:
             self._ctx.stats.ended(self.request_id)
 
     # --- after the accept ---------------------------------------------------------------------------
 
-    async def _serve(self, box: RequestBox, body: ChatBody, prompt_ids: list[int], booking: Booking) -> JobOutcome:
+    async def _serve(self, box: RequestBox, body: ChatBody, prompt_ids: list[int], booking: Booking,
+                     output: OutputPlan) -> JobOutcome:
         # A vision model's processor places the image tokens itself: it gets the messages, not ids.
         ids = prompt_ids if booking.reservation is not None else None
-        request = ChatRequest(self.request_id, body.messages, body.sampling(booking.kv.max_tokens), prompt_ids=ids)
+        request = ChatRequest(self.request_id, body.messages, body.sampling(booking.kv.max_tokens), prompt_ids=ids,
+                              constraint=output.constraint, top_logprobs=output.top_logprobs)
         remaining = None if self._content_deadline is None else self._content_deadline - self._ctx.monotonic()
         try:
             # [N] first_content_budget_ms: no content by then → give up before any output (rerouted, neutral).
@@ -289,6 +312,7 @@ class Job:
                 async with self._ctx.manager.serve(self.request_id, body.model, len(prompt_ids),
                                                    body.max_tokens, booking=booking) as slot:
                     stream = slot.submit(request)
+                    self._submitted = True
                     try:
                         return await self._stream(box, body, stream)
                     finally:
@@ -313,11 +337,13 @@ class Job:
 
     async def _stream(self, box: RequestBox, body: ChatBody, stream: RequestStream) -> JobOutcome:
         chunks = ChunkFactory(id=f"chatcmpl-{self.request_id}", created=int(self._ctx.clock()), model=body.model)
+        table = self._ctx.intake.grammars.table(body.model) if body.top_logprobs is not None else None
         async for item in stream:
             match item:
-                case TextDelta(text=text):
+                case TextDelta(text=text, logprobs=logprobs):
                     self._output(box, chunks)
-                    self._chunk(box, data_line(chunks.content(text)))
+                    spelled = None if table is None else choice_logprobs(logprobs, table.token_bytes)  # issue 31
+                    self._chunk(box, data_line(chunks.content(text, spelled)))
                 case Finished(reason=reason, usage=usage):
                     self._output(box, chunks)
                     wire_usage = CompletionUsage(prompt_tokens=usage.prompt_tokens,

@@ -34,8 +34,8 @@ from memory import CapFigures
 from protocol.errors import Failure
 from protocol import sse
 from protocol.sse import DONE
-from provider.engine import EngineFailure, Event, Failed, Finished, RequestStream, TextDelta, Usage
-from provider.engine.openai import ChatChunks, chat_completion
+from provider.engine import EngineFailure, Event, Failed, Finished, RequestStream, TextDelta, TokenLogprob, Usage
+from provider.engine.openai import ChatChunks, chat_completion, choice_logprobs
 from provider.local.backend import Refused, TooLarge
 from provider.local.drain import InFlight
 from provider.request.body import ChatBody, InvalidBody
@@ -53,6 +53,7 @@ class Backend(Protocol):
 
     def model_ids(self) -> list[str]: ...
     def open(self, request_id: str, raw: bytes) -> Any: ...  # async context manager -> (ChatBody, RequestStream)
+    def token_bytes(self, model_id: str) -> Callable[[int], bytes] | None: ...  # log-probabilities' spelling
     def status(self) -> dict[str, Any]: ...
     def refresh_metrics(self) -> None: ...
 
@@ -206,9 +207,11 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
                 return error_response(failure, refused.retry_after_s)
             state.requests.attach(request_id, stream)
             served = _Served(request_id, body.model, started, metrics)
+            # Issue 31: the request asked for log-probabilities (the intake built its model's spelling).
+            spell = backend.token_bytes(body.model) if body.top_logprobs is not None else None
             if not body.stream:
                 try:
-                    return await _complete(stream, body, served)
+                    return await _complete(stream, body, served, spell)
                 finally:
                     await opened.__aexit__(None, None, None)
             # The 200 goes out with the first output: anything that fails before it (a load, the
@@ -226,7 +229,7 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
                 return error_response(failure, Refused(failure).retry_after_s)
             handed_over = True
             return StreamingResponse(_sse(opened, stream, body, served, first,
-                                          ended=lambda: state.requests.end(request_id)),
+                                          ended=lambda: state.requests.end(request_id), spell=spell),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         finally:
             if not handed_over:
@@ -261,16 +264,20 @@ class _Served:
                                    completion_tokens=0 if usage is None else usage.completion_tokens))
 
 
-async def _complete(stream: RequestStream, body: ChatBody, served: _Served) -> Response:
+async def _complete(stream: RequestStream, body: ChatBody, served: _Served,
+                    spell: Callable[[int], bytes] | None = None) -> Response:
     parts: list[str] = []
+    entries: list[TokenLogprob] = []
     async for event in stream:
         served.output()
         match event:
-            case TextDelta(text):
+            case TextDelta(text, logprobs):
                 parts.append(text)
+                entries.extend(logprobs)
             case Finished(usage=usage) as done:
                 served.end(RequestOutcome.COMPLETED, usage)
-                completion = chat_completion(served.request_id, body.model, "".join(parts), done)
+                completion = chat_completion(served.request_id, body.model, "".join(parts), done,
+                                             logprobs=None if spell is None else choice_logprobs(entries, spell))
                 return Response(completion.__pydantic_serializer__.to_json(completion),
                                 media_type="application/json")
             case Failed(code):
@@ -308,8 +315,8 @@ async def _events(first: Event, stream: RequestStream) -> AsyncIterator[Event]:
 
 
 async def _sse(opened: Any, stream: RequestStream, body: ChatBody, served: _Served, first: Event,
-               ended: Callable[[], None]) -> AsyncIterator[bytes]:
-    chunks = ChatChunks(served.request_id, body.model)
+               ended: Callable[[], None], spell: Callable[[int], bytes] | None = None) -> AsyncIterator[bytes]:
+    chunks = ChatChunks(served.request_id, body.model, token_bytes=spell)
     outcome, usage, code = RequestOutcome.CANCELLED, None, None  # the client left, unless a terminal event came
     try:
         yield _event(chunks.role())

@@ -6,7 +6,8 @@ has the same admission and memory policy as the coordinator agent (issue 7).
 are the job's (`provider.jobs.job`), minus the encryption:
 
 * read the body through the runtime's `Intake` (a large one in the bulk lane, its working memory
-  reserved), refuse by the size bound, count the prompt exactly (no model load needed);
+  reserved), refuse by the size bound, count the prompt exactly (no model load needed), compile
+  its grammar with the grammar's memory reserved (`response_format`, issue 31);
 * check the images, if any: bounds before allocation (`provider.request.media`, headers only);
 * admission books the request (`ModelManager.book_when_released`): its KV and, for a cold model,
   the load's claim, in one step; a refusal is the manager's `Failure`;
@@ -23,7 +24,7 @@ is `TooLarge`, a 400 whose message gives the numbers (what `doctor` shows).
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -124,32 +125,39 @@ class RuntimeBackend:
                 body = await ticket.run(_parse, rt.intake, raw)
                 media = await ticket.run(_inspect, request_id, body.images) if body.images else NO_MEDIA
                 prompt_ids = await rt.intake.prompt_ids(ticket, body, queued=rt.settings.local_queue_s > 0)
+            output = await rt.intake.output(request_id, body)  # issue 31: its grammar, log-probabilities
         except Refusal as refusal:
             raise Refused(refusal.failure) from None
-        booked = await rt.manager.book_when_released(request_id, body.model, len(prompt_ids), body.max_tokens,
-                                                     media=media, queue_s=rt.settings.local_queue_s)
-        if isinstance(booked, AdmissionRefused):
-            if booked.failure.reason in _NEVER_HERE:
-                raise self._too_large(booked.failure, body.model, len(prompt_ids), body.max_tokens)
-            raise Refused(booked.failure)
-        ids = prompt_ids if booked.reservation is not None else None  # a VLM's processor places its images
-        request = ChatRequest(request_id, body.messages, body.sampling(booked.kv.max_tokens), prompt_ids=ids,
-                              prepare_next_turn=True)  # one user's conversations: the next turn comes here
-        rt.stats.accepted(request_id, body.model)
+        stream: RequestStream | None = None
         try:
-            async with rt.manager.serve(request_id, body.model, len(prompt_ids), body.max_tokens,
-                                        booking=booked) as slot:
-                stream = slot.submit(request)
-                rt.metrics.add_tokens(prompt=len(prompt_ids))
-                try:
-                    with rt.metrics.in_flight():
-                        yield body, stream
-                finally:
-                    await stream.aclose()  # no-op after a terminal event; a cancel otherwise
-        except (SlotRefused, MediaRefused) as exc:  # MediaRefused: an image that would not decode
-            raise Refused(exc.failure) from None
+            booked = await rt.manager.book_when_released(request_id, body.model, len(prompt_ids), body.max_tokens,
+                                                         media=media, queue_s=rt.settings.local_queue_s)
+            if isinstance(booked, AdmissionRefused):
+                if booked.failure.reason in _NEVER_HERE:
+                    raise self._too_large(booked.failure, body.model, len(prompt_ids), body.max_tokens)
+                raise Refused(booked.failure)
+            ids = prompt_ids if booked.reservation is not None else None  # a VLM's processor places its images
+            request = ChatRequest(request_id, body.messages, body.sampling(booked.kv.max_tokens), prompt_ids=ids,
+                                  prepare_next_turn=True,  # one user's conversations: the next turn comes here
+                                  constraint=output.constraint, top_logprobs=output.top_logprobs)
+            rt.stats.accepted(request_id, body.model)
+            try:
+                async with rt.manager.serve(request_id, body.model, len(prompt_ids), body.max_tokens,
+                                            booking=booked) as slot:
+                    stream = slot.submit(request)  # from here the engine gives the grammar's reservation back
+                    rt.metrics.add_tokens(prompt=len(prompt_ids))
+                    try:
+                        with rt.metrics.in_flight():
+                            yield body, stream
+                    finally:
+                        await stream.aclose()  # no-op after a terminal event; a cancel otherwise
+            except (SlotRefused, MediaRefused) as exc:  # MediaRefused: an image that would not decode
+                raise Refused(exc.failure) from None
+            finally:
+                rt.stats.ended(request_id)
         finally:
-            rt.stats.ended(request_id)
+            if stream is None:
+                output.release()  # it never reached the engine
 
     def _too_large(self, failure: Failure, model_id: str, prompt_tokens: int, max_tokens: int | None) -> Exception:
         manager = self.runtime.manager
@@ -159,6 +167,11 @@ class RuntimeBackend:
             return Refused(failure)
         kv = kv_need(self.figures, info, prompt_tokens, max_tokens).nbytes
         return too_large(failure, model_id, fit, kv, self.figures)
+
+    def token_bytes(self, model_id: str) -> Callable[[int], bytes] | None:
+        """How the model's tokens are spelled in log-probabilities (built at intake for a request that asked)."""
+        table = self.runtime.intake.grammars.table(model_id)
+        return None if table is None else table.token_bytes
 
     def status(self) -> dict[str, Any]:
         return self.runtime.status()

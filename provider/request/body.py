@@ -10,6 +10,10 @@ Messages: `role` is one of OpenAI's (system, developer, user, assistant, tool); 
 (null counts as missing) except on an assistant message that carries `tool_calls`. Anything else is a
 client error (400), never silently run as an empty message.
 
+Output (issue 31): `response_format` becomes the grammar the output must follow, checked here
+(`response_format.py`: a schema the grammar engine cannot handle is an `InvalidBody` naming
+`response_format`); `logprobs` / `top_logprobs` (0-20) become `ChatBody.top_logprobs`.
+
 Content parts: `text` and `image_url` (`{"image_url": {"url": ...}}`). A message with only text
 parts becomes one string (what a text model's template expects). A message with images keeps its
 parts in order, each image as a bare `{"type": "image_url"}` marker; the URLs go to
@@ -23,11 +27,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
 from provider.engine import SamplingParams
 from provider.request.bounds import countable_chars
+from provider.request.response_format import ResponseFormat, parse_response_format
 
 
 class InvalidBody(ValueError):
@@ -60,6 +65,9 @@ _FIELD_RULES: dict[str, str] = {
     "seed": "must be an integer",
     "stop": "must be a non-empty string or an array of non-empty strings",
     "n": "must be 1 (one choice per request)",
+    "logprobs": "must be a boolean",
+    "top_logprobs": "must be an integer between 0 and 20",
+    "response_format": "must be an object",
 }
 # Nested parameters, by their own name (messages.N.content), else by pydantic's error type.
 _NESTED_RULES: dict[str, str] = {
@@ -153,6 +161,10 @@ class _Body(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1)  # one choice per request
+    # Issue 31: the output's grammar (response_format.py) and its log-probabilities (OpenAI: 0-20).
+    response_format: Any = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +180,8 @@ class ChatBody:
     stop: tuple[str, ...]
     images: tuple[str, ...] = ()  # image URLs in order of appearance (never logged)
     chars: int = 0  # message text every template keeps (bounds.countable_chars): the size bound reads it
+    response_format: ResponseFormat | None = None  # None: plain text (issue 31)
+    top_logprobs: int | None = None  # None: no log-probabilities; else alternatives per token, 0-20 (issue 31)
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
@@ -202,6 +216,9 @@ def parse_chat_body(data: Any) -> ChatBody:
     stop: Sequence[str] = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     if any(not s for s in stop):
         raise InvalidBody("stop", _FIELD_RULES["stop"])
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidBody("top_logprobs", "requires logprobs to be true")
+    response_format = parse_response_format(body.response_format)
     images: list[str] = []
     messages = tuple({"role": m.role, "content": _content(m.content, images)} for m in body.messages)
     chars = countable_chars(messages)
@@ -217,4 +234,6 @@ def parse_chat_body(data: Any) -> ChatBody:
         stop=tuple(stop[:4]),
         images=tuple(images),
         chars=chars,
+        response_format=response_format,
+        top_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
     )

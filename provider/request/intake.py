@@ -13,7 +13,9 @@ steps, each cheap check before the costly step it guards (issue 11):
    a single message object;
 3. the size bound (`bounds.TokenBounds.lower_bound`) is handed to admission by the caller, which
    refuses a prompt that surely exceeds the context (400) or what the ledger can give (503);
-4. `PromptCounter.prompt_ids`: exact ids, short prompts inline, long ones in the lane.
+4. `PromptCounter.prompt_ids`: exact ids, short prompts inline, long ones in the lane;
+5. `output` (issue 31, `output.py`): a grammar's memory reserved and the grammar compiled, the
+   vocabulary of log-probabilities built, before admission books the request.
 
 `Ticket` holds the working-memory reservation from step 1 until every lane task it started has
 finished on the thread (a cancelled caller does not free memory the thread still uses).
@@ -28,6 +30,7 @@ from typing import Any, Protocol, TypeVar
 from memory import Ledger, Rejection, ReservationKind
 from protocol.errors import ErrorReason, Failure, RejectionReason
 from provider.request.lanes import LaneFull
+from provider.request.output import Grammars, OutputPlan
 from provider.request.body import ChatBody
 from provider.request.bounds import countable_chars
 from provider.request.tokens import CHUNK_CHARS, PromptCounter, PromptError, PromptTooLong, UnknownModel
@@ -118,6 +121,7 @@ class Intake:
         self.ledger = ledger
         self._manager = manager
         self._context_of = manager.context_length
+        self.grammars = Grammars(counter, ledger)
 
     def max_context_tokens(self) -> int:
         return max((self._context_of(m) or 0 for m in self.counter.models()), default=0)
@@ -176,6 +180,12 @@ class Intake:
             raise Refusal(Failure.request_exceeds_context()) from None
         except PromptError:
             raise Refusal(Failure.template_render()) from None
+
+    async def output(self, request_id: str, body: ChatBody) -> OutputPlan:
+        """Step 5: the request's grammar (compiled, its memory reserved) and log-probabilities.
+        Raises `InvalidBody` naming the parameter, or `Refusal` (503) when the grammar's memory does
+        not fit. The caller releases the plan unless the engine got it (`OutputPlan.release`)."""
+        return await self.grammars.plan(request_id, body, lambda failure: Refusal(failure))
 
 
 __all__ = ["INLINE_BYTES", "Intake", "PromptTooLong", "Refusal", "Ticket", "working_bytes"]

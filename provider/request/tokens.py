@@ -172,6 +172,14 @@ class PromptCounter:
         """Whether ``model_id`` is one of ours and servable (a consumer-chosen string otherwise: not for logs)."""
         return model_id in self._paths and model_id not in self._unservable
 
+    def is_vision(self, model_id: str) -> bool:
+        return model_id in self._vision
+
+    async def tokenizer(self, model_id: str) -> Any:
+        """The model's tokenizer, loaded on first use (issue 31: its grammar vocabulary is built from
+        it in a thread; nothing there encodes with it). Raises ``UnknownModel``."""
+        return (await self._entry(model_id)).tokenizer
+
     def unservable(self) -> dict[str, TemplateBound]:
         """Models whose chat template passed a bound, with the bound."""
         return dict(self._unservable)
