@@ -54,7 +54,7 @@ class Coordinator:
 
 
 class Harness:
-    def __init__(self, settings: Settings, engine: Engine) -> None:
+    def __init__(self, settings: Settings, engine: Engine, eos: frozenset[int] | None = NO_EOS) -> None:
         self.identity = ProviderIdentity.generate()
         self.coordinator = Coordinator(self.identity.public_key_b64)
         inventory = discover(hf_cache=None, aliases=settings.model_aliases)
@@ -62,7 +62,7 @@ class Harness:
         self.ledger = Ledger(cap_figures(settings, self.probe.snapshot()), sample=self.probe.snapshot)
         self.engine = engine
         self.manager = ModelManager.from_settings(settings, engine, inventory, self.ledger, self.probe,
-                                                  eos_token_ids={"tiny": NO_EOS})
+                                                  eos_token_ids=None if eos is None else {"tiny": eos})
         self.stats = ServingStats()
         self.ctx = JobContext(identity=self.identity, manager=self.manager,
                               counter=PromptCounter({m.id: m.path for m in inventory.models}), stats=self.stats)
