@@ -15,10 +15,11 @@ sequences in the same batch are untouched: their log-probabilities are the same 
 to the same sampler calls in the same order as in the plain step, so each gets the tokens it would
 get in a batch without guides.
 
-Masking: the constrained rows' packed masks (one bit per token, `Constraint.fill`) go to the device
-as int32 words and are unpacked there against a cached column index; disallowed tokens get -inf and
-the row is renormalized (`logsumexp`), so a temperature or top-p sampler sees a distribution over
-the allowed tokens only. Columns past the grammar's vocabulary (a model whose head is wider than its
+Masking: the constrained rows' packed masks (one bit per token, `Constraint.fill`) are unpacked on
+the host to a bool per token (microseconds) and go to the device with the step; disallowed tokens get -inf and
+the row is renormalized (`logsumexp`), so a temperature or top-p sampler (and the log-probabilities
+reported) see a distribution over the allowed tokens only; a batch whose constrained rows are all
+greedy and report nothing skips that (the argmax is the same). Columns past the grammar's vocabulary (a model whose head is wider than its
 tokenizer) are disallowed.
 
 Log-probabilities: for the sequences that asked, the sampled token's log-probability and the
@@ -39,14 +40,12 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.sample_utils import greedy_sampler
 
 from provider.engine.types import TokenLogprob
 
 if TYPE_CHECKING:
     from provider.grammar import Constraint
-
-_BITS = mx.array(np.arange(32, dtype=np.uint32))
-_COLUMNS: dict[int, tuple[mx.array, mx.array]] = {}  # vocab width -> (word index, bit index) per column
 
 
 @dataclass(slots=True, eq=False)
@@ -86,7 +85,10 @@ def step(batch) -> tuple[list[int], list[TokenLogprob | None]]:
     if constrained:
         mx.async_eval(logprobs)  # the forward pass runs while the tokens are read and the masks filled
         tokens = inputs.tolist()
-        logprobs = _masked(logprobs, [(i, guides[i]) for i in constrained], tokens)
+        samplers = batch.samplers or [None] * len(guides)
+        logprobs = _masked(logprobs, [(i, guides[i]) for i in constrained], tokens,
+                           normalize=any(_normalizes(guides[i], samplers[i] or batch.fallback_sampler)
+                                         for i in constrained))
     sampled = _sample(batch, logprobs)
     batch._next_tokens = sampled
     batch._next_logprobs = _asked(guides, logprobs, sampled)
@@ -106,7 +108,7 @@ def first_token(guide: RowGuide, sampler, logprobs: mx.array) -> tuple[int, Toke
     """A solo-prefilled sequence's first token from its prompt's log-probabilities [1, vocab]: masked
     by its grammar (which then consumes it), with its log-probabilities if asked. Blocking."""
     if guide.constraint is not None:
-        logprobs = _masked(logprobs, [(0, guide)], [0])
+        logprobs = _masked(logprobs, [(0, guide)], [0], normalize=_normalizes(guide, sampler))
     token = sampler(logprobs)
     pending = _asked([guide], logprobs, token)[0]
     token = int(token.item())
@@ -123,32 +125,32 @@ def _sample(batch, logprobs: mx.array) -> mx.array:
     return mx.concatenate([s(logprobs[e: e + 1]) for e, s in enumerate(samplers)], axis=0)
 
 
-def _masked(logprobs: mx.array, rows: list[tuple[int, RowGuide]], tokens: list[int]) -> mx.array:
-    """`logprobs` with each constrained row limited to what its grammar allows next, renormalized."""
+def _normalizes(guide: RowGuide, sampler) -> bool:
+    """Whether a constrained row's masked scores must be renormalized: for its log-probabilities, and
+    for a sampler that reads them as probabilities (top-p); greedy picks the same token either way."""
+    return guide.top_logprobs is not None or sampler is not greedy_sampler
+
+
+def _masked(logprobs: mx.array, rows: list[tuple[int, RowGuide]], tokens: list[int], normalize: bool) -> mx.array:
+    """`logprobs` with each constrained row limited to what its grammar allows next (renormalized
+    over it where `normalize`)."""
     vocab = logprobs.shape[-1]
-    width = max(max(g.constraint.words for _, g in rows), (vocab + 31) // 32)
-    packed = np.zeros((len(rows), width), dtype=np.int32)  # words past a grammar's vocabulary: nothing allowed
+    packed = np.zeros((len(rows), max(g.constraint.words for _, g in rows)), dtype=np.int32)
     for j, (i, guide) in enumerate(rows):
         if not guide.fresh:
             guide.constraint.consume(tokens[i])
         guide.constraint.fill(packed[j, : guide.constraint.words])
-    word, bit = _columns(vocab)
-    allowed = (mx.right_shift(mx.array(packed.view(np.uint32))[:, word], bit) & 1).astype(mx.bool_)
+    # Unpacked here (microseconds; on the CPU backend a device gather costs more than the copy saves);
+    # columns past a grammar's vocabulary unpack as zeros: nothing allowed there.
+    bits = np.unpackbits(packed.view(np.uint8), axis=1, count=vocab, bitorder="little").view(np.bool_)
     index = mx.array([i for i, _ in rows])
-    limited = mx.where(allowed, logprobs[index], -mx.inf)
-    limited = limited - mx.logsumexp(limited, axis=-1, keepdims=True)
+    limited = mx.where(mx.array(bits), logprobs[index], -mx.inf)
+    if normalize:
+        limited = limited - mx.logsumexp(limited, axis=-1, keepdims=True)
     if len(rows) == logprobs.shape[0]:
         return limited
     logprobs[index] = limited  # the other rows keep their exact values
     return logprobs
-
-
-def _columns(vocab: int) -> tuple[mx.array, mx.array]:
-    found = _COLUMNS.get(vocab)
-    if found is None:
-        columns = mx.arange(vocab, dtype=mx.uint32)
-        found = _COLUMNS[vocab] = (columns // 32, columns % 32)
-    return found
 
 
 class _Pending:
