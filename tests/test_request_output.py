@@ -66,3 +66,78 @@ def test_logprobs_and_top_logprobs():
         "Invalid parameter 'top_logprobs': must be an integer between 0 and 20."
     assert refused(logprobs="yes").field == "logprobs"
     assert refused(logprobs=True, top_logprobs=2.0).field == "top_logprobs"
+
+
+# -- the intake's output step (provider/request/output.py) ----------------------------------------
+
+from memory import ReservationKind  # noqa: E402
+from memory.grammar import grammar_bytes  # noqa: E402
+from protocol.errors import RejectionReason  # noqa: E402
+from provider.request import PromptCounter  # noqa: E402
+from provider.request.intake import Intake, Refusal  # noqa: E402
+from provider.request.lanes import BulkLane  # noqa: E402
+from test_request_intake import Manager, ledger_of  # noqa: E402
+
+
+@pytest.fixture
+def intake_of(tiny_model_path):
+    counters = []
+
+    def make(ledger, vision=()):
+        counter = PromptCounter({"m": tiny_model_path}, lane=BulkLane(max_waiting=1), vision=vision)
+        counters.append(counter)
+        return Intake(counter, ledger, Manager())
+
+    yield make
+    for c in counters:
+        c.lane.close()
+
+
+def schema_body(**extra):
+    return parse_chat_body(body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}},
+                                **extra))
+
+
+async def test_a_grammar_reserves_its_memory_until_whoever_holds_it_lets_go(intake_of):
+    ledger = ledger_of(64)
+    intake = intake_of(ledger)
+    plan = await intake.output("r1", schema_body())
+    table = intake.grammars.table("m")
+    assert ledger.bytes_of("grammar:r1") == grammar_bytes(table.vocab_size)
+    assert ledger.snapshot().bytes_by_kind[ReservationKind.GRAMMAR] == grammar_bytes(table.vocab_size)
+    again = await intake.output("r2", schema_body())  # the same schema: a copy of the compiled grammar
+    assert intake.grammars.cache.hits == 1 and again.constraint is not plan.constraint
+    plan.release()
+    plan.constraint.release()  # the engine and the front door may both let go: once is counted
+    again.release()
+    assert len(ledger) == 0
+
+
+async def test_no_room_for_the_grammar_is_a_503_and_holds_nothing(intake_of):
+    ledger = ledger_of(64)
+    intake = intake_of(ledger)
+    room = ledger.available_bytes()
+    assert ledger.reserve("other", ReservationKind.PROMPT, room - grammar_bytes(2048) // 2).granted
+    with pytest.raises(Refusal) as refused:
+        await intake.output("r1", schema_body())
+    assert refused.value.failure.rejection is RejectionReason.MEMORY_CAP and refused.value.failure.status_code == 503
+    assert ledger.bytes_of("grammar:r1") is None and len(ledger) == 1
+
+
+async def test_log_probabilities_need_no_reservation_but_the_vocabulary(intake_of):
+    ledger = ledger_of(64)
+    intake = intake_of(ledger)
+    plan = await intake.output("r1", parse_chat_body(body(logprobs=True, top_logprobs=4)))
+    assert (plan.constraint, plan.top_logprobs) == (None, 4) and len(ledger) == 0
+    assert intake.grammars.table("m").token_bytes(intake.grammars.table("m").encode("hi")[0])
+    assert (await intake.output("r2", parse_chat_body(body()))).top_logprobs is None
+
+
+async def test_a_vision_model_takes_neither(intake_of):
+    intake = intake_of(ledger_of(64), vision={"m"})
+    with pytest.raises(InvalidBody) as caught:
+        await intake.output("r1", schema_body())
+    assert (caught.value.field, caught.value.rule) == ("response_format", "is not supported by this model")
+    with pytest.raises(InvalidBody) as caught:
+        await intake.output("r2", parse_chat_body(body(logprobs=True)))
+    assert caught.value.field == "logprobs"
