@@ -209,3 +209,15 @@ async def test_constrained_log_probabilities_are_over_what_the_grammar_allows(ti
     assert json.loads(text) in ("yes", "no")
     assert all(table.token_bytes(t).startswith(b'"') for t, _ in first.top)  # only what the grammar allows
     assert sum(math.exp(v) for _, v in first.top) == pytest.approx(1.0, abs=1e-4)  # renormalized over them
+
+
+async def test_a_vision_model_refuses_a_guide_and_gives_its_reservation_back(tiny_vlm_path, table, cache):
+    released = []
+    async with Engine() as engine:
+        await engine.load("vlm", tiny_vlm_path, vision=True)
+        request = ChatRequest("r", messages("hi"), SamplingParams(max_tokens=4),
+                              constraint=cache.constraint(table, json_object_grammar(), release=lambda: released.append(1)))
+        _, failed = await engine.submit("vlm", request).collect()
+        _, failed_logprobs = await engine.submit("vlm", ChatRequest("q", messages("hi"), SamplingParams(max_tokens=4),
+                                                                    top_logprobs=1)).collect()
+    assert failed.code.value == failed_logprobs.code.value == "invalid_request" and released == [1]

@@ -532,11 +532,12 @@ class Worker:
     def _submit(self, cmd: Submit) -> None:
         request = cmd.request
         vision = self._vision.get(cmd.model_id)
-        if vision is not None and not self._known(request.request_id):
+        guided_request = request.constraint is not None or request.top_logprobs is not None  # issue 31
+        if vision is not None and not self._known(request.request_id) and not guided_request:
             vision.submit(cmd)
             return
         try:
-            if self._known(request.request_id):
+            if vision is not None or self._known(request.request_id):  # mlx-vlm's loop takes no guide
                 raise EngineError(EngineFailure.INVALID_REQUEST)
             if request.images:  # a text model cannot take images
                 raise EngineError(EngineFailure.INVALID_REQUEST)

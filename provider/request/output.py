@@ -70,7 +70,7 @@ class Grammars:
         when the grammar's memory does not fit now."""
         if body.response_format is None and body.top_logprobs is None:
             return NO_PLAN
-        param = "response_format" if body.response_format is not None else "logprobs"
+        param = body.response_format.param if body.response_format is not None else "logprobs"
         if self._counter.is_vision(body.model):
             raise InvalidBody(param, UNSUPPORTED_RULE)
         try:
@@ -91,7 +91,7 @@ class Grammars:
                 constraint = await asyncio.to_thread(self.cache.constraint, table, grammar, release)
         except GrammarRejected:
             release()
-            raise InvalidBody("response_format", f"{REJECTED_RULE} (json_schema.schema)") from None
+            raise InvalidBody(param, REJECTED_RULE) from None
         except BaseException:
             release()  # cancelled while compiling: the matcher, if any, is dropped with the thread's result
             raise

@@ -25,8 +25,17 @@ TYPES_RULE = "must be one of text, json_object, json_schema"
 
 @dataclass(frozen=True, slots=True)
 class ResponseFormat:
-    kind: Literal["json_object", "json_schema"]
+    """The grammar the output must follow. `tool_call`: a forced call (`tool_choice` "required" or a
+    named function, `provider.grammar.grammar_for_tool_call`), which the tools front puts here so the
+    intake compiles and reserves it like any other (its errors then name `tool_choice`)."""
+
+    kind: Literal["json_object", "json_schema", "tool_call"]
     grammar: str = ""  # llguidance's grammar (holds the schema: never logged)
+
+    @property
+    def param(self) -> str:
+        """The parameter a refusal names."""
+        return "tool_choice" if self.kind == "tool_call" else "response_format"
 
 
 def parse_response_format(value: Any) -> ResponseFormat | None:
