@@ -15,6 +15,7 @@ Modules (reference/memory-policy.md is the specification):
 * `ledger`   the one process-wide reservation ledger (atomic check-and-insert, typed leases)
 * `fit`      fit verdicts and `free_for_load_bytes` for register, heartbeat and doctor
 * `media`    vision requests: projected decode bytes, the KV span, the request ceilings
+* `grammar`  a constrained request's grammar and mask rows: one bounded figure (`grammar_bytes`)
 * `pressure` GREEN / YELLOW / RED / FATAL watermarks of projected utilization
 * `mlx_limits` MLX's memory, buffer-cache and wired limits from the cap figures
 * `settle`   the settle barrier after an unload
