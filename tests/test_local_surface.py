@@ -258,3 +258,28 @@ def test_a_completion_over_the_context_says_so_in_numbers(server, reference):
     assert (error["reason"], error["param"]) == ("request_exceeds_context", "prompt")
     exact = len(ids) * (2048 // len(ids) + 1)
     assert error["message"].startswith(f"This prompt has {exact} tokens but model '{MODEL}'")
+
+
+async def test_a_request_that_misses_a_routes_declared_parameters_is_an_openai_400():
+    """FastAPI's own validation errors (a route's typed query or path parameter) in OpenAI's shape: the
+    handlers every local app installs, on a route that declares one."""
+    from fastapi import FastAPI
+
+    from provider.local.errors import install_error_handlers
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/v1/things")
+    async def things(limit: int) -> dict:
+        return {"limit": limit}
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://local") as client:
+        bad = await client.get("/v1/things", params={"limit": CANARY})
+        missing = await client.get("/v1/things")
+        assert (await client.get("/v1/things", params={"limit": 3})).json() == {"limit": 3}
+    for response in (bad, missing):
+        assert response.status_code == 400
+        error = openai_error(response)
+        assert (error["param"], error["code"]) == ("limit", "invalid_request") and "detail" not in response.text
+    assert CANARY not in bad.text
