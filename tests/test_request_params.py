@@ -88,7 +88,7 @@ def test_a_neutral_parameter_is_refused_at_any_other_value(endpoint, name):
 
 @pytest.mark.parametrize("extra", [
     {"n": 1}, {"n": None}, {"presence_penalty": 0}, {"frequency_penalty": 0.0}, {"logit_bias": {}},
-    {"store": False}, {"modalities": ["text"]}, {"top_k": None},
+    {"modalities": ["text"]}, {"top_k": None},
 ])
 def test_the_neutral_value_is_what_we_do_anyway(extra):
     assert parse_chat_body({**CHAT, **extra}) == parse_chat_body(CHAT)
