@@ -1,8 +1,14 @@
-"""Engine events -> OpenAI `chat.completion.chunk` / `chat.completion` objects of `protocol.sse`.
+"""Engine events -> OpenAI `chat.completion.chunk` / `chat.completion` objects of `protocol.sse`, and
+the legacy `text_completion` ones.
 
-A thin adapter: a stream starts with a role-only delta, then one content chunk per
+A thin adapter: a chat stream starts with a role-only delta, then one content chunk per
 `TextDelta`, and ends with an empty delta carrying `finish_reason` and `usage`
-(protocol.md §7.3). `protocol.sse.event(obj)` frames each one as a single SSE event.
+(protocol.md §7.3). A legacy stream has one text chunk per `TextDelta`, an empty one carrying
+`finish_reason`, then, as OpenAI sends it when asked, one usage chunk without choices.
+`protocol.sse.event(obj)` frames each one as a single SSE event.
+
+Both stream builders answer `start()` (what goes out before any text), `delta(text)` and
+`end(finished, include_usage)` (what ends a stream), so one server loop writes either.
 """
 
 from __future__ import annotations
@@ -32,6 +38,16 @@ class ChatChunks:
     def role(self) -> sse.ChatCompletionChunk:
         return self._factory.role()
 
+    def start(self) -> list[sse.ChatCompletionChunk]:
+        return [self._factory.role()]
+
+    def delta(self, text: str) -> sse.ChatCompletionChunk:
+        return self._factory.content(text)
+
+    def end(self, finished: Finished, include_usage: bool) -> list[sse.ChatCompletionChunk]:
+        usage = completion_usage(finished.usage) if include_usage else None
+        return [self._factory.finish(_FINISH[finished.reason], usage)]
+
     def for_event(self, event: Event) -> sse.ChatCompletionChunk | None:
         """The chunk for one engine event; None for `Failed`, which becomes an error frame instead."""
         match event:
@@ -52,5 +68,42 @@ def chat_completion(completion_id: str, model: str, text: str, finished: Finishe
         model=model,
         choices=(sse.CompletionChoice(message=sse.ChatMessage(content=text),
                                       finish_reason=_FINISH[finished.reason]),),
+        usage=completion_usage(finished.usage),
+    )
+
+
+class TextChunks:
+    """Builds the chunks of one streamed legacy completion (`text_completion` objects)."""
+
+    __slots__ = ("_created", "_id", "_model")
+
+    def __init__(self, completion_id: str, model: str, created: int | None = None):
+        self._id, self._model = completion_id, model
+        self._created = int(time.time()) if created is None else created
+
+    def _chunk(self, choices: tuple[sse.TextChoice, ...], usage: sse.CompletionUsage | None = None) -> sse.TextCompletion:
+        return sse.TextCompletion(id=self._id, created=self._created, model=self._model, choices=choices, usage=usage)
+
+    def start(self) -> list[sse.TextCompletion]:
+        return []  # no role here: the first chunk carries text
+
+    def delta(self, text: str) -> sse.TextCompletion:
+        return self._chunk((sse.TextChoice(text=text),))
+
+    def end(self, finished: Finished, include_usage: bool) -> list[sse.TextCompletion]:
+        chunks = [self._chunk((sse.TextChoice(text="", finish_reason=_FINISH[finished.reason]),))]
+        if include_usage:
+            chunks.append(self._chunk((), completion_usage(finished.usage)))
+        return chunks
+
+
+def text_completion(completion_id: str, model: str, text: str, finished: Finished,
+                    created: int | None = None) -> sse.TextCompletion:
+    """The non-streaming `text_completion` object for a finished legacy request."""
+    return sse.TextCompletion(
+        id=completion_id,
+        created=int(time.time()) if created is None else created,
+        model=model,
+        choices=(sse.TextChoice(text=text, finish_reason=_FINISH[finished.reason]),),
         usage=completion_usage(finished.usage),
     )
