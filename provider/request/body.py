@@ -10,6 +10,16 @@ Messages: `role` is one of OpenAI's (system, developer, user, assistant, tool); 
 (null counts as missing) except on an assistant message that carries `tool_calls`. Anything else is a
 client error (400), never silently run as an empty message.
 
+Tools (issue 31): `tools` are OpenAI function tools (`{"type": "function", "function": {"name",
+"description", "parameters"}}`), kept as sent for the chat template; `tool_choice` is `none`, `auto`
+(the default when tools are given), `required` or `{"type": "function", "function": {"name": ...}}`
+naming one of them; `parallel_tool_calls` a boolean. With `none` the tools are not offered to the
+model at all (`offered_tools`): it must not call, and its output is not read for calls. An assistant
+turn's `tool_calls` reach the template with each call's `arguments` as an object (what templates
+render with `tojson`; a string that is not a JSON object stays as sent), a `tool` turn with its
+`tool_call_id` (required, as OpenAI requires it). Whether the model can call tools at all is the
+intake's question (`provider.request.intake`), not the parser's.
+
 Content parts: `text` and `image_url` (`{"image_url": {"url": ...}}`). A message with only text
 parts becomes one string (what a text model's template expects). A message with images keeps its
 parts in order, each image as a bare `{"type": "image_url"}` marker; the URLs go to
@@ -19,6 +29,7 @@ allocation) and decode. Whether the model can take images is admission's call, n
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -47,6 +58,8 @@ class InvalidBody(ValueError):
         return f"Invalid parameter '{self.field}': {self.rule}."
 
 
+_TOOL_CHOICE_RULE = ('must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}} '
+                     "naming one of the tools")
 # The whole rule of each top-level parameter, so the message says what is allowed, not only what broke.
 _FIELD_RULES: dict[str, str] = {
     "model": "must be a non-empty string",
@@ -60,6 +73,27 @@ _FIELD_RULES: dict[str, str] = {
     "seed": "must be an integer",
     "stop": "must be a non-empty string or an array of non-empty strings",
     "n": "must be 1 (one choice per request)",
+    "tools": "must be an array of function tools",
+    "tool_choice": _TOOL_CHOICE_RULE,
+    "parallel_tool_calls": "must be a boolean",
+}
+# Nested tool parameters, by their path of names (indexes left out).
+_PATH_RULES: dict[tuple[str, ...], str] = {
+    ("tools",): "must be an object",
+    ("tools", "type"): 'must be "function"',
+    ("tools", "function"): "must be an object",
+    ("tools", "function", "name"): "must be 1 to 64 letters, digits, underscores or dashes",
+    ("tools", "function", "description"): "must be a string",
+    ("tools", "function", "parameters"): "must be a JSON Schema object",
+    ("tools", "function", "strict"): "must be a boolean",
+    ("messages", "tool_calls"): "must be an array of function tool calls",
+    ("messages", "tool_calls", "id"): "must be a string",
+    ("messages", "tool_calls", "type"): 'must be "function"',
+    ("messages", "tool_calls", "function"): "must be an object",
+    ("messages", "tool_calls", "function", "name"): "must be a non-empty string",
+    ("messages", "tool_calls", "function", "arguments"): "must be a string of JSON",
+    ("messages", "tool_call_id"): "must be a string",
+    ("messages", "name"): "must be a string",
 }
 # Nested parameters, by their own name (messages.N.content), else by pydantic's error type.
 _NESTED_RULES: dict[str, str] = {
@@ -79,12 +113,47 @@ _TYPE_RULES: dict[str, str] = {
 }
 
 
+class _FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any] = "{}"  # a JSON string (OpenAI); an object from some clients
+
+
+class _ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: _FunctionCall
+
+    def for_template(self) -> dict[str, Any]:
+        """The call as chat templates render it: `arguments` an object where it is one."""
+        arguments: Any = self.function.arguments
+        if isinstance(arguments, str):
+            try:
+                decoded = json.loads(arguments)
+            except (ValueError, RecursionError):
+                decoded = None
+            arguments = decoded if isinstance(decoded, dict) else arguments
+        return {"id": self.id, "type": self.type, "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class _Message(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    tool_calls: list[Any] | None = None  # declared before content: its validator reads it
+    tool_calls: list[_ToolCall] | None = None  # declared before content: its validator reads it
     content: str | list[Any] | None = Field(None, validate_default=True)
+    tool_call_id: str | None = Field(None, validate_default=True)
+    name: str | None = None
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_turns_name_their_call(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None and info.data.get("role") == "tool":
+            raise PydanticCustomError("missing", "tool_call_id is required")
+        return value
 
     @field_validator("content")
     @classmethod
@@ -133,6 +202,59 @@ def _content(content: str | list[Any] | None, images: list[str]) -> str | tuple[
     return tuple(parts)
 
 
+def _message(m: _Message, images: list[str]) -> dict[str, Any]:
+    """One message as the chat template gets it."""
+    message: dict[str, Any] = {"role": m.role, "content": _content(m.content, images)}
+    if m.tool_calls:
+        message["tool_calls"] = [call.for_template() for call in m.tool_calls]
+    if m.role == "tool":
+        message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+    return message
+
+
+class _Function(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = Field(None, strict=True)
+
+
+class _Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    function: _Function
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    """`tool_choice`: `none`, `auto`, `required`, or `function` with the function's `name`."""
+
+    mode: Literal["none", "auto", "required", "function"]
+    name: str | None = None
+
+    @property
+    def forces_a_call(self) -> bool:
+        """The output must be a call (`required`, or a named function): constrained decoding's to enforce."""
+        return self.mode in ("required", "function")
+
+
+def _tool_choice(value: Any, tools: Sequence[_Tool]) -> ToolChoice:
+    if value is None:
+        return ToolChoice("auto" if tools else "none")
+    if value in ("none", "auto") or (value == "required" and tools):
+        return ToolChoice(value)
+    if isinstance(value, Mapping) and value.get("type") == "function" and isinstance(value.get("function"), Mapping):
+        name = value["function"].get("name")
+        if isinstance(name, str) and any(t.function.name == name for t in tools):
+            return ToolChoice("function", name)
+    raise InvalidBody("tool_choice", _TOOL_CHOICE_RULE)
+
+
 class _StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -153,6 +275,9 @@ class _Body(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=1)  # one choice per request
+    tools: list[_Tool] | None = None
+    tool_choice: Any = None  # read by _tool_choice, which knows the tools
+    parallel_tool_calls: bool = Field(True, strict=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +293,14 @@ class ChatBody:
     stop: tuple[str, ...]
     images: tuple[str, ...] = ()  # image URLs in order of appearance (never logged)
     chars: int = 0  # message text every template keeps (bounds.countable_chars): the size bound reads it
+    tools: tuple[Mapping[str, Any], ...] = ()  # function tools, as sent (never logged)
+    tool_choice: ToolChoice = ToolChoice("none")
+    parallel_tool_calls: bool = True
+
+    @property
+    def offered_tools(self) -> tuple[Mapping[str, Any], ...]:
+        """The tools the chat template renders and the output is read for: none with `tool_choice: none`."""
+        return () if self.tool_choice.mode == "none" else self.tools
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
@@ -182,13 +315,17 @@ def _invalid(error: Mapping[str, Any]) -> InvalidBody:
         return InvalidBody(field, "is required")
     if len(loc) == 1 and field in _FIELD_RULES:
         return InvalidBody(field, _FIELD_RULES[field])
+    names = tuple(str(p) for p in loc if not isinstance(p, int))
+    if names in _PATH_RULES:
+        return InvalidBody(field, _PATH_RULES[names])
     if loc and loc[-1] in _NESTED_RULES:
         return InvalidBody(field, _NESTED_RULES[str(loc[-1])])
     return InvalidBody(field, _TYPE_RULES.get(error["type"], "is not valid"))
 
 
 # Every name a validation error's location can hold: our own field names (safe to show).
-_PATH_NAMES = frozenset(_Body.model_fields) | frozenset(_Message.model_fields) | frozenset(_StreamOptions.model_fields)
+_PATH_NAMES = frozenset().union(*(m.model_fields for m in (_Body, _Message, _StreamOptions, _ToolCall, _FunctionCall,
+                                                             _Tool, _Function)))
 
 
 def parse_chat_body(data: Any) -> ChatBody:
@@ -202,8 +339,12 @@ def parse_chat_body(data: Any) -> ChatBody:
     stop: Sequence[str] = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     if any(not s for s in stop):
         raise InvalidBody("stop", _FIELD_RULES["stop"])
+    tools = body.tools or []
+    if len({t.function.name for t in tools}) < len(tools):
+        raise InvalidBody("tools", "must name each function once")
+    tool_choice = _tool_choice(body.tool_choice, tools)
     images: list[str] = []
-    messages = tuple({"role": m.role, "content": _content(m.content, images)} for m in body.messages)
+    messages = tuple(_message(m, images) for m in body.messages)
     chars = countable_chars(messages)
     return ChatBody(
         model=body.model,
@@ -217,4 +358,7 @@ def parse_chat_body(data: Any) -> ChatBody:
         stop=tuple(stop[:4]),
         images=tuple(images),
         chars=chars,
+        tools=tuple(t.model_dump(exclude_unset=True) for t in tools),
+        tool_choice=tool_choice,
+        parallel_tool_calls=body.parallel_tool_calls,
     )
