@@ -5,8 +5,12 @@ valid one reaches the chat template as the template expects it (arguments as an 
 from __future__ import annotations
 
 import pytest
+from mlx_lm.utils import load_tokenizer
 
+from provider.request import PromptCounter
 from provider.request.body import InvalidBody, ToolChoice, parse_chat_body
+from provider.request.tokens import INLINE_CHARS, ToolsUnsupported
+from test_request_intake import Manager, ledger_of
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -121,3 +125,66 @@ def test_arguments_that_are_not_a_json_object_reach_the_template_as_sent():
 ])
 def test_a_malformed_tool_turn_is_a_400_naming_it(message, field):
     assert invalid(body(messages=[USER, message])).field == field
+
+
+# --- the prompt: tools reach the chat template (provider/request/tokens.py, intake.py) --------------
+
+
+@pytest.fixture
+def counter(tiny_tools_model_path, tiny_model_path):
+    c = PromptCounter({"tools": tiny_tools_model_path, "plain": tiny_model_path})
+    yield c
+    c.lane.close()
+
+
+def mlx_lm_ids(path, messages, tools=None) -> list[int]:
+    """What mlx-lm's own `apply_chat_template` makes of them (in this process: a test, not the agent)."""
+    return list(load_tokenizer(path).apply_chat_template(list(messages), tools=tools, add_generation_prompt=True))
+
+
+TURNS = [USER, {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "7 C"}]
+
+
+@pytest.mark.parametrize("words", [1, INLINE_CHARS])  # on the loop, and in the bulk lane
+async def test_the_prompt_counts_the_tools_as_the_template_renders_them(counter, tiny_tools_model_path, words):
+    messages = parse_chat_body(body(messages=[{"role": "user", "content": "hi " * words}])).messages
+    bare = await counter.prompt_ids("tools", messages)
+    ids = await counter.prompt_ids("tools", messages, tools=(WEATHER, TIME))
+    assert ids == mlx_lm_ids(tiny_tools_model_path, messages, [WEATHER, TIME])
+    assert len(ids) > len(bare)
+    text = load_tokenizer(tiny_tools_model_path).decode(ids)
+    assert '{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city"' in text
+
+
+async def test_a_tool_turn_round_trips_through_the_template(counter, tiny_tools_model_path):
+    parsed = parse_chat_body(body(messages=TURNS, tools=[WEATHER]))
+    ids = await counter.prompt_ids("tools", parsed.messages, tools=parsed.offered_tools)
+    assert ids == mlx_lm_ids(tiny_tools_model_path, parsed.messages, [WEATHER])
+    text = load_tokenizer(tiny_tools_model_path).decode(ids)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
+    assert "<tool_response>\n7 C\n</tool_response>" in text
+
+
+async def test_a_model_without_tool_calling_refuses_tools_and_says_so(counter):
+    assert (await counter.tool_format("tools")).name == "json_tools"
+    assert await counter.tool_format("plain") is None
+    with pytest.raises(ToolsUnsupported):
+        await counter.prompt_ids("plain", [USER], tools=(WEATHER,))
+    assert await counter.prompt_ids("plain", [USER])  # without tools it is served as before
+
+
+async def test_the_intake_names_tools_for_a_model_without_tool_calling(counter):
+    from provider.request.intake import Intake
+
+    intake = Intake(counter, ledger_of(64), Manager())
+    async with intake.ticket("r", 100) as ticket:
+        with pytest.raises(InvalidBody) as caught:
+            await intake.prompt_ids(ticket, parse_chat_body({"model": "plain", "messages": [USER], "tools": [WEATHER]}))
+        assert caught.value.field == "tools" and "tool calling" in caught.value.rule
+        # tool_choice none: the tools are not offered, so nothing is refused
+        none = parse_chat_body({"model": "plain", "messages": [USER], "tools": [WEATHER], "tool_choice": "none"})
+        assert await intake.prompt_ids(ticket, none) == await counter.prompt_ids("plain", [USER])
+        tools = parse_chat_body({"model": "tools", "messages": [USER], "tools": [WEATHER]})
+        assert await intake.prompt_ids(ticket, tools) == await counter.prompt_ids("tools", [USER], tools=(WEATHER,))
