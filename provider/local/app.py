@@ -1,7 +1,8 @@
 """The local HTTP app (FastAPI), loopback only.
 
     POST /v1/chat/completions   OpenAI chat completions, streaming (SSE) or not   [chat=True only]
-    GET  /v1/models             the servable model ids                             [chat=True only]
+    GET  /v1/models             the servable model ids, each with its            [chat=True only]
+                                `capabilities` (`tools`: whether it calls tools)
     GET  /healthz               200 {"status": "ok"} while serving, 503 while draining
     GET  /status                JSON: mode, models and their states, in-flight requests, ledger bytes
                                 by kind, pressure, cap figures, prefix-cache stats
@@ -36,8 +37,10 @@ from protocol import sse
 from protocol.sse import DONE
 from provider.engine import EngineFailure, Event, Failed, Finished, RequestStream, TextDelta, Usage
 from provider.engine.openai import ChatChunks, chat_completion
+from provider.engine.toolcalls import ToolCallStream, tool_calls_for
 from provider.local.backend import Refused, TooLarge
 from provider.local.drain import InFlight
+from provider.models.tools import ToolFormat
 from provider.request.body import ChatBody, InvalidBody
 from provider.metrics import CONTENT_TYPE, CapFigure, Metrics, RequestOutcome
 from provider.telemetry import get_logger, request_timings
@@ -52,6 +55,7 @@ class Backend(Protocol):
     def figures(self) -> CapFigures: ...
 
     def model_ids(self) -> list[str]: ...
+    def tool_format(self, model_id: str) -> ToolFormat | None: ...
     def open(self, request_id: str, raw: bytes) -> Any: ...  # async context manager -> (ChatBody, RequestStream)
     def status(self) -> dict[str, Any]: ...
     def refresh_metrics(self) -> None: ...
@@ -174,7 +178,8 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": [
-            {"id": i, "object": "model", "created": 0, "owned_by": "darkbloom-provider"} for i in backend.model_ids()
+            {"id": i, "object": "model", "created": 0, "owned_by": "darkbloom-provider",
+             "capabilities": {"tools": backend.tool_format(i) is not None}} for i in backend.model_ids()
         ]})
 
     @app.post("/v1/chat/completions")
@@ -206,9 +211,11 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
                 return error_response(failure, refused.retry_after_s)
             state.requests.attach(request_id, stream)
             served = _Served(request_id, body.model, started, metrics)
+            tools = tool_calls_for(backend.tool_format(body.model), body.offered_tools,
+                                   parallel=body.parallel_tool_calls)
             if not body.stream:
                 try:
-                    return await _complete(stream, body, served)
+                    return await _complete(stream, body, served, tools)
                 finally:
                     await opened.__aexit__(None, None, None)
             # The 200 goes out with the first output: anything that fails before it (a load, the
@@ -225,7 +232,7 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
                 failure = _failure_for(first.code)
                 return error_response(failure, Refused(failure).retry_after_s)
             handed_over = True
-            return StreamingResponse(_sse(opened, stream, body, served, first,
+            return StreamingResponse(_sse(opened, stream, body, served, first, tools,
                                           ended=lambda: state.requests.end(request_id)),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         finally:
@@ -261,7 +268,7 @@ class _Served:
                                    completion_tokens=0 if usage is None else usage.completion_tokens))
 
 
-async def _complete(stream: RequestStream, body: ChatBody, served: _Served) -> Response:
+async def _complete(stream: RequestStream, body: ChatBody, served: _Served, tools: ToolCallStream | None) -> Response:
     parts: list[str] = []
     async for event in stream:
         served.output()
@@ -270,7 +277,7 @@ async def _complete(stream: RequestStream, body: ChatBody, served: _Served) -> R
                 parts.append(text)
             case Finished(usage=usage) as done:
                 served.end(RequestOutcome.COMPLETED, usage)
-                completion = chat_completion(served.request_id, body.model, "".join(parts), done)
+                completion = chat_completion(served.request_id, body.model, "".join(parts), done, tools=tools)
                 return Response(completion.__pydantic_serializer__.to_json(completion),
                                 media_type="application/json")
             case Failed(code):
@@ -308,20 +315,23 @@ async def _events(first: Event, stream: RequestStream) -> AsyncIterator[Event]:
 
 
 async def _sse(opened: Any, stream: RequestStream, body: ChatBody, served: _Served, first: Event,
-               ended: Callable[[], None]) -> AsyncIterator[bytes]:
-    chunks = ChatChunks(served.request_id, body.model)
+               tools: ToolCallStream | None, ended: Callable[[], None]) -> AsyncIterator[bytes]:
+    chunks = ChatChunks(served.request_id, body.model, tools=tools)
     outcome, usage, code = RequestOutcome.CANCELLED, None, None  # the client left, unless a terminal event came
     try:
         yield _event(chunks.role())
         async for event in _events(first, stream):
             match event:
                 case TextDelta():
-                    yield _event(chunks.for_event(event))
+                    for chunk in chunks.for_event(event):
+                        yield _event(chunk)
                 case Finished(usage=usage):
-                    chunk = chunks.for_event(event)
+                    *held, chunk = chunks.for_event(event)
                     if not body.include_usage:
                         chunk = chunk.model_copy(update={"usage": None})
                     outcome = RequestOutcome.COMPLETED
+                    for piece in held:
+                        yield _event(piece)
                     yield _event(chunk)
                 case Failed(code=code):
                     outcome = RequestOutcome.FAILED

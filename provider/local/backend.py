@@ -31,6 +31,7 @@ from memory import CapFigures
 from memory.fit import FitResult
 from protocol.errors import ErrorReason, Failure, RejectionReason
 from provider.engine import ChatRequest, RequestStream
+from provider.models.tools import ToolFormat
 from provider.request import PromptCounter
 from provider.request.body import ChatBody, InvalidBody, parse_chat_body
 from provider.request.intake import Intake, Refusal
@@ -114,6 +115,10 @@ class RuntimeBackend:
     def model_ids(self) -> list[str]:
         return list(self.runtime.servable_now())
 
+    def tool_format(self, model_id: str) -> ToolFormat | None:
+        """How the model writes tool calls (None: it has no tool calling, or is not one of ours)."""
+        return self.runtime.counter.tool_format_now(model_id)
+
     @asynccontextmanager
     async def open(self, request_id: str, raw: bytes) -> AsyncIterator[tuple[ChatBody, RequestStream]]:
         """Parse `raw` (inline or in the bulk lane, by its size), count, book, wait for the model,
@@ -134,7 +139,8 @@ class RuntimeBackend:
             raise Refused(booked.failure)
         ids = prompt_ids if booked.reservation is not None else None  # a VLM's processor places its images
         request = ChatRequest(request_id, body.messages, body.sampling(booked.kv.max_tokens), prompt_ids=ids,
-                              prepare_next_turn=True)  # one user's conversations: the next turn comes here
+                              prepare_next_turn=True,  # one user's conversations: the next turn comes here
+                              tools=body.offered_tools, tool_call=body.tool_call(self.tool_format(body.model)))
         rt.stats.accepted(request_id, body.model)
         try:
             async with rt.manager.serve(request_id, body.model, len(prompt_ids), body.max_tokens,

@@ -37,7 +37,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from provider.engine import SamplingParams
+from provider.engine import SamplingParams, ToolCallConstraint
+from provider.models.tools import ToolFormat
 from provider.request.bounds import countable_chars
 
 
@@ -305,6 +306,15 @@ class ChatBody:
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
                               top_p=self.top_p, seed=self.seed, stop=self.stop)
+
+    def tool_call(self, fmt: ToolFormat | None) -> ToolCallConstraint | None:
+        """The call the output must be (`required`, or the named function), in the model's family's
+        format `fmt`; None when the model may answer freely."""
+        if fmt is None or not self.tool_choice.forces_a_call:
+            return None
+        functions = tuple(t["function"] for t in self.tools
+                          if self.tool_choice.mode == "required" or t["function"]["name"] == self.tool_choice.name)
+        return ToolCallConstraint(fmt.name, fmt.start, fmt.end, functions, self.parallel_tool_calls)
 
 
 def _invalid(error: Mapping[str, Any]) -> InvalidBody:
