@@ -72,6 +72,19 @@ async def test_tools_to_a_model_without_tool_calling_are_refused_before_the_acce
     assert CANARY not in json.dumps(logs, default=str)
 
 
+async def test_a_forced_call_reaches_the_engine_as_its_hook(harness):
+    """`required` / a named function: the engine request names the call it must be (constrained
+    decoding enforces it, issue 31 item 2); the tools are offered as for `auto`."""
+    submitted = []
+    submit = harness.engine.submit
+    harness.engine.submit = lambda model_id, request, **kw: submitted.append(request) or submit(model_id, request, **kw)
+    body = request("tools", TURNS, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert await harness.run(harness.coordinator.request("f1", body)) is JobOutcome.COMPLETED
+    (sent,) = submitted
+    assert sent.tools == (WEATHER,) and sent.tool_call.format == "json_tools"
+    assert sent.tool_call.functions == (WEATHER["function"],) and sent.tool_call.start == "<tool_call>"
+
+
 async def test_a_malformed_tool_choice_is_a_400_before_the_accept(harness):
     body = request("tools", TURNS, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
     assert await harness.run(harness.coordinator.request("m1", body)) is JobOutcome.REJECTED

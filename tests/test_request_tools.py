@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 from mlx_lm.utils import load_tokenizer
 
+from provider.engine import ToolCallConstraint
+from provider.models.tools import ToolFormat
 from provider.request import PromptCounter
 from provider.request.body import InvalidBody, ToolChoice, parse_chat_body
 from provider.request.tokens import INLINE_CHARS, ToolsUnsupported
@@ -188,3 +190,17 @@ async def test_the_intake_names_tools_for_a_model_without_tool_calling(counter):
         assert await intake.prompt_ids(ticket, none) == await counter.prompt_ids("plain", [USER])
         tools = parse_chat_body({"model": "tools", "messages": [USER], "tools": [WEATHER]})
         assert await intake.prompt_ids(ticket, tools) == await counter.prompt_ids("tools", [USER], tools=(WEATHER,))
+
+
+# --- the hook constrained decoding fills in (ChatRequest.tool_call) --------------------------------
+
+
+def test_a_forced_call_names_the_functions_it_may_call_in_the_models_format():
+    fmt = ToolFormat("json_tools", "<tool_call>", "</tool_call>", lambda text, tools: None)
+    required = parse_chat_body(body(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False))
+    assert required.tool_call(fmt) == ToolCallConstraint("json_tools", "<tool_call>", "</tool_call>",
+                                                         (WEATHER["function"], TIME["function"]), parallel=False)
+    named = parse_chat_body(body(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}))
+    assert named.tool_call(fmt).functions == (TIME["function"],) and named.tool_call(fmt).parallel
+    assert parse_chat_body(body(tools=[WEATHER])).tool_call(fmt) is None  # auto: the model answers freely
+    assert required.tool_call(None) is None  # no tool calling: refused before it gets here
