@@ -289,6 +289,7 @@ class Job:
         tool_format = self._ctx.counter.tool_format_now(body.model)
         request = ChatRequest(self.request_id, body.messages, body.sampling(booking.kv.max_tokens), prompt_ids=ids,
                               tools=body.offered_tools, tool_call=body.tool_call(tool_format))
+        tools = tool_calls_for(tool_format, body.offered_tools, parallel=body.parallel_tool_calls)  # reads its calls
         remaining = None if self._content_deadline is None else self._content_deadline - self._ctx.monotonic()
         try:
             # [N] first_content_budget_ms: no content by then → give up before any output (rerouted, neutral).
@@ -297,7 +298,6 @@ class Job:
                                                    body.max_tokens, booking=booking) as slot:
                     stream = slot.submit(request)
                     try:
-                        tools = tool_calls_for(tool_format, body.offered_tools, parallel=body.parallel_tool_calls)
                         return await self._stream(box, body, stream, tools)
                     finally:
                         await stream.aclose()  # no-op after a terminal event; a cancel otherwise
