@@ -132,7 +132,8 @@ def _settings_parent(shown: Iterable[str] = (), *, config: bool = True) -> argpa
     return parent
 
 
-_LIST_METAVAR = {"model_dirs": "PATH", "enabled_models": "ID", "preload_models": "ID", "serve_windows": "WINDOW"}
+_LIST_METAVAR = {"model_dirs": "PATH", "enabled_models": "ID", "preload_models": "ID", "serve_windows": "WINDOW",
+                 "local_allowed_origins": "ORIGIN"}
 
 
 def _metavar(annotation: Any) -> str:

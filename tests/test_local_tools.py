@@ -50,6 +50,7 @@ def test_models_say_which_model_calls_tools(server):
     listed = server.client().models.list().data
     assert {m.id: m.model_extra["capabilities"] for m in listed} == {
         TOOLS_MODEL: {"tools": True}, PLAIN_MODEL: {"tools": False}}
+    assert [server.client().models.retrieve(m.id).model_dump() for m in listed] == [m.model_dump() for m in listed]
 
 
 @pytest.mark.parametrize("stream", [False, True])

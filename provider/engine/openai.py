@@ -1,15 +1,22 @@
-"""Engine events -> OpenAI `chat.completion.chunk` / `chat.completion` objects of `protocol.sse`.
+"""Engine events -> OpenAI `chat.completion.chunk` / `chat.completion` objects of `protocol.sse`, and
+the legacy `text_completion` ones.
 
-A thin adapter: a stream starts with a role-only delta, then one content chunk per
+A thin adapter: a chat stream starts with a role-only delta, then one content chunk per
 `TextDelta`, and ends with an empty delta carrying `finish_reason` and `usage`
-(protocol.md §7.3). `protocol.sse.event(obj)` frames each one as a single SSE event.
+(protocol.md §7.3). A legacy stream has one text chunk per `TextDelta`, an empty one carrying
+`finish_reason`, then, as OpenAI sends it when asked, one usage chunk without choices.
+`protocol.sse.event(obj)` frames each one as a single SSE event.
 
-With tools offered (`toolcalls.ToolCallStream`), the text goes through the reader of the model's
-calls first: content streams as content, each call as OpenAI streams one — a first chunk with its
-`index`, `id`, `type` and `function.name` (arguments ``""``), then its `function.arguments` — and an
-answer that made a call and stopped by itself finishes with ``tool_calls``. The whole answer
-(`chat_completion`) reads the same calls: `message.tool_calls`, `content` null unless there is
-text besides them.
+Both stream builders answer `start()` (what goes out before any text), `delta(text)` (the chunks for
+a piece of text, maybe none) and `end(finished, include_usage)` (what ends a stream), so one server
+loop writes either; the coordinator's job stream reads a chat stream's `for_event`.
+
+With tools offered (`toolcalls.ToolCallStream`), a chat stream's text goes through the reader of
+the model's calls first: content streams as content, each call as OpenAI streams one — a first chunk
+with its `index`, `id`, `type` and `function.name` (arguments ``""``), then its `function.arguments`
+— and an answer that made a call and stopped by itself finishes with ``tool_calls``. The whole
+answer (`chat_completion`) reads the same calls: `message.tool_calls`, `content` null unless there
+is text besides them. The legacy completions endpoint takes no tools.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import time
 
 from protocol import sse
 from provider.engine.toolcalls import Piece, ToolCall, ToolCallStream
-from provider.engine.types import Event, Failed, Finished, FinishReason, TextDelta, Usage
+from provider.engine.types import Event, Finished, FinishReason, TextDelta, Usage
 
 _FINISH = {FinishReason.STOP: sse.FinishReason.STOP, FinishReason.LENGTH: sse.FinishReason.LENGTH}
 
@@ -49,19 +56,29 @@ class ChatChunks:
     def role(self) -> sse.ChatCompletionChunk:
         return self._factory.role()
 
+    def start(self) -> list[sse.ChatCompletionChunk]:
+        return [self._factory.role()]
+
+    def delta(self, text: str) -> list[sse.ChatCompletionChunk]:
+        """The chunks for a piece of text: none while it is held back inside a tool call."""
+        if self._tools is None:
+            return [self._factory.content(text)]
+        return self._pieces(self._tools.feed(text))
+
+    def end(self, finished: Finished, include_usage: bool) -> list[sse.ChatCompletionChunk]:
+        """Anything held back (a call the end closed), then the chunk with `finish_reason`."""
+        held = self._pieces(self._tools.finish()) if self._tools is not None else []
+        usage = completion_usage(finished.usage) if include_usage else None
+        return [*held, self._factory.finish(finish_reason(finished.reason, self._tools), usage)]
+
     def for_event(self, event: Event) -> list[sse.ChatCompletionChunk]:
-        """The chunks for one engine event (none for text held back inside a call); none for
-        `Failed`, which becomes an error frame instead."""
+        """The chunks for one engine event, the last one with usage; none for `Failed`, which
+        becomes an error frame instead."""
         match event:
             case TextDelta(text):
-                if self._tools is None:
-                    return [self._factory.content(text)]
-                return self._pieces(self._tools.feed(text))
-            case Finished(reason, usage):
-                held = self._pieces(self._tools.finish()) if self._tools is not None else []
-                return [*held, self._factory.finish(finish_reason(reason, self._tools), completion_usage(usage))]
-            case Failed():
-                return []
+                return self.delta(text)
+            case Finished() as finished:
+                return self.end(finished, include_usage=True)
         return []
 
     def _pieces(self, pieces: list[Piece]) -> list[sse.ChatCompletionChunk]:
@@ -97,5 +114,42 @@ def chat_completion(completion_id: str, model: str, text: str, finished: Finishe
         created=int(time.time()) if created is None else created,
         model=model,
         choices=(sse.CompletionChoice(message=message, finish_reason=finish_reason(finished.reason, tools)),),
+        usage=completion_usage(finished.usage),
+    )
+
+
+class TextChunks:
+    """Builds the chunks of one streamed legacy completion (`text_completion` objects)."""
+
+    __slots__ = ("_created", "_id", "_model")
+
+    def __init__(self, completion_id: str, model: str, created: int | None = None):
+        self._id, self._model = completion_id, model
+        self._created = int(time.time()) if created is None else created
+
+    def _chunk(self, choices: tuple[sse.TextChoice, ...], usage: sse.CompletionUsage | None = None) -> sse.TextCompletion:
+        return sse.TextCompletion(id=self._id, created=self._created, model=self._model, choices=choices, usage=usage)
+
+    def start(self) -> list[sse.TextCompletion]:
+        return []  # no role here: the first chunk carries text
+
+    def delta(self, text: str) -> list[sse.TextCompletion]:
+        return [self._chunk((sse.TextChoice(text=text),))]
+
+    def end(self, finished: Finished, include_usage: bool) -> list[sse.TextCompletion]:
+        chunks = [self._chunk((sse.TextChoice(text="", finish_reason=_FINISH[finished.reason]),))]
+        if include_usage:
+            chunks.append(self._chunk((), completion_usage(finished.usage)))
+        return chunks
+
+
+def text_completion(completion_id: str, model: str, text: str, finished: Finished,
+                    created: int | None = None) -> sse.TextCompletion:
+    """The non-streaming `text_completion` object for a finished legacy request."""
+    return sse.TextCompletion(
+        id=completion_id,
+        created=int(time.time()) if created is None else created,
+        model=model,
+        choices=(sse.TextChoice(text=text, finish_reason=_FINISH[finished.reason]),),
         usage=completion_usage(finished.usage),
     )

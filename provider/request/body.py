@@ -1,10 +1,15 @@
-"""An OpenAI chat-completions request body -> the engine's `ChatRequest` inputs.
+"""An OpenAI chat-completions (or legacy completions) request body -> the engine's `ChatRequest` inputs.
 
-One parser for every front door (the local HTTP server here; the coordinator's decrypted job
-bodies can use it too), so both read `max_tokens`, `stop`, `seed`... the same way. Unknown fields
-are ignored, as OpenAI-compatible servers do. A bad body raises `InvalidBody` carrying the *name* of
-the offending parameter (`max_tokens`, `messages.0.role`) and the rule it breaks, in fixed words
-(`must be an integer >= 1`), never its value (it may be prompt text).
+One parser for every front door (the local HTTP server and the coordinator's decrypted job bodies),
+so both read `max_tokens`, `stop`, `seed`... the same way. A bad body raises `InvalidBody` carrying
+the *name* of the offending parameter (`max_tokens`, `messages.0.role`) and the rule it breaks, in
+fixed words (`must be an integer >= 1`), never its value (it may be prompt text).
+
+Types are JSON's, strictly, as OpenAI checks them: `"stream": "yes"`, `"temperature": "0.5"`,
+`"max_tokens": 5.0` or `true` for a number are 400s naming the parameter, never coerced. A parameter
+this provider cannot honour (`n: 2`, `top_k`, a non-zero `presence_penalty`...) is a 400 naming it
+too: `provider.request.params` holds that table, with the parameters accepted and ignored. Keys that
+are in neither (the coordinator's own, like `endpoint`) are ignored.
 
 Messages: `role` is one of OpenAI's (system, developer, user, assistant, tool); `content` is required
 (null counts as missing) except on an assistant message that carries `tool_calls`. Anything else is a
@@ -40,6 +45,7 @@ from pydantic_core import PydanticCustomError
 from provider.engine import SamplingParams, ToolCallConstraint
 from provider.models.tools import ToolFormat
 from provider.request.bounds import countable_chars
+from provider.request.params import Endpoint, unsupported
 
 
 class InvalidBody(ValueError):
@@ -73,10 +79,13 @@ _FIELD_RULES: dict[str, str] = {
     "top_p": "must be a number greater than 0 and at most 1",
     "seed": "must be an integer",
     "stop": "must be a non-empty string or an array of non-empty strings",
-    "n": "must be 1 (one choice per request)",
     "tools": "must be an array of function tools",
     "tool_choice": _TOOL_CHOICE_RULE,
     "parallel_tool_calls": "must be a boolean",
+    "prompt": "must be a string or an array of token ids (one prompt per request)",
+    "response_format": "must be an object whose type is text, json_object or json_schema",
+    "logprobs": "must be a boolean",
+    "top_logprobs": "must be an integer from 0 to 20",
 }
 # Nested tool parameters, by their path of names (indexes left out).
 _PATH_RULES: dict[tuple[str, ...], str] = {
@@ -101,6 +110,8 @@ _NESTED_RULES: dict[str, str] = {
     "role": "must be one of system, developer, user, assistant, tool",
     "content": "must be a string or an array of text and image_url parts",
     "include_usage": "must be a boolean",
+    "type": "must be one of text, json_object, json_schema",
+    "json_schema": "must be an object",
 }
 _TYPE_RULES: dict[str, str] = {
     "missing": "is required",
@@ -141,7 +152,7 @@ class _ToolCall(BaseModel):
 
 
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     tool_calls: list[_ToolCall] | None = None  # declared before content: its validator reads it
@@ -257,28 +268,48 @@ def _tool_choice(value: Any, tools: Sequence[_Tool]) -> ToolChoice:
 
 
 class _StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # include_obfuscation: padding only, ignored
 
     include_usage: bool = False
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+class _ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class _Sampled(BaseModel):
+    """What both endpoints share: the model, streaming and sampling. Strict: JSON types, no coercion."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
     model: str = Field(min_length=1)
-    messages: list[_Message] = Field(min_length=1)
     stream: bool = False
     stream_options: _StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=1)  # one choice per request
+
+
+class _Body(_Sampled):
+    messages: list[_Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[_Tool] | None = None
     tool_choice: Any = None  # read by _tool_choice, which knows the tools
-    parallel_tool_calls: bool = Field(True, strict=True)
+    parallel_tool_calls: bool = True
+    # Issue 31 items 2-3 (constrained decoding, logprobs) are built on other branches: these are
+    # type-checked here and carried on ChatBody for them; nothing reads them yet.
+    response_format: _ResponseFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class _CompletionBody(_Sampled):
+    prompt: Any = None  # str or token ids: `_prompt` reads it (a union's errors would not name one rule)
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,6 +328,10 @@ class ChatBody:
     tools: tuple[Mapping[str, Any], ...] = ()  # function tools, as sent (never logged)
     tool_choice: ToolChoice = ToolChoice("none")
     parallel_tool_calls: bool = True
+    # Parsed for issue 31 items 2-3 and not yet honoured (see _Body); None / False = not sent.
+    response_format: Mapping[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
     @property
     def offered_tools(self) -> tuple[Mapping[str, Any], ...]:
@@ -317,6 +352,28 @@ class ChatBody:
         return ToolCallConstraint(fmt.name, fmt.start, fmt.end, functions, self.parallel_tool_calls)
 
 
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionBody:
+    """A legacy `/v1/completions` body: one prompt, as text (tokenized without any chat template) or ids."""
+
+    model: str
+    prompt: str | tuple[int, ...]
+    stream: bool
+    include_usage: bool
+    max_tokens: int  # OpenAI's default (16) when the request did not set it
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+
+    def sampling(self, default_max_tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens=min(self.max_tokens, default_max_tokens), temperature=self.temperature,
+                              top_p=self.top_p, seed=self.seed, stop=self.stop)
+
+
 def _invalid(error: Mapping[str, Any]) -> InvalidBody:
     """The first validation error as a parameter path and a rule; the input is never read."""
     loc = [p for p in error["loc"] if isinstance(p, int) or p in _PATH_NAMES]  # drop union-member tags
@@ -334,21 +391,81 @@ def _invalid(error: Mapping[str, Any]) -> InvalidBody:
 
 
 # Every name a validation error's location can hold: our own field names (safe to show).
-_PATH_NAMES = frozenset().union(*(m.model_fields for m in (_Body, _Message, _StreamOptions, _ToolCall, _FunctionCall,
-                                                             _Tool, _Function)))
+_PATH_NAMES = frozenset().union(*(m.model_fields for m in (_Body, _CompletionBody, _Message, _StreamOptions,
+                                                             _ResponseFormat, _ToolCall, _FunctionCall, _Tool,
+                                                             _Function)))
+
+
+def _validated(model: type[_Sampled], data: Any, endpoint: Endpoint) -> Any:
+    if not isinstance(data, Mapping):
+        raise InvalidBody("body", "must be a JSON object")
+    refused = unsupported(data, endpoint)
+    if refused is not None:
+        raise InvalidBody(*refused)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _invalid(exc.errors(include_url=False, include_input=False)[0]) from None
+
+
+def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
+    stops: Sequence[str] = [stop] if isinstance(stop, str) else (stop or [])
+    if any(not s for s in stops):
+        raise InvalidBody("stop", _FIELD_RULES["stop"])
+    return tuple(stops[:4])
+
+
+def _ids(value: list[Any]) -> tuple[int, ...] | None:
+    if value and all(type(i) is int for i in value):
+        if any(i < 0 for i in value):
+            raise InvalidBody("prompt", "token ids must be integers >= 0")
+        return tuple(value)
+    return None
+
+
+def _prompt(prompt: Any) -> str | tuple[int, ...]:
+    """One prompt: a string, an array of token ids, or an array holding one of these (OpenAI's batch
+    form, which this provider answers only for a batch of one)."""
+    if prompt is None:
+        raise InvalidBody("prompt", "is required")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        ids = _ids(prompt)
+        if ids is not None:
+            return ids
+        if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+            if len(prompt) > 1:
+                raise InvalidBody("prompt", "must be one prompt: arrays of several prompts are not supported")
+            one = prompt[0]
+            if isinstance(one, str):
+                return one
+            ids = _ids(one)
+            if ids is not None:
+                return ids
+    raise InvalidBody("prompt", _FIELD_RULES["prompt"])
+
+
+def parse_completion_body(data: Any) -> CompletionBody:
+    """Validate a decoded legacy completions body; `InvalidBody(field, rule)` on anything we cannot run."""
+    body = _validated(_CompletionBody, data, Endpoint.COMPLETIONS)
+    return CompletionBody(
+        model=body.model,
+        prompt=_prompt(body.prompt),
+        stream=body.stream,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        max_tokens=body.max_tokens or COMPLETION_MAX_TOKENS,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        stop=_stop(body.stop),
+    )
 
 
 def parse_chat_body(data: Any) -> ChatBody:
     """Validate a decoded JSON body; `InvalidBody(field, rule)` on anything we cannot run."""
-    if not isinstance(data, Mapping):
-        raise InvalidBody("body", "must be a JSON object")
-    try:
-        body = _Body.model_validate(data)
-    except ValidationError as exc:
-        raise _invalid(exc.errors(include_url=False, include_input=False)[0]) from None
-    stop: Sequence[str] = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
-    if any(not s for s in stop):
-        raise InvalidBody("stop", _FIELD_RULES["stop"])
+    body = _validated(_Body, data, Endpoint.CHAT)
+    stop = _stop(body.stop)
     tools = body.tools or []
     if len({t.function.name for t in tools}) < len(tools):
         raise InvalidBody("tools", "must name each function once")
@@ -365,10 +482,13 @@ def parse_chat_body(data: Any) -> ChatBody:
         temperature=body.temperature,
         top_p=body.top_p,
         seed=body.seed,
-        stop=tuple(stop[:4]),
+        stop=stop,
         images=tuple(images),
         chars=chars,
         tools=tuple(t.model_dump(exclude_unset=True) for t in tools),
         tool_choice=tool_choice,
         parallel_tool_calls=body.parallel_tool_calls,
+        response_format=body.response_format.model_dump(exclude_none=True) if body.response_format else None,
+        logprobs=bool(body.logprobs),
+        top_logprobs=body.top_logprobs,
     )

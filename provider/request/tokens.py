@@ -100,7 +100,14 @@ class ToolsUnsupported(ValueError):
 
 
 class PromptTooLong(ValueError):
-    """The templated prompt leaves no room in the context window for one output token."""
+    """The templated prompt leaves no room in the context window for one output token. `tokens`: its
+    length, exact, or (`exact` False) what it has at least when counting stopped as soon as it was
+    surely over."""
+
+    def __init__(self, tokens: int, *, exact: bool) -> None:
+        super().__init__("prompt too long")
+        self.tokens = tokens
+        self.exact = exact
 
 
 class UnknownModel(KeyError):
@@ -256,8 +263,30 @@ class PromptCounter:
         except TemplateFailed:
             raise PromptError("chat template could not render the messages") from None
         if limit is not None and len(ids) >= limit:
-            raise PromptTooLong()
+            raise PromptTooLong(len(ids), exact=True)
         return ids
+
+    async def text_ids(self, model_id: str, text: str, *, limit: int | None = None,
+                       run: LaneRunner | None = None) -> list[int]:
+        """A raw prompt's ids (the legacy completions endpoint: no chat template), with the tokenizer's
+        own special tokens (a BOS where the model has one), as mlx-lm's server and vLLM encode it. Long
+        text is counted in the lane and given up as soon as it is surely over ``limit``. May be empty.
+        Raises ``PromptError`` (text the tokenizer cannot take), ``PromptTooLong``, ``UnknownModel`` or
+        ``lanes.LaneFull``; a vision model's processor has no plain encoder (``is_vision``)."""
+        entry = await self._entry(model_id)
+        if len(text) > INLINE_RENDERED_CHARS:
+            return await (run or self._lane.run)(self._counted, model_id, entry, text, limit, True)
+        ids = _encode(entry.tokenizer, text, special=True)
+        if limit is not None and len(ids) >= limit:
+            raise PromptTooLong(len(ids), exact=True)
+        return ids
+
+    async def vocabulary(self, model_id: str) -> int:
+        """How many token ids the model's tokenizer knows (ids from 0 to this less one)."""
+        return len((await self._entry(model_id)).tokenizer)
+
+    def is_vision(self, model_id: str) -> bool:
+        return model_id in self._vision
 
     def _mark_unservable(self, model_id: str, bound: TemplateBound) -> None:
         if model_id in self._unservable:
@@ -279,7 +308,7 @@ class PromptCounter:
                                                   extra=_tools_extra(tools), timeout_s=self._timeout_s)
             return self._counted(model_id, entry, rendered, limit)
         if limit is not None and len(ids) >= limit:
-            raise PromptTooLong()
+            raise PromptTooLong(len(ids), exact=True)
         return ids
 
     def _bulk_tokenizer(self, model_id: str, entry: _Entry) -> Any:
@@ -287,17 +316,21 @@ class PromptCounter:
             entry.bulk = self._loader_for(model_id)(self._paths[model_id])
         return entry.bulk
 
-    def _counted(self, model_id: str, entry: _Entry, rendered: str, limit: int | None) -> list[int]:
-        """A rendered prompt's ids, given up early when it is surely over `limit` (lane thread)."""
+    def _counted(self, model_id: str, entry: _Entry, rendered: str, limit: int | None,
+                 special: bool = False) -> list[int]:
+        """A rendered prompt's ids (`special`: a raw one's, with the tokenizer's special tokens), given
+        up early when it is surely over `limit` (lane thread)."""
         tokenizer = self._bulk_tokenizer(model_id, entry)
         if limit is not None:
-            if entry.bounds.lower_bound(len(rendered)) >= limit:
-                raise PromptTooLong()
-            if len(rendered) > CHUNK_CHARS and _surely_over(tokenizer, rendered, limit):
-                raise PromptTooLong()
-        ids = _encode(tokenizer, rendered)
+            lower = entry.bounds.lower_bound(len(rendered))
+            if lower >= limit:
+                raise PromptTooLong(lower, exact=False)
+            over = _surely_over(tokenizer, rendered, limit) if len(rendered) > CHUNK_CHARS else None
+            if over is not None:
+                raise PromptTooLong(over, exact=False)
+        ids = _encode(tokenizer, rendered, special=special)
         if limit is not None and len(ids) >= limit:
-            raise PromptTooLong()
+            raise PromptTooLong(len(ids), exact=True)
         return ids
 
     # -- tokenizers ---------------------------------------------------------------------------------
@@ -373,13 +406,14 @@ def _text_chars(messages: Sequence[Mapping[str, object]]) -> int:
     return total
 
 
-def _encode(tokenizer: Any, rendered: str) -> list[int]:
-    """The ids of a rendered prompt, as ``apply_chat_template`` makes them."""
+def _encode(tokenizer: Any, rendered: str, *, special: bool = False) -> list[int]:
+    """The ids of a rendered prompt, as ``apply_chat_template`` makes them; ``special``: of a raw
+    prompt, with the tokenizer's special tokens, and possibly none (the caller decides)."""
     try:
-        ids = tokenizer.encode(rendered, add_special_tokens=False)
+        ids = tokenizer.encode(rendered, add_special_tokens=special)
     except TypeError:  # text the tokenizer cannot take (a lone surrogate): a client error, as before
         raise PromptError("the rendered prompt could not be tokenized") from None
-    if not ids:
+    if not ids and not special:
         raise PromptError("empty prompt")
     return list(ids)
 
@@ -405,12 +439,13 @@ def _encode_in_process(tokenizer: Any, messages: Sequence[Mapping[str, object]],
     return list(ids)
 
 
-def _surely_over(tokenizer: Any, rendered: str, limit: int) -> bool:
+def _surely_over(tokenizer: Any, rendered: str, limit: int) -> int | None:
     """Count `rendered` in pieces of about CHUNK_CHARS, split between words, and stop as soon as
-    the count less the pieces' boundary slack reaches `limit`. Memory: one piece at a time."""
+    the count less the pieces' boundary slack reaches `limit`: then return that (tokens it has at
+    least, >= limit), else None. Memory: one piece at a time."""
     encode = getattr(tokenizer, "encode", None)
     if encode is None:
-        return False
+        return None
     total = pieces = 0
     start = 0
     while start < len(rendered):
@@ -424,9 +459,9 @@ def _surely_over(tokenizer: Any, rendered: str, limit: int) -> bool:
             raise PromptError("the rendered prompt could not be tokenized") from None
         pieces += 1
         if total - pieces * BOUNDARY_SLACK_TOKENS >= limit:
-            return True
+            return total - pieces * BOUNDARY_SLACK_TOKENS
         start = end
-    return False
+    return None
 
 
 def measure_bounds(tokenizer: Any, *, per_message: int | None = None) -> TokenBounds:
