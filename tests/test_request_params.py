@@ -8,7 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from provider.request.body import COMPLETION_MAX_TOKENS, InvalidBody, parse_chat_body, parse_completion_body
+from provider.request.body import (
+    COMPLETION_MAX_TOKENS,
+    InvalidBody,
+    ToolChoice,
+    parse_chat_body,
+    parse_completion_body,
+)
 from provider.request.params import IGNORED, NEUTRAL, REFUSED, Endpoint
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -118,11 +124,12 @@ def test_the_issue_31_parameters_are_parsed_for_their_implementations():
     body = parse_chat_body({**CHAT, "tools": [tool], "tool_choice": "required", "parallel_tool_calls": False,
                             "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {}}},
                             "logprobs": True, "top_logprobs": 3})
-    assert body.tools == (tool,) and body.tool_choice == "required" and body.parallel_tool_calls is False
+    assert body.tools == (tool,) and body.tool_choice == ToolChoice("required") and body.parallel_tool_calls is False
     assert body.response_format == {"type": "json_schema", "json_schema": {"name": "s", "schema": {}}}
     assert body.logprobs is True and body.top_logprobs == 3
     plain = parse_chat_body(CHAT)
-    assert (plain.tools, plain.tool_choice, plain.response_format, plain.logprobs) == ((), None, None, False)
+    assert (plain.tools, plain.tool_choice, plain.response_format, plain.logprobs) == (
+        (), ToolChoice("none"), None, False)
 
 
 # --- the legacy completions prompt

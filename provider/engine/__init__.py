@@ -17,6 +17,7 @@ from provider.engine.types import (
     ModelStats,
     SamplingParams,
     TextDelta,
+    ToolCallConstraint,
     Usage,
 )
 
@@ -35,5 +36,6 @@ __all__ = [
     "RequestStream",
     "SamplingParams",
     "TextDelta",
+    "ToolCallConstraint",
     "Usage",
 ]

@@ -50,8 +50,10 @@ from structlog.contextvars import bound_contextvars
 from protocol import InferenceAccepted, InferenceComplete, InferenceRequest, ProviderMessage, Usage, encode
 from protocol.crypto import CryptoError, ProviderIdentity, RequestBox
 from protocol.errors import Failure, inference_error_frame
-from protocol.sse import ChunkFactory, CompletionUsage, FinishReason, data_line
+from protocol.sse import data_line
 from provider.engine import ChatRequest, EngineError, EngineFailure, Failed, Finished, RequestStream, TextDelta
+from provider.engine.openai import ChatChunks
+from provider.engine.toolcalls import ToolCallStream, tool_calls_for
 from provider.jobs.lifecycle import JobEvent, JobLifecycle, JobState
 from provider.jobs.stats import ServingStats
 from provider.request.body import ChatBody, InvalidBody, parse_chat_body
@@ -246,6 +248,9 @@ class Job:
         except Refusal as refusal:
             self._count_rejection(refusal.failure)
             raise
+        except InvalidBody as exc:  # what the body asks of this model, it cannot do (tools)
+            log.info("request_refused", reason="invalid_body", kind=exc.field)
+            raise _Rejected(Failure.invalid_request()) from None
 
     def _count_rejection(self, failure: Failure) -> None:
         if self._ctx.metrics is not None:
@@ -281,7 +286,10 @@ class Job:
     async def _serve(self, box: RequestBox, body: ChatBody, prompt_ids: list[int], booking: Booking) -> JobOutcome:
         # A vision model's processor places the image tokens itself: it gets the messages, not ids.
         ids = prompt_ids if booking.reservation is not None else None
-        request = ChatRequest(self.request_id, body.messages, body.sampling(booking.kv.max_tokens), prompt_ids=ids)
+        tool_format = self._ctx.counter.tool_format_now(body.model)
+        request = ChatRequest(self.request_id, body.messages, body.sampling(booking.kv.max_tokens), prompt_ids=ids,
+                              tools=body.offered_tools, tool_call=body.tool_call(tool_format))
+        tools = tool_calls_for(tool_format, body.offered_tools, parallel=body.parallel_tool_calls)  # reads its calls
         remaining = None if self._content_deadline is None else self._content_deadline - self._ctx.monotonic()
         try:
             # [N] first_content_budget_ms: no content by then → give up before any output (rerouted, neutral).
@@ -290,7 +298,7 @@ class Job:
                                                    body.max_tokens, booking=booking) as slot:
                     stream = slot.submit(request)
                     try:
-                        return await self._stream(box, body, stream)
+                        return await self._stream(box, body, stream, tools)
                     finally:
                         await stream.aclose()  # no-op after a terminal event; a cancel otherwise
         except asyncio.CancelledError:
@@ -311,18 +319,20 @@ class Job:
             self._fail(failure)
             return JobOutcome.FAILED
 
-    async def _stream(self, box: RequestBox, body: ChatBody, stream: RequestStream) -> JobOutcome:
-        chunks = ChunkFactory(id=f"chatcmpl-{self.request_id}", created=int(self._ctx.clock()), model=body.model)
+    async def _stream(self, box: RequestBox, body: ChatBody, stream: RequestStream,
+                      tools: ToolCallStream | None) -> JobOutcome:
+        # With tools, a delta inside a call gives no chunk yet: the role delta still goes out with it.
+        chunks = ChatChunks(f"chatcmpl-{self.request_id}", body.model, created=int(self._ctx.clock()), tools=tools)
         async for item in stream:
             match item:
-                case TextDelta(text=text):
+                case TextDelta():
                     self._output(box, chunks)
-                    self._chunk(box, data_line(chunks.content(text)))
-                case Finished(reason=reason, usage=usage):
+                    for chunk in chunks.for_event(item):
+                        self._chunk(box, data_line(chunk))
+                case Finished(usage=usage):
                     self._output(box, chunks)
-                    wire_usage = CompletionUsage(prompt_tokens=usage.prompt_tokens,
-                                                 completion_tokens=usage.completion_tokens)
-                    self._chunk(box, data_line(chunks.finish(FinishReason(reason.value), wire_usage)))
+                    for chunk in chunks.for_event(item):  # the last one carries finish_reason and usage
+                        self._chunk(box, data_line(chunk))
                     self._emit(JobEvent.COMPLETE, InferenceComplete(
                         request_id=self.request_id,
                         usage=Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)))
@@ -336,7 +346,7 @@ class Job:
         # The stream ended with no terminal event: someone closed it (engine.cancel) — a cancellation.
         raise asyncio.CancelledError
 
-    def _output(self, box: RequestBox, chunks: ChunkFactory) -> None:
+    def _output(self, box: RequestBox, chunks: ChatChunks) -> None:
         """Before the first output: the role delta, so it is always the first chunk."""
         if self._first_output is None:
             self._first_output = self._ctx.monotonic()

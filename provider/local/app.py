@@ -2,8 +2,9 @@
 
     POST /v1/chat/completions   OpenAI chat completions, streaming (SSE) or not   [chat=True only]
     POST /v1/completions        the legacy prompt API, same engine and admission  [chat=True only]
-    GET  /v1/models             the servable model ids                             [chat=True only]
-    GET  /v1/models/{model}     one of them (404 for any other id)                 [chat=True only]
+    GET  /v1/models             the servable model ids, each with its              [chat=True only]
+                                `capabilities` (`tools`: whether it calls tools)
+    GET  /v1/models/{model}     one of them, as listed (404 for any other id)      [chat=True only]
     GET  /healthz               200 {"status": "ok"} while serving, 503 while draining
     GET  /status                JSON: mode, models and their states, in-flight requests, ledger bytes
                                 by kind, pressure, cap figures, prefix-cache stats
@@ -38,6 +39,7 @@ from protocol import sse
 from protocol.sse import DONE
 from provider.engine import EngineFailure, Event, Failed, Finished, RequestStream, TextDelta, Usage
 from provider.engine.openai import ChatChunks, TextChunks, chat_completion, text_completion
+from provider.engine.toolcalls import ToolCallStream, tool_calls_for
 from provider.local.backend import Explained, Refused, unknown_model
 from provider.local.drain import InFlight
 from provider.local.errors import (
@@ -48,7 +50,8 @@ from provider.local.errors import (
     install_error_handlers,
     invalid_body_response,
 )
-from provider.request.body import InvalidBody
+from provider.models.tools import ToolFormat
+from provider.request.body import ChatBody, CompletionBody, InvalidBody
 from provider.metrics import CONTENT_TYPE, CapFigure, Metrics, RequestOutcome
 from provider.telemetry import get_logger, request_timings
 
@@ -62,6 +65,7 @@ class Backend(Protocol):
     def figures(self) -> CapFigures: ...
 
     def model_ids(self) -> list[str]: ...
+    def tool_format(self, model_id: str) -> ToolFormat | None: ...
     def open(self, request_id: str, raw: bytes) -> Any: ...  # async context manager -> (ChatBody, RequestStream)
     def open_completion(self, request_id: str, raw: bytes) -> Any: ...  # -> (CompletionBody, RequestStream)
     def status(self) -> dict[str, Any]: ...
@@ -133,12 +137,14 @@ class _Endpoint:
 
     id_prefix: str  # "chatcmpl-", "cmpl-": OpenAI's
     open: Callable[[str, bytes], Any]  # Backend.open or .open_completion
-    whole: Callable[[str, str, str, Finished], Any]  # (id, model, text, finished) -> the non-streamed object
-    chunks: Callable[[str, str], ChatChunks | TextChunks]  # (id, model) -> the stream's chunk builder
+    whole: Callable[[str, Any, str, Finished], Any]  # (id, body, text, finished) -> the non-streamed object
+    chunks: Callable[[str, Any], ChatChunks | TextChunks]  # (id, body) -> the stream's chunk builder
 
 
-def _model_object(model_id: str) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": 0, "owned_by": "darkbloom-provider"}
+def _model_object(model_id: str, tools: ToolFormat | None) -> dict[str, Any]:
+    """A served model as /v1/models lists it; `capabilities.tools`: whether it calls tools (`tools`: its format)."""
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "darkbloom-provider",
+            "capabilities": {"tools": tools is not None}}
 
 
 def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: str = "local",
@@ -177,17 +183,34 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [_model_object(i) for i in backend.model_ids()]})
+        return JSONResponse({"object": "list", "data": [_model_object(i, backend.tool_format(i))
+                                                        for i in backend.model_ids()]})
 
     @app.get("/v1/models/{model:path}")  # ids have slashes (org/name); the SDK sends them as %2F
     async def model(model: str) -> JSONResponse:
         served = backend.model_ids()
         if model in served:
-            return JSONResponse(_model_object(model))
+            return JSONResponse(_model_object(model, backend.tool_format(model)))
         return explained_response(unknown_model(model, served))
 
-    chat_endpoint = _Endpoint("chatcmpl-", backend.open, chat_completion, ChatChunks)
-    legacy_endpoint = _Endpoint("cmpl-", backend.open_completion, text_completion, TextChunks)
+    def tools_of(body: ChatBody) -> ToolCallStream | None:
+        """A fresh reader of the answer's tool calls, when the request offered tools to a model that calls them."""
+        return tool_calls_for(backend.tool_format(body.model), body.offered_tools, parallel=body.parallel_tool_calls)
+
+    def chat_whole(request_id: str, body: ChatBody, text: str, finished: Finished) -> sse.ChatCompletion:
+        return chat_completion(request_id, body.model, text, finished, tools=tools_of(body))
+
+    def chat_chunks(request_id: str, body: ChatBody) -> ChatChunks:
+        return ChatChunks(request_id, body.model, tools=tools_of(body))
+
+    def text_whole(request_id: str, body: CompletionBody, text: str, finished: Finished) -> sse.TextCompletion:
+        return text_completion(request_id, body.model, text, finished)
+
+    def text_chunks(request_id: str, body: CompletionBody) -> TextChunks:
+        return TextChunks(request_id, body.model)
+
+    chat_endpoint = _Endpoint("chatcmpl-", backend.open, chat_whole, chat_chunks)
+    legacy_endpoint = _Endpoint("cmpl-", backend.open_completion, text_whole, text_chunks)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -227,7 +250,7 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
             served = _Served(request_id, body.model, started, metrics)
             if not body.stream:
                 try:
-                    return await _complete(stream, endpoint, body.model, served)
+                    return await _complete(stream, endpoint, body, served)
                 finally:
                     await opened.__aexit__(None, None, None)
             # The 200 goes out with the first output: anything that fails before it (a load, the
@@ -244,7 +267,7 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
                 failure = _failure_for(first.code)
                 return error_response(failure, Refused(failure).retry_after_s)
             handed_over = True
-            chunks = endpoint.chunks(request_id, body.model)
+            chunks = endpoint.chunks(request_id, body)
             return StreamingResponse(_sse(opened, stream, chunks, body.include_usage, served, first,
                                           ended=lambda: state.requests.end(request_id)),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -281,7 +304,8 @@ class _Served:
                                    completion_tokens=0 if usage is None else usage.completion_tokens))
 
 
-async def _complete(stream: RequestStream, endpoint: _Endpoint, model: str, served: _Served) -> Response:
+async def _complete(stream: RequestStream, endpoint: _Endpoint, body: ChatBody | CompletionBody,
+                    served: _Served) -> Response:
     parts: list[str] = []
     async for event in stream:
         served.output()
@@ -290,7 +314,7 @@ async def _complete(stream: RequestStream, endpoint: _Endpoint, model: str, serv
                 parts.append(text)
             case Finished(usage=usage) as done:
                 served.end(RequestOutcome.COMPLETED, usage)
-                completion = endpoint.whole(served.request_id, model, "".join(parts), done)
+                completion = endpoint.whole(served.request_id, body, "".join(parts), done)
                 return Response(completion.__pydantic_serializer__.to_json(completion),
                                 media_type="application/json")
             case Failed(code):
@@ -336,7 +360,8 @@ async def _sse(opened: Any, stream: RequestStream, chunks: ChatChunks | TextChun
         async for event in _events(first, stream):
             match event:
                 case TextDelta(text):
-                    yield _event(chunks.delta(text))
+                    for chunk in chunks.delta(text):
+                        yield _event(chunk)
                 case Finished(usage=usage) as done:
                     outcome = RequestOutcome.COMPLETED
                     for chunk in chunks.end(done, include_usage):

@@ -35,6 +35,7 @@ from memory import CapFigures
 from memory.fit import FitResult
 from protocol.errors import ErrorReason, Failure, RejectionReason
 from provider.engine import ChatRequest, RequestStream
+from provider.models.tools import ToolFormat
 from provider.request import PromptCounter
 from provider.request.body import ChatBody, CompletionBody, InvalidBody, parse_chat_body, parse_completion_body
 from provider.request.intake import Intake, OverContext, Refusal
@@ -148,6 +149,10 @@ class RuntimeBackend:
     def model_ids(self) -> list[str]:
         return list(self.runtime.servable_now())
 
+    def tool_format(self, model_id: str) -> ToolFormat | None:
+        """How the model writes tool calls (None: it has no tool calling, or is not one of ours)."""
+        return self.runtime.counter.tool_format_now(model_id)
+
     @asynccontextmanager
     async def open(self, request_id: str, raw: bytes) -> AsyncIterator[tuple[ChatBody, RequestStream]]:
         """A chat request: parse `raw` (inline or in the bulk lane, by its size), count, book, wait for
@@ -166,7 +171,8 @@ class RuntimeBackend:
         def request(booked: Booking) -> ChatRequest:
             ids = prompt_ids if booked.reservation is not None else None  # a VLM's processor places its images
             return ChatRequest(request_id, body.messages, body.sampling(booked.kv.max_tokens), prompt_ids=ids,
-                               prepare_next_turn=True)  # one user's conversations: the next turn comes here
+                               prepare_next_turn=True,  # one user's conversations: the next turn comes here
+                               tools=body.offered_tools, tool_call=body.tool_call(self.tool_format(body.model)))
 
         async with self._served(request_id, body.model, prompt_ids, body.max_tokens, media, request, "messages") as stream:
             yield body, stream

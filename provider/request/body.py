@@ -15,6 +15,16 @@ Messages: `role` is one of OpenAI's (system, developer, user, assistant, tool); 
 (null counts as missing) except on an assistant message that carries `tool_calls`. Anything else is a
 client error (400), never silently run as an empty message.
 
+Tools (issue 31): `tools` are OpenAI function tools (`{"type": "function", "function": {"name",
+"description", "parameters"}}`), kept as sent for the chat template; `tool_choice` is `none`, `auto`
+(the default when tools are given), `required` or `{"type": "function", "function": {"name": ...}}`
+naming one of them; `parallel_tool_calls` a boolean. With `none` the tools are not offered to the
+model at all (`offered_tools`): it must not call, and its output is not read for calls. An assistant
+turn's `tool_calls` reach the template with each call's `arguments` as an object (what templates
+render with `tojson`; a string that is not a JSON object stays as sent), a `tool` turn with its
+`tool_call_id` (required, as OpenAI requires it). Whether the model can call tools at all is the
+intake's question (`provider.request.intake`), not the parser's.
+
 Content parts: `text` and `image_url` (`{"image_url": {"url": ...}}`). A message with only text
 parts becomes one string (what a text model's template expects). A message with images keeps its
 parts in order, each image as a bare `{"type": "image_url"}` marker; the URLs go to
@@ -24,6 +34,7 @@ allocation) and decode. Whether the model can take images is admission's call, n
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -31,7 +42,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from provider.engine import SamplingParams
+from provider.engine import SamplingParams, ToolCallConstraint
+from provider.models.tools import ToolFormat
 from provider.request.bounds import countable_chars
 from provider.request.params import Endpoint, unsupported
 
@@ -53,6 +65,8 @@ class InvalidBody(ValueError):
         return f"Invalid parameter '{self.field}': {self.rule}."
 
 
+_TOOL_CHOICE_RULE = ('must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}} '
+                     "naming one of the tools")
 # The whole rule of each top-level parameter, so the message says what is allowed, not only what broke.
 _FIELD_RULES: dict[str, str] = {
     "model": "must be a non-empty string",
@@ -65,13 +79,31 @@ _FIELD_RULES: dict[str, str] = {
     "top_p": "must be a number greater than 0 and at most 1",
     "seed": "must be an integer",
     "stop": "must be a non-empty string or an array of non-empty strings",
-    "prompt": "must be a string or an array of token ids (one prompt per request)",
-    "tools": "must be an array of tool objects",
-    "tool_choice": "must be none, auto, required or an object naming a function",
+    "tools": "must be an array of function tools",
+    "tool_choice": _TOOL_CHOICE_RULE,
     "parallel_tool_calls": "must be a boolean",
+    "prompt": "must be a string or an array of token ids (one prompt per request)",
     "response_format": "must be an object whose type is text, json_object or json_schema",
     "logprobs": "must be a boolean",
     "top_logprobs": "must be an integer from 0 to 20",
+}
+# Nested tool parameters, by their path of names (indexes left out).
+_PATH_RULES: dict[tuple[str, ...], str] = {
+    ("tools",): "must be an object",
+    ("tools", "type"): 'must be "function"',
+    ("tools", "function"): "must be an object",
+    ("tools", "function", "name"): "must be 1 to 64 letters, digits, underscores or dashes",
+    ("tools", "function", "description"): "must be a string",
+    ("tools", "function", "parameters"): "must be a JSON Schema object",
+    ("tools", "function", "strict"): "must be a boolean",
+    ("messages", "tool_calls"): "must be an array of function tool calls",
+    ("messages", "tool_calls", "id"): "must be a string",
+    ("messages", "tool_calls", "type"): 'must be "function"',
+    ("messages", "tool_calls", "function"): "must be an object",
+    ("messages", "tool_calls", "function", "name"): "must be a non-empty string",
+    ("messages", "tool_calls", "function", "arguments"): "must be a string of JSON",
+    ("messages", "tool_call_id"): "must be a string",
+    ("messages", "name"): "must be a string",
 }
 # Nested parameters, by their own name (messages.N.content), else by pydantic's error type.
 _NESTED_RULES: dict[str, str] = {
@@ -93,12 +125,47 @@ _TYPE_RULES: dict[str, str] = {
 }
 
 
+class _FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any] = "{}"  # a JSON string (OpenAI); an object from some clients
+
+
+class _ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: _FunctionCall
+
+    def for_template(self) -> dict[str, Any]:
+        """The call as chat templates render it: `arguments` an object where it is one."""
+        arguments: Any = self.function.arguments
+        if isinstance(arguments, str):
+            try:
+                decoded = json.loads(arguments)
+            except (ValueError, RecursionError):
+                decoded = None
+            arguments = decoded if isinstance(decoded, dict) else arguments
+        return {"id": self.id, "type": self.type, "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class _Message(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    tool_calls: list[Any] | None = None  # declared before content: its validator reads it
+    tool_calls: list[_ToolCall] | None = None  # declared before content: its validator reads it
     content: str | list[Any] | None = Field(None, validate_default=True)
+    tool_call_id: str | None = Field(None, validate_default=True)
+    name: str | None = None
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_turns_name_their_call(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None and info.data.get("role") == "tool":
+            raise PydanticCustomError("missing", "tool_call_id is required")
+        return value
 
     @field_validator("content")
     @classmethod
@@ -147,6 +214,59 @@ def _content(content: str | list[Any] | None, images: list[str]) -> str | tuple[
     return tuple(parts)
 
 
+def _message(m: _Message, images: list[str]) -> dict[str, Any]:
+    """One message as the chat template gets it."""
+    message: dict[str, Any] = {"role": m.role, "content": _content(m.content, images)}
+    if m.tool_calls:
+        message["tool_calls"] = [call.for_template() for call in m.tool_calls]
+    if m.role == "tool":
+        message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+    return message
+
+
+class _Function(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = Field(None, strict=True)
+
+
+class _Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    function: _Function
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    """`tool_choice`: `none`, `auto`, `required`, or `function` with the function's `name`."""
+
+    mode: Literal["none", "auto", "required", "function"]
+    name: str | None = None
+
+    @property
+    def forces_a_call(self) -> bool:
+        """The output must be a call (`required`, or a named function): constrained decoding's to enforce."""
+        return self.mode in ("required", "function")
+
+
+def _tool_choice(value: Any, tools: Sequence[_Tool]) -> ToolChoice:
+    if value is None:
+        return ToolChoice("auto" if tools else "none")
+    if value in ("none", "auto") or (value == "required" and tools):
+        return ToolChoice(value)
+    if isinstance(value, Mapping) and value.get("type") == "function" and isinstance(value.get("function"), Mapping):
+        name = value["function"].get("name")
+        if isinstance(name, str) and any(t.function.name == name for t in tools):
+            return ToolChoice("function", name)
+    raise InvalidBody("tool_choice", _TOOL_CHOICE_RULE)
+
+
 class _StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)  # include_obfuscation: padding only, ignored
 
@@ -178,11 +298,11 @@ class _Sampled(BaseModel):
 class _Body(_Sampled):
     messages: list[_Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    # Issue 31 items 1-3 (tools, constrained decoding, logprobs) are built on other branches: these are
+    tools: list[_Tool] | None = None
+    tool_choice: Any = None  # read by _tool_choice, which knows the tools
+    parallel_tool_calls: bool = True
+    # Issue 31 items 2-3 (constrained decoding, logprobs) are built on other branches: these are
     # type-checked here and carried on ChatBody for them; nothing reads them yet.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
     response_format: _ResponseFormat | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -205,17 +325,31 @@ class ChatBody:
     stop: tuple[str, ...]
     images: tuple[str, ...] = ()  # image URLs in order of appearance (never logged)
     chars: int = 0  # message text every template keeps (bounds.countable_chars): the size bound reads it
-    # Parsed for issue 31 items 1-3 and not yet honoured (see _Body); None / False / () = not sent.
-    tools: tuple[Mapping[str, Any], ...] = ()
-    tool_choice: str | Mapping[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: tuple[Mapping[str, Any], ...] = ()  # function tools, as sent (never logged)
+    tool_choice: ToolChoice = ToolChoice("none")
+    parallel_tool_calls: bool = True
+    # Parsed for issue 31 items 2-3 and not yet honoured (see _Body); None / False = not sent.
     response_format: Mapping[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
 
+    @property
+    def offered_tools(self) -> tuple[Mapping[str, Any], ...]:
+        """The tools the chat template renders and the output is read for: none with `tool_choice: none`."""
+        return () if self.tool_choice.mode == "none" else self.tools
+
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
                               top_p=self.top_p, seed=self.seed, stop=self.stop)
+
+    def tool_call(self, fmt: ToolFormat | None) -> ToolCallConstraint | None:
+        """The call the output must be (`required`, or the named function), in the model's family's
+        format `fmt`; None when the model may answer freely."""
+        if fmt is None or not self.tool_choice.forces_a_call:
+            return None
+        functions = tuple(t["function"] for t in self.tools
+                          if self.tool_choice.mode == "required" or t["function"]["name"] == self.tool_choice.name)
+        return ToolCallConstraint(fmt.name, fmt.start, fmt.end, functions, self.parallel_tool_calls)
 
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
@@ -248,14 +382,18 @@ def _invalid(error: Mapping[str, Any]) -> InvalidBody:
         return InvalidBody(field, "is required")
     if len(loc) == 1 and field in _FIELD_RULES:
         return InvalidBody(field, _FIELD_RULES[field])
+    names = tuple(str(p) for p in loc if not isinstance(p, int))
+    if names in _PATH_RULES:
+        return InvalidBody(field, _PATH_RULES[names])
     if loc and loc[-1] in _NESTED_RULES:
         return InvalidBody(field, _NESTED_RULES[str(loc[-1])])
     return InvalidBody(field, _TYPE_RULES.get(error["type"], "is not valid"))
 
 
 # Every name a validation error's location can hold: our own field names (safe to show).
-_PATH_NAMES = (frozenset(_Body.model_fields) | frozenset(_CompletionBody.model_fields) | frozenset(_Message.model_fields)
-               | frozenset(_StreamOptions.model_fields) | frozenset(_ResponseFormat.model_fields))
+_PATH_NAMES = frozenset().union(*(m.model_fields for m in (_Body, _CompletionBody, _Message, _StreamOptions,
+                                                             _ResponseFormat, _ToolCall, _FunctionCall, _Tool,
+                                                             _Function)))
 
 
 def _validated(model: type[_Sampled], data: Any, endpoint: Endpoint) -> Any:
@@ -328,8 +466,12 @@ def parse_chat_body(data: Any) -> ChatBody:
     """Validate a decoded JSON body; `InvalidBody(field, rule)` on anything we cannot run."""
     body = _validated(_Body, data, Endpoint.CHAT)
     stop = _stop(body.stop)
+    tools = body.tools or []
+    if len({t.function.name for t in tools}) < len(tools):
+        raise InvalidBody("tools", "must name each function once")
+    tool_choice = _tool_choice(body.tool_choice, tools)
     images: list[str] = []
-    messages = tuple({"role": m.role, "content": _content(m.content, images)} for m in body.messages)
+    messages = tuple(_message(m, images) for m in body.messages)
     chars = countable_chars(messages)
     return ChatBody(
         model=body.model,
@@ -343,8 +485,8 @@ def parse_chat_body(data: Any) -> ChatBody:
         stop=stop,
         images=tuple(images),
         chars=chars,
-        tools=tuple(body.tools or ()),
-        tool_choice=body.tool_choice,
+        tools=tuple(t.model_dump(exclude_unset=True) for t in tools),
+        tool_choice=tool_choice,
         parallel_tool_calls=body.parallel_tool_calls,
         response_format=body.response_format.model_dump(exclude_none=True) if body.response_format else None,
         logprobs=bool(body.logprobs),

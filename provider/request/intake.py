@@ -37,7 +37,14 @@ from protocol.errors import ErrorReason, Failure, RejectionReason
 from provider.request.lanes import LaneFull
 from provider.request.body import ChatBody, CompletionBody, InvalidBody
 from provider.request.bounds import countable_chars
-from provider.request.tokens import CHUNK_CHARS, PromptCounter, PromptError, PromptTooLong, UnknownModel
+from provider.request.tokens import (
+    CHUNK_CHARS,
+    PromptCounter,
+    PromptError,
+    PromptTooLong,
+    ToolsUnsupported,
+    UnknownModel,
+)
 
 T = TypeVar("T")
 
@@ -113,9 +120,9 @@ class Ticket:
                 self._open_tasks -= 1
             raise Refusal(lane_full()) from None
 
-    async def prompt_ids(self, model_id: str, messages, *, limit: int | None) -> list[int]:
+    async def prompt_ids(self, model_id: str, messages, *, tools=(), limit: int | None) -> list[int]:
         """Exact prompt ids (`PromptCounter.prompt_ids`); its lane work counts as this ticket's."""
-        return await self._intake.counter.prompt_ids(model_id, messages, limit=limit, run=self.in_lane)
+        return await self._intake.counter.prompt_ids(model_id, messages, tools=tools, limit=limit, run=self.in_lane)
 
     def _task_done(self) -> None:
         self._open_tasks -= 1
@@ -191,14 +198,17 @@ class Intake:
         """Steps 3 and 4: the size bound through admission (read-only), then the exact ids.
         Raises `Refusal`: 404 for a model that is not ours, 400 request_exceeds_context, 503 when
         even the bound does not fit (`queued`: not for room that requests in flight hold, which the
-        booking waits for), 422 when the template cannot render the messages."""
+        booking waits for), 422 when the template cannot render the messages; `InvalidBody` naming
+        `tools` when tools are offered to a model whose family has no tool calling."""
         if not self.counter.knows(body.model):
             raise Refusal(Failure.model_unavailable())
         self._precheck_bound(body.model, self.lower_bound(body.model, body.chars, len(body.messages)),
                              body.max_tokens, queued)
         context = self._context_of(body.model)
         try:
-            return await ticket.prompt_ids(body.model, body.messages, limit=context)
+            return await ticket.prompt_ids(body.model, body.messages, tools=body.offered_tools, limit=context)
+        except ToolsUnsupported:
+            raise InvalidBody("tools", "is not supported by this model: its chat template has no tool calling") from None
         except UnknownModel:
             raise Refusal(Failure.model_unavailable()) from None
         except PromptTooLong as too_long:
