@@ -344,11 +344,12 @@ def start_ours(model_path: Path, work: Path, batch_size: int | None, extra_toml:
     hub = work / "empty-hub"
     hub.mkdir(exist_ok=True)
     config = work / "provider.toml"
-    config.write_text(
+    config.write_text(  # an --ours-toml log_level (e.g. "info": one line per request) replaces the default
         f"local_port = {port}\n"
         f"hf_cache_dir = {json.dumps(str(hub))}\n"
         f"state_dir = {json.dumps(str(work / 'state'))}\n"
-        "log_level = \"warning\"\nlog_format = \"json\"\nidle_timeout_mins = 0\n"
+        + ("" if any(line.split("=")[0].strip() == "log_level" for line in extra_toml) else "log_level = \"warning\"\n")
+        + "log_format = \"json\"\nidle_timeout_mins = 0\n"
         + ("" if batch_size is None else f"max_batch_size = {batch_size}\n")
         + "".join(f"{line}\n" for line in extra_toml)
         + "[model_aliases]\n"

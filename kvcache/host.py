@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Bytes a single copy or cipher call handles: the calls hold the GIL, and the SSD tier's writer
+# thread runs beside the engine thread; a 1 MiB slice is ~0.1 ms of copying, ~0.5 ms of AES-GCM.
+SLICE_BYTES = 1 << 20
+
 # The dtype names the SSD tier accepts (MLX names), with their item sizes.
 DTYPE_ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -17,7 +21,7 @@ DTYPE_ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 class HostArray:
     dtype: str
     shape: tuple[int, ...]
-    data: bytes
+    data: bytes | bytearray | memoryview
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_ITEMSIZE:
@@ -45,3 +49,12 @@ class HostCache:
     @property
     def nbytes(self) -> int:
         return sum(len(k.data) + len(v.data) for k, v in self.layers)
+
+
+def copy_sliced(src: memoryview, dst: memoryview) -> None:
+    """`dst[:] = src`, a `SLICE_BYTES` slice at a time: the GIL is free between slices, so another
+    thread (the engine's) never waits for a whole cache's copy."""
+    if len(src) != len(dst):
+        raise ValueError("source and destination differ in length")
+    for at in range(0, len(src), SLICE_BYTES):
+        dst[at: at + SLICE_BYTES] = src[at: at + SLICE_BYTES]

@@ -44,10 +44,10 @@ from pathlib import Path
 
 import msgpack
 from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from kvcache.disk import TEMP_SUFFIX, DiskBudget, ensure_private_dir
-from kvcache.host import HostArray, HostCache
+from kvcache.host import SLICE_BYTES, HostArray, HostCache
 from kvcache.trie import Key, Match, PrefixIndex
 
 MAGIC = b"DBKV"
@@ -87,7 +87,7 @@ class SsdStore:
         if key is not None and len(key) != 64:
             raise ValueError("key must be 64 bytes (AES-256 key ‖ HMAC key)")
         key = key if key is not None else secrets.token_bytes(64)
-        self._aead = AESGCM(key[:32])
+        self._aes = algorithms.AES(key[:32])
         self._name_key = key[32:]
         self.root = Path(root)
         self._budget = budget
@@ -128,13 +128,14 @@ class SsdStore:
             raise ValueError("cache holds a different number of positions than tokens")
         name = self._file_name(model_id, key)
         blob = self._seal(self._header(model_id, weight_hash, cache), name, cache)  # outside the lock
+        size = sum(len(part) for part in blob)
         with self._lock:
             d = self._dirs.get(model_id)
             if d is None or d.closed or d.weight_hash != weight_hash:
                 return WriteOutcome.CLOSED
             if key in d.index:
                 return WriteOutcome.EXISTS
-            admission = self._budget.admit((model_id, name), len(blob))
+            admission = self._budget.admit((model_id, name), size)
             if not admission.admitted:
                 return WriteOutcome.OVER_BUDGET
             victims = [self._drop_locked(fid) for fid in admission.evict]
@@ -223,13 +224,39 @@ class SsdStore:
         layers = [[[k.dtype, list(k.shape)], [v.dtype, list(v.shape)]] for k, v in cache.layers]
         return msgpack.packb({"model": model_id, "weights": weight_hash, "tokens": cache.tokens, "layers": layers})
 
-    def _seal(self, header: bytes, name: str, cache: HostCache) -> bytes:
+    def _seal(self, header: bytes, name: str, cache: HostCache) -> list[bytes]:
+        """The file's bytes, in pieces: clear ‖ nonce ‖ AES-256-GCM(payload) ‖ tag, what `AESGCM.encrypt`
+        gives for the whole payload, encrypted a `SLICE_BYTES` slice at a time (see kvcache/host.py)."""
         clear = MAGIC + _VERSION.pack(FORMAT_VERSION)
         nonce = secrets.token_bytes(_NONCE_BYTES)
         size = _LEN.size + len(header) + cache.nbytes
-        plaintext = b"".join([_LEN.pack(len(header)), header, *(a.data for pair in cache.layers for a in pair),
-                              bytes(_padme(size) - size)])
-        return clear + nonce + self._aead.encrypt(nonce, plaintext, clear + name.encode())
+        encryptor = Cipher(self._aes, modes.GCM(nonce)).encryptor()
+        encryptor.authenticate_additional_data(clear + name.encode())
+        pieces = [clear + nonce]
+        for part in [_LEN.pack(len(header)), header, *(a.data for pair in cache.layers for a in pair),
+                     bytes(_padme(size) - size)]:
+            view = memoryview(part)
+            pieces.extend(encryptor.update(view[at: at + SLICE_BYTES]) for at in range(0, len(view), SLICE_BYTES))
+        encryptor.finalize()
+        pieces.append(encryptor.tag)
+        return pieces
+
+    def _decrypt(self, nonce: bytes, sealed: memoryview, aad: bytes) -> bytearray:
+        """`AESGCM.decrypt`, a `SLICE_BYTES` slice at a time; InvalidTag when anything was changed."""
+        if len(sealed) < _TAG_BYTES:
+            raise InvalidTag()
+        body, tag = sealed[:-_TAG_BYTES], bytes(sealed[-_TAG_BYTES:])
+        decryptor = Cipher(self._aes, modes.GCM(nonce, tag)).decryptor()
+        decryptor.authenticate_additional_data(aad)
+        out = bytearray(len(body) + 15)  # update_into wants a block's slack; GCM writes exactly what it gets
+        view = memoryview(out)
+        for at in range(0, len(body), SLICE_BYTES):
+            piece = body[at: at + SLICE_BYTES]
+            decryptor.update_into(piece, view[at: at + len(piece) + 15])
+        decryptor.finalize()
+        del view
+        del out[len(body):]
+        return out
 
     def _open_blob(self, blob: bytes, name: str, model_id: str, weight_hash: str, tokens: int) -> HostCache:
         if blob[: len(MAGIC)] != MAGIC:
@@ -239,11 +266,11 @@ class SsdStore:
         if _VERSION.unpack_from(blob, len(MAGIC))[0] != FORMAT_VERSION:
             raise ValueError("another format")  # format 1 reads as version 0 (its header length's high bytes)
         clear, nonce = blob[:_CLEAR], blob[_CLEAR: _CLEAR + _NONCE_BYTES]
-        plaintext = self._aead.decrypt(nonce, blob[_CLEAR + _NONCE_BYTES:], clear + name.encode())
+        plaintext = memoryview(self._decrypt(nonce, memoryview(blob)[_CLEAR + _NONCE_BYTES:], clear + name.encode()))
         (hlen,) = _LEN.unpack_from(plaintext)
         if hlen > _MAX_HEADER_BYTES:
             raise ValueError("header too long")
-        header = msgpack.unpackb(plaintext[_LEN.size: _LEN.size + hlen])
+        header = msgpack.unpackb(bytes(plaintext[_LEN.size: _LEN.size + hlen]))
         if (header["model"], header["weights"], header["tokens"]) != (model_id, weight_hash, tokens):
             raise ValueError("header does not match the request")
         layers, at = [], _LEN.size + hlen
@@ -294,13 +321,14 @@ def _padme(length: int) -> int:
     return (length + low) & ~low
 
 
-def _atomic_write(final: Path, blob: bytes) -> None:
+def _atomic_write(final: Path, blob: Sequence[bytes]) -> None:
     ensure_private_dir(final.parent)
     tmp = final.with_name(final.name + f".{secrets.token_hex(4)}{TEMP_SUFFIX}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(blob)
+            for piece in blob:  # written as sealed: never joined into one more copy
+                f.write(piece)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)

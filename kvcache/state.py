@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from kvcache.host import HostArray, HostCache
+from kvcache.host import HostArray, HostCache, copy_sliced
 
 # MLX dtype ↔ (name on disk, numpy dtype used to move the bytes). bfloat16 travels as uint16 bits.
 _DTYPES: dict[mx.Dtype, tuple[str, type]] = {
@@ -80,7 +80,10 @@ def _host_bytes(a: mx.array, n: int) -> HostArray:
     name, _ = _DTYPES[a.dtype]
     if a.shape[-2] != n:
         raise ValueError("not an entry of exactly its tokens")
-    return HostArray(name, tuple(a.shape), bytes(memoryview(a).cast("B")))
+    src = memoryview(a).cast("B")
+    out = bytearray(len(src))
+    copy_sliced(src, memoryview(out))
+    return HostArray(name, tuple(a.shape), out)
 
 
 def _from_host(h: HostArray) -> mx.array:

@@ -1,4 +1,5 @@
-"""OpenAI chat-completion objects and their Server-Sent-Events framing (protocol.md §1.8, §7.3).
+"""OpenAI chat-completion objects and their Server-Sent-Events framing (protocol.md §1.8, §7.3); the
+legacy ``text_completion`` object too (``/v1/completions``: one shape for a whole answer and a chunk).
 
 Two framings of the same objects (a ``ChatCompletionChunk`` streaming delta, or one ``ChatCompletion``):
 
@@ -36,6 +37,8 @@ __all__ = [
     "FunctionCall",
     "FunctionCallDelta",
     "LogprobEntry",
+    "TextChoice",
+    "TextCompletion",
     "ToolCall",
     "ToolCallDelta",
     "TopLogprob",
@@ -165,13 +168,32 @@ class ChatCompletion(WireModel):
     usage: CompletionUsage | None = None
 
 
-def data_line(obj: ChatCompletionChunk | ChatCompletion) -> bytes:
+class TextChoice(WireModel):
+    text: Str
+    index: Int64 = 0
+    logprobs: Annotated[None, NULLABLE] = None  # logprobs are not offered on /v1/completions
+    finish_reason: Annotated[FinishReason | None, NULLABLE] = None
+
+
+class TextCompletion(WireModel):
+    """A legacy completion, whole or one streamed chunk (OpenAI uses the one object for both); the
+    usage-only chunk that ends a stream asked for with ``include_usage`` has no choices."""
+
+    id: Str
+    object: Literal["text_completion"] = "text_completion"
+    created: Int64
+    model: Str
+    choices: tuple[TextChoice, ...]
+    usage: CompletionUsage | None = None
+
+
+def data_line(obj: ChatCompletionChunk | ChatCompletion | TextCompletion) -> bytes:
     """One coordinator-bound chunk's plaintext: ``data: {compact json}``, one line (JSON escapes every
     newline), no blank line after it."""
     return b"data: " + obj.__pydantic_serializer__.to_json(obj, warnings="error")
 
 
-def event(obj: ChatCompletionChunk | ChatCompletion) -> bytes:
+def event(obj: ChatCompletionChunk | ChatCompletion | TextCompletion) -> bytes:
     """Exactly one SSE event of an HTTP stream: ``data: {compact json}\\n\\n``."""
     return data_line(obj) + b"\n\n"
 

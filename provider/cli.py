@@ -132,7 +132,8 @@ def _settings_parent(shown: Iterable[str] = (), *, config: bool = True) -> argpa
     return parent
 
 
-_LIST_METAVAR = {"model_dirs": "PATH", "enabled_models": "ID", "preload_models": "ID", "serve_windows": "WINDOW"}
+_LIST_METAVAR = {"model_dirs": "PATH", "enabled_models": "ID", "preload_models": "ID", "serve_windows": "WINDOW",
+                 "local_allowed_origins": "ORIGIN"}
 
 
 def _metavar(annotation: Any) -> str:
@@ -337,7 +338,7 @@ def cmd_models(args: argparse.Namespace, settings: Settings) -> int:
     for r in report.models:
         m = r.model
         line = (f"{m.id}  {human_bytes(m.weight_bytes)}  {quantization_text(m.quantization, m.dtype.value)}  "
-                f"context {m.context_length or '-'}  {r.fit.verdict.value}")
+                f"context {m.context_length or '-'}  {r.fit.verdict.value}" + ("  tools" if m.tools else ""))
         print(line + (f"  {hashes[m.id]}" if m.id in hashes else ""))
         print(f"    {m.path}")
     for s in report.inventory.skipped:

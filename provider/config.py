@@ -320,6 +320,12 @@ class Settings(BaseModel):
         "send a client to, as the coordinator does (the network front always refuses at once).",
         **_allowed("a number of seconds >= 0 (0 = refuse at once)"),
     )
+    local_allowed_origins: tuple[str, ...] = Field(
+        (), description="Web origins whose pages may call the local server from a browser (CORS), e.g. "
+        "http://localhost:3000. Empty = none: a page on any web site the owner visits could otherwise use the "
+        "models and read /status.",
+        **_allowed("a list of origins scheme://host[:port], no path (not *)"),
+    )
 
     # --- the background service
     keep_awake: bool = Field(
@@ -392,6 +398,17 @@ class Settings(BaseModel):
         if not _is_loopback(host):
             raise ValueError("the local server listens on a loopback address only")
         return host
+
+    @field_validator("local_allowed_origins")
+    @classmethod
+    def _check_origins(cls, origins: tuple[str, ...]) -> tuple[str, ...]:
+        for origin in origins:
+            if origin == "*":
+                raise ValueError("list the origins: * would let a page on any web site use the local server")
+            parts = urlsplit(origin)
+            if not parts.scheme or not parts.netloc or origin != f"{parts.scheme}://{parts.netloc}":
+                raise ValueError("an origin is scheme://host[:port], without a path or a trailing slash")
+        return origins
 
     @field_validator("enabled_models", "preload_models")
     @classmethod
@@ -499,7 +516,7 @@ def allowed_text(field: str) -> str:
 
 
 NO_FLAG = frozenset({"auth_token"})  # secrets: environment or file only (a flag would show in `ps`)
-LIST_FIELDS = frozenset({"model_dirs", "enabled_models", "preload_models", "serve_windows"})
+LIST_FIELDS = frozenset({"model_dirs", "enabled_models", "preload_models", "serve_windows", "local_allowed_origins"})
 
 
 def default_text(field: str) -> str:

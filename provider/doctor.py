@@ -55,7 +55,8 @@ An invalid configuration never reaches this module: the CLI exits 78 with one li
 `report_json()` is a stable interface (keys are only ever added): ``cap`` holds every
 `CapFigures` field (bytes) plus ``*_gib`` conveniences, ``pressure`` {level, utilization},
 ``runtime_hash``, ``models`` [{id, path, source, weight_bytes, quantization, context_length,
-kv_bytes_per_token, verdict, required_bytes, ever_fits}], ``skipped`` [{id, path, reason}],
+kv_bytes_per_token, verdict, required_bytes, ever_fits, capabilities {tools}}] (``tools``: the model
+calls tools, as `/v1/models` says; null when its tokenizer could not be read), ``skipped`` [{id, path, reason}],
 ``searched`` [{source: alias | model_dir | hf_cache, id (an alias's), path, exists}] (where discovery
 looked; ``no_models`` names them too),
 ``coordinator`` {url, checked, reachable, detail}, ``machine`` {...}, ``problems`` [{code, severity,
@@ -631,6 +632,8 @@ def _model_json(r: ModelReport) -> dict[str, Any]:
         "verdict": r.fit.verdict.value,
         "required_bytes": r.fit.required_bytes,
         "ever_fits": r.fit.ever_fits,
+        # what the model can do, as /v1/models says it (null: its tokenizer could not be read)
+        "capabilities": {"tools": m.tools},
     }
 
 
@@ -691,11 +694,12 @@ def render_table(report: DoctorReport) -> str:
     out += ["", f"Runtime hash  {report.runtime_hash or 'unavailable'}", ""]
     out.append(f"Models ({len(report.models)}; fit with nothing loaded, so nothing evictable)")
     if report.models:
-        rows = [("id", "size", "quantization", "context", "needs", "verdict")]
+        rows = [("id", "size", "quantization", "context", "needs", "verdict", "tools")]
         for r in report.models:
             m = r.model
             rows.append((m.id, human_bytes(m.weight_bytes), quantization_text(m.quantization, m.dtype.value),
-                         str(m.context_length or "-"), human_bytes(r.fit.required_bytes), r.fit.verdict.value))
+                         str(m.context_length or "-"), human_bytes(r.fit.required_bytes), r.fit.verdict.value,
+                         {True: "yes", False: "no", None: "-"}[m.tools]))
         out += _table(rows)
     for s in report.inventory.skipped:
         out.append(f"  skipped {s.id or s.path}: {s.reason.value}")

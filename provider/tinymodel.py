@@ -37,8 +37,13 @@ keeps a quantized tiny model usable on CPU (half-precision scales are 10-50x slo
 Building is deterministic: the same arguments give the same bytes. A marker file records the
 builder version and the arguments, so a second call with the same arguments reuses the folder.
 
+`tools=True` (`--tools`) gives the tokenizer two more special tokens, `<tool_call>` (3) and
+`</tool_call>` (4), and a Qwen2.5-style chat template that renders `tools`, assistant `tool_calls`
+and `tool` results: mlx-lm recognises the family (`json_tools` parser), so the folder is a
+tool-calling model (its random weights call no tool by themselves).
+
 CLI: ``python -m provider.tinymodel OUT [--preset tiny|small|medium|1b|8b] [--dtype float32]
-[--q-bits 4] [--seed 0] [--no-eos] [--force] [--check]``.
+[--q-bits 4] [--seed 0] [--no-eos] [--tools] [--force] [--check]``.
 """
 
 from __future__ import annotations
@@ -66,6 +71,45 @@ CHAT_TEMPLATE = (
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# `tools=True`: a Qwen2.5-style template that renders `tools` and tool turns, with `<tool_call>` and
+# `</tool_call>` as tokens of their own (ids 3 and 4): mlx-lm recognises it as a `json_tools` family.
+TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+TOOLS_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+    "{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
+    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first)"
+    " or (message.role == 'developer') or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>' + message.role }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -163,16 +207,17 @@ def train_tokenizer(vocab_size: int, seed: int, special_tokens: tuple[str, ...] 
     return tok
 
 
-def _save_tokenizer(out: Path, vocab_size: int, seed: int) -> int:
+def _save_tokenizer(out: Path, vocab_size: int, seed: int, tools: bool = False) -> int:
     from transformers import PreTrainedTokenizerFast
 
+    specials = SPECIAL_TOKENS + ((TOOL_CALL_START, TOOL_CALL_END) if tools else ())
     hf = PreTrainedTokenizerFast(
-        tokenizer_object=train_tokenizer(vocab_size, seed),
+        tokenizer_object=train_tokenizer(vocab_size, seed, specials),
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=BOS_TOKEN,
         unk_token=None,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=TOOLS_CHAT_TEMPLATE if tools else CHAT_TEMPLATE,
         model_max_length=1_000_000,
     )
     hf.save_pretrained(str(out))
@@ -285,12 +330,14 @@ class _Marker:
     q_group_size: int
     seed: int
     no_eos: bool = False
+    tools: bool = False
 
     def as_json(self) -> dict:
-        # `no_eos` is written only when set, so folders built before the option are still reused.
+        # The options are written only when set, so folders built before them are still reused.
         fields = asdict(self)
-        if not self.no_eos:
-            del fields["no_eos"]
+        for option in ("no_eos", "tools"):
+            if not fields[option]:
+                del fields[option]
         return fields
 
 
@@ -313,12 +360,14 @@ def build_tiny_model(
     q_group_size: int = 64,
     seed: int = 0,
     no_eos: bool = False,
+    tools: bool = False,
     force: bool = False,
 ) -> Path:
     """Build (or reuse) a tiny model folder at `out_dir` and return its path.
 
     `dtype`: None = the preset's (float32, bfloat16 for `1b` and `8b`). `no_eos`: greedy
-    decoding never stops on an EOS token (see the module docstring).
+    decoding never stops on an EOS token (see the module docstring). `tools`: the tool-calling chat
+    template and its two tokens (see `TOOLS_CHAT_TEMPLATE`).
 
     The folder is reused when its marker says it was built by this builder version with
     the same arguments, unless `force` is set. The folder is built under a temporary name and
@@ -330,7 +379,7 @@ def build_tiny_model(
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {DTYPES}")
     out = Path(out_dir)
-    marker = _Marker(BUILDER_VERSION, preset, dtype, q_bits, q_group_size, seed, no_eos)
+    marker = _Marker(BUILDER_VERSION, preset, dtype, q_bits, q_group_size, seed, no_eos, tools)
     if not force and _marker_matches(out, marker):
         return out
     # Build next to the target and rename at the end, so a concurrent test run never sees a
@@ -341,7 +390,7 @@ def build_tiny_model(
     tmp.mkdir(parents=True)
     try:
         shape = PRESETS[preset]
-        _save_tokenizer(tmp, shape.vocab_size, seed)
+        _save_tokenizer(tmp, shape.vocab_size, seed, tools)
         _save_weights(tmp, _model_config(shape), dtype, q_bits, q_group_size, seed, no_eos)
         (tmp / MARKER_FILE).write_text(json.dumps(marker.as_json(), indent=2, sort_keys=True) + "\n")
         if out.exists():
@@ -378,12 +427,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-eos", action="store_true",
                         help="zero the EOS ids' embedding rows: greedy decoding runs to max_tokens")
+    parser.add_argument("--tools", action="store_true",
+                        help="a tool-calling chat template (Qwen2.5 style, <tool_call> tokens)")
     parser.add_argument("--force", action="store_true")
     parser.add_argument("--check", action="store_true", help="load it with mlx_lm and generate 16 tokens")
     args = parser.parse_args(argv)
     path = build_tiny_model(args.out, preset=args.preset, dtype=args.dtype, q_bits=args.q_bits,
                             q_group_size=args.q_group_size, seed=args.seed, no_eos=args.no_eos,
-                            force=args.force)
+                            tools=args.tools, force=args.force)
     print(f"{path}: {weights_bytes(path) / 1e6:.1f} MB of weights"
           f"{' (EOS unreachable)' if args.no_eos else ''}")
     if args.check:

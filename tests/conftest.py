@@ -17,6 +17,9 @@ test modules may use them freely:
 * ``tiny_vlm_path`` (session): ~3.7 MB float32 Gemma-3 style vision-language model
   (`provider.tinyvlm`): 64×64 images, 16 soft tokens per image, context 4096. Loads with
   `mlx_vlm.load` (the `vision` extra).
+* ``tiny_tools_model_path`` (session): the tiny shape with a tool-calling chat template
+  (`provider.tinymodel`, ``tools=True``: Qwen2.5 style, `<tool_call>` = 3 and `</tool_call>` = 4,
+  mlx-lm's `json_tools` parser). Its random weights call no tool by themselves.
 * ``tiny_models_dir`` (session): the folder they are built in.
 
 All tiny models use ChatML with `<|endoftext|>` = 0, `<|im_start|>` = 1 and `<|im_end|>` = 2;
@@ -59,6 +62,11 @@ def tiny_models_dir() -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def tiny_model_path(tiny_models_dir: Path) -> Path:
     return build_tiny_model(tiny_models_dir / "tiny-f32", preset="tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_tools_model_path(tiny_models_dir: Path) -> Path:
+    return build_tiny_model(tiny_models_dir / "tiny-tools-f32", preset="tiny", tools=True)
 
 
 @pytest.fixture(scope="session")

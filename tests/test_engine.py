@@ -244,7 +244,7 @@ async def test_openai_chunks_and_completion_validate_with_the_openai_sdk(engine,
     frames = [sse.event(chunks.role())]
     text = ""
     async for event in engine.submit("tiny", ChatRequest("o", messages(PROMPTS[0]), greedy(12))):
-        frames.append(sse.event(chunks.for_event(event)))
+        frames += [sse.event(chunk) for chunk in chunks.for_event(event)]
         if isinstance(event, TextDelta):
             text += event.text
         fin = event
@@ -255,7 +255,7 @@ async def test_openai_chunks_and_completion_validate_with_the_openai_sdk(engine,
     assert parsed[-1].choices[0].finish_reason == "length"
     assert parsed[-1].usage.completion_tokens == 12
     assert all(p.choices[0].finish_reason is None for p in parsed[:-1])
-    assert chunks.for_event(Failed(EngineFailure.INTERNAL_ERROR)) is None
+    assert chunks.for_event(Failed(EngineFailure.INTERNAL_ERROR)) == []
     frame = sse.event(chat_completion("chatcmpl-1", "tiny", text, fin))
     full = ChatCompletion.model_validate_json(frame[len(b"data: "):])
     assert full.choices[0].message.content == text

@@ -319,6 +319,25 @@ async def test_no_prompt_text_or_consumer_strings_in_logs(harness):
     assert logs and canary not in json.dumps(logs, default=str)
 
 
+async def test_the_coordinator_path_refuses_what_it_cannot_honour_and_logs_only_the_name(harness):
+    """Issue 31 item 4 on the coordinator's front door: the same validator (strict JSON types, the
+    parameters table): a terminal 400 before any accept (the coordinator stops at once, protocol.md
+    §8.2), the parameter's name in the log, never its value."""
+    canary = "CANARY-7f3a9-SECRET"
+    bad = {"p1": {"temperature": canary}, "p2": {"top_k": canary}, "p3": {"n": 2},
+           "p4": {"presence_penalty": 0.7}, "p5": {"response_format": {"type": canary}}, "p6": {"stream": canary}}
+    with capture_redacted_logs() as logs:
+        for rid, extra in bad.items():
+            assert await harness.run(harness.coordinator.request(rid, {**chat(content=canary), **extra})) \
+                is JobOutcome.REJECTED
+            (frame,) = harness.of(rid)
+            assert (frame["status_code"], frame["failure_code"]) == (400, "invalid_request")
+    refused = [e for e in logs if e.get("event") == "request_refused" and e.get("reason") == "invalid_body"]
+    assert [e["kind"] for e in refused] == ["temperature", "top_k", "n", "presence_penalty", "response_format.type",
+                                            "stream"]
+    assert canary not in json.dumps(logs, default=str)
+
+
 # --- heartbeat and register built from the same manager -------------------------------------------------
 
 

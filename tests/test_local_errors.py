@@ -109,6 +109,17 @@ BAD_BODIES = [  # (what the client sends on top of a valid body, param, words of
     ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": CANARY}]}]}, "messages.0.content",
      "text and image_url parts"),
     ({"stop": [""]}, "stop", "non-empty"),
+    # issue 31 item 4: JSON types as OpenAI checks them, and what this provider cannot honour
+    ({"temperature": "0.5"}, "temperature", "must be a number between 0 and 2"),
+    ({"max_tokens": "5"}, "max_tokens", "must be an integer >= 1"),
+    ({"max_tokens": True}, "max_tokens", "must be an integer >= 1"),
+    ({"stream": "yes"}, "stream", "must be a boolean"),
+    ({"presence_penalty": 0.5}, "presence_penalty", "only 0"),
+    ({"frequency_penalty": -1}, "frequency_penalty", "only 0"),
+    ({"logit_bias": {"5": 10}}, "logit_bias", "only an empty object"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "must be one of text, json_object, json_schema"),
+    ({"extra_body": {"top_k": 5}}, "top_k", "not supported"),
+    ({"extra_body": {"reasoning_effort": "high"}}, "reasoning_effort", "not supported"),
 ]
 
 
@@ -122,6 +133,31 @@ def test_a_bad_parameter_is_a_400_naming_it_and_its_rule_through_the_openai_sdk(
     assert err.body["type"] == "invalid_request_error" and err.body["code"] == "invalid_request"
     assert f"'{param}'" in err.body["message"] and rule in err.body["message"]
     assert CANARY not in err.body["message"] and "1e+30" not in err.body["message"]  # never the value
+
+
+def test_what_is_ignored_is_what_does_not_change_the_answer(server):
+    """`user`, `metadata`... (provider/request/params.py IGNORED): accepted, and the greedy answer is
+    the same with them as without."""
+    client = server.client()
+    # "hello": no near-tie in its first 8 greedy tokens (test_local_server checks), so a prefix-cache hit
+    # on the repeat cannot change them.
+    kwargs = {"model": GOOD, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6, "temperature": 0}
+    plain = client.chat.completions.create(**kwargs)
+    tagged = client.chat.completions.create(**kwargs, user="u-1", metadata={"k": "v"}, service_tier="auto",
+                                            presence_penalty=0, n=1, logit_bias={}, store=False)
+    assert tagged.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_without_allowed_origins_a_browser_gets_no_cors_headers(server):
+    """local_allowed_origins is empty by default: no page on any site may read an answer; the preflight
+    is a plain OpenAI-shaped 405 (no route answers OPTIONS)."""
+    origin = {"Origin": "http://localhost:3000"}
+    models = httpx.get(server.base_url + "/v1/models", headers=origin, timeout=10)
+    assert models.status_code == 200 and not any(h.startswith("access-control-") for h in models.headers)
+    preflight = httpx.options(server.base_url + "/v1/chat/completions", timeout=10,
+                              headers={**origin, "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 405 and not any(h.startswith("access-control-") for h in preflight.headers)
+    assert preflight.json()["error"]["code"] == "method_not_allowed"
 
 
 def test_nan_temperature_and_malformed_json_are_named_too(server):

@@ -135,3 +135,10 @@ def test_a_disconnect_mid_stream_releases_media_and_kv(server, reference):
         time.sleep(0.05)  # across processes there is no event: poll /status with a deadline
     assert request_reservations(server) == (0, 0)
     assert status(server)["in_flight"] == 0
+
+
+def test_a_legacy_completion_for_a_vision_model_is_a_400_naming_the_model(server):
+    """Issue 31 item 4: its processor renders messages with their images; there is no raw prompt to give it."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        server.client().completions.create(model=MODEL, prompt="what is in", max_tokens=2)
+    assert caught.value.body["param"] == "model" and "/v1/chat/completions" in caught.value.body["message"]

@@ -63,7 +63,7 @@ def test_logprobs_and_top_logprobs():
     assert parse_chat_body(body(logprobs=True, top_logprobs=20)).top_logprobs == 20
     assert refused(top_logprobs=3).field == "top_logprobs"  # OpenAI: logprobs must be true with it
     assert refused(logprobs=True, top_logprobs=21).message == \
-        "Invalid parameter 'top_logprobs': must be an integer between 0 and 20."
+        "Invalid parameter 'top_logprobs': must be an integer from 0 to 20."
     assert refused(logprobs="yes").field == "logprobs"
     assert refused(logprobs=True, top_logprobs=2.0).field == "top_logprobs"
 

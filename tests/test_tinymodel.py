@@ -174,3 +174,25 @@ def test_no_eos_greedy_runs_to_max_tokens_in_mlx_lm_and_in_the_engine(no_eos_mod
     for final in asyncio.run(engine_run()):
         assert isinstance(final, Finished) and final.reason is FinishReason.LENGTH
         assert final.usage.completion_tokens == 96
+
+
+def test_the_tools_variant_is_a_json_tools_family_for_mlx_lm_and_keeps_the_chatml_ids(tiny_tools_model_path,
+                                                                                       tiny_model_path):
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(tiny_tools_model_path)
+    assert tok.has_tool_calling and tok.tool_parser.__module__ == "mlx_lm.tool_parsers.json_tools"
+    assert (tok.tool_call_start_tokens, tok.tool_call_end_tokens) == ((3,), (4,))
+    assert [tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] == [0, 1, 2]
+    assert not load_tokenizer(tiny_model_path).has_tool_calling  # the plain tiny model is unchanged
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "",
+                                    "tool_calls": [call]}, {"role": "tool", "tool_call_id": "call_1", "content": "7"}],
+                                   tools=tools, add_generation_prompt=True, tokenize=False)
+    system = text.split("<|im_end|>")[0]
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in system  # the definitions
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
+    assert "<tool_response>\n7\n</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
+    assert json.loads((tiny_tools_model_path / MARKER_FILE).read_text())["tools"] is True
+    assert "tools" not in json.loads((tiny_model_path / MARKER_FILE).read_text())

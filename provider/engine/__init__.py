@@ -18,6 +18,7 @@ from provider.engine.types import (
     SamplingParams,
     TextDelta,
     TokenLogprob,
+    ToolCallConstraint,
     Usage,
 )
 
@@ -37,5 +38,6 @@ __all__ = [
     "SamplingParams",
     "TextDelta",
     "TokenLogprob",
+    "ToolCallConstraint",
     "Usage",
 ]

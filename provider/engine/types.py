@@ -58,6 +58,24 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCallConstraint:
+    """The output must be a tool call (`tool_choice` `required`, or a named function): the hook that
+    constrained decoding fills in (issue 31 item 2). Until it does, the engine does not enforce it;
+    the call, if the model makes one, is read from the text as for `auto`.
+
+    `format` is mlx-lm's parser module for the model's family (``json_tools``...), written between
+    `start` and `end` (`provider.models.tools.ToolFormat`); `functions` are the OpenAI function
+    definitions (`{"name", "description", "parameters"}`) the call may name — one for a named choice,
+    every tool for `required`; `parallel`: more than one call may follow (`parallel_tool_calls`)."""
+
+    format: str
+    start: str
+    end: str
+    functions: tuple[Mapping[str, object], ...]
+    parallel: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class ChatRequest:
     """One chat completion to run. `messages` are OpenAI-style dicts for the chat template.
 
@@ -68,7 +86,11 @@ class ChatRequest:
     `prompt_ids`: the templated prompt already tokenized by the caller (`provider.request`'s counter,
     with the same tokenizer and template the model loads with), so the engine thread never spends a
     step on tokenizing; None: the worker renders and tokenizes `messages` itself (always for a
-    vision request, whose processor places the image tokens)."""
+    vision request, whose processor places the image tokens).
+
+    `tools`: the function tools the chat template renders with `messages` (wherever the worker renders
+    them: without `prompt_ids`, and when it prepares the next turn); `tool_call`: a call the output must
+    be (`ToolCallConstraint`), None when the model may answer freely."""
 
     request_id: str
     messages: Sequence[Mapping[str, object]]
@@ -84,6 +106,8 @@ class ChatRequest:
     # not asked; else the number of alternatives per token, 0-20).
     constraint: Any = field(default=None, repr=False)
     top_logprobs: int | None = None
+    tools: tuple[Mapping[str, object], ...] = field(default=(), repr=False)
+    tool_call: ToolCallConstraint | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -151,6 +151,7 @@ class _Active:
     # the log-probabilities of tokens whose text has not gone out yet.
     guide: guided.RowGuide | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    tools: Sequence[Mapping[str, object]] = ()  # rendered with the messages (kept only to prepare the next turn)
 
 
 @dataclass(slots=True)
@@ -160,6 +161,7 @@ class _NextTurn:
     model_id: str
     messages: Sequence[Mapping[str, object]]
     answer: str
+    tools: Sequence[Mapping[str, object]] = ()  # the request's function tools, rendered as it was
     ids: list[int] = field(default_factory=list)  # the conversation with the answer rendered back
     cache: list | None = None  # the KV of ids[:done]
     done: int = 0
@@ -520,9 +522,10 @@ class Worker:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def _prompt_ids(self, slot: _Slot, messages: Sequence[Mapping[str, object]]) -> list[int]:
+    def _prompt_ids(self, slot: _Slot, messages: Sequence[Mapping[str, object]],
+                    tools: Sequence[Mapping[str, object]] = ()) -> list[int]:
         try:
-            ids = render_ids(slot.tokenizer, messages, add_generation_prompt=True)
+            ids = render_ids(slot.tokenizer, messages, add_generation_prompt=True, tools=tools)
         except _TEMPLATE_ERRORS:
             raise EngineError(EngineFailure.INVALID_REQUEST) from None
         if not ids:
@@ -542,7 +545,8 @@ class Worker:
             if request.images:  # a text model cannot take images
                 raise EngineError(EngineFailure.INVALID_REQUEST)
             slot = self._slot(cmd.model_id)
-            ids = list(request.prompt_ids) if request.prompt_ids else self._prompt_ids(slot, request.messages)
+            ids = list(request.prompt_ids) if request.prompt_ids else self._prompt_ids(slot, request.messages,
+                                                                                       request.tools)
             ctx = slot.info.context_length
             room = request.params.max_tokens if ctx is None else ctx - len(ids)
             if room < 1:
@@ -559,7 +563,7 @@ class Worker:
         active = _Active(request.request_id, cmd.sink, cmd.on_released, text, len(ids),
                          max_tokens=min(request.params.max_tokens, room), sampler=sampler_for(request.params),
                          prompt_ids=ids, messages=request.messages if prepare else None,
-                         answer=[] if prepare else None,
+                         answer=[] if prepare else None, tools=request.tools if prepare else (),
                          guide=guided.guide_for(request.constraint, request.top_logprobs))
         slot.queue.append(active)  # started by _advance: its prefix is looked up then (a burst shares it)
         self._where[request.request_id] = (slot, active)
@@ -676,7 +680,7 @@ class Worker:
         """Render the conversation with the answer, and take a copy of its longest cached prefix."""
         messages = [*turn.messages, {"role": "assistant", "content": turn.answer}]
         try:
-            ids = render_ids(slot.tokenizer, messages, add_generation_prompt=False)
+            ids = render_ids(slot.tokenizer, messages, add_generation_prompt=False, tools=turn.tools)
         except _TEMPLATE_ERRORS:
             return False
         ctx = slot.info.context_length
@@ -956,7 +960,7 @@ class Worker:
         if active.messages is not None and active.answer is not None:
             self._next_turns.pop(slot.info.model_id, None)  # newest last: it is prepared first
             self._next_turns[slot.info.model_id] = _NextTurn(slot.info.model_id, active.messages,
-                                                             "".join(active.answer),
+                                                             "".join(active.answer), tools=active.tools,
                                                              due=time.monotonic() + NEXT_TURN_QUIET_S)
         usage = Usage(active.prompt_tokens, len(active.completion_ids))
         event = Finished(reason, usage, tuple(active.completion_ids))

@@ -50,15 +50,16 @@ from structlog.contextvars import bound_contextvars
 from protocol import InferenceAccepted, InferenceComplete, InferenceRequest, ProviderMessage, Usage, encode
 from protocol.crypto import CryptoError, ProviderIdentity, RequestBox
 from protocol.errors import Failure, inference_error_frame
-from protocol.sse import ChunkFactory, CompletionUsage, FinishReason, data_line
+from protocol.sse import data_line
 from provider.engine import ChatRequest, EngineError, EngineFailure, Failed, Finished, RequestStream, TextDelta
+from provider.engine.openai import ChatChunks
+from provider.engine.toolcalls import ToolCallStream, tool_calls_for
 from provider.jobs.lifecycle import JobEvent, JobLifecycle, JobState
 from provider.jobs.stats import ServingStats
 from provider.request.body import ChatBody, InvalidBody, parse_chat_body
 from provider.request.intake import Intake, Refusal, Ticket
 from provider.request.media import NO_MEDIA, MediaPlan, MediaRefused, inspect_images
 from provider.request.output import OutputPlan
-from provider.engine.openai import choice_logprobs
 from provider.request.tokens import PromptCounter
 from provider.slots import Refused
 from provider.slots.leases import Booking
@@ -254,6 +255,9 @@ class Job:
         except Refusal as refusal:
             self._count_rejection(refusal.failure)
             raise
+        except InvalidBody as exc:  # what the body asks of this model, it cannot do (tools)
+            log.info("request_refused", reason="invalid_body", kind=exc.field)
+            raise _Rejected(Failure.invalid_request()) from None
 
     async def _output_plan(self, body: ChatBody) -> OutputPlan:
         """Issue 31: the request's grammar (compiled, its memory reserved) and log-probabilities."""
@@ -303,8 +307,11 @@ class Job:
                      output: OutputPlan) -> JobOutcome:
         # A vision model's processor places the image tokens itself: it gets the messages, not ids.
         ids = prompt_ids if booking.reservation is not None else None
+        tool_format = self._ctx.counter.tool_format_now(body.model)
         request = ChatRequest(self.request_id, body.messages, body.sampling(booking.kv.max_tokens), prompt_ids=ids,
+                              tools=body.offered_tools, tool_call=body.tool_call(tool_format),
                               constraint=output.constraint, top_logprobs=output.top_logprobs)
+        tools = tool_calls_for(tool_format, body.offered_tools, parallel=body.parallel_tool_calls)  # reads its calls
         remaining = None if self._content_deadline is None else self._content_deadline - self._ctx.monotonic()
         try:
             # [N] first_content_budget_ms: no content by then → give up before any output (rerouted, neutral).
@@ -314,7 +321,7 @@ class Job:
                     stream = slot.submit(request)
                     self._submitted = True
                     try:
-                        return await self._stream(box, body, stream)
+                        return await self._stream(box, body, stream, tools)
                     finally:
                         await stream.aclose()  # no-op after a terminal event; a cancel otherwise
         except asyncio.CancelledError:
@@ -335,20 +342,23 @@ class Job:
             self._fail(failure)
             return JobOutcome.FAILED
 
-    async def _stream(self, box: RequestBox, body: ChatBody, stream: RequestStream) -> JobOutcome:
-        chunks = ChunkFactory(id=f"chatcmpl-{self.request_id}", created=int(self._ctx.clock()), model=body.model)
+    async def _stream(self, box: RequestBox, body: ChatBody, stream: RequestStream,
+                      tools: ToolCallStream | None) -> JobOutcome:
+        # With tools, a delta inside a call gives no chunk yet: the role delta still goes out with it.
+        # Issue 31: a request that asked for log-probabilities had its model's spelling built at intake.
         table = self._ctx.intake.grammars.table(body.model) if body.top_logprobs is not None else None
+        chunks = ChatChunks(f"chatcmpl-{self.request_id}", body.model, created=int(self._ctx.clock()), tools=tools,
+                            token_bytes=None if table is None else table.token_bytes)
         async for item in stream:
             match item:
-                case TextDelta(text=text, logprobs=logprobs):
+                case TextDelta():
                     self._output(box, chunks)
-                    spelled = None if table is None else choice_logprobs(logprobs, table.token_bytes)  # issue 31
-                    self._chunk(box, data_line(chunks.content(text, spelled)))
-                case Finished(reason=reason, usage=usage):
+                    for chunk in chunks.for_event(item):
+                        self._chunk(box, data_line(chunk))
+                case Finished(usage=usage):
                     self._output(box, chunks)
-                    wire_usage = CompletionUsage(prompt_tokens=usage.prompt_tokens,
-                                                 completion_tokens=usage.completion_tokens)
-                    self._chunk(box, data_line(chunks.finish(FinishReason(reason.value), wire_usage)))
+                    for chunk in chunks.for_event(item):  # the last one carries finish_reason and usage
+                        self._chunk(box, data_line(chunk))
                     self._emit(JobEvent.COMPLETE, InferenceComplete(
                         request_id=self.request_id,
                         usage=Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)))
@@ -362,7 +372,7 @@ class Job:
         # The stream ended with no terminal event: someone closed it (engine.cancel) — a cancellation.
         raise asyncio.CancelledError
 
-    def _output(self, box: RequestBox, chunks: ChunkFactory) -> None:
+    def _output(self, box: RequestBox, chunks: ChatChunks) -> None:
         """Before the first output: the role delta, so it is always the first chunk."""
         if self._first_output is None:
             self._first_output = self._ctx.monotonic()

@@ -1,18 +1,21 @@
 """The local HTTP app (FastAPI), loopback only.
 
     POST /v1/chat/completions   OpenAI chat completions, streaming (SSE) or not   [chat=True only]
-    GET  /v1/models             the servable model ids                             [chat=True only]
+    POST /v1/completions        the legacy prompt API, same engine and admission  [chat=True only]
+    GET  /v1/models             the servable model ids, each with its              [chat=True only]
+                                `capabilities` (`tools`: whether it calls tools)
+    GET  /v1/models/{model}     one of them, as listed (404 for any other id)      [chat=True only]
     GET  /healthz               200 {"status": "ok"} while serving, 503 while draining
     GET  /status                JSON: mode, models and their states, in-flight requests, ledger bytes
                                 by kind, pressure, cap figures, prefix-cache stats
     GET  /metrics               Prometheus text (provider.metrics.Metrics.render)
 
-Errors are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`) with the fixed text of
-`protocol.errors.Failure.message`, except that a 400 for a bad body names the parameter and its rule
-(`InvalidBody.message`, fixed words, never the value) and sets `param`; a capacity refusal is a 503 with `Retry-After`. No response and
-no log line carries request text. An unexpected exception anywhere in a request is the JSON
-`internal_failure` 500 (`JsonServerErrors`), never a plain-text "Internal Server Error"; once a
-stream has started, it ends with an error event instead.
+Every error is OpenAI-shaped (`provider.local.errors`): a failure's fixed text, a bad body's
+parameter and rule, a refusal explained in numbers and model ids, an unknown route or method; a
+capacity refusal is a 503 with `Retry-After`. No response and no log line carries request text. An
+unexpected exception anywhere in a request is the JSON `internal_failure` 500 (`JsonServerErrors`),
+never a plain-text "Internal Server Error"; once a stream has started, it ends with an error event
+instead. `allowed_origins` (the `local_allowed_origins` setting) turns on CORS for those origins.
 """
 
 from __future__ import annotations
@@ -35,10 +38,20 @@ from protocol.errors import Failure
 from protocol import sse
 from protocol.sse import DONE
 from provider.engine import EngineFailure, Event, Failed, Finished, RequestStream, TextDelta, TokenLogprob, Usage
-from provider.engine.openai import ChatChunks, chat_completion, choice_logprobs
-from provider.local.backend import Refused, TooLarge
+from provider.engine.openai import ChatChunks, TextChunks, chat_completion, choice_logprobs, text_completion
+from provider.engine.toolcalls import ToolCallStream, tool_calls_for
+from provider.local.backend import Explained, Refused, unknown_model
 from provider.local.drain import InFlight
-from provider.request.body import ChatBody, InvalidBody
+from provider.local.errors import (
+    Cors,
+    error_body,
+    error_response,
+    explained_response,
+    install_error_handlers,
+    invalid_body_response,
+)
+from provider.models.tools import ToolFormat
+from provider.request.body import ChatBody, CompletionBody, InvalidBody
 from provider.metrics import CONTENT_TYPE, CapFigure, Metrics, RequestOutcome
 from provider.telemetry import get_logger, request_timings
 
@@ -52,8 +65,10 @@ class Backend(Protocol):
     def figures(self) -> CapFigures: ...
 
     def model_ids(self) -> list[str]: ...
+    def tool_format(self, model_id: str) -> ToolFormat | None: ...
     def open(self, request_id: str, raw: bytes) -> Any: ...  # async context manager -> (ChatBody, RequestStream)
     def token_bytes(self, model_id: str) -> Callable[[int], bytes] | None: ...  # log-probabilities' spelling
+    def open_completion(self, request_id: str, raw: bytes) -> Any: ...  # -> (CompletionBody, RequestStream)
     def status(self) -> dict[str, Any]: ...
     def refresh_metrics(self) -> None: ...
 
@@ -66,32 +81,6 @@ def _failure_for(code: EngineFailure) -> Failure:
     if code is EngineFailure.INVALID_REQUEST:
         return Failure.invalid_request()
     return Failure.generation_failed()
-
-
-def error_body(failure: Failure) -> dict[str, Any]:
-    kind = "server_error" if failure.status_code >= 500 else "invalid_request_error"
-    return {"error": {"message": failure.message, "type": kind, "param": None, "code": failure.code.value,
-                      "reason": failure.reason.value if failure.reason else None}}
-
-
-def invalid_body_response(invalid: InvalidBody) -> JSONResponse:
-    """400 in OpenAI's shape: the message names the parameter and its rule, `param` names the
-    parameter (null for the body as a whole); the value is never echoed."""
-    body = error_body(Failure.invalid_request())
-    body["error"].update(message=invalid.message, param=None if invalid.field == "body" else invalid.field)
-    return JSONResponse(body, status_code=400)
-
-
-def too_large_response(refused: TooLarge) -> JSONResponse:
-    """400: this machine can never serve it (no Retry-After: trying again cannot help)."""
-    reason = refused.failure.reason.value if refused.failure.reason else None
-    return JSONResponse({"error": {"message": refused.message, "type": "invalid_request_error",
-                                   "param": refused.param, "code": refused.code, "reason": reason}}, status_code=400)
-
-
-def error_response(failure: Failure, retry_after_s: int | None = None) -> JSONResponse:
-    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
-    return JSONResponse(error_body(failure), status_code=failure.status_code, headers=headers)
 
 
 class JsonServerErrors:
@@ -143,10 +132,32 @@ class LocalState:
         self.requests = InFlight()
 
 
-def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: str = "local") -> FastAPI:
-    """The app; `chat=False` serves only /healthz, /status and /metrics (the coordinator agent's case)."""
+@dataclass(frozen=True, slots=True)
+class _Endpoint:
+    """How one generation endpoint opens a request and writes its answer."""
+
+    id_prefix: str  # "chatcmpl-", "cmpl-": OpenAI's
+    open: Callable[[str, bytes], Any]  # Backend.open or .open_completion
+    # (id, body, text, its tokens' log-probabilities, finished) -> the non-streamed object
+    whole: Callable[[str, Any, str, list[TokenLogprob], Finished], Any]
+    chunks: Callable[[str, Any], ChatChunks | TextChunks]  # (id, body) -> the stream's chunk builder
+
+
+def _model_object(model_id: str, tools: ToolFormat | None) -> dict[str, Any]:
+    """A served model as /v1/models lists it; `capabilities.tools`: whether it calls tools (`tools`: its format)."""
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "darkbloom-provider",
+            "capabilities": {"tools": tools is not None}}
+
+
+def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: str = "local",
+               allowed_origins: tuple[str, ...] = ()) -> FastAPI:
+    """The app; `chat=False` serves only /healthz, /status and /metrics (the coordinator agent's case);
+    `allowed_origins`: the web origins whose pages may call it (CORS), none by default."""
     app = FastAPI(title="darkbloom-provider (local)", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(JsonServerErrors)
+    if allowed_origins:  # outermost: a 500 or a 503 is readable by an allowed page too
+        app.add_middleware(Cors, origins=tuple(allowed_origins))
+    install_error_handlers(app)
     state = LocalState(mode)
     app.state.local = state
     metrics.set_cap_figures(cap_metric_figures(backend.figures))
@@ -174,13 +185,53 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [
-            {"id": i, "object": "model", "created": 0, "owned_by": "darkbloom-provider"} for i in backend.model_ids()
-        ]})
+        return JSONResponse({"object": "list", "data": [_model_object(i, backend.tool_format(i))
+                                                        for i in backend.model_ids()]})
+
+    @app.get("/v1/models/{model:path}")  # ids have slashes (org/name); the SDK sends them as %2F
+    async def model(model: str) -> JSONResponse:
+        served = backend.model_ids()
+        if model in served:
+            return JSONResponse(_model_object(model, backend.tool_format(model)))
+        return explained_response(unknown_model(model, served))
+
+    def tools_of(body: ChatBody) -> ToolCallStream | None:
+        """A fresh reader of the answer's tool calls, when the request offered tools to a model that calls them."""
+        return tool_calls_for(backend.tool_format(body.model), body.offered_tools, parallel=body.parallel_tool_calls)
+
+    def spelling(body: ChatBody) -> Callable[[int], bytes] | None:
+        """Issue 31: the request asked for log-probabilities (the intake built its model's spelling)."""
+        return backend.token_bytes(body.model) if body.top_logprobs is not None else None
+
+    def chat_whole(request_id: str, body: ChatBody, text: str, entries: list[TokenLogprob],
+                   finished: Finished) -> sse.ChatCompletion:
+        spell = spelling(body)
+        return chat_completion(request_id, body.model, text, finished, tools=tools_of(body),
+                               logprobs=None if spell is None else choice_logprobs(entries, spell))
+
+    def chat_chunks(request_id: str, body: ChatBody) -> ChatChunks:
+        return ChatChunks(request_id, body.model, tools=tools_of(body), token_bytes=spelling(body))
+
+    def text_whole(request_id: str, body: CompletionBody, text: str, entries: list[TokenLogprob],
+                   finished: Finished) -> sse.TextCompletion:
+        return text_completion(request_id, body.model, text, finished)
+
+    def text_chunks(request_id: str, body: CompletionBody) -> TextChunks:
+        return TextChunks(request_id, body.model)
+
+    chat_endpoint = _Endpoint("chatcmpl-", backend.open, chat_whole, chat_chunks)
+    legacy_endpoint = _Endpoint("cmpl-", backend.open_completion, text_whole, text_chunks)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        request_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        return await _generate(request, chat_endpoint)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(request, legacy_endpoint)
+
+    async def _generate(request: Request, endpoint: _Endpoint) -> Response:
+        request_id = f"{endpoint.id_prefix}{uuid.uuid4().hex[:24]}"
         started = time.monotonic()
         raw = await request.body()
         if state.draining:
@@ -188,30 +239,28 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
         state.requests.begin(request_id)
         handed_over = False  # to the streaming response, which ends the request when it is over
         try:
-            opened = backend.open(request_id, raw)
+            opened = endpoint.open(request_id, raw)
             try:
                 body, stream = await state.requests.unless_expired(opened.__aenter__())
             except InvalidBody as exc:
                 log.info("request_invalid", request_id=request_id, reason=exc.field)
                 metrics.request_finished(RequestOutcome.REJECTED)
                 return invalid_body_response(exc)
-            except (Refused, TooLarge) as refused:
+            except (Refused, Explained) as refused:
                 failure = refused.failure
                 log.info("request_refused", request_id=request_id, code=failure.code,
                          reason=failure.reason, rejection_reason=failure.rejection)
                 if failure.rejection is not None:
                     metrics.rejected(failure.rejection)
                 metrics.request_finished(RequestOutcome.REJECTED)
-                if isinstance(refused, TooLarge):
-                    return too_large_response(refused)
+                if isinstance(refused, Explained):
+                    return explained_response(refused)
                 return error_response(failure, refused.retry_after_s)
             state.requests.attach(request_id, stream)
             served = _Served(request_id, body.model, started, metrics)
-            # Issue 31: the request asked for log-probabilities (the intake built its model's spelling).
-            spell = backend.token_bytes(body.model) if body.top_logprobs is not None else None
             if not body.stream:
                 try:
-                    return await _complete(stream, body, served, spell)
+                    return await _complete(stream, endpoint, body, served)
                 finally:
                     await opened.__aexit__(None, None, None)
             # The 200 goes out with the first output: anything that fails before it (a load, the
@@ -228,8 +277,9 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
                 failure = _failure_for(first.code)
                 return error_response(failure, Refused(failure).retry_after_s)
             handed_over = True
-            return StreamingResponse(_sse(opened, stream, body, served, first,
-                                          ended=lambda: state.requests.end(request_id), spell=spell),
+            chunks = endpoint.chunks(request_id, body)
+            return StreamingResponse(_sse(opened, stream, chunks, body.include_usage, served, first,
+                                          ended=lambda: state.requests.end(request_id)),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         finally:
             if not handed_over:
@@ -264,8 +314,8 @@ class _Served:
                                    completion_tokens=0 if usage is None else usage.completion_tokens))
 
 
-async def _complete(stream: RequestStream, body: ChatBody, served: _Served,
-                    spell: Callable[[int], bytes] | None = None) -> Response:
+async def _complete(stream: RequestStream, endpoint: _Endpoint, body: ChatBody | CompletionBody,
+                    served: _Served) -> Response:
     parts: list[str] = []
     entries: list[TokenLogprob] = []
     async for event in stream:
@@ -276,8 +326,7 @@ async def _complete(stream: RequestStream, body: ChatBody, served: _Served,
                 entries.extend(logprobs)
             case Finished(usage=usage) as done:
                 served.end(RequestOutcome.COMPLETED, usage)
-                completion = chat_completion(served.request_id, body.model, "".join(parts), done,
-                                             logprobs=None if spell is None else choice_logprobs(entries, spell))
+                completion = endpoint.whole(served.request_id, body, "".join(parts), entries, done)
                 return Response(completion.__pydantic_serializer__.to_json(completion),
                                 media_type="application/json")
             case Failed(code):
@@ -314,22 +363,21 @@ async def _events(first: Event, stream: RequestStream) -> AsyncIterator[Event]:
             yield event
 
 
-async def _sse(opened: Any, stream: RequestStream, body: ChatBody, served: _Served, first: Event,
-               ended: Callable[[], None], spell: Callable[[int], bytes] | None = None) -> AsyncIterator[bytes]:
-    chunks = ChatChunks(served.request_id, body.model, token_bytes=spell)
+async def _sse(opened: Any, stream: RequestStream, chunks: ChatChunks | TextChunks, include_usage: bool,
+               served: _Served, first: Event, ended: Callable[[], None]) -> AsyncIterator[bytes]:
     outcome, usage, code = RequestOutcome.CANCELLED, None, None  # the client left, unless a terminal event came
     try:
-        yield _event(chunks.role())
+        for chunk in chunks.start():
+            yield _event(chunk)
         async for event in _events(first, stream):
             match event:
-                case TextDelta():
-                    yield _event(chunks.for_event(event))
-                case Finished(usage=usage):
-                    chunk = chunks.for_event(event)
-                    if not body.include_usage:
-                        chunk = chunk.model_copy(update={"usage": None})
+                case TextDelta(text, logprobs):
+                    for chunk in chunks.delta(text, logprobs):
+                        yield _event(chunk)
+                case Finished(usage=usage) as done:
                     outcome = RequestOutcome.COMPLETED
-                    yield _event(chunk)
+                    for chunk in chunks.end(done, include_usage):
+                        yield _event(chunk)
                 case Failed(code=code):
                     outcome = RequestOutcome.FAILED
                     yield _event(error_body(_failure_for(code)))
@@ -347,7 +395,7 @@ async def _sse(opened: Any, stream: RequestStream, body: ChatBody, served: _Serv
             ended()
 
 
-def _event(obj: sse.ChatCompletionChunk | dict[str, Any]) -> bytes:
+def _event(obj: sse.ChatCompletionChunk | sse.TextCompletion | dict[str, Any]) -> bytes:
     if isinstance(obj, dict):  # an OpenAI-style error object
         return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
     return sse.event(obj)

@@ -1,9 +1,10 @@
 """What the local server serves from: the shared `provider.runtime.Runtime`, so `serve --local`
 has the same admission and memory policy as the coordinator agent (issue 7).
 
-`RuntimeBackend.open(request_id, body)` is an async context manager that either raises `Refused`
-(a typed `protocol.errors.Failure`, nothing else) or yields the request's event stream. The steps
-are the job's (`provider.jobs.job`), minus the encryption:
+`RuntimeBackend.open(request_id, body)` (chat) and `open_completion` (the legacy completions
+endpoint: the prompt tokenized without the chat template) are async context managers that either
+raise (`InvalidBody`, `Refused`: a typed `protocol.errors.Failure`, or `Explained`) or yield the
+request's event stream. The steps are the job's (`provider.jobs.job`), minus the encryption:
 
 * read the body through the runtime's `Intake` (a large one in the bulk lane, its working memory
   reserved), refuse by the size bound, count the prompt exactly (no model load needed), compile
@@ -18,7 +19,10 @@ Every 503 carries `Retry-After` (a capacity refusal is transient: memory frees a
 pause says when it ends, `Failure.retry_after_s`). A request this machine can never serve (the model,
 or the request's KV, over the cap: `request_exceeds_node`) is not a 503 here: the coordinator's front
 refuses it so another provider takes it, but behind the owner's server there is no other node, so it
-is `TooLarge`, a 400 whose message gives the numbers (what `doctor` shows).
+is `TooLarge`, a 400 whose message gives the numbers (what `doctor` shows). The owner's client is
+told more than the coordinator's fixed words in two more cases (`Explained`): a model not served
+here (the id asked for, and the ids served) and a prompt over the context window (its tokens,
+max_tokens and the window).
 """
 
 from __future__ import annotations
@@ -32,13 +36,15 @@ from memory import CapFigures
 from memory.fit import FitResult
 from protocol.errors import ErrorReason, Failure, RejectionReason
 from provider.engine import ChatRequest, RequestStream
+from provider.models.tools import ToolFormat
 from provider.request import PromptCounter
-from provider.request.body import ChatBody, InvalidBody, parse_chat_body
-from provider.request.intake import Intake, Refusal
+from provider.request.body import ChatBody, CompletionBody, InvalidBody, parse_chat_body, parse_completion_body
+from provider.request.intake import Intake, OverContext, Refusal
 from provider.request.media import NO_MEDIA, MediaPlan, MediaRefused, inspect_images
 from provider.runtime import Runtime
 from provider.slots import Refused as AdmissionRefused, SlotRefused
 from provider.slots.admission import kv_need
+from provider.slots.leases import Booking
 from provider.telemetry import get_logger
 
 log = get_logger(__name__)
@@ -62,15 +68,44 @@ class Refused(Exception):
         return DRAINING_RETRY_AFTER_S if self.failure == Failure.draining() else RETRY_AFTER_S
 
 
-class TooLarge(Exception):
-    """A request this machine can never serve: a 400 (`code`, `param`) whose message has the numbers."""
+class Explained(Exception):
+    """A refusal the owner's client is told in this request's own numbers and model ids (fixed words
+    around them, never request text): `status_code`, `code`, `param` and `message` of OpenAI's error.
+    The coordinator's front keeps the fixed text of `failure` instead."""
 
-    def __init__(self, failure: Failure, code: str, param: str, message: str) -> None:
+    def __init__(self, failure: Failure, code: str, param: str, message: str, status_code: int = 400) -> None:
         super().__init__(code)
         self.failure = failure
         self.code = code
         self.param = param
         self.message = message
+        self.status_code = status_code
+
+
+class TooLarge(Explained):
+    """A request this machine can never serve: a 400 whose message has the numbers."""
+
+
+MAX_SHOWN_ID = 200  # characters of a requested model id repeated in an error (the id is the client's)
+
+
+def unknown_model(asked: str, served: list[str]) -> Explained:
+    """404 naming the model asked for (an id, not prompt text; never logged) and the ones served."""
+    shown = asked if len(asked) <= MAX_SHOWN_ID else asked[:MAX_SHOWN_ID] + "..."
+    listed = ("Models served: " + ", ".join(served) + ".") if served else \
+        "No model is served now (`darkbloom-provider models` shows what was found and why)."
+    return Explained(Failure.model_unavailable(), "model_unavailable", "model",
+                     f"The model '{shown}' is not served here. {listed}", status_code=404)
+
+
+def context_exceeded(over: OverContext, param: str) -> Explained:
+    """400 in numbers: the prompt's tokens (exact, or at least), max_tokens, the model's window."""
+    tokens = f"{over.prompt_tokens} tokens" if over.exact else f"at least {over.prompt_tokens} tokens"
+    asked = "" if over.max_tokens is None else f" (max_tokens {over.max_tokens})"
+    return Explained(Failure.request_exceeds_context(), "invalid_request", param,
+                     f"This prompt has {tokens} but model '{over.model_id}' has a context window of "
+                     f"{over.context_length} tokens, so no output fits{asked}. Shorten the prompt: an output "
+                     "that would pass the window's end is cut short there (finish_reason \"length\"), never refused.")
 
 
 def _gib(nbytes: int) -> str:
@@ -115,49 +150,100 @@ class RuntimeBackend:
     def model_ids(self) -> list[str]:
         return list(self.runtime.servable_now())
 
+    def tool_format(self, model_id: str) -> ToolFormat | None:
+        """How the model writes tool calls (None: it has no tool calling, or is not one of ours)."""
+        return self.runtime.counter.tool_format_now(model_id)
+
     @asynccontextmanager
     async def open(self, request_id: str, raw: bytes) -> AsyncIterator[tuple[ChatBody, RequestStream]]:
-        """Parse `raw` (inline or in the bulk lane, by its size), count, book, wait for the model,
-        submit; yields the body and its event stream. Raises `InvalidBody` or `Refused`."""
+        """A chat request: parse `raw` (inline or in the bulk lane, by its size), count, book, wait for
+        the model, submit; yields the body and its event stream. Raises `InvalidBody`, `Refused` or
+        `Explained`."""
         rt = self.runtime
+        asked: ChatBody | None = None
         try:
             async with rt.intake.ticket(request_id, len(raw)) as ticket:
-                body = await ticket.run(_parse, rt.intake, raw)
+                body = asked = await ticket.run(_parse, rt.intake, raw)
                 media = await ticket.run(_inspect, request_id, body.images) if body.images else NO_MEDIA
                 prompt_ids = await rt.intake.prompt_ids(ticket, body, queued=rt.settings.local_queue_s > 0)
             output = await rt.intake.output(request_id, body)  # issue 31: its grammar, log-probabilities
         except Refusal as refusal:
-            raise Refused(refusal.failure) from None
-        stream: RequestStream | None = None
-        try:
-            booked = await rt.manager.book_when_released(request_id, body.model, len(prompt_ids), body.max_tokens,
-                                                         media=media, queue_s=rt.settings.local_queue_s)
-            if isinstance(booked, AdmissionRefused):
-                if booked.failure.reason in _NEVER_HERE:
-                    raise self._too_large(booked.failure, body.model, len(prompt_ids), body.max_tokens)
-                raise Refused(booked.failure)
+            raise self._explained(refusal.failure, refusal.over, asked and asked.model, "messages") from None
+
+        def request(booked: Booking) -> ChatRequest:
             ids = prompt_ids if booked.reservation is not None else None  # a VLM's processor places its images
-            request = ChatRequest(request_id, body.messages, body.sampling(booked.kv.max_tokens), prompt_ids=ids,
-                                  prepare_next_turn=True,  # one user's conversations: the next turn comes here
-                                  constraint=output.constraint, top_logprobs=output.top_logprobs)
-            rt.stats.accepted(request_id, body.model)
-            try:
-                async with rt.manager.serve(request_id, body.model, len(prompt_ids), body.max_tokens,
-                                            booking=booked) as slot:
-                    stream = slot.submit(request)  # from here the engine gives the grammar's reservation back
-                    rt.metrics.add_tokens(prompt=len(prompt_ids))
-                    try:
-                        with rt.metrics.in_flight():
-                            yield body, stream
-                    finally:
-                        await stream.aclose()  # no-op after a terminal event; a cancel otherwise
-            except (SlotRefused, MediaRefused) as exc:  # MediaRefused: an image that would not decode
-                raise Refused(exc.failure) from None
-            finally:
-                rt.stats.ended(request_id)
+            return ChatRequest(request_id, body.messages, body.sampling(booked.kv.max_tokens), prompt_ids=ids,
+                               prepare_next_turn=True,  # one user's conversations: the next turn comes here
+                               tools=body.offered_tools, tool_call=body.tool_call(self.tool_format(body.model)),
+                               constraint=output.constraint, top_logprobs=output.top_logprobs)
+
+        submitted = False
+        try:
+            async with self._served(request_id, body.model, prompt_ids, body.max_tokens, media, request,
+                                    "messages") as stream:
+                submitted = True  # from here the engine gives the grammar's reservation back
+                yield body, stream
         finally:
-            if stream is None:
+            if not submitted:
                 output.release()  # it never reached the engine
+
+    @asynccontextmanager
+    async def open_completion(self, request_id: str, raw: bytes) -> AsyncIterator[tuple[CompletionBody, RequestStream]]:
+        """A legacy completions request, the same steps as `open` but for the prompt: its text
+        tokenized without the chat template (or its ids as given). Same admission, same engine."""
+        rt = self.runtime
+        asked: CompletionBody | None = None
+        try:
+            async with rt.intake.ticket(request_id, len(raw)) as ticket:
+                body = asked = await ticket.run(_parse_completion, raw)
+                prompt_ids = await rt.intake.completion_ids(ticket, body, queued=rt.settings.local_queue_s > 0)
+        except Refusal as refusal:
+            raise self._explained(refusal.failure, refusal.over, asked and asked.model, "prompt") from None
+
+        def request(booked: Booking) -> ChatRequest:
+            return ChatRequest(request_id, (), body.sampling(booked.kv.max_tokens), prompt_ids=prompt_ids)
+
+        async with self._served(request_id, body.model, prompt_ids, body.max_tokens, NO_MEDIA, request, "prompt") as stream:
+            yield body, stream
+
+    @asynccontextmanager
+    async def _served(self, request_id: str, model_id: str, prompt_ids: list[int], max_tokens: int | None,
+                      media: MediaPlan, request: Callable[[Booking], ChatRequest], prompt_param: str,
+                      ) -> AsyncIterator[RequestStream]:
+        """Book (waiting up to local_queue_s for room), wait for the model, submit `request(booking)`."""
+        rt = self.runtime
+        booked = await rt.manager.book_when_released(request_id, model_id, len(prompt_ids), max_tokens,
+                                                     media=media, queue_s=rt.settings.local_queue_s)
+        if isinstance(booked, AdmissionRefused):
+            if booked.failure.reason in _NEVER_HERE:
+                raise self._too_large(booked.failure, model_id, len(prompt_ids), max_tokens)
+            context = rt.manager.context_length(model_id)
+            over = None if context is None else OverContext(model_id, len(prompt_ids), True, context, max_tokens)
+            raise self._explained(booked.failure, over, model_id, prompt_param)
+        rt.stats.accepted(request_id, model_id)
+        try:
+            async with rt.manager.serve(request_id, model_id, len(prompt_ids), max_tokens, booking=booked) as slot:
+                stream = slot.submit(request(booked))
+                rt.metrics.add_tokens(prompt=len(prompt_ids))
+                try:
+                    with rt.metrics.in_flight():
+                        yield stream
+                finally:
+                    await stream.aclose()  # no-op after a terminal event; a cancel otherwise
+        except (SlotRefused, MediaRefused) as exc:  # MediaRefused: an image that would not decode
+            raise Refused(exc.failure) from None
+        finally:
+            rt.stats.ended(request_id)
+
+    def _explained(self, failure: Failure, over: OverContext | None, model_id: str | None,
+                   prompt_param: str) -> Exception:
+        """`Explained` where this request's ids and numbers say more than the failure's fixed text:
+        a model not served here (the id asked for, and those served), a prompt over the context window."""
+        if failure.reason is ErrorReason.REQUEST_EXCEEDS_CONTEXT and over is not None:
+            return context_exceeded(over, prompt_param)
+        if failure == Failure.model_unavailable() and model_id is not None:
+            return unknown_model(model_id, self.model_ids())
+        return Refused(failure)
 
     def _too_large(self, failure: Failure, model_id: str, prompt_tokens: int, max_tokens: int | None) -> Exception:
         manager = self.runtime.manager
@@ -180,14 +266,22 @@ class RuntimeBackend:
         self.runtime.refresh_metrics()
 
 
-def _parse(intake: Intake, raw: bytes) -> ChatBody:
-    """JSON, the message-count precheck, then the one validator (`InvalidBody` names the field)."""
+def _json(raw: bytes) -> Any:
     try:
-        data = json.loads(raw)
+        return json.loads(raw)
     except (ValueError, RecursionError):
         raise InvalidBody("body", "is not valid JSON") from None
+
+
+def _parse(intake: Intake, raw: bytes) -> ChatBody:
+    """JSON, the message-count precheck, then the one validator (`InvalidBody` names the field)."""
+    data = _json(raw)
     intake.precheck(data)
     return parse_chat_body(data)
+
+
+def _parse_completion(raw: bytes) -> CompletionBody:
+    return parse_completion_body(_json(raw))
 
 
 def _inspect(request_id: str, images: tuple[str, ...]) -> MediaPlan:

@@ -103,7 +103,8 @@ def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
 async def run_local(settings: Settings) -> None:
     runtime = await Runtime.start(settings, hash_weights=False)  # nothing advertised: listen without hashing
     say_if_no_models(runtime.inventory)  # every request would be a 404: the owner reads why on stderr
-    app = create_app(RuntimeBackend(runtime), runtime.metrics, chat=True, mode="local")
+    app = create_app(RuntimeBackend(runtime), runtime.metrics, chat=True, mode="local",
+                     allowed_origins=settings.local_allowed_origins)
     state = app.state.local
     drain: asyncio.Task[None] | None = None
 
@@ -162,7 +163,8 @@ class StatusEndpoint:
 
     @classmethod
     def start(cls, runtime: Runtime, settings: Settings, *, mode: str = "coordinator") -> StatusEndpoint:
-        app = create_app(RuntimeBackend(runtime), runtime.metrics, chat=False, mode=mode)
+        app = create_app(RuntimeBackend(runtime), runtime.metrics, chat=False, mode=mode,
+                         allowed_origins=settings.local_allowed_origins)
         config = uvicorn_config(app, settings)
         family = socket.AF_INET6 if ":" in settings.local_host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)

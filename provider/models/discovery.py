@@ -100,6 +100,9 @@ class ModelInfo:
     context_length: int | None
     kv: KvLayout
     vision: VisionInfo | None = None  # a vision-language model (served through mlx-vlm)
+    # Calls tools (mlx-lm has a tool parser for its family: models/tools.py); None: its tokenizer was
+    # not read (discovery reads files only; `template_check.check_inventory` fills it in).
+    tools: bool | None = None
 
     @property
     def is_vision(self) -> bool:

@@ -447,16 +447,20 @@ def renderer(lane: Lane = Lane.INTERACTIVE) -> TemplateRenderer:
 
 
 def render_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool,
-               timeout_s: float = DEFAULT_TIMEOUT_S, lane: Lane = Lane.INTERACTIVE) -> list[int]:
-    """``tokenizer.apply_chat_template(messages, add_generation_prompt=...)``, the template bounded
-    (blocking: for a worker thread). Raises `TemplateFailed`, `TemplateExceeded`, `RendererUnavailable`."""
+               tools: Sequence[Mapping[str, Any]] = (), timeout_s: float = DEFAULT_TIMEOUT_S,
+               lane: Lane = Lane.INTERACTIVE) -> list[int]:
+    """``tokenizer.apply_chat_template(messages, add_generation_prompt=..., tools=...)``, the template
+    bounded (blocking: for a worker thread). Raises `TemplateFailed`, `TemplateExceeded`, `RendererUnavailable`."""
+    extra = {"tools": [dict(t) for t in tools]} if tools else {}
     template = ChatTemplate.of(tokenizer)
     if template is None:  # mlx-lm's own Python renderer: trusted code, in-process as before
         try:
-            return list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt))
+            return list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                                      **extra))
         except (TypeError, ValueError, KeyError, IndexError, AttributeError):
             raise TemplateFailed("the chat template could not render the messages") from None
-    text = renderer(lane).render(template, messages, add_generation_prompt=add_generation_prompt, timeout_s=timeout_s)
+    text = renderer(lane).render(template, messages, add_generation_prompt=add_generation_prompt, extra=extra,
+                                 timeout_s=timeout_s)
     return encode(tokenizer, text)
 
 

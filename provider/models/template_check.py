@@ -8,12 +8,18 @@ the same. A template that passes a bound — then, or later on a request — mak
 `without_unservable` moves it from the inventory's models to its skipped ones, with the bound as the
 reason (``chat_template_timeout``, ``chat_template_memory``), where the ``model_skipped`` log line,
 `models` and `doctor` report it like any other folder that cannot be served.
+
+The same tokenizer says whether the model calls tools (`provider.models.tools.ToolFormat`, as the
+agent's prompt counter reads it): `check_inventory` records it on each model (`ModelInfo.tools`) for
+`doctor` and `models`. A vision model is served through mlx-vlm's processor, which is never offered
+tools: it does not call them here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from provider.models.discovery import Inventory, SkippedModel, SkipReason
@@ -27,6 +33,7 @@ from provider.models.template import (
     TemplateFailed,
     renderer,
 )
+from provider.models.tools import ToolFormat
 
 _USER, _ASSISTANT = {"role": "user", "content": "x"}, {"role": "assistant", "content": "x"}
 # (messages, add_generation_prompt): what every template must render within its bounds. The last
@@ -54,39 +61,51 @@ def without_unservable(inventory: Inventory, unservable: Mapping[str, TemplateBo
                                skipped=inventory.skipped + skipped)
 
 
-def check_folder(path: Path, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> TemplateBound | None:
+@dataclass(frozen=True, slots=True)
+class FolderCheck:
+    bound: TemplateBound | None  # the bound its template passed; None: within the bounds
+    tools: bool  # its family calls tools (mlx-lm has a parser for it)
+
+
+def check_folder(path: Path, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> FolderCheck:
     """The start-up check on one model folder: its tokenizer loaded as the agent loads it, `PROBES`
-    rendered in the bounded renderer. Blocking. None: within the bounds (or rendered by mlx-lm's own
-    code, which is not the folder's)."""
+    rendered in the bounded renderer. Blocking. `bound` None: within the bounds (or rendered by
+    mlx-lm's own code, which is not the folder's)."""
     from mlx_lm.utils import load_tokenizer  # deferred: importing mlx-lm costs ~1 s
 
-    template = ChatTemplate.of(load_tokenizer(path))
+    tokenizer = load_tokenizer(path)
+    tools = ToolFormat.of(tokenizer) is not None
+    template = ChatTemplate.of(tokenizer)
     if template is None:
-        return None
+        return FolderCheck(None, tools)
     for messages, generation in PROBES:
         try:
             renderer(Lane.INTERACTIVE).render(template, messages, add_generation_prompt=generation, timeout_s=timeout_s)
         except TemplateExceeded as exc:
-            return exc.bound
+            return FolderCheck(exc.bound, tools)
         except TemplateFailed:  # refuses a probe: requests of that shape fail as client errors, as they would
             continue
-    return None
+    return FolderCheck(None, tools)
 
 
 def check_inventory(inventory: Inventory, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Inventory:
-    """`check_folder` on every model; the ones past a bound become skipped. Blocking. A folder whose
-    tokenizer does not load is left as it is (the agent reports that when it warms it)."""
+    """`check_folder` on every model; the ones past a bound become skipped, the others say whether
+    they call tools (`ModelInfo.tools`). Blocking. A folder whose tokenizer does not load is left as
+    it is (the agent reports that when it warms it)."""
     if inventory.models:
         renderer(Lane.INTERACTIVE).start()  # its imports overlap the first tokenizer's
     found: dict[str, TemplateBound] = {}
+    models = []
     for model in inventory.models:
         try:
-            bound = check_folder(model.path, timeout_s=timeout_s)
+            check = check_folder(model.path, timeout_s=timeout_s)
         except Exception:  # an edge: a folder's tokenizer files are the folder's problem, reported elsewhere
+            models.append(model)
             continue
-        if bound is not None:
-            found[model.id] = bound
-    return without_unservable(inventory, found, timeout_s=timeout_s)
+        if check.bound is not None:
+            found[model.id] = check.bound
+        models.append(dataclasses.replace(model, tools=check.tools and not model.is_vision))
+    return without_unservable(dataclasses.replace(inventory, models=tuple(models)), found, timeout_s=timeout_s)
 
 
-__all__ = ["PROBES", "check_folder", "check_inventory", "skip_message", "without_unservable"]
+__all__ = ["PROBES", "FolderCheck", "check_folder", "check_inventory", "skip_message", "without_unservable"]

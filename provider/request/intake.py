@@ -17,6 +17,12 @@ steps, each cheap check before the costly step it guards (issue 11):
 5. `output` (issue 31, `output.py`): a grammar's memory reserved and the grammar compiled, the
    vocabulary of log-probabilities built, before admission books the request.
 
+The legacy completions endpoint's prompt (`completion_ids`) takes the same steps without a chat
+template: the raw text tokenized (`PromptCounter.text_ids`), or the token ids it came as, checked.
+
+A prompt over its model's context window is refused with its numbers (`OverContext`), for a front
+door that shows them (the local server); the coordinator's keeps the fixed text.
+
 `Ticket` holds the working-memory reservation from step 1 until every lane task it started has
 finished on the thread (a cancelled caller does not free memory the thread still uses).
 """
@@ -25,15 +31,23 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from memory import Ledger, Rejection, ReservationKind
 from protocol.errors import ErrorReason, Failure, RejectionReason
 from provider.request.lanes import LaneFull
-from provider.request.output import Grammars, OutputPlan
-from provider.request.body import ChatBody
+from provider.request.body import ChatBody, CompletionBody, InvalidBody
 from provider.request.bounds import countable_chars
-from provider.request.tokens import CHUNK_CHARS, PromptCounter, PromptError, PromptTooLong, UnknownModel
+from provider.request.output import Grammars, OutputPlan
+from provider.request.tokens import (
+    CHUNK_CHARS,
+    PromptCounter,
+    PromptError,
+    PromptTooLong,
+    ToolsUnsupported,
+    UnknownModel,
+)
 
 T = TypeVar("T")
 
@@ -42,12 +56,32 @@ BODY_COPIES = 4  # the sealed body, its plaintext, the parsed strings, the rende
 TOKEN_WORKING_BYTES = 320  # per token while a tokenizer encodes (measured ~270 B with the id list)
 
 
-class Refusal(Exception):
-    """Refuse before acceptance; `failure` becomes the error (protocol/errors)."""
+@dataclass(frozen=True, slots=True)
+class OverContext:
+    """A prompt over its model's context window, in numbers (no text): for an error that gives them."""
 
-    def __init__(self, failure: Failure) -> None:
+    model_id: str  # one of ours: only a model whose window is known gets here
+    prompt_tokens: int
+    exact: bool  # False: the prompt has at least this many (counting stopped once it was surely over)
+    context_length: int
+    max_tokens: int | None  # what the request asked for, if it did
+
+
+class Refusal(Exception):
+    """Refuse before acceptance; `failure` becomes the error (protocol/errors); `over`: the numbers of
+    a prompt too long for the context window."""
+
+    def __init__(self, failure: Failure, over: OverContext | None = None) -> None:
         super().__init__(failure.code.value)
         self.failure = failure
+        self.over = over
+
+
+def over_context(model_id: str, prompt_tokens: int, exact: bool, context_length: int | None,
+                 max_tokens: int | None) -> Refusal:
+    """400 request_exceeds_context, with its numbers when the window is known."""
+    over = None if context_length is None else OverContext(model_id, prompt_tokens, exact, context_length, max_tokens)
+    return Refusal(Failure.request_exceeds_context(), over)
 
 
 def working_bytes(body_bytes: int, max_context_tokens: int) -> int:
@@ -89,9 +123,9 @@ class Ticket:
                 self._open_tasks -= 1
             raise Refusal(lane_full()) from None
 
-    async def prompt_ids(self, model_id: str, messages, *, limit: int | None) -> list[int]:
+    async def prompt_ids(self, model_id: str, messages, *, tools=(), limit: int | None) -> list[int]:
         """Exact prompt ids (`PromptCounter.prompt_ids`); its lane work counts as this ticket's."""
-        return await self._intake.counter.prompt_ids(model_id, messages, limit=limit, run=self.in_lane)
+        return await self._intake.counter.prompt_ids(model_id, messages, tools=tools, limit=limit, run=self.in_lane)
 
     def _task_done(self) -> None:
         self._open_tasks -= 1
@@ -153,8 +187,12 @@ class Intake:
         if not isinstance(model, str) or not isinstance(messages, list) or not self.counter.knows(model):
             return
         context = self._context_of(model)
-        if context is not None and self.counter.bounds(model).lower_bound(countable_chars(messages), len(messages)) >= context:
-            raise Refusal(Failure.request_exceeds_context())
+        if context is None:
+            return
+        lower = self.counter.bounds(model).lower_bound(countable_chars(messages), len(messages))
+        if lower >= context:
+            asked = data.get("max_completion_tokens") or data.get("max_tokens")
+            raise over_context(model, lower, False, context, asked if type(asked) is int and asked > 0 else None)
 
     def lower_bound(self, model_id: str, chars: int, messages: int) -> int:
         """Tokens the prompt has at least, from its size alone (0 when the tokenizer claims no bound)."""
@@ -164,20 +202,21 @@ class Intake:
         """Steps 3 and 4: the size bound through admission (read-only), then the exact ids.
         Raises `Refusal`: 404 for a model that is not ours, 400 request_exceeds_context, 503 when
         even the bound does not fit (`queued`: not for room that requests in flight hold, which the
-        booking waits for), 422 when the template cannot render the messages."""
+        booking waits for), 422 when the template cannot render the messages; `InvalidBody` naming
+        `tools` when tools are offered to a model whose family has no tool calling."""
         if not self.counter.knows(body.model):
             raise Refusal(Failure.model_unavailable())
-        lower = self.lower_bound(body.model, body.chars, len(body.messages))
-        if lower > 0:
-            refused = self._manager.precheck(body.model, lower, body.max_tokens, queued=queued)
-            if refused is not None:
-                raise Refusal(refused)
+        self._precheck_bound(body.model, self.lower_bound(body.model, body.chars, len(body.messages)),
+                             body.max_tokens, queued)
+        context = self._context_of(body.model)
         try:
-            return await ticket.prompt_ids(body.model, body.messages, limit=self._context_of(body.model))
+            return await ticket.prompt_ids(body.model, body.messages, tools=body.offered_tools, limit=context)
+        except ToolsUnsupported:
+            raise InvalidBody("tools", "is not supported by this model: its chat template has no tool calling") from None
         except UnknownModel:
             raise Refusal(Failure.model_unavailable()) from None
-        except PromptTooLong:
-            raise Refusal(Failure.request_exceeds_context()) from None
+        except PromptTooLong as too_long:
+            raise over_context(body.model, too_long.tokens, too_long.exact, context, body.max_tokens) from None
         except PromptError:
             raise Refusal(Failure.template_render()) from None
 
@@ -187,5 +226,50 @@ class Intake:
         not fit. The caller releases the plan unless the engine got it (`OutputPlan.release`)."""
         return await self.grammars.plan(request_id, body, lambda failure: Refusal(failure))
 
+    async def completion_ids(self, ticket: Ticket, body: CompletionBody, *, queued: bool = False) -> list[int]:
+        """A legacy completions prompt's ids: its text tokenized without any chat template, or the ids
+        it came as, checked against the tokenizer's vocabulary; the size bound through admission
+        first, as for a chat prompt. Raises `Refusal` (404, 400 request_exceeds_context, 503) or
+        `InvalidBody` naming `prompt` (empty, ids out of range, text the tokenizer cannot take) or
+        `model` (a vision model: its processor renders messages, there is no raw prompt to give it)."""
+        model = body.model
+        if not self.counter.knows(model):
+            raise Refusal(Failure.model_unavailable())
+        if self.counter.is_vision(model):
+            raise InvalidBody("model", "is a vision model, served on /v1/chat/completions only")
+        context = self._context_of(model)
+        try:
+            if isinstance(body.prompt, str):
+                self._precheck_bound(model, self.lower_bound(model, len(body.prompt), 0), body.max_tokens, queued)
+                ids = await self.counter.text_ids(model, body.prompt, limit=context, run=ticket.in_lane)
+            else:
+                vocabulary = await self.counter.vocabulary(model)
+                if await ticket.run(max, body.prompt) >= vocabulary:
+                    raise InvalidBody("prompt", f"token ids must be below {vocabulary}, the size of this model's vocabulary")
+                ids = list(body.prompt)
+                if context is not None and len(ids) >= context:
+                    raise PromptTooLong(len(ids), exact=True)
+        except UnknownModel:
+            raise Refusal(Failure.model_unavailable()) from None
+        except PromptTooLong as too_long:
+            raise over_context(model, too_long.tokens, too_long.exact, context, body.max_tokens) from None
+        except PromptError:
+            raise InvalidBody("prompt", "must be text the model's tokenizer can encode") from None
+        if not ids:
+            raise InvalidBody("prompt", "must not be empty (this model's tokenizer adds no start token)")
+        return ids
 
-__all__ = ["INLINE_BYTES", "Intake", "PromptTooLong", "Refusal", "Ticket", "working_bytes"]
+    def _precheck_bound(self, model_id: str, lower: int, max_tokens: int | None, queued: bool) -> None:
+        """Admission's read-only answer for a prompt of at least `lower` tokens (nothing to ask at 0)."""
+        if lower <= 0:
+            return
+        refused = self._manager.precheck(model_id, lower, max_tokens, queued=queued)
+        if refused is None:
+            return
+        if refused.reason is ErrorReason.REQUEST_EXCEEDS_CONTEXT:
+            raise over_context(model_id, lower, False, self._context_of(model_id), max_tokens)
+        raise Refusal(refused)
+
+
+__all__ = ["INLINE_BYTES", "Intake", "OverContext", "PromptTooLong", "Refusal", "Ticket", "over_context",
+           "working_bytes"]

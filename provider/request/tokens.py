@@ -28,6 +28,11 @@ Where the work runs (issue 11: a 15 MiB prompt must not delay a 100-token one):
 The count is exact: the ids of the same ``apply_chat_template(..., add_generation_prompt=True)`` the
 engine would run, so admission neither over-reserves KV nor refuses a prompt that fits.
 
+Tools (issue 31): a request's function tools are rendered with the messages (the template's
+``tools`` variable, as ``apply_chat_template(..., tools=...)`` renders them) and counted with them.
+Only a model whose family mlx-lm has a tool parser for (`provider.models.tools.ToolFormat`, read
+when its tokenizer loads; `tool_format`) can be offered tools: for any other, `ToolsUnsupported`.
+
 Vision models (``vision=`` ids): the count is the prompt *text* as mlx-vlm renders it, one marker per
 image (``provider.engine.vlm.prompt_text_ids``, what the engine renders too), always in the lane; the
 image soft tokens are the policy's to add (``memory.media.vision_span``). For a text model, image
@@ -56,8 +61,10 @@ from provider.models.template import (
     TemplateFailed,
     render_ids,
     renderer,
+    text_size,
 )
 from provider.models.template_check import PROBES
+from provider.models.tools import ToolFormat
 from provider.request.bounds import NO_BOUND, TokenBounds, normalizer_shrink
 from provider.request.lanes import BulkLane
 from provider.telemetry import get_logger
@@ -88,8 +95,19 @@ class TemplateTooCostly(PromptError):
         self.bound = bound
 
 
+class ToolsUnsupported(ValueError):
+    """Tools were offered to a model whose family has no tool calling (a client error naming `tools`)."""
+
+
 class PromptTooLong(ValueError):
-    """The templated prompt leaves no room in the context window for one output token."""
+    """The templated prompt leaves no room in the context window for one output token. `tokens`: its
+    length, exact, or (`exact` False) what it has at least when counting stopped as soon as it was
+    surely over."""
+
+    def __init__(self, tokens: int, *, exact: bool) -> None:
+        super().__init__("prompt too long")
+        self.tokens = tokens
+        self.exact = exact
 
 
 class UnknownModel(KeyError):
@@ -132,12 +150,14 @@ def _text_only(messages: Sequence[Mapping[str, object]]) -> list[Mapping[str, ob
 
 
 class _Entry:
-    __slots__ = ("bounds", "bulk", "template", "tokenizer")
+    __slots__ = ("bounds", "bulk", "template", "tokenizer", "tools")
 
-    def __init__(self, tokenizer: Any, bounds: TokenBounds, template: ChatTemplate | None) -> None:
+    def __init__(self, tokenizer: Any, bounds: TokenBounds, template: ChatTemplate | None,
+                 tools: ToolFormat | None = None) -> None:
         self.tokenizer = tokenizer  # used on the event loop only (a VLM's: in the lane, see `_load`)
         self.bounds = bounds
         self.template = template  # None: the tokenizer renders with mlx-lm's own Python code, in-process
+        self.tools = tools  # None: the model's family has no tool calling
         self.bulk: Any | None = None  # the bulk lane's own instance, loaded on first use there
 
 
@@ -206,27 +226,42 @@ class PromptCounter:
         """Tokens of the templated prompt. Raises ``PromptError`` or ``UnknownModel``."""
         return len(await self.prompt_ids(model_id, messages))
 
+    async def tool_format(self, model_id: str) -> ToolFormat | None:
+        """How the model's family writes tool calls (its tokenizer loaded first); None: it has no tool
+        calling. Raises ``UnknownModel``."""
+        return (await self._entry(model_id)).tools
+
+    def tool_format_now(self, model_id: str) -> ToolFormat | None:
+        """`tool_format` for a model whose tokenizer is loaded (warmed at start); None otherwise."""
+        entry = self._entries.get(model_id)
+        return entry.tools if entry is not None else None
+
     async def prompt_ids(self, model_id: str, messages: Sequence[Mapping[str, object]], *,
-                         chars: int | None = None, limit: int | None = None,
-                         run: LaneRunner | None = None) -> list[int]:
-        """The templated prompt's token ids. ``chars``: the messages' whole text length if the caller
+                         tools: Sequence[Mapping[str, Any]] = (), chars: int | None = None,
+                         limit: int | None = None, run: LaneRunner | None = None) -> list[int]:
+        """The templated prompt's token ids. ``tools``: function tools the template renders with the
+        messages; ``chars``: the messages' whole text length if the caller
         has it (it decides inline or lane); ``limit``: the context window — ``PromptTooLong`` as soon as the prompt surely reaches it;
         ``run``: how to run lane work (``intake.Ticket.in_lane``, which keeps the request's working
         memory reserved until the thread is done), default the lane itself.
-        Raises ``PromptError`` (``TemplateTooCostly``), ``PromptTooLong``, ``UnknownModel`` or ``lanes.LaneFull``."""
+        Raises ``PromptError`` (``TemplateTooCostly``), ``PromptTooLong``, ``UnknownModel``, ``ToolsUnsupported``
+        or ``lanes.LaneFull``."""
         entry = await self._entry(model_id)
+        if tools and entry.tools is None:
+            raise ToolsUnsupported()
         run = run or self._lane.run
         vision = model_id in self._vision
         msgs = list(messages) if vision else _text_only(messages)
-        size = chars if chars is not None else _text_chars(messages)
+        tools = [dict(t) for t in tools]
+        size = (chars if chars is not None else _text_chars(messages)) + text_size(tools)
         try:
             if vision or size > INLINE_CHARS:
-                return await run(self._bulk_ids, model_id, entry, msgs, limit)
+                return await run(self._bulk_ids, model_id, entry, msgs, tools, limit)
             if entry.template is None:
-                ids = _encode_in_process(entry.tokenizer, msgs)
+                ids = _encode_in_process(entry.tokenizer, msgs, tools)
             else:
                 rendered = await renderer(Lane.INTERACTIVE).arender(entry.template, msgs, add_generation_prompt=True,
-                                                                    timeout_s=self._timeout_s)
+                                                                    extra=_tools_extra(tools), timeout_s=self._timeout_s)
                 if len(rendered) > INLINE_RENDERED_CHARS:
                     return await run(self._counted, model_id, entry, rendered, limit)
                 ids = _encode(entry.tokenizer, rendered)
@@ -236,8 +271,30 @@ class PromptCounter:
         except TemplateFailed:
             raise PromptError("chat template could not render the messages") from None
         if limit is not None and len(ids) >= limit:
-            raise PromptTooLong()
+            raise PromptTooLong(len(ids), exact=True)
         return ids
+
+    async def text_ids(self, model_id: str, text: str, *, limit: int | None = None,
+                       run: LaneRunner | None = None) -> list[int]:
+        """A raw prompt's ids (the legacy completions endpoint: no chat template), with the tokenizer's
+        own special tokens (a BOS where the model has one), as mlx-lm's server and vLLM encode it. Long
+        text is counted in the lane and given up as soon as it is surely over ``limit``. May be empty.
+        Raises ``PromptError`` (text the tokenizer cannot take), ``PromptTooLong``, ``UnknownModel`` or
+        ``lanes.LaneFull``; a vision model's processor has no plain encoder (``is_vision``)."""
+        entry = await self._entry(model_id)
+        if len(text) > INLINE_RENDERED_CHARS:
+            return await (run or self._lane.run)(self._counted, model_id, entry, text, limit, True)
+        ids = _encode(entry.tokenizer, text, special=True)
+        if limit is not None and len(ids) >= limit:
+            raise PromptTooLong(len(ids), exact=True)
+        return ids
+
+    async def vocabulary(self, model_id: str) -> int:
+        """How many token ids the model's tokenizer knows (ids from 0 to this less one)."""
+        return len((await self._entry(model_id)).tokenizer)
+
+    def is_vision(self, model_id: str) -> bool:
+        return model_id in self._vision
 
     def _mark_unservable(self, model_id: str, bound: TemplateBound) -> None:
         if model_id in self._unservable:
@@ -250,16 +307,16 @@ class PromptCounter:
     # -- the bulk lane (its own thread) -----------------------------------------------------------
 
     def _bulk_ids(self, model_id: str, entry: _Entry, messages: list[Mapping[str, object]],
-                  limit: int | None) -> list[int]:
+                  tools: list[dict[str, Any]], limit: int | None) -> list[int]:
         tokenizer = self._bulk_tokenizer(model_id, entry)
         if model_id in self._vision or entry.template is None:  # a VLM's processor renders its image markers
-            ids = _encode_in_process(tokenizer, messages)
+            ids = _encode_in_process(tokenizer, messages, tools)
         else:
             rendered = renderer(Lane.BULK).render(entry.template, messages, add_generation_prompt=True,
-                                                  timeout_s=self._timeout_s)
+                                                  extra=_tools_extra(tools), timeout_s=self._timeout_s)
             return self._counted(model_id, entry, rendered, limit)
         if limit is not None and len(ids) >= limit:
-            raise PromptTooLong()
+            raise PromptTooLong(len(ids), exact=True)
         return ids
 
     def _bulk_tokenizer(self, model_id: str, entry: _Entry) -> Any:
@@ -267,17 +324,21 @@ class PromptCounter:
             entry.bulk = self._loader_for(model_id)(self._paths[model_id])
         return entry.bulk
 
-    def _counted(self, model_id: str, entry: _Entry, rendered: str, limit: int | None) -> list[int]:
-        """A rendered prompt's ids, given up early when it is surely over `limit` (lane thread)."""
+    def _counted(self, model_id: str, entry: _Entry, rendered: str, limit: int | None,
+                 special: bool = False) -> list[int]:
+        """A rendered prompt's ids (`special`: a raw one's, with the tokenizer's special tokens), given
+        up early when it is surely over `limit` (lane thread)."""
         tokenizer = self._bulk_tokenizer(model_id, entry)
         if limit is not None:
-            if entry.bounds.lower_bound(len(rendered)) >= limit:
-                raise PromptTooLong()
-            if len(rendered) > CHUNK_CHARS and _surely_over(tokenizer, rendered, limit):
-                raise PromptTooLong()
-        ids = _encode(tokenizer, rendered)
+            lower = entry.bounds.lower_bound(len(rendered))
+            if lower >= limit:
+                raise PromptTooLong(lower, exact=False)
+            over = _surely_over(tokenizer, rendered, limit) if len(rendered) > CHUNK_CHARS else None
+            if over is not None:
+                raise PromptTooLong(over, exact=False)
+        ids = _encode(tokenizer, rendered, special=special)
         if limit is not None and len(ids) >= limit:
-            raise PromptTooLong()
+            raise PromptTooLong(len(ids), exact=True)
         return ids
 
     # -- tokenizers ---------------------------------------------------------------------------------
@@ -308,11 +369,13 @@ class PromptCounter:
             bounds = await asyncio.to_thread(measure_bounds, tokenizer, per_message=_per_message(tokenizer, lengths))
         finally:
             self._loading.pop(model_id, None)
-        entry = self._entries[model_id] = _Entry(tokenizer, bounds, template)
+        tools = None if model_id in self._vision else ToolFormat.of(tokenizer)
+        entry = self._entries[model_id] = _Entry(tokenizer, bounds, template, tools)
         if model_id in self._vision:
             entry.bulk = tokenizer  # a VLM's prompts are all counted in the lane: one processor is enough
         log.info("tokenizer_ready", model=model_id, longest_token_count=bounds.longest_token_chars,
-                 per_message_tokens=bounds.per_message_tokens, outcome="bounded" if bounds.shrink else "unbounded")
+                 per_message_tokens=bounds.per_message_tokens, outcome="bounded" if bounds.shrink else "unbounded",
+                 kind=tools.name if tools is not None else "no_tool_calling")
         return entry
 
     async def _probe(self, model_id: str, tokenizer: Any, template: ChatTemplate | None) -> list[int | None]:
@@ -351,22 +414,30 @@ def _text_chars(messages: Sequence[Mapping[str, object]]) -> int:
     return total
 
 
-def _encode(tokenizer: Any, rendered: str) -> list[int]:
-    """The ids of a rendered prompt, as ``apply_chat_template`` makes them."""
+def _encode(tokenizer: Any, rendered: str, *, special: bool = False) -> list[int]:
+    """The ids of a rendered prompt, as ``apply_chat_template`` makes them; ``special``: of a raw
+    prompt, with the tokenizer's special tokens, and possibly none (the caller decides)."""
     try:
-        ids = tokenizer.encode(rendered, add_special_tokens=False)
+        ids = tokenizer.encode(rendered, add_special_tokens=special)
     except TypeError:  # text the tokenizer cannot take (a lone surrogate): a client error, as before
         raise PromptError("the rendered prompt could not be tokenized") from None
-    if not ids:
+    if not ids and not special:
         raise PromptError("empty prompt")
     return list(ids)
 
 
-def _encode_in_process(tokenizer: Any, messages: Sequence[Mapping[str, object]]) -> list[int]:
+def _tools_extra(tools: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The template variables a request's tools add (none without tools: the render is as before)."""
+    return {"tools": list(tools)} if tools else None
+
+
+def _encode_in_process(tokenizer: Any, messages: Sequence[Mapping[str, object]],
+                       tools: Sequence[Mapping[str, Any]] = ()) -> list[int]:
     """Render and tokenize in this process: mlx-lm's own Python renderers, and a VLM's processor
     (whose template it hands to the bounded renderer itself)."""
     try:
-        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+        extra = {"tools": list(tools)} if tools else {}  # a VLM's processor is never offered tools
+        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, **extra)
     except TemplateFailed:
         raise PromptError("chat template could not render the messages") from None
     except _TEMPLATE_ERRORS:
@@ -376,12 +447,13 @@ def _encode_in_process(tokenizer: Any, messages: Sequence[Mapping[str, object]])
     return list(ids)
 
 
-def _surely_over(tokenizer: Any, rendered: str, limit: int) -> bool:
+def _surely_over(tokenizer: Any, rendered: str, limit: int) -> int | None:
     """Count `rendered` in pieces of about CHUNK_CHARS, split between words, and stop as soon as
-    the count less the pieces' boundary slack reaches `limit`. Memory: one piece at a time."""
+    the count less the pieces' boundary slack reaches `limit`: then return that (tokens it has at
+    least, >= limit), else None. Memory: one piece at a time."""
     encode = getattr(tokenizer, "encode", None)
     if encode is None:
-        return False
+        return None
     total = pieces = 0
     start = 0
     while start < len(rendered):
@@ -395,9 +467,9 @@ def _surely_over(tokenizer: Any, rendered: str, limit: int) -> bool:
             raise PromptError("the rendered prompt could not be tokenized") from None
         pieces += 1
         if total - pieces * BOUNDARY_SLACK_TOKENS >= limit:
-            return True
+            return total - pieces * BOUNDARY_SLACK_TOKENS
         start = end
-    return False
+    return None
 
 
 def measure_bounds(tokenizer: Any, *, per_message: int | None = None) -> TokenBounds:
@@ -440,4 +512,4 @@ def _per_message(tokenizer: Any, lengths: Sequence[int | None]) -> int:
 
 
 __all__ = ["INLINE_CHARS", "PromptCounter", "PromptError", "PromptTooLong", "TemplateTooCostly", "TokenizerLoader",
-           "UnknownModel", "measure_bounds"]
+           "ToolsUnsupported", "UnknownModel", "measure_bounds"]
