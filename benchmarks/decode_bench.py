@@ -207,6 +207,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ways", default=",".join(WAYS))
     ap.add_argument("--deadline-s", type=float, default=None, help="start no run after this many seconds")
     ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--stream-interval-ms", type=float, default=0.0,
+                    help="the engine way's stream_interval_s in ms (worker.py, \"Delivery\"); 0: every token")
     args = ap.parse_args(argv)
     if not 0 < args.short_tokens < args.long_tokens:
         ap.error("need 0 < --short-tokens < --long-tokens")
@@ -235,7 +237,7 @@ async def main(argv: list[str] | None = None) -> int:
     model, tok = mlx_lm.load(str(path))
     engine = None
     if "engine" in ways:
-        engine = Engine(batch_size=max(sizes))
+        engine = Engine(batch_size=max(sizes), stream_interval_s=args.stream_interval_ms / 1000)
         await engine.load("m", path, eos_token_ids=frozenset())
     weights, kv_token = weights_bytes(path), kv_bytes_per_token(config)
     meta = {"model": str(path), "weights_bytes": weights, "kv_bytes_per_token": kv_token,

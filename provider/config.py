@@ -211,6 +211,14 @@ class Settings(BaseModel):
                     "model at load. false: every prompt is prefilled in mlx-lm's batches.",
         **_allowed("true or false"),
     )
+    stream_interval_ms: float = Field(
+        20.0, ge=0, le=1000,
+        description="While more than 8 requests decode at once, each one's text after its first token is "
+                    "delivered at most this often (milliseconds), several tokens a chunk: fewer wake-ups and SSE "
+                    "chunks for the event loop, which shares the GIL with the engine thread. First tokens and ends "
+                    "go out at once. 0 = every token as it comes.",
+        **_allowed("a number of milliseconds from 0 to 1000 (0 = every token)"),
+    )
     idle_timeout_mins: float = Field(
         60.0, ge=0, description="Unload a model idle this long (minutes); 0 = never.",
         **_allowed("a number of minutes >= 0 (0 = never)"),

@@ -245,7 +245,8 @@ class Runtime:
         scratch = ledger.figures.activation_reserve_bytes // 2 if settings.prepare_next_turn else 0
         engine = engine or Engine(prefix_cache=prefix.get, batch_size=settings.max_batch_size,
                                   limits=memory.mlx_limits(ledger.figures), next_turn_scratch_bytes=scratch,
-                                  solo_min_tokens=None if settings.solo_prefill else 0)
+                                  solo_min_tokens=None if settings.solo_prefill else 0,
+                                  stream_interval_s=settings.stream_interval_ms / 1000)
         digests = await asyncio.to_thread(DigestCache.open, settings.state_dir / WEIGHT_HASH_CACHE)
         hashes = WeightHashes({m.id: m.path for m in inventory.models}, progress=hash_progress, cache=digests,
                               fingerprints=not hash_weights)

@@ -158,7 +158,8 @@ class Engine:
                  vision_prefill_step: int = DEFAULT_PREFILL_STEP, trace: Trace | None = None,
                  batch_size: int = DEFAULT_BATCH_SIZE, limits: MlxLimits | None = None,
                  next_turn_scratch_bytes: int = 0, solo_min_tokens: int | None = None,
-                 weight_layout: bool | None = None, cpu_attention: bool | None = None):
+                 weight_layout: bool | None = None, cpu_attention: bool | None = None,
+                 stream_interval_s: float = 0.0):
         """`prefix_cache`: model id -> its `kvcache.ModelKvCache` (e.g. `KvCacheManager.get`); the
         worker reuses cached prompt prefixes on submit and stores them when a request ends.
         `vision_prefill_step`: prompt tokens per prefill step of a vision request (each step is
@@ -173,7 +174,9 @@ class Engine:
         their first token out at once (worker.py, "Solo prefill"); None: measured per model at load; 0: never.
         `weight_layout`: store dense linear weights transposed for the BLAS (layout.py); None: on the
         CPU device only. `cpu_attention`: the engine thread's attention with a vectorised softmax
-        (attention.py); None: on the CPU device only."""
+        (attention.py); None: on the CPU device only. `stream_interval_s`: in a large batch, text after
+        a request's first token is delivered at most this often, several tokens at a time (worker.py,
+        "Delivery"); 0: every token as it comes."""
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         graph_limits()  # before the worker's first stream exists (cuda_graphs.py)
@@ -181,7 +184,8 @@ class Engine:
         self._worker = Worker(self._commands, prefix_cache=prefix_cache, vision_prefill_step=vision_prefill_step,
                               trace=trace, batch_size=batch_size, limits=limits,
                               next_turn_scratch_bytes=next_turn_scratch_bytes, solo_min_tokens=solo_min_tokens,
-                              weight_layout=weight_layout, cpu_attention=cpu_attention)
+                              weight_layout=weight_layout, cpu_attention=cpu_attention,
+                              stream_interval_s=stream_interval_s)
         self._streams: dict[str, RequestStream] = {}
         self._closed = False
         # Between two steps the engine thread needs the GIL for a moment; while the event loop thread

@@ -37,6 +37,13 @@ first. Its scratch (a copy of the prefix plus the new tokens) stands in for a st
 which do not exist while the engine is idle, so it is bounded by half the activation reserve
 (`next_turn_scratch_bytes`); the stored entry is reserved in the ledger like any other.
 
+Delivery. A step's events go to the asyncio loop in one call per loop. With `stream_interval_s`
+set, while more than `STREAM_INTERVAL_MIN_REQUESTS` requests run, the text a request generates after
+its first token is held and handed over at most once per interval, a request's held text as one
+`TextDelta` (several tokens): on a GPU a step takes a few ms, and the event loop's work per delivered
+event (a wake-up, an SSE chunk, a write) competes with the engine thread for the GIL. First tokens,
+terminal events (after the request's held text) and every event of a smaller batch go out at once.
+
 Vision-language models (`vision.VisionSlot`, loaded with mlx-vlm) are stepped in the same loop,
 after the text batches: every vision request past its prompt decodes one token per loop; the
 oldest one still before its first token (template + processor, vision encoder, prefill chunks)
@@ -212,6 +219,7 @@ NEXT_TURN_QUIET_S = 0.25  # idle this long after an answer before preparing: a p
 NEXT_TURN_MAX_TOKENS = 1024  # tokens to prefill past the cached prefix; more is not a re-rendered answer
 SHARE_MIN_TOKENS = 32  # a queued prompt sharing at least this many more tokens gets the prompt stored
 _PREFILL_BATCH = 8  # mlx-lm's prefill_batch_size default
+STREAM_INTERVAL_MIN_REQUESTS = 8  # text is held for `stream_interval_s` only while more requests than this run
 
 
 def _new_generator(model, eos_token_ids: frozenset[int], batch_size: int) -> BatchGenerator:
@@ -226,8 +234,12 @@ class Worker:
                  vision_prefill_step: int = DEFAULT_PREFILL_STEP, trace: Trace | None = None,
                  batch_size: int = DEFAULT_BATCH_SIZE, limits: MlxLimits | None = None,
                  next_turn_scratch_bytes: int = 0, solo_min_tokens: int | None = None,
-                 weight_layout: bool | None = None, cpu_attention: bool | None = None):
+                 weight_layout: bool | None = None, cpu_attention: bool | None = None,
+                 stream_interval_s: float = 0.0):
         self._commands = commands
+        self._stream_interval = stream_interval_s  # see "Delivery"
+        self._held: dict[int, tuple[EventSink, TextDelta]] = {}  # id(sink) -> its text not yet handed over
+        self._released_at = 0.0
         self._weight_layout = weight_layout  # None: on the CPU device (layout.py)
         self._cpu_attention = cpu_attention  # None: on the CPU device (attention.py)
         self._solo_min_tokens = solo_min_tokens  # None: measured per model at load (prefill.py)
@@ -952,9 +964,13 @@ class Worker:
                 active.answer.append(text)
             if active.logprobs:  # issue 31: the log-probabilities of the tokens this text is from
                 logprobs, active.logprobs = tuple(active.logprobs), []
-                self._emit(active.sink, TextDelta(text, logprobs))
+                delta = TextDelta(text, logprobs)
             else:
-                self._emit(active.sink, TextDelta(text))
+                delta = TextDelta(text)
+            if len(active.completion_ids) > 1 and self._holding():
+                self._hold(active.sink, delta)
+            else:
+                self._emit(active.sink, delta)
 
     def _finish(self, slot: _Slot, active: _Active, reason: FinishReason) -> None:
         if active.messages is not None and active.answer is not None:
@@ -965,6 +981,9 @@ class Worker:
         usage = Usage(active.prompt_tokens, len(active.completion_ids))
         event = Finished(reason, usage, tuple(active.completion_ids))
         if self._kept and self._kept[-1].active is active:
+            held = self._held.pop(id(active.sink), None)
+            if held is not None:
+                self._outbox.append(held)  # the text now; `_retire` below would drop it
             self._kept[-1].finished = (active.sink, event)  # sent once its sequence is stored
         else:
             self._emit(active.sink, event)
@@ -979,9 +998,30 @@ class Worker:
     # -- delivery ----------------------------------------------------------------------------
 
     def _emit(self, sink: EventSink, event: Event) -> None:
+        held = self._held.pop(id(sink), None)
+        if held is not None:  # the text held for this request goes first
+            self._outbox.append(held)
         self._outbox.append((sink, event))
 
+    def _holding(self) -> bool:
+        """Whether text after a request's first token may wait for the next release (see "Delivery")."""
+        return self._stream_interval > 0 and len(self._where) > STREAM_INTERVAL_MIN_REQUESTS
+
+    def _hold(self, sink: EventSink, delta: TextDelta) -> None:
+        held = self._held.get(id(sink))
+        if held is not None:
+            delta = TextDelta(held[1].text + delta.text, held[1].logprobs + delta.logprobs)
+        self._held[id(sink)] = (sink, delta)
+
+    def _release_held(self) -> None:
+        now = time.monotonic()
+        if self._held and (now - self._released_at >= self._stream_interval or not self._holding()):
+            self._outbox.extend(self._held.values())
+            self._held.clear()
+            self._released_at = now
+
     def _flush_outbox(self) -> None:
+        self._release_held()
         if not self._outbox:
             return
         by_loop: dict[object, list[tuple[EventSink, Event]]] = defaultdict(list)
