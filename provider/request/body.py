@@ -256,7 +256,8 @@ class ToolChoice:
 
     @property
     def forces_a_call(self) -> bool:
-        """The output must be a call (`required`, or a named function): constrained decoding's to enforce."""
+        """The output must be a call (`required`, or a named function): its grammar enforces it
+        (`provider.request.output`)."""
         return self.mode in ("required", "function")
 
 
