@@ -18,7 +18,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from protocol import sse
-from provider.engine import Finished, FinishReason, TextDelta, Usage
+from provider.engine import Finished, FinishReason, TextDelta, TokenLogprob, Usage
 from provider.engine.openai import ChatChunks, chat_completion
 from provider.engine.textstream import CompletionText
 from provider.engine.toolcalls import ToolCall, ToolCallStream, tool_calls_for
@@ -181,3 +181,20 @@ def test_however_the_text_is_cut_the_stream_gives_the_whole_answer(fmt, cuts):
     assert final.choices[0].message.content == reply.choices[0].message.content == "Let me look."
     assert calls_of(final.choices[0].message) == calls_of(reply.choices[0].message)
     assert not any("tool_call>" in (c.choices[0].delta.content or "") for c in chunks)
+
+
+def test_log_probabilities_of_text_held_inside_a_call_go_out_with_the_next_chunk(fmt):
+    """Issue 31 item 3 beside tools: every token's entry reaches the client once, in order, whether
+    its text went out as content, inside a call, or not at all (the finish chunk carries the rest)."""
+    pieces = ["Let me look.\n", *CALL_1, "\n", *CALL_2]
+    entries = [TokenLogprob(i, -0.5, ()) for i in range(len(pieces))]
+    chunks = ChatChunks("c", "m", tools=tool_calls_for(fmt, TOOLS), token_bytes=lambda token: bytes([65 + token % 26]))
+    out = [*chunks.start()]
+    for piece, entry in zip(pieces, entries):
+        out += chunks.delta(piece, (entry,))
+    out += chunks.end(Finished(FinishReason.STOP, Usage(3, len(pieces)), ()), include_usage=True)
+    spelled = [e.token for c in out if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert spelled == [chr(65 + i % 26) for i in range(len(pieces))]
+    assert [d.function.name for c in out for d in c.choices[0].delta.tool_calls if d.function.name] == [
+        "get_weather", "get_time"]
+    assert out[-1].choices[0].finish_reason == "tool_calls"

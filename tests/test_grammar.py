@@ -6,6 +6,7 @@ output below is valid because of the grammar, whatever a model would prefer.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jsonschema
@@ -231,3 +232,26 @@ def test_tool_grammar_refusals():
 
 def test_the_format_comes_from_mlx_lms_tokenizer(tiny_model_path):
     assert ToolCallFormat.of(load_tokenizer(tiny_model_path)) is None  # the tiny ChatML template has no tools
+
+
+@pytest.fixture(scope="module")
+def tools_wrapper(tiny_tools_model_path):
+    return load_tokenizer(tiny_tools_model_path)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_markers_that_are_special_tokens_are_forced_as_those_tokens(tools_wrapper, seed):
+    """The tools model's `<tool_call>` and `</tool_call>` are single special tokens, which the model writes:
+    the grammar asks for them by id (llguidance would refuse the special token for the literal text)."""
+    wrapper = tools_wrapper
+    fmt = ToolCallFormat.of(wrapper)
+    assert fmt is not None and (fmt.start_token, fmt.end_token) == (wrapper.tool_call_start_tokens[0],
+                                                                    wrapper.tool_call_end_tokens[0])
+    tools_table = TokenTable.of(wrapper)
+    fmt = dataclasses.replace(fmt, parser="json_tools")
+    constraint = GrammarCache().constraint(tools_table, grammar_for_tool_call([WEATHER, SEARCH], "required", fmt))
+    tokens, ended = walk(constraint, tools_table, seed, eos_weight=0.5)
+    assert ended and not constraint.failed and tokens[0] == fmt.start_token and tokens[-1] == fmt.end_token
+    for call in hermes_calls(text(tools_table, tokens)):
+        assert_valid_call(call, [WEATHER, SEARCH])

@@ -208,7 +208,13 @@ def test_what_a_completion_cannot_do_is_a_400_naming_it(server):
     for kwargs, param in (({"prompt": ["a", "b"]}, "prompt"), ({"prompt": PROMPT, "echo": True}, "echo"),
                           ({"prompt": PROMPT, "suffix": "end"}, "suffix"), ({"prompt": PROMPT, "n": 2}, "n"),
                           ({"prompt": PROMPT, "best_of": 3}, "best_of"), ({"prompt": PROMPT, "logprobs": 2}, "logprobs"),
-                          ({"prompt": [5, 999_999]}, "prompt"), ({"prompt": ""}, "prompt")):
+                          ({"prompt": [5, 999_999]}, "prompt"), ({"prompt": ""}, "prompt"),
+                          # chat's output controls: refused here rather than ignored
+                          ({"prompt": PROMPT, "extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}},
+                           "tools"),
+                          ({"prompt": PROMPT, "extra_body": {"tool_choice": "required"}}, "tool_choice"),
+                          ({"prompt": PROMPT, "extra_body": {"response_format": {"type": "json_object"}}},
+                           "response_format")):
         with pytest.raises(openai.BadRequestError) as caught:
             client.completions.create(model=MODEL, max_tokens=2, **kwargs)
         assert caught.value.body["param"] == param, kwargs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from provider.request.body import InvalidBody, parse_chat_body
@@ -141,3 +143,50 @@ async def test_a_vision_model_takes_neither(intake_of):
     with pytest.raises(InvalidBody) as caught:
         await intake.output("r2", parse_chat_body(body(logprobs=True)))
     assert caught.value.field == "logprobs"
+
+
+# --- a forced tool call: its grammar, compiled and reserved by the same step
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Oslo", "Paris"]}}, "required": ["city"]}}}
+
+
+@pytest.fixture
+def tools_intake(tiny_tools_model_path):
+    counter = PromptCounter({"m": tiny_tools_model_path}, lane=BulkLane(max_waiting=1))
+    yield Intake(counter, ledger_of(64), Manager())
+    counter.lane.close()
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+async def test_a_forced_call_is_a_grammar_reserved_like_any_other(tools_intake, choice):
+    plan = await tools_intake.output("r1", parse_chat_body(body(tools=[TOOL], tool_choice=choice)))
+    table = tools_intake.grammars.table("m")
+    assert plan.constraint is not None and tools_intake.ledger.bytes_of("grammar:r1") == grammar_bytes(table.vocab_size)
+    plan.release()
+    assert len(tools_intake.ledger) == 0
+    for free in ("auto", "none"):  # the model may answer freely: no grammar
+        assert (await tools_intake.output("r2", parse_chat_body(body(tools=[TOOL], tool_choice=free)))).constraint is None
+
+
+async def test_a_family_with_no_call_grammar_is_a_400_naming_tool_choice(tools_intake, monkeypatch):
+    real = tools_intake.counter.tool_format
+
+    async def pythonic(model_id):  # a family whose calls are Python expressions: no grammar for them here
+        return dataclasses.replace(await real(model_id), name="pythonic")
+
+    monkeypatch.setattr(tools_intake.counter, "tool_format", pythonic)
+    with pytest.raises(InvalidBody) as caught:
+        await tools_intake.output("r1", parse_chat_body(body(tools=[TOOL], tool_choice="required")))
+    assert caught.value.field == "tool_choice" and len(tools_intake.ledger) == 0
+
+
+async def test_parameters_the_grammar_engine_rejects_and_a_response_format_beside_are_400s(tools_intake):
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"not": {"type": "string"}}}}
+    with pytest.raises(InvalidBody) as caught:
+        await tools_intake.output("r1", parse_chat_body(body(tools=[bad], tool_choice="required")))
+    assert caught.value.field == "tool_choice"
+    with pytest.raises(InvalidBody) as caught:
+        await tools_intake.output("r2", parse_chat_body(body(tools=[TOOL], tool_choice="required",
+                                                              response_format={"type": "json_object"})))
+    assert caught.value.field == "response_format" and len(tools_intake.ledger) == 0

@@ -100,9 +100,25 @@ def test_the_neutral_value_is_what_we_do_anyway(extra):
     assert parse_chat_body({**CHAT, **extra}) == parse_chat_body(CHAT)
 
 
-@pytest.mark.parametrize("extra", [{"best_of": 1}, {"echo": False}, {"suffix": ""}, {"suffix": None}, {"logprobs": None}])
+@pytest.mark.parametrize("extra", [{"best_of": 1}, {"echo": False}, {"suffix": ""}, {"suffix": None}, {"logprobs": None},
+                                   {"tools": None}, {"tool_choice": None}, {"response_format": None}])
 def test_the_neutral_value_of_a_completions_parameter(extra):
     assert parse_completion_body({**COMPLETION, **extra}) == parse_completion_body(COMPLETION)
+
+
+@pytest.mark.parametrize("extra", [{"tools": []}, {"tools": [{"type": "function", "function": {"name": "f"}}]},
+                                   {"tool_choice": "none"}, {"response_format": {"type": "text"}},
+                                   {"response_format": {"type": "json_object"}}])
+def test_chats_output_controls_are_refused_on_completions(extra):
+    """A legacy completion cannot call tools nor follow a format: the 400 names the parameter."""
+    with pytest.raises(InvalidBody) as caught:
+        parse_completion_body({**COMPLETION, **extra})
+    assert caught.value.field == next(iter(extra)) and "/v1/completions" in caught.value.rule
+
+
+def test_parallel_tool_calls_null_is_not_sent():
+    tool = {"type": "function", "function": {"name": "f"}}
+    assert parse_chat_body({**CHAT, "tools": [tool], "parallel_tool_calls": None}).parallel_tool_calls is True
 
 
 @pytest.mark.parametrize("endpoint", list(Endpoint))

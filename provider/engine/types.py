@@ -59,9 +59,9 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class ToolCallConstraint:
-    """The output must be a tool call (`tool_choice` `required`, or a named function): the hook that
-    constrained decoding fills in (issue 31 item 2). Until it does, the engine does not enforce it;
-    the call, if the model makes one, is read from the text as for `auto`.
+    """The output must be a tool call (`tool_choice` `required`, or a named function). The intake
+    turns it into the request's grammar (`provider.request.output`: `ChatRequest.constraint`), which
+    the engine enforces; the call is read from the text as for `auto`.
 
     `format` is mlx-lm's parser module for the model's family (``json_tools``...), written between
     `start` and `end` (`provider.models.tools.ToolFormat`); `functions` are the OpenAI function

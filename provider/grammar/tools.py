@@ -6,7 +6,9 @@ parallel calls, one or more) to one of these functions, its arguments valid agai
 `tool_parsers`):
 
 * `json_tools` (Hermes / Qwen 2.5 style): `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`,
-  parallel calls one after the other, a newline between;
+  parallel calls one after the other, a newline between; each marker is its special token's id where
+  the vocabulary has it as one (a literal would be spelled in plain tokens, and the model writes the
+  special one: llguidance does not take it for the literal);
 * `mistral`: `[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]` (the list form its parser reads;
   `[TOOL_CALLS]` is the special token's id where the vocabulary has it).
 
@@ -43,6 +45,7 @@ class ToolCallFormat:
     start: str  # tool_call_start, e.g. "<tool_call>"
     end: str  # tool_call_end ("" for mistral)
     start_token: int | None = None  # the start marker's id where it is one special token
+    end_token: int | None = None  # the end marker's, likewise
 
     @classmethod
     def of(cls, wrapper: Any) -> ToolCallFormat | None:
@@ -52,9 +55,10 @@ class ToolCallFormat:
             return None
         hf = getattr(wrapper, "_tokenizer", wrapper)
         parser = str(getattr(hf, "init_kwargs", {}).get("tool_parser_type") or "")
-        tokens = getattr(wrapper, "tool_call_start_tokens", None) or ()
+        starts = getattr(wrapper, "tool_call_start_tokens", None) or ()
+        ends = getattr(wrapper, "tool_call_end_tokens", None) or ()
         return cls(parser, start, getattr(wrapper, "tool_call_end", "") or "",
-                   tokens[0] if len(tokens) == 1 else None)
+                   starts[0] if len(starts) == 1 else None, ends[0] if len(ends) == 1 else None)
 
 
 def grammar_for_tool_call(tools: Sequence[Mapping[str, Any]], choice: str | Mapping[str, Any],
@@ -81,11 +85,12 @@ def grammar_for_tool_call(tools: Sequence[Mapping[str, Any]], choice: str | Mapp
     body = json.dumps(call)
     if fmt.parser == "json_tools":
         more = f' ("\\n" call){{0,{calls - 1}}}' if calls > 1 else ""
+        start, end = _marker(fmt.start, fmt.start_token), _marker(fmt.end, fmt.end_token)
         lark = (f"start: call{more}\n"
-                f"call: {_literal(fmt.start + chr(10))} json {_literal(chr(10) + fmt.end)}\n"
+                f"call: {start} \"\\n\" json \"\\n\" {end}\n"
                 f"json: %json {body}\n")
     elif fmt.parser == "mistral":
-        start = f"<[{fmt.start_token}]>" if fmt.start_token is not None else _literal(fmt.start)
+        start = _marker(fmt.start, fmt.start_token)
         more = f' (", " json){{0,{calls - 1}}}' if calls > 1 else ""
         lark = (f"start: {start} \"[\" json{more} \"]\"\n"
                 f"json: %json {body}\n")
@@ -110,6 +115,11 @@ def _functions(tools: Sequence[Mapping[str, Any]]) -> list[tuple[str, Mapping[st
 def _call_schema(name: str, parameters: Mapping[str, Any]) -> dict[str, Any]:
     return {"type": "object", "properties": {"name": {"const": name}, "arguments": dict(parameters)},
             "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def _marker(text: str, token: int | None) -> str:
+    """A call marker in the grammar: its special token where it is one, else its text."""
+    return f"<[{token}]>" if token is not None else _literal(text)
 
 
 def _literal(text: str) -> str:

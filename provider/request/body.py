@@ -18,10 +18,10 @@ client error (400), never silently run as an empty message.
 Tools (issue 31): `tools` are OpenAI function tools (`{"type": "function", "function": {"name",
 "description", "parameters"}}`), kept as sent for the chat template; `tool_choice` is `none`, `auto`
 (the default when tools are given), `required` or `{"type": "function", "function": {"name": ...}}`
-naming one of them; `parallel_tool_calls` a boolean. With `none` the tools are not offered to the
-model at all (`offered_tools`): it must not call, and its output is not read for calls. An assistant
-turn's `tool_calls` reach the template with each call's `arguments` as an object (what templates
-render with `tojson`; a string that is not a JSON object stays as sent), a `tool` turn with its
+naming one of them; `parallel_tool_calls` a boolean (null: not sent). With `none` the tools are not
+offered to the model at all (`offered_tools`): it must not call, and its output is not read for
+calls. An assistant turn's `tool_calls` reach the template with each call's `arguments` as an object
+(what templates render with `tojson`; a string that is not a JSON object stays as sent), a `tool` turn with its
 `tool_call_id` (required, as OpenAI requires it). Whether the model can call tools at all is the
 intake's question (`provider.request.intake`), not the parser's.
 
@@ -256,7 +256,8 @@ class ToolChoice:
 
     @property
     def forces_a_call(self) -> bool:
-        """The output must be a call (`required`, or a named function): constrained decoding's to enforce."""
+        """The output must be a call (`required`, or a named function): its grammar enforces it
+        (`provider.request.output`)."""
         return self.mode in ("required", "function")
 
 
@@ -298,7 +299,7 @@ class _Body(_Sampled):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[_Tool] | None = None
     tool_choice: Any = None  # read by _tool_choice, which knows the tools
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None  # null: not sent (true, OpenAI's default)
     # Issue 31 items 2-3: the output's grammar (read by response_format.py, whose errors name the part
     # at fault) and its log-probabilities (OpenAI: 0-20 alternatives).
     response_format: Any = None
@@ -489,7 +490,7 @@ def parse_chat_body(data: Any) -> ChatBody:
         chars=chars,
         tools=tuple(t.model_dump(exclude_unset=True) for t in tools),
         tool_choice=tool_choice,
-        parallel_tool_calls=body.parallel_tool_calls,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
         response_format=response_format,
         logprobs=bool(body.logprobs),
         top_logprobs=(body.top_logprobs or 0) if body.logprobs else None,

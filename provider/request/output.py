@@ -12,6 +12,14 @@ After the prompt is counted, before admission books anything, for a request with
   engine gives the reservation back when the request leaves it; a request that never reaches the
   engine gives it back through `OutputPlan.release` (idempotent: both may run).
 
+A forced tool call (`tool_choice` "required" or a named function, `ChatBody.tool_call`) is a grammar
+like any other: `provider.grammar.grammar_for_tool_call` writes the call in the model's family's
+format (mlx-lm's parser, `ToolFormat`), so what the engine lets out is one call (or, for "required"
+with parallel calls, several) that the family's parser reads back, its arguments valid against the
+function's `parameters`. It is compiled, cached and reserved as above; its refusals name
+`tool_choice` (a family with no call grammar here, parameters the grammar engine cannot handle). With
+a `response_format` as well, the two would ask for different outputs: a 400 naming `response_format`.
+
 A vision model's requests are served by mlx-vlm's own loop, which takes neither: they are a 400
 naming the parameter, as is a model whose tokenizer llguidance cannot read.
 """
@@ -26,12 +34,26 @@ from dataclasses import dataclass
 from memory import Ledger, Rejection, ReservationKind
 from memory.grammar import grammar_bytes
 from protocol.errors import Failure, RejectionReason
-from provider.grammar import Constraint, GrammarCache, GrammarRejected, TokenTable, VocabUnavailable
+from provider.engine import ToolCallConstraint
+from provider.grammar import (
+    Constraint,
+    GrammarCache,
+    GrammarRejected,
+    TokenTable,
+    ToolCallFormat,
+    ToolGrammarUnsupported,
+    VocabUnavailable,
+    grammar_for_tool_call,
+)
 from provider.grammar.formats import REJECTED_RULE
 from provider.request.body import ChatBody, InvalidBody
+from provider.request.response_format import ResponseFormat
 from provider.request.tokens import PromptCounter
 
 UNSUPPORTED_RULE = "is not supported by this model"
+NO_CALL_GRAMMAR_RULE = ("is not supported by this model: a forced call needs constrained decoding, which has no "
+                        "grammar for its family's tool-call format (send auto or none)")
+BOTH_RULE = "cannot be combined with a forced tool_choice (required or a named function)"
 
 
 @dataclass(slots=True)
@@ -68,21 +90,25 @@ class Grammars:
     async def plan(self, request_id: str, body: ChatBody, fail: Callable[[Failure], Exception]) -> OutputPlan:
         """The request's `OutputPlan`. Raises `InvalidBody` (a 400 naming the parameter), or `fail(Failure)`
         when the grammar's memory does not fit now."""
-        if body.response_format is None and body.top_logprobs is None:
+        forced = await self._forced_call(body)
+        if forced is not None and body.response_format is not None:
+            raise InvalidBody("response_format", BOTH_RULE)
+        output = forced or body.response_format
+        if output is None and body.top_logprobs is None:
             return NO_PLAN
-        param = body.response_format.param if body.response_format is not None else "logprobs"
+        param = output.param if output is not None else "logprobs"
         if self._counter.is_vision(body.model):
             raise InvalidBody(param, UNSUPPORTED_RULE)
         try:
             table = await self._table(body.model)
         except VocabUnavailable:
             raise InvalidBody(param, UNSUPPORTED_RULE) from None
-        if body.response_format is None:
+        if output is None:
             return OutputPlan(None, body.top_logprobs)
         lease = f"grammar:{request_id}"
         if isinstance(self._ledger.reserve(lease, ReservationKind.GRAMMAR, grammar_bytes(table.vocab_size)), Rejection):
             raise fail(Failure.capacity(RejectionReason.MEMORY_CAP))
-        grammar = body.response_format.grammar
+        grammar = output.grammar
         release = functools.partial(self._ledger.release, lease)  # idempotent: the engine or the front door
         try:
             if self.cache.cached(table, grammar):
@@ -96,6 +122,25 @@ class Grammars:
             release()  # cancelled while compiling: the matcher, if any, is dropped with the thread's result
             raise
         return OutputPlan(constraint, body.top_logprobs)
+
+    async def _forced_call(self, body: ChatBody) -> ResponseFormat | None:
+        """The grammar of the call the output must be (None: the model may answer freely)."""
+        if not body.tool_choice.forces_a_call or not body.tools:
+            return None
+        call = body.tool_call(await self._counter.tool_format(body.model))
+        if call is None:  # no tool calling at all: the prompt step refused its tools already
+            raise InvalidBody("tools", UNSUPPORTED_RULE)
+        tokenizer = await self._counter.tokenizer(body.model)
+        choice = ("required" if body.tool_choice.mode == "required"
+                  else {"type": "function", "function": {"name": body.tool_choice.name}})
+        try:  # a Lark grammar around each function's schema, checked (no vocabulary): a thread's work
+            grammar = await asyncio.to_thread(grammar_for_tool_call, _tools(call), choice,
+                                              _call_format(call, tokenizer), parallel=call.parallel)
+        except ToolGrammarUnsupported:
+            raise InvalidBody("tool_choice", NO_CALL_GRAMMAR_RULE) from None
+        except GrammarRejected:
+            raise InvalidBody("tool_choice", f"{REJECTED_RULE} (the function's parameters)") from None
+        return ResponseFormat("tool_call", grammar)
 
     async def _table(self, model_id: str) -> TokenTable:
         table = self._tables.get(model_id)
@@ -117,4 +162,16 @@ class Grammars:
         return table
 
 
-__all__ = ["NO_PLAN", "UNSUPPORTED_RULE", "Grammars", "OutputPlan"]
+def _tools(call: ToolCallConstraint) -> list[dict[str, object]]:
+    return [{"type": "function", "function": function} for function in call.functions]
+
+
+def _call_format(call: ToolCallConstraint, tokenizer: object) -> ToolCallFormat:
+    """The call's format for its grammar: each marker's id where it is one special token (mlx-lm's)."""
+    starts = getattr(tokenizer, "tool_call_start_tokens", None) or ()
+    ends = getattr(tokenizer, "tool_call_end_tokens", None) or ()
+    return ToolCallFormat(call.format, call.start, call.end, starts[0] if len(starts) == 1 else None,
+                          ends[0] if len(ends) == 1 else None)
+
+
+__all__ = ["BOTH_RULE", "NO_CALL_GRAMMAR_RULE", "NO_PLAN", "UNSUPPORTED_RULE", "Grammars", "OutputPlan"]

@@ -17,7 +17,9 @@ validator reads is ignored: the coordinator adds keys of its own (``endpoint``,
 ``tool_schema_metadata_protocol``) and newer ones must be ignored (protocol.md §7.1).
 
 Not here: ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``response_format``, ``logprobs`` and
-``top_logprobs`` on chat are parsed by the body validator (issue 31 items 1-3).
+``top_logprobs`` on chat are parsed by the body validator (issue 31 items 1-3). On the legacy
+completions endpoint, chat's output controls (tools, a forced call, a response format) are refused:
+a completion there is free text.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ def _empty_string(value: Any) -> bool:
 
 
 _UNSUPPORTED = "is not supported by this provider"
+_CHAT_ONLY = "is not supported on /v1/completions: send it to /v1/chat/completions"
 _SAMPLING = "is not supported: the sampling parameters are temperature, top_p and seed"
 
 NEUTRAL: Mapping[str, Rule] = {
@@ -120,6 +123,10 @@ REFUSED: Mapping[str, Rule] = {
     "guided_regex": Rule(_never, _UNSUPPORTED),
     "guided_choice": Rule(_never, _UNSUPPORTED),
     "guided_grammar": Rule(_never, _UNSUPPORTED),
+    # Chat's output controls: a legacy completion is free text (they are served on /v1/chat/completions).
+    "tools": Rule(_never, _CHAT_ONLY, COMPLETIONS),
+    "tool_choice": Rule(_never, _CHAT_ONLY, COMPLETIONS),
+    "response_format": Rule(_never, _CHAT_ONLY, COMPLETIONS),
 }
 
 _CHECKS: Mapping[Endpoint, tuple[tuple[str, Rule], ...]] = {

@@ -1,0 +1,166 @@
+"""Forced tool calls through `serve --local` with the openai SDK (issue 31 item 2).
+
+`tool_choice: "required"` or a named function is a grammar in the continuous batch: the tiny tools
+model's weights are random, yet every forced answer is a call to an offered function whose arguments
+validate against its schema, read back by the family's parser (mlx-lm's json_tools) into OpenAI's
+`tool_calls` with finish_reason "tool_calls"; plain requests in the same batch get exactly the tokens
+they get alone; a streamed call reassembles to the non-streamed one.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from test_local_server import CANARY, Server, start_server
+
+MODEL = "demo/tools"
+ROOM = 400  # tokens: more than one call to any function below takes at its longest
+
+
+def _function(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "description": f"{name} {CANARY}", "parameters": parameters}}
+
+
+BOOK = _function("book_trip", {
+    "type": "object", "properties": {
+        "city": {"enum": ["Oslo", "Paris", "Lima"]},
+        "nights": {"type": "integer", "minimum": 1, "maximum": 14},
+        "guests": {"type": "array", "items": {"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+            "required": ["name", "age"], "additionalProperties": False}, "minItems": 1, "maxItems": 2},
+        CANARY: {"type": "boolean"}},
+    "required": ["city", "nights", "guests"], "additionalProperties": False})
+MOVE = _function("move_arm", {
+    "type": "object", "properties": {
+        "to": {"type": "object", "properties": {
+            "x": {"type": "number", "minimum": -1, "maximum": 1, "multipleOf": 0.25},
+            "y": {"type": "number", "minimum": 0, "maximum": 2, "multipleOf": 0.5}},
+            "required": ["x", "y"], "additionalProperties": False},
+        "speed": {"enum": ["slow", "fast"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
+    "required": ["to", "speed"], "additionalProperties": False})
+TIME = _function("get_time", {"type": "object", "properties": {}, "additionalProperties": False})
+TOOLS = [BOOK, MOVE, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+PLAIN = ["hello", "a river of copper wire", "seven green lamps", "north wind over the salt stone"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_path, tiny_tools_model_path) -> Iterator[Server]:
+    srv = start_server(tmp_path_factory.mktemp("forced"), tiny_model_path,
+                       "--model-aliases", f"{MODEL}={tiny_tools_model_path}")
+    yield srv
+    if srv.proc.poll() is None:
+        srv.stop()
+
+
+def choice_of(i: int) -> str | dict:
+    """Every third request `required`, the others a named function in turn."""
+    if i % 3 == 0:
+        return "required"
+    return {"type": "function", "function": {"name": TOOLS[i % len(TOOLS)]["function"]["name"]}}
+
+
+def forced_request(client: openai.OpenAI, i: int):
+    choice = choice_of(i)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": f"task {i}: {CANARY}"}], tools=TOOLS, tool_choice=choice,
+        parallel_tool_calls=False, max_tokens=ROOM, temperature=1.0, seed=i)
+    return choice, reply
+
+
+def plain_request(client: openai.OpenAI, content: str):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                          max_tokens=16, temperature=0)
+
+
+def test_a_hundred_forced_calls_validate_at_concurrency_8_beside_plain_requests(server):
+    client = server.client()
+    alone = {p: plain_request(client, p).choices[0].message.content for p in PLAIN}
+    jobs = [("forced", i) for i in range(100)] + [("plain", p) for p in PLAIN * 5]
+    random.Random(31).shuffle(jobs)
+    with ThreadPoolExecutor(8) as pool:
+        futures = [(kind, arg, pool.submit(forced_request if kind == "forced" else plain_request, client, arg))
+                   for kind, arg in jobs]
+        results = [(kind, arg, f.result()) for kind, arg, f in futures]
+    valid = 0
+    for kind, arg, result in results:
+        if kind == "plain":
+            assert result.choices[0].message.content == alone[arg]  # greedy: the same tokens as alone
+            continue
+        choice, reply = result
+        answer = reply.choices[0]
+        assert answer.finish_reason == "tool_calls" and len(answer.message.tool_calls) == 1
+        call = answer.message.tool_calls[0]
+        if choice != "required":
+            assert call.function.name == choice["function"]["name"]
+        assert call.type == "function" and call.id
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        valid += 1
+    assert valid == 100
+    status = httpx.get(server.base_url + "/status").json()
+    assert status["ledger"]["bytes_by_kind"]["grammar"] == 0 and status["in_flight"] == 0
+    assert CANARY not in server.log_path.read_text()  # neither the prompt nor a schema's property name
+
+
+def test_required_with_parallel_calls_gives_calls_that_each_validate(server):
+    for seed in range(3):
+        reply = server.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "what time is it?"}], tools=[TIME, MOVE],
+            tool_choice="required", max_tokens=1500, temperature=1.0, seed=seed)
+        answer = reply.choices[0]
+        assert answer.finish_reason == "tool_calls" and 1 <= len(answer.message.tool_calls) <= 8
+        assert len({c.id for c in answer.message.tool_calls}) == len(answer.message.tool_calls)
+        for call in answer.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "move_arm"}}])
+def test_a_streamed_forced_call_reassembles_to_the_non_streamed_one(server, choice):
+    client = server.client()
+    asked = dict(model=MODEL, messages=[{"role": "user", "content": "move it"}], tools=TOOLS, tool_choice=choice,
+                 parallel_tool_calls=False, max_tokens=ROOM, temperature=0)
+    whole = client.chat.completions.create(**asked).choices[0]
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**asked, stream=True):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        assert not delta.content  # a forced answer is the call and nothing else
+        for part in delta.tool_calls or ():
+            call = calls.setdefault(part.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = part.id or call["id"]
+            if part.function is not None:
+                call["name"] += part.function.name or ""
+                call["arguments"] += part.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == whole.finish_reason == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert all(c["id"] for c in calls.values())
+
+
+def test_refusals_name_tool_choice_or_response_format(server):
+    client = server.client()
+    bad = _function("f", {"not": {"type": "string"}})
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], tools=[bad],
+                                       tool_choice="required", max_tokens=4)
+    assert caught.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], tools=TOOLS,
+                                       tool_choice="required", response_format={"type": "json_object"}, max_tokens=4)
+    assert caught.value.body["param"] == "response_format"
+    assert CANARY not in caught.value.response.text
+    status = httpx.get(server.base_url + "/status").json()
+    assert status["ledger"]["bytes_by_kind"]["grammar"] == 0
