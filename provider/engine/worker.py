@@ -39,7 +39,7 @@ which do not exist while the engine is idle, so it is bounded by half the activa
 
 Delivery. A step's events go to the asyncio loop in one call per loop. With `stream_interval_s`
 set, while more than `STREAM_INTERVAL_MIN_REQUESTS` requests run, the text a request generates after
-its first token is held and handed over at most once per interval, a request's held text as one
+its first text is held and handed over at most once per interval, a request's held text as one
 `TextDelta` (several tokens): on a GPU a step takes a few ms, and the event loop's work per delivered
 event (a wake-up, an SSE chunk, a write) competes with the engine thread for the GIL. First tokens,
 terminal events (after the request's held text) and every event of a smaller batch go out at once.
@@ -154,6 +154,7 @@ class _Active:
     cache: list | None = None  # ready: its prompt's KV, until it joins the batch
     messages: Sequence[Mapping[str, object]] | None = None  # kept only to prepare the next turn
     answer: list[str] | None = None  # the text sent, kept only to prepare the next turn
+    text_sent: bool = False  # its first text is out (later text may be held: "Delivery")
     # Issue 31: its grammar and log-probabilities in the batch (guided.py), None for a plain request;
     # the log-probabilities of tokens whose text has not gone out yet.
     guide: guided.RowGuide | None = None
@@ -967,10 +968,11 @@ class Worker:
                 delta = TextDelta(text, logprobs)
             else:
                 delta = TextDelta(text)
-            if len(active.completion_ids) > 1 and self._holding():
+            if active.text_sent and self._holding():
                 self._hold(active.sink, delta)
             else:
                 self._emit(active.sink, delta)
+            active.text_sent = True
 
     def _finish(self, slot: _Slot, active: _Active, reason: FinishReason) -> None:
         if active.messages is not None and active.answer is not None:
