@@ -164,7 +164,7 @@ class Agent:
         session = Session(
             SessionConfig(url=settings.coordinator_url, heartbeat_interval_s=settings.heartbeat_interval_s,
                           eviction_window_s=settings.eviction_window_s, drain_timeout_s=settings.drain_timeout_s,
-                          dev_posture=settings.dev_posture),
+                          drain_ack_timeout_s=settings.drain_ack_timeout_s, dev_posture=settings.dev_posture),
             build_register=make_register,
             answer_challenge=challenge_answerer(keys, posture, rhash),
             build_heartbeat=heartbeat,

@@ -63,6 +63,7 @@ from provider.config import (
     settings_reference,
 )
 from provider.progress import Progress
+from provider.session.status import trust_line
 from provider.state_lock import AgentRecord, AlreadyRunning, StateLock, running_agent
 
 if TYPE_CHECKING:
@@ -465,10 +466,17 @@ def render_session(s: dict[str, Any], now: float) -> list[str]:
         named = ", ".join(rt.get("mismatches", [])) or "no component named"
         lines.append(f"  runtime_status: NOT VERIFIED ({named}): the coordinator does not route to this "
                      "provider until its operator lists this runtime (see `darkbloom-provider doctor`)")
+    lines.append("  " + trust_line(s.get("trust"), now))  # provider.session.status
     close = s.get("last_close")
     if close:
         reason = f" \"{close['reason']}\"" if close.get("reason") else ""
         lines.append(f"  last close: {close.get('code')}{reason}, {close.get('cause')}, {_ago(close.get('at'), now)}")
+    if s.get("restore_waits"):
+        lines.append(f"  coordinator restoring our state (1013, not a failure): {s['restore_waits']} time(s)")
+    drain = s.get("last_drain")
+    if drain:
+        lines.append(f"  last drain barrier: {'acknowledged' if drain.get('acked') else 'NOT acknowledged'} "
+                     f"after {drain.get('waited_s', 0):.1f} s, {_ago(drain.get('at'), now)}")
     r = s.get("requests", {})
     lines.append(f"  requests accepted {r.get('accepted', 0)} (completed {r.get('completed', 0)}, "
                  f"cancelled {r.get('cancelled', 0)}), refused: {_reasons(r.get('refused', {}))}, "

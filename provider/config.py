@@ -246,6 +246,11 @@ class Settings(BaseModel):
         30.0, ge=0, description="On shutdown, how long in-flight requests may finish.",
         **_allowed("a number of seconds >= 0"),
     )
+    drain_ack_timeout_s: float = Field(
+        5.0, ge=0, description="On shutdown, once every request has its terminal frame, how long to wait for "
+        "the coordinator to acknowledge the drain barrier (provider_drain_ack) before closing.",
+        **_allowed("a number of seconds >= 0"),
+    )
 
     # --- memory diagnostics and the restart recommendation (memory/diagnostics.py)
     restart_drift_fraction: float = Field(
@@ -370,7 +375,8 @@ class Settings(BaseModel):
 
     @field_validator(
         "heartbeat_interval_s", "eviction_window_s", "memory_reserve_gb", "memory_limit_gb", "max_model_slots", "max_batch_size", "idle_timeout_mins",
-        "load_wait_timeout_s", "settle_timeout_s", "template_timeout_s", "drain_timeout_s", "restart_drift_fraction", "restart_drift_gb",
+        "load_wait_timeout_s", "settle_timeout_s", "template_timeout_s", "drain_timeout_s", "drain_ack_timeout_s",
+        "restart_drift_fraction", "restart_drift_gb",
         "restart_failed_settles", "kv_ssd_budget_gb", "local_port",
         "max_vision_requests", "pause_when_active_mins", "pause_unload_grace_mins", "crash_loop_limit",
         "crash_loop_window_mins",

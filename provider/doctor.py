@@ -84,6 +84,7 @@ import platform
 import socket
 import ssl
 import sys
+import time
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -110,6 +111,7 @@ from provider.config import Settings, unrecognised_env
 from provider.doctor_guest import GuestReport, gather_guest, guest_json, guest_lines
 from provider.doctor_routing import BLOCKING, RoutingReport, gather_routing, routing_json, routing_lines, untrusted_sentence
 from provider.hardening import Hardening
+from provider.session.status import trust_line
 from provider.state_lock import running_agent
 from provider.supervision import AbnormalExits, guard_unwritable, read_abnormal_exits
 from provider.models import Inventory, ModelInfo, Quantization, default_hf_cache, discover
@@ -274,6 +276,7 @@ class DoctorReport:
     agent: dict[str, Any] | None = None  # the running agent's /status diagnostics, when one answers
     guest: GuestReport | None = None
     crash_loop: AbnormalExits = AbnormalExits()  # the agent's own count of its abnormal exits
+    trust: dict[str, Any] | None = None  # the running agent's last trust_status from the coordinator
 
     @property
     def ok(self) -> bool:
@@ -414,7 +417,7 @@ def run_doctor(
         problems += tuple(Problem(ProblemCode.SIGNAL_UNAVAILABLE, setting, f"reader: {source}")
                           for setting, source in guest_report.unreadable())
     return DoctorReport(snapshot, hypothetical, cap, policy, level, rhash, models, inventory, coordinator, problems,
-                        routing, agent, guest_report, crash_loop)
+                        routing, agent, guest_report, crash_loop, _trust(status))
 
 
 def running_agent_diagnostics(settings: Settings, timeout_s: float = 2.0) -> dict[str, Any] | None:
@@ -427,6 +430,13 @@ def running_agent_diagnostics(settings: Settings, timeout_s: float = 2.0) -> dic
 def _diagnostics(status: dict[str, Any] | None) -> dict[str, Any] | None:
     diagnostics = status.get("diagnostics") if status is not None else None
     return diagnostics if isinstance(diagnostics, dict) else None
+
+
+def _trust(status: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The coordinator's last ``trust_status`` as the running agent keeps it (diagnostics only)."""
+    session = status.get("session") if status is not None else None
+    trust = session.get("trust") if isinstance(session, dict) else None
+    return trust if isinstance(trust, dict) else None
 
 
 def _template_drops(status: dict[str, Any] | None) -> dict[str, TemplateBound]:
@@ -611,7 +621,8 @@ def report_json(report: DoctorReport) -> dict[str, Any]:
         "routing": None if report.routing is None else routing_json(report.routing),
         "agent": {"running": report.agent is not None,
                   "restart": None if report.agent is None else report.agent.get("restart"),
-                  "baseline": None if report.agent is None else report.agent.get("baseline")},
+                  "baseline": None if report.agent is None else report.agent.get("baseline"),
+                  "trust": report.trust},
         "guest": None if report.guest is None else guest_json(report.guest),
         "crash_loop": report.crash_loop.as_json(),
     }
@@ -714,7 +725,8 @@ def render_table(report: DoctorReport) -> str:
         restart, baseline = report.agent.get("restart", {}), report.agent.get("baseline", {})
         reason = f" ({restart['reason']})" if restart.get("reason") else ""
         out += [f"Running agent  restart {restart.get('recommendation', '?')}{reason}; no-model baseline drift "
-                f"{human_bytes(baseline.get('drift_bytes'))} ({baseline.get('drift_pct', 0)} % of the cap) since start", ""]
+                f"{human_bytes(baseline.get('drift_bytes'))} ({baseline.get('drift_pct', 0)} % of the cap) since start",
+                f"  {trust_line(report.trust, time.time())}", ""]
     if report.guest is not None:
         out += guest_lines(report.guest) + [""]
     if report.problems:

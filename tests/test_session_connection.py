@@ -86,7 +86,7 @@ class MemoryTransport:
 class Harness:
     def __init__(self, *, fail_first: int = 0, drain_timeout_s: float = 5.0,
                  heartbeat_interval_s: float = 0.05, eviction_window_s: float = 90.0,
-                 stall_on_first_register_s: float = 0.0) -> None:
+                 stall_on_first_register_s: float = 0.0, drain_ack_timeout_s: float = 0.05) -> None:
         self.transports: list[MemoryTransport] = []
         self.stall_on_first_register_s = stall_on_first_register_s
         self.connected = asyncio.Condition()
@@ -100,7 +100,7 @@ class Harness:
         self.session = Session(
             SessionConfig(url="ws://127.0.0.1:1/ws/provider", heartbeat_interval_s=heartbeat_interval_s,
                           drain_timeout_s=drain_timeout_s, eviction_window_s=eviction_window_s,
-                          backoff=self._backoff),
+                          drain_ack_timeout_s=drain_ack_timeout_s, backoff=self._backoff),
             build_register=lambda: Register(hardware=HW, models=(), backend="inprocess-mlx", public_key=KEY,
                                             encrypted_response_chunks=True),
             answer_challenge=lambda c: AttestationResponse(nonce=c.nonce, signature="c2ln", public_key=KEY),

@@ -41,7 +41,7 @@ from provider.session.core import (
     SessionState,
     StartJob,
 )
-from provider.session.status import ChallengeSeen, RequestRefused, RuntimeVerdict
+from provider.session.status import BarrierAcked, ChallengeSeen, RequestRefused, RuntimeVerdict, TrustReport
 
 KEY = "tHFZkLURE4Ne6qGImKWQ5P0vHEfBq17lkLkV/Wm2rSU="
 SESSION_KEY = "X6IvWt6JfUs/rZfjNb0jxCJZa33vVeIwJZnkd3fyskg="
@@ -282,7 +282,6 @@ def test_malformed_frames_are_logged_never_raised(frame):
     '{"type":"brand_new_type","x":1}',
     '{"type":"load_model","model_id":"model-a"}',
     '{"type":"desired_models","models":[{"model_name":"public-a","desired_build":"model-a"}]}',
-    '{"type":"trust_status","trust_level":"hardware","status":"online","reason":"verified"}',
     '{"type":"register","hardware":{},"models":[],"backend":"x"}',
 ])
 def test_unknown_and_unhandled_types_are_ignored(frame):
@@ -368,3 +367,40 @@ def test_retryable_errors():
     import asyncio
 
     assert not is_retryable(asyncio.CancelledError())
+
+
+# --- lifecycle: trust_status, the drain barrier (issue 32 item 4) ------------------------------------------
+
+
+def test_trust_status_is_noted_for_the_status_page_and_changes_nothing_else():
+    core = open_core()
+    actions = core.receive_text('{"type":"trust_status","trust_level":"self_signed","status":"online",'
+                                '"reason":"SE attestation verified, awaiting MDM verification"}')
+    assert not any(isinstance(a, (Send, StartJob, CancelJob)) for a in actions)
+    assert [a.event for a in actions if isinstance(a, Note)] == [
+        TrustReport("self_signed", "online", "SE attestation verified, awaiting MDM verification")]
+    assert core.state is SessionState.REGISTERED
+
+
+def test_the_drain_barrier_goes_out_and_only_its_own_ack_settles_it():
+    core = open_core()
+    core.start_draining()
+    (send, _) = core.drain_barrier("drain-1")
+    assert isinstance(send, Send) and encode(send.frame) == '{"type":"provider_drain","request_id":"drain-1"}'
+    for stale in ('{"type":"provider_drain_ack","request_id":"drain-0"}',
+                  '{"type":"provider_drain_ack","request_id":""}'):
+        assert all(isinstance(a, Log) for a in core.receive_text(stale))
+    actions = core.receive_text('{"type":"provider_drain_ack","request_id":"drain-1"}')
+    assert [a.event for a in actions if isinstance(a, Note)] == [BarrierAcked("drain-1")]
+    # a second ack of the same barrier is stale: the waiter is gone
+    assert all(isinstance(a, Log) for a in core.receive_text('{"type":"provider_drain_ack","request_id":"drain-1"}'))
+
+
+def test_an_unasked_drain_ack_is_ignored():
+    core = open_core()
+    assert all(isinstance(a, Log) for a in core.receive_text('{"type":"provider_drain_ack","request_id":"x"}'))
+
+
+def test_the_drain_barrier_is_only_for_a_draining_session():
+    with pytest.raises(InvalidState):
+        open_core().drain_barrier("drain-1")

@@ -24,8 +24,16 @@ reservation is released before the next connection starts.
 
 Drain (``stop`` set): new requests get 503 ``draining``, heartbeats say ``draining``, running jobs get
 ``drain_timeout_s`` to finish; after it each is cancelled with ``DRAIN_EXPIRED`` as the message, which
-a job answers with its one terminal frame (503 ``draining``) instead of going silent, queued frames
-are flushed, then the socket is closed with 1000 and ``run`` returns.
+a job answers with its one terminal frame (503 ``draining``) instead of going silent. Then the lifecycle
+barrier ([N] protocol-messages.md "Provider lifecycle drain"): ``provider_drain`` with a random id goes
+out behind those terminal frames, and we wait up to ``drain_ack_timeout_s`` for its
+``provider_drain_ack`` (the coordinator has settled every request of ours: billing included). No ack in
+time (an [A] coordinator does not know the frame) is logged and recorded, never taken for success; either
+way queued frames are flushed, then the socket is closed with 1000 and ``run`` returns.
+
+A close with 1013 (try again later: [N] closes a registration whose durable state it is still
+restoring) is a wait, not a failure: recorded apart (``restore_waits``), not counted as a lost
+connection, and followed by the ordinary backoff (never reset by it).
 
 The shell keeps ``Session.status`` (``status.SessionStatus``) up to date: link state, attempts,
 registrations, how each connection ended (close code and reason, and whose doing), the backoff
@@ -36,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -57,7 +66,7 @@ from provider.session.core import (
     SessionCore,
     StartJob,
 )
-from provider.session.status import CloseCause, SessionStatus
+from provider.session.status import BarrierAcked, CloseCause, SessionStatus
 from provider.telemetry import get_logger
 
 log = get_logger("provider.session")
@@ -74,6 +83,8 @@ RECONNECT_CLOSE_REASON = "reconnecting"
 # The cancel message of a job the drain ran out on: unlike a coordinator's cancel or a lost
 # connection, the coordinator still waits for this request's terminal frame, and the socket is open.
 DRAIN_EXPIRED = "drain_expired"
+DRAIN_ACK_TIMEOUT_S = 5.0  # how long a planned shutdown waits for provider_drain_ack
+TRY_AGAIN_LATER = 1013  # RFC 6455 close code; [N]: state being restored, reconnect later
 COORDINATOR_EVICTION_WINDOW_S = 90.0  # [A] StartEvictionLoop(ctx, 90*time.Second); [N] evicts later (~120 s)
 
 
@@ -132,6 +143,7 @@ class SessionConfig:
     url: str
     heartbeat_interval_s: float = 5.0
     drain_timeout_s: float = 30.0
+    drain_ack_timeout_s: float = DRAIN_ACK_TIMEOUT_S
     eviction_window_s: float = COORDINATOR_EVICTION_WINDOW_S  # a longer gap between heartbeats: reconnect
     clock_check_interval_s: float = PING_INTERVAL_S
     stable_after_s: float = 30.0
@@ -248,7 +260,9 @@ class Session:
                 else _how_it_ended(transport, {t.get_name() for t in ended})
             await conn.close(tasks)
             self.status.connection_ended(code=code, reason=reason, cause=cause)
-            if not conn.drained:
+            if cause is CloseCause.STATE_RESTORING:
+                log.info("coordinator_state_restoring", code=code)
+            elif not conn.drained:
                 log.warning("coordinator_connection_lost", in_flight=len(conn.jobs), cause=cause, code=code)
         return time.monotonic() - registered_at
 
@@ -265,6 +279,7 @@ class _Connection:
         self.jobs: dict[str, asyncio.Task[object]] = {}
         self.drained = False
         self._closed = False
+        self.barrier_acked = asyncio.Event()
 
     # --- actions -----------------------------------------------------------------------------------
 
@@ -288,6 +303,8 @@ class _Connection:
                     getattr(log, level.value)(event, **fields)
                 case Note(event=event):
                     self.session.status.note(event)
+                    if isinstance(event, BarrierAcked):
+                        self.barrier_acked.set()
 
     def send(self, text: str) -> None:
         if not self._closed:
@@ -381,6 +398,8 @@ class _Connection:
         if self.jobs:
             log.warning("drain_timeout", in_flight=len(self.jobs))
             await self._cancel_jobs(DRAIN_EXPIRED)
+        if not await self._barrier(link):
+            return
         heartbeat.cancel()
         self.queue.put_nowait(None)  # the writer sends everything queued, then stops
         writer = next(t for t in tasks if t.get_name() == "session-writer")
@@ -390,6 +409,21 @@ class _Connection:
             await self.transport.close(1000, DRAIN_CLOSE_REASON)
         self.drained = True
         log.info("drained")
+
+    async def _barrier(self, link: set[asyncio.Task[None]]) -> bool:
+        """Send ``provider_drain`` behind every terminal frame and wait (bounded) for its ack. False when the
+        connection died meanwhile."""
+        self.apply(self.core.drain_barrier("drain-" + secrets.token_hex(8)))
+        timeout = self.session.config.drain_ack_timeout_s
+        started = time.monotonic()
+        acked = asyncio.create_task(self.barrier_acked.wait())
+        done, _ = await asyncio.wait({acked, *link}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        acked.cancel()
+        waited = time.monotonic() - started
+        self.session.status.drain_barrier_ended(acked=self.barrier_acked.is_set(), waited_s=waited)
+        if not self.barrier_acked.is_set():
+            log.warning("drain_ack_missing", waited_s=round(waited, 3), timeout_s=timeout)
+        return not (link & done) or self.barrier_acked.is_set()
 
     async def close(self, tasks: set[asyncio.Task[None]]) -> None:
         """Connection over (lost or drained): cancel every job and task, and wait for them."""
@@ -424,7 +458,8 @@ def _how_it_ended(transport: Transport, ended: set[str]) -> tuple[int | None, st
     received = getattr(protocol, "close_rcvd", None)
     sent = getattr(protocol, "close_sent", None)
     if received is not None and (sent is None or getattr(protocol, "close_rcvd_then_sent", True)):
-        return int(received.code), received.reason, CloseCause.CLOSED_BY_COORDINATOR
+        cause = CloseCause.STATE_RESTORING if received.code == TRY_AGAIN_LATER else CloseCause.CLOSED_BY_COORDINATOR
+        return int(received.code), received.reason, cause
     if sent is not None:
         return int(sent.code), sent.reason, CloseCause.CLOSED_BY_PROVIDER
     return ABNORMAL_CLOSURE, "", CloseCause.CONNECTION_LOST
@@ -454,10 +489,12 @@ async def _until_stopped(awaitable: Awaitable[Transport], stop: asyncio.Event) -
 __all__ = [
     "CLOSE_TIMEOUT_S",
     "COORDINATOR_EVICTION_WINDOW_S",
+    "DRAIN_ACK_TIMEOUT_S",
     "DRAIN_EXPIRED",
     "MAX_FRAME_BYTES",
     "PING_INTERVAL_S",
     "PING_TIMEOUT_S",
+    "TRY_AGAIN_LATER",
     "ConnectFactory",
     "RedirectRefused",
     "HeartbeatBuilder",

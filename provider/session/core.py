@@ -8,8 +8,8 @@ touches a socket: the asyncio shell (``connection.py``) calls
 * ``receive_text(frame)`` for every inbound frame — decoding happens here, so a malformed frame
   becomes a ``Log`` action instead of an exception in the shell (and an ``inference_request`` whose id
   can still be read gets its one 400 ``invalid_request``);
-* ``job_finished(id)`` when a job task ends, ``start_draining()`` on SIGTERM, ``connection_lost()``
-  when the socket is gone;
+* ``job_finished(id)`` when a job task ends, ``start_draining()`` on SIGTERM, ``drain_barrier(id)``
+  once the drain's terminal frames are queued, ``connection_lost()`` when the socket is gone;
 
 and carries out the returned actions in order: ``Send`` (put the frame on the connection's send
 queue), ``StartJob`` / ``CancelJob`` (start or cancel a job task), ``Log``, ``Note`` (update the
@@ -29,6 +29,10 @@ What the core decides (protocol.md §4, §7.4, §15.5, §15.22):
 * ``attestation_challenge`` → ``Send(attestation_response)`` built by the injected answerer; an empty
   or over-long nonce (the size rule again) is logged and not answered.
 * ``runtime_status`` → logged, naming each mismatched component; we stay connected.
+* ``trust_status`` ([N], diagnostics only) → logged and noted for the status page; nothing else changes.
+* ``drain_barrier(id)`` → ``Send(provider_drain)``; the ``provider_drain_ack`` with that id → a ``Note``
+  (``BarrierAcked``) the shell waits on; an ack for any other id (stale, or never asked) is logged and
+  ignored (protocol-messages.md "Provider lifecycle drain": only the current waiter consumes it).
 * what the operator's status page shows (a challenge seen and answered, a ``runtime_status``
   verdict, a request the core refused itself) → a ``Note`` carrying a ``status`` event.
 * unknown types, [N]-only types and undecodable frames → logged and ignored; the session goes on.
@@ -54,16 +58,26 @@ from protocol import (
     InferenceRequest,
     Message,
     ProtocolError,
+    ProviderDrain,
+    ProviderDrainAck,
     ProviderMessage,
     Register,
     RuntimeStatus,
+    TrustStatus,
     UnknownMessage,
     decode,
     readable_request_id,
 )
 from protocol.errors import Failure, inference_error_frame
 from provider.config import LogLevel
-from provider.session.status import ChallengeSeen, RequestRefused, RuntimeVerdict, SessionEvent
+from provider.session.status import (
+    BarrierAcked,
+    ChallengeSeen,
+    RequestRefused,
+    RuntimeVerdict,
+    SessionEvent,
+    TrustReport,
+)
 from provider.telemetry import get_logger
 
 log = get_logger("provider.session")
@@ -167,6 +181,7 @@ class SessionCore:
         self._answer = answer_challenge
         self._state = SessionState.CONNECTING
         self._jobs: set[str] = set()
+        self._barrier: str | None = None  # the id of the provider_drain we wait on
         self.recent = recent if recent is not None else RecentRequestIds()
 
     # --- state ----------------------------------------------------------------------------------------
@@ -228,6 +243,15 @@ class SessionCore:
                         Note(ChallengeSeen(answered=True))]
             case RuntimeStatus():
                 return self._on_runtime_status(message)
+            case TrustStatus(trust_level=level, status=status, reason=reason):
+                return [_log(LogLevel.INFO, "trust_status", state=level[:MAX_LOGGED_TYPE_CHARS],
+                             status=status[:MAX_LOGGED_TYPE_CHARS]),
+                        Note(TrustReport(level, status, reason))]
+            case ProviderDrainAck(request_id=barrier) if barrier and barrier == self._barrier:
+                self._barrier = None
+                return [_log(LogLevel.INFO, "drain_acked"), Note(BarrierAcked(barrier))]
+            case ProviderDrainAck():
+                return [_log(LogLevel.WARNING, "frame_ignored", kind=message.type, reason="no_matching_barrier")]
             case UnknownMessage(type=kind):
                 return [_log(LogLevel.INFO, "frame_ignored", kind=kind[:MAX_LOGGED_TYPE_CHARS], reason="unknown_type")]
             case _:
@@ -244,6 +268,13 @@ class SessionCore:
         if self._state is SessionState.REGISTERED:
             self.state = SessionState.DRAINING
         return [_log(LogLevel.INFO, "session_draining", in_flight=len(self._jobs))]
+
+    def drain_barrier(self, barrier_id: str) -> list[Action]:
+        """Admission is closed and every accepted request's terminal frame is queued: the barrier that
+        asks the coordinator to settle them before we disconnect (a later call replaces the waiter)."""
+        self._guard(SessionState.DRAINING)
+        self._barrier = barrier_id
+        return [Send(ProviderDrain(request_id=barrier_id)), _log(LogLevel.INFO, "drain_barrier_sent")]
 
     def connection_lost(self) -> list[Action]:
         """The socket is gone: every running job is cancelled (nothing is resumed after a reconnect)."""

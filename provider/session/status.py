@@ -5,7 +5,9 @@
 off between attempts), the coordinator URL without secrets, when the current connection registered,
 counters (connect attempts and failures, registrations, connection losses, heartbeats, challenges), the times of
 the last challenge received and answered, the last ``runtime_status`` verdict with the names of the
-mismatching components, how the last connection ended (close code, reason, cause), the backoff delay
+mismatching components, the last ``trust_status`` (trust level, status, reason: diagnostics only), how
+the last connection ended (close code, reason, cause; a 1013 "state being restored" close is a wait, not a
+loss, and counts apart), the last drain barrier (acknowledged or not), the backoff delay
 before the next attempt, and the requests of this process (``RequestTally``: accepted, completed,
 cancelled, refused and failed by reason).
 
@@ -51,6 +53,7 @@ class CloseCause(StrEnum):
     STALL = "stall"  # our heartbeats were further apart than the eviction window: re-register
     CLOCK_JUMP = "clock_jump"  # the machine slept
     DRAINED = "drained"  # we closed it on shutdown
+    STATE_RESTORING = "state_restoring"  # 1013: the coordinator is restoring our state; reconnect later
 
 
 def failure_reason(failure: Failure) -> str:
@@ -66,6 +69,17 @@ def public_url(url: str) -> str:
         host = f"[{host}]"
     netloc = host + (f":{parts.port}" if parts.port is not None else "")
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def trust_line(trust: Mapping[str, Any] | None, now: float) -> str:
+    """The ``trust`` of ``/status`` (the coordinator's last ``trust_status``) in one line, for
+    `darkbloom-provider status` and `doctor`."""
+    if not trust:
+        return "trust_status: none received (an [A] coordinator never sends it)"
+    reason = f": {trust['reason']}" if trust.get("reason") else ""
+    at = trust.get("at")
+    ago = "" if at is None else f" ({max(0.0, now - at):.0f} s ago)"
+    return f"trust_status: {trust.get('trust_level') or '?'}, {trust.get('status') or '?'}{reason}{ago}"
 
 
 def _bounded(text: str) -> str:
@@ -98,7 +112,24 @@ class RequestRefused:
     failure: Failure
 
 
-SessionEvent = ChallengeSeen | RuntimeVerdict | RequestRefused
+@dataclass(frozen=True, slots=True)
+class TrustReport:
+    """A ``trust_status``: the coordinator's trust level, status and reason for this provider (bounded
+    strings; diagnostics only, it changes nothing the agent does)."""
+
+    trust_level: str
+    status: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class BarrierAcked:
+    """The coordinator acknowledged our ``provider_drain`` barrier."""
+
+    request_id: str
+
+
+SessionEvent = ChallengeSeen | RuntimeVerdict | RequestRefused | TrustReport | BarrierAcked
 
 
 # --- requests ---------------------------------------------------------------------------------------------
@@ -145,6 +176,21 @@ class LastClose:
 
 
 @dataclass(frozen=True, slots=True)
+class LastTrust:
+    trust_level: str
+    status: str
+    reason: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class LastDrain:
+    acked: bool  # the coordinator acknowledged the barrier before we closed
+    waited_s: float  # how long we waited for the acknowledgement
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
 class SessionView:
     """A frozen copy of ``SessionStatus`` (what ``/status`` and ``/metrics`` read)."""
 
@@ -167,6 +213,9 @@ class SessionView:
     runtime_mismatches: tuple[str, ...]
     runtime_status_at: float | None
     last_close: LastClose | None
+    trust: LastTrust | None  # None until the coordinator sends a trust_status ([N] only)
+    restore_waits: int  # connections the coordinator closed with 1013 (state being restored)
+    last_drain: LastDrain | None
     backoff_delay_s: float | None
     next_attempt_at: float | None
     accepted: int
@@ -196,6 +245,13 @@ class SessionView:
                                "at": self.runtime_status_at},
             "last_close": None if close is None else {"code": close.code, "reason": close.reason,
                                                       "cause": close.cause.value, "at": close.at},
+            "trust": None if self.trust is None else {"trust_level": self.trust.trust_level,
+                                                      "status": self.trust.status, "reason": self.trust.reason,
+                                                      "at": self.trust.at},
+            "restore_waits": self.restore_waits,
+            "last_drain": None if self.last_drain is None else {"acked": self.last_drain.acked,
+                                                                "waited_s": self.last_drain.waited_s,
+                                                                "at": self.last_drain.at},
             "backoff_delay_s": self.backoff_delay_s,
             "next_attempt_at": self.next_attempt_at,
             "requests": {"accepted": self.accepted, "completed": self.completed, "cancelled": self.cancelled,
@@ -227,6 +283,9 @@ class SessionStatus:
         self.runtime_mismatches: tuple[str, ...] = ()
         self.runtime_status_at: float | None = None
         self.last_close: LastClose | None = None
+        self.trust: LastTrust | None = None  # kept across connections: the last word the operator saw
+        self.restore_waits = 0
+        self.last_drain: LastDrain | None = None
         self.backoff_delay_s: float | None = None
         self.next_attempt_at: float | None = None
         self.requests = RequestTally()
@@ -257,7 +316,9 @@ class SessionStatus:
         self._set(LinkState.DRAINING)
 
     def connection_ended(self, *, code: int | None, reason: str | None, cause: CloseCause) -> None:
-        if cause is not CloseCause.DRAINED:
+        if cause is CloseCause.STATE_RESTORING:
+            self.restore_waits += 1  # the coordinator asked us to come back later: not a failure
+        elif cause is not CloseCause.DRAINED:
             self.connection_losses += 1
         self.connected_since = None
         self.last_close = LastClose(code, _bounded(reason or ""), cause, self._clock())
@@ -272,6 +333,10 @@ class SessionStatus:
         self.connected_since = None
         self.backoff_delay_s = self.next_attempt_at = None
         self._set(LinkState.STOPPED)
+
+    def drain_barrier_ended(self, *, acked: bool, waited_s: float) -> None:
+        self.last_drain = LastDrain(acked, round(waited_s, 3), self._clock())
+        self._touch()
 
     def heartbeat_sent(self) -> None:
         self.heartbeats_sent += 1
@@ -294,6 +359,10 @@ class SessionStatus:
                 self.runtime_status_at = now
             case RequestRefused(failure=failure):
                 self.requests.refuse(failure)
+            case TrustReport(trust_level=level, status=status, reason=reason):
+                self.trust = LastTrust(_bounded(level), _bounded(status), _bounded(reason), now)
+            case BarrierAcked():
+                pass  # the shell records the barrier's outcome (drain_barrier_ended)
         self._touch()
 
     # --- readers ------------------------------------------------------------------------------------
@@ -310,7 +379,8 @@ class SessionStatus:
             last_challenge_received_at=self.last_challenge_received_at,
             last_challenge_answered_at=self.last_challenge_answered_at,
             runtime_verified=self.runtime_verified, runtime_mismatches=self.runtime_mismatches,
-            runtime_status_at=self.runtime_status_at, last_close=self.last_close,
+            runtime_status_at=self.runtime_status_at, last_close=self.last_close, trust=self.trust,
+            restore_waits=self.restore_waits, last_drain=self.last_drain,
             backoff_delay_s=self.backoff_delay_s, next_attempt_at=self.next_attempt_at,
             accepted=r.accepted, completed=r.completed, cancelled=r.cancelled,
             refused=MappingProxyType(dict(r.refused)), failed=MappingProxyType(dict(r.failed)),
@@ -335,9 +405,12 @@ class SessionStatus:
 
 
 __all__ = [
+    "BarrierAcked",
     "ChallengeSeen",
     "CloseCause",
     "LastClose",
+    "LastDrain",
+    "LastTrust",
     "LinkState",
     "RequestRefused",
     "RequestTally",
@@ -345,6 +418,8 @@ __all__ = [
     "SessionEvent",
     "SessionStatus",
     "SessionView",
+    "TrustReport",
     "failure_reason",
     "public_url",
+    "trust_line",
 ]

@@ -51,6 +51,13 @@ class DoubleConfig:
     # coordinators under test set none (protocol.md §13), or self_signed to require a registration attestation.
     min_trust: TrustLevel = TrustLevel.NONE
     require_secure_boot_present: bool = True  # §13: sip/rdma/secure_boot must be present in the answer
+    # [N] lifecycle (docs/reference/protocol-messages.md "Provider lifecycle drain", `register`):
+    # provider_drain fences the socket and is acknowledged once its pending requests are settled; False: never
+    # acknowledged (an older coordinator, or an ack lost), for the provider's bounded wait.
+    drain_ack: bool = True
+    # a verified registration whose durable state cannot be restored is closed with 1013 (try again later):
+    # the first `restore_pending_registrations` registrations are (the double asks for no attestation).
+    restore_pending_registrations: int = 0
     # transport ([A] handleProviderWS SetReadLimit): a larger provider frame closes the socket with 1009
     max_provider_frame_bytes: int = 10 * 1024 * 1024
     host: str = "127.0.0.1"

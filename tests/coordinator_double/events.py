@@ -324,6 +324,39 @@ class ConsumerFinished(Record):
     consumer_gone: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class DrainBarrier(Record):
+    """[N] ``provider_drain``: the socket is fenced from new dispatch from here on."""
+
+    provider_id: str
+    request_id: str
+    pending: int  # requests of this socket not yet settled when the barrier arrived
+
+
+@dataclass(frozen=True, slots=True)
+class DrainAckSent(Record):
+    provider_id: str
+    request_id: str
+    delivered: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TrustStatusSent(Record):
+    provider_id: str
+    trust_level: str
+    status: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClosedByDouble(Record):
+    """The double closed a provider socket on purpose (e.g. 1013: state being restored)."""
+
+    provider_id: str
+    code: int
+    reason: str
+
+
 __all__ = [
     "Accepted",
     "AfterTerminal",
@@ -335,6 +368,7 @@ __all__ = [
     "ChunkFault",
     "ChunkReceived",
     "ChunkRejected",
+    "ClosedByDouble",
     "Committed",
     "Completed",
     "ConsumerFinished",
@@ -342,6 +376,8 @@ __all__ = [
     "Dispatched",
     "DoubleKilled",
     "DoubleStarted",
+    "DrainAckSent",
+    "DrainBarrier",
     "DropReason",
     "Dropped",
     "EventLog",
@@ -361,6 +397,7 @@ __all__ = [
     "StreamFailed",
     "TimedOut",
     "TrustLevel",
+    "TrustStatusSent",
     "Untrusted",
     "Violation",
     "Window",

@@ -45,6 +45,7 @@ class Unroutable(Enum):
     CHALLENGE_NOT_PASSED = "challenge_not_passed"
     CHALLENGE_STALE = "challenge_stale"
     THERMAL_CRITICAL = "thermal_critical"
+    DRAIN_FENCED = "drain_fenced"  # [N] the provider sent provider_drain on this socket
 
 
 _UNSERVABLE_SLOT_STATES = frozenset({"crashed", "reloading"})
@@ -80,6 +81,7 @@ class ProviderSession:
     challenge_task: asyncio.Task[None] | None = None
     untrusted: bool = False
     evicted: bool = False
+    drain_fenced: bool = False  # [N] provider_drain received: no new dispatch on this socket, ever
     pending: dict[str, PendingRequest] = field(default_factory=dict)
     closed: dict[str, RequestState] = field(default_factory=dict)
 
@@ -138,6 +140,8 @@ class ProviderSession:
             reasons.append(Unroutable.EVICTED)
         if self.untrusted:
             reasons.append(Unroutable.UNTRUSTED)
+        if self.drain_fenced:
+            reasons.append(Unroutable.DRAIN_FENCED)
         if reg.backend != config.backend:
             reasons.append(Unroutable.WRONG_BACKEND)
         if not self.public_key:

@@ -8,7 +8,12 @@ recorded and dropped. Everything the double sees or does goes to ``events`` (see
 
 Stricter than Go, on purpose: a provider frame missing a field that our ``protocol`` models require is
 dropped as ``InvalidFrame(SCHEMA)`` (Go would read a zero value); [N]-only frame types are dropped as
-``UNKNOWN_TYPE`` because [A] does not know them.
+``UNKNOWN_TYPE`` because [A] does not know them, except the [N] lifecycle, which is additive
+(docs/reference/protocol-messages.md): ``provider_drain`` fences the socket and is answered with
+``provider_drain_ack`` once its pending requests are settled (``DoubleConfig.drain_ack=False``: never);
+an attested registration gets ``trust_status`` (self_signed, online), and ``send_trust_status`` sends any
+other; ``DoubleConfig.restore_pending_registrations`` closes the first registrations with 1013 (state being
+restored: try again later), and ``close_provider`` closes a socket with any code.
 
 The provider listener also answers the public ``GET /v1/models/catalog`` (the [A] coordinator serves the
 provider socket and its HTTP API on one port, so a provider derives the catalog URL from its own).
@@ -44,7 +49,10 @@ from protocol import (
     InferenceError,
     InferenceResponseChunk,
     ProtocolError,
+    ProviderDrain,
+    ProviderDrainAck,
     Register,
+    TrustStatus,
     UnknownMessage,
     decode,
     encode,
@@ -64,6 +72,10 @@ from .routing import ProviderSession, ProviderView, Registry, valid_public_key
 WS_PATH = "/ws/provider"
 # The seven provider frame types [A] ProviderMessage.UnmarshalJSON knows; any other type is rejected.
 _A_TYPES = (Register, Heartbeat, InferenceAccepted, InferenceResponseChunk, InferenceComplete, InferenceError, AttestationResponse)
+# [N] frames the double also knows: the lifecycle drain barrier (additive; an [A] coordinator drops it).
+_N_TYPES = (ProviderDrain,)
+TRY_AGAIN_LATER = 1013  # [N] registration whose durable state is still being restored
+RESTORE_PENDING_REASON = "provider state restore pending"
 _UNTRUSTED_CHUNK = ErrorItem(502, "provider response could not be verified", internal=True)
 
 ProviderRef = str | int | ProviderView
@@ -107,6 +119,7 @@ class CoordinatorDouble:
         self._queued: Counter[str] = Counter()
         self._consumer_ids = itertools.count(1)
         self._generation = 0
+        self._restores_left = self.config.restore_pending_registrations
         self.running = False
 
     # --- lifecycle -----------------------------------------------------------------------------------------
@@ -262,6 +275,20 @@ class CoordinatorDouble:
         """One challenge now (besides the periodic ones); returns its recorded result."""
         return await self._challenge(self._session(ref))
 
+    async def send_trust_status(self, ref: ProviderRef | ProviderSession, trust_level: str, status: str,
+                                reason: str) -> None:
+        """[N] ``trust_status`` (diagnostics for the provider's operator), as sendTrustStatus sends it."""
+        session = ref if isinstance(ref, ProviderSession) else self._session(ref)
+        frame = TrustStatus(trust_level=trust_level, status=status, reason=reason)
+        if session.connected and await self.send(session, encode(frame), self.config.control_write_timeout):
+            self.events.append(ev.TrustStatusSent(session.provider_id, trust_level, status, reason))
+
+    async def close_provider(self, ref: ProviderRef | ProviderSession, code: int, reason: str) -> None:
+        """Close a provider socket with ``code`` (a close handshake, unlike ``kill``)."""
+        session = ref if isinstance(ref, ProviderSession) else self._session(ref)
+        self.events.append(ev.ClosedByDouble(session.provider_id, code, reason))
+        await session.ws.close(code, reason)
+
     def _session(self, ref: ProviderRef) -> ProviderSession:
         if isinstance(ref, ProviderView):
             ref = ref.provider_id
@@ -377,7 +404,7 @@ class CoordinatorDouble:
         except ProtocolError as exc:
             self.events.append(ev.InvalidFrame(pid, _classify(frame), str(exc), len(frame)))
             return
-        if isinstance(message, UnknownMessage) or not isinstance(message, _A_TYPES):
+        if isinstance(message, UnknownMessage) or not isinstance(message, _A_TYPES + _N_TYPES):
             detail = f"type {message.type[:64]!r} is not an [A] provider frame"
             self.events.append(ev.InvalidFrame(pid, ev.InvalidKind.UNKNOWN_TYPE, detail, len(frame)))
             return
@@ -390,6 +417,8 @@ class CoordinatorDouble:
             self._on_heartbeat(session, message)
         elif isinstance(message, AttestationResponse):
             self._on_attestation_response(session, message)
+        elif isinstance(message, ProviderDrain):
+            self._on_drain(session, message)
         else:
             pending = self._pending_for(session, message)
             if pending is not None:
@@ -417,6 +446,12 @@ class CoordinatorDouble:
                           session.trust_level, session.attestation_error)
         )
         session.challenge_task = self._spawn(self._challenge_loop(session))
+        if self._restores_left > 0:  # [N] verifyProviderAttestation: restore failed after bounded retries
+            self._restores_left -= 1
+            self._spawn(self.close_provider(session, TRY_AGAIN_LATER, RESTORE_PENDING_REASON))
+        elif session.attested:  # [N] sendTrustStatus after a verified registration attestation
+            self._spawn(self.send_trust_status(session, "self_signed", "online",
+                                               "SE attestation verified, awaiting MDM verification"))
 
     def _on_heartbeat(self, session: ProviderSession, message: Heartbeat) -> None:
         if session.evicted:
@@ -426,6 +461,24 @@ class CoordinatorDouble:
         session.last_heartbeat_at = self.now()
         if message.warm_models:  # [A] cannot clear the list
             session.warm_models = tuple(message.warm_models)
+
+    def _on_drain(self, session: ProviderSession, message: ProviderDrain) -> None:
+        """[N] providerDrainAcker: fence the socket from new dispatch, then acknowledge once every request
+        pending on it is settled (its terminal frame handled, or removed). ``drain_ack=False``: never."""
+        session.drain_fenced = True
+        self.events.append(ev.DrainBarrier(session.provider_id, message.request_id, len(session.pending)))
+        if self.config.drain_ack:
+            self._spawn(self._ack_drain(session, message.request_id))
+
+    async def _ack_drain(self, session: ProviderSession, request_id: str) -> None:
+        with contextlib.suppress(TimeoutError):  # a dead or stuck socket never gets the ack
+            await self.wait_until(lambda: not session.pending or not session.connected,
+                                  timeout=self.config.stream_idle_timeout)
+        if not session.connected or session.pending:
+            return
+        delivered = await self.send(session, encode(ProviderDrainAck(request_id=request_id)),
+                                    self.config.control_write_timeout)
+        self.events.append(ev.DrainAckSent(session.provider_id, request_id, delivered))
 
     def _pending_for(self, session: ProviderSession, message: Any) -> PendingRequest | None:
         request_id = message.request_id
