@@ -35,7 +35,7 @@ from coordinator_double import (
     Rejected,
     Rerouted,
 )
-from coordinator_double.events import Disconnected
+from coordinator_double.events import Disconnected, DrainAckSent, DrainBarrier
 from double_fixtures import (  # noqa: F401
     consumer_for,
     coordinator_double,
@@ -433,10 +433,15 @@ async def test_sigterm_drains_the_job_in_flight_then_exits_0(coordinator_double,
     events = [json.loads(line).get("event") for line in log_lines if line.startswith("{")]
     assert code == 0, log_lines[-20:]
     assert "stop_signal" in events and "drained" in events and "drain_timeout" not in events
+    assert "drain_acked" in events and "drain_ack_missing" not in events
     completed = double.events.of(Completed)
     assert len(completed) == 1 and completed[0].usage.completion_tokens == 1200 and "".join(parts)
     disconnected = await double.wait_for(lambda e: isinstance(e, Disconnected), timeout=10)
     assert disconnected.close_code == 1000
+    # Issue 32: the barrier goes out behind the terminal frame, and is acknowledged before the close.
+    (barrier,), (ack,) = double.events.of(DrainBarrier), double.events.of(DrainAckSent)
+    assert completed[0].at <= barrier.at <= ack.at <= disconnected.at and ack.request_id == barrier.request_id
+    assert ack.delivered
     assert double.anomalies() == []
 
 
@@ -486,6 +491,9 @@ async def test_a_drain_that_runs_out_ends_every_accepted_request_with_its_termin
         assert terminals[0].at < disconnected.at
         assert terminals[0].message.type == "inference_error"
         assert (terminals[0].message.status_code, terminals[0].message.error_reason) == (503, "draining")
+        assert terminals[0].at <= double.events.of(DrainBarrier)[0].at  # the barrier comes after every terminal
+    (barrier,), (ack,) = double.events.of(DrainBarrier), double.events.of(DrainAckSent)
+    assert barrier.at <= ack.at <= disconnected.at and ack.request_id == barrier.request_id
     assert all(isinstance(end, BaseException) for end in ends)  # each consumer sees its stream fail
     assert double.anomalies() == []
 
