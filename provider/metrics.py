@@ -249,6 +249,8 @@ class SessionCollector:
             ("connect_failures", "Connection attempts that never opened a socket.", v.connect_failures),
             ("registrations", "register frames sent (one per connection).", v.registrations),
             ("reconnects", "Connections lost (not drained), each followed by a reconnect.", v.connection_losses),
+            ("restore_waits", "Connections the coordinator closed with 1013 (restoring our state: reconnect "
+             "later; not a failure).", v.restore_waits),
             ("heartbeats", "Heartbeats sent.", v.heartbeats_sent),
         ):
             yield CounterMetricFamily(f"{ns}_{name}", text, value=value)
@@ -290,6 +292,8 @@ def _optional_gauges(ns: str, v: SessionView) -> Iterator[Metric]:
         ("backoff_seconds", "Delay before the next connection attempt while backing off.", v.backoff_delay_s),
         ("last_close_code", "Close code of the last connection that ended (1006: no close frame).",
          None if close is None else close.code),
+        ("last_drain_acked", "1 when the coordinator acknowledged the last drain barrier (provider_drain), "
+         "0 when it did not in time.", None if v.last_drain is None else float(v.last_drain.acked)),
     ):
         gauge = GaugeMetricFamily(f"{ns}_{name}", text)
         if value is not None:

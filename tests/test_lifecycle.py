@@ -193,6 +193,7 @@ async def test_a_1013_close_is_a_wait_then_a_reconnect_not_a_failure(run_agent):
         assert session["restore_waits"] == 1 and session["reconnects"] == 0 and session["registrations"] == 2
         metrics = (await provider.http.get("/metrics")).text
         assert "darkbloom_session_reconnects_total 0.0" in metrics
+        assert "darkbloom_session_restore_waits_total 1.0" in metrics
         assert "coordinator restoring our state (1013, not a failure): 1 time(s)" in render_status(
             (await provider.http.get("/status")).json())
         assert double.anomalies() == []

@@ -215,3 +215,11 @@ def test_status_text_for_a_backing_off_session():
     assert "answered 3 (last 70 s ago)" in text and "runtime_status: verified" in text
     assert 'last close: 1000 "goodbye", closed_by_coordinator, 2 s ago' in text
     assert "requests accepted 5 (completed 4, cancelled 1), refused: memory_cap 2, failed: none" in text
+    assert "trust_status: none received" in text  # no trust_status in this session ([A])
+    session["trust"] = {"trust_level": "self_signed", "status": "online", "reason": "SE attestation verified",
+                        "at": now - 5}
+    session["restore_waits"], session["last_drain"] = 2, {"acked": True, "waited_s": 0.2, "at": now - 1}
+    text = render_status({"mode": "coordinator", "session": session}, now=now)
+    assert "trust_status: self_signed, online: SE attestation verified (5 s ago)" in text
+    assert "coordinator restoring our state (1013, not a failure): 2 time(s)" in text
+    assert "last drain barrier: acknowledged after 0.2 s, 1 s ago" in text
