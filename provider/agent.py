@@ -19,7 +19,8 @@ heartbeat says ``draining`` then, and a change sends a heartbeat at once. While 
 idle sleep from dropping the session (``keep_awake``, ``provider/power.py``).
 
 Shutdown: the session drains (new requests 503 ``draining``, running ones get ``drain_timeout_s``, then
-are cancelled) and closes the socket with 1000; then every model is unloaded (its prefix cache purged)
+are cancelled), sends the ``provider_drain`` barrier and waits up to ``drain_ack_timeout_s`` for its
+ack, and closes the socket with 1000; then every model is unloaded (its prefix cache purged)
 and the engine stopped.
 """
 

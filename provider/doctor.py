@@ -7,6 +7,8 @@ disagree with the load gate:
   cgroup limit and to `memory_limit_gb`), with the operator's `memory_reserve_gb`;
 * pressure: `memory.pressure(snapshot)` of *this* process (it has loaded nothing, so MLX usage is 0;
   the running agent's own pressure is in `darkbloom-provider status`);
+* the running agent (its loopback `/status`, when one answers): the restart recommendation and the
+  coordinator's last `trust_status` (trust level, status, reason; `agent.trust` in `--json`);
 * per model: `memory.fit(figures, snapshot, weight_bytes, evictable_bytes=0)` -- nothing is loaded
   in the doctor's process, so nothing is evictable and `fits_now` / `too_large` are the only answers.
 
