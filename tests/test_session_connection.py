@@ -387,3 +387,37 @@ async def test_doctor_reports_a_redirecting_coordinator_as_rejecting_the_handsha
     target.close()
     redirector.close()
     assert (check.reachable, check.detail, check.http_status) == (False, Reach.HANDSHAKE_REJECTED, 302)
+
+
+async def test_the_drain_barrier_follows_the_terminal_frames_and_its_ack_ends_the_wait():
+    h = Harness(drain_ack_timeout_s=60.0)
+    stop = asyncio.Event()
+    task = asyncio.create_task(h.session.run(stop))
+    conn = await h.connection(1)
+    conn.inbound.put_nowait(request("running"))
+    await conn.wait_for(lambda sent: any(f["type"] == "inference_accepted" for f in sent))
+    stop.set()
+    h.release.set()
+    await conn.wait_for(lambda sent: any(f["type"] == "provider_drain" for f in sent))
+    types = conn.types()
+    assert types.index("inference_complete") < types.index("provider_drain")
+    barrier = next(f for f in conn.sent if f["type"] == "provider_drain")
+    assert not task.done()  # waiting for the ack, bounded by 60 s
+    conn.inbound.put_nowait(json.dumps({"type": "provider_drain_ack", "request_id": "someone-else"}))  # ignored
+    conn.inbound.put_nowait(json.dumps({"type": "provider_drain_ack", "request_id": barrier["request_id"]}))
+    await asyncio.wait_for(task, 10)
+    assert conn.close_code == 1000 and h.session.status.view().last_drain.acked
+
+
+async def test_without_an_ack_the_drain_waits_its_bound_then_closes():
+    h = Harness(drain_ack_timeout_s=0.3)
+    stop = asyncio.Event()
+    task = asyncio.create_task(h.session.run(stop))
+    conn = await h.connection(1)
+    started = time.monotonic()
+    stop.set()
+    await asyncio.wait_for(task, 10)
+    assert time.monotonic() - started >= 0.3 and conn.close_code == 1000
+    assert "provider_drain" in conn.types()
+    drain = h.session.status.view().last_drain
+    assert not drain.acked and drain.waited_s >= 0.3
