@@ -80,13 +80,13 @@ if has peer; then
     P=$(( L - 75 )); S=$(( L - 40 ))
     note "peer_bench (starts no cell after $P s, stops at $S s)"
     # shellcheck disable=SC2086
-    timeout -k 10 $(( L - 15 )) "$PY" benchmarks/peer_bench.py --model-dir "$MODEL" $PEER_ARGS --warmup cells \
+    timeout -k 10 $(( L - 15 )) "$PY" benchmarks/peer_bench.py --model-dir "$MODEL" $PEER_ARGS --warmup cells --ours-toml 'log_level = "info"' \
       --deadline-s "$P" --stop-s "$S" --work-dir "$WORK" --json-out "$OUT/$PRESET-peer.json" \
       >"$OUT/$PRESET-peer.md" 2>>"$LOG"
     rc=$?; [ $rc -ne 0 ] && RC=$rc
     note "peer_bench exit $rc"
     for f in ours peer; do
-      [ -f "$WORK/$f.log" ] && { echo "== $f.log (last 150 lines)"; tail -150 "$WORK/$f.log"; }
+      [ -f "$WORK/$f.log" ] && { echo "== $f.log (last 400 lines)"; tail -400 "$WORK/$f.log"; }
     done >"$OUT/$PRESET-servers.log" 2>&1
   fi
 fi
