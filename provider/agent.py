@@ -40,6 +40,7 @@ from protocol.attest import RuntimeHashes, answer_challenge
 from protocol.crypto import KeyFileError
 from provider import __version__
 from provider.config import ConfigError, SelfRestart, Settings, load_settings
+from provider.directed import ModelDirectives
 from provider.engine import Engine
 from provider.guest.monitor import GuestMonitor
 from provider.hardware import available_gb, detect_hardware, os_version
@@ -171,6 +172,7 @@ class Agent:
             run_job=lambda request, send: run_job(request, ctx, send),
             connect=connect,
             status=status,
+            run_directive=ModelDirectives(manager),
         )
         manager.on_capacity_change = session.capacity_changed
         guest.on_change(lambda _: session.capacity_changed())  # a heartbeat at once: draining, or idle again

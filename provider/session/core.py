@@ -29,6 +29,8 @@ What the core decides (protocol.md §4, §7.4, §15.5, §15.22):
 * ``attestation_challenge`` → ``Send(attestation_response)`` built by the injected answerer; an empty
   or over-long nonce (the size rule again) is logged and not answered.
 * ``runtime_status`` → logged, naming each mismatched component; we stay connected.
+* ``load_model``, ``prefetch_model``, ``desired_models`` → ``ModelDirective``: the agent's model handler
+  answers them (``provider/directed``); while draining too (a load then fails with the drain's words).
 * what the operator's status page shows (a challenge seen and answered, a ``runtime_status``
   verdict, a request the core refused itself) → a ``Note`` carrying a ``status`` event.
 * unknown types, [N]-only types and undecodable frames → logged and ignored; the session goes on.
@@ -51,10 +53,13 @@ from protocol import (
     AttestationChallenge,
     AttestationResponse,
     Cancel,
+    DesiredModels,
     InferenceRequest,
+    LoadModel,
     Message,
     ProtocolError,
     ProviderMessage,
+    PrefetchModel,
     Register,
     RuntimeStatus,
     UnknownMessage,
@@ -121,7 +126,15 @@ class Note:
     event: SessionEvent
 
 
-Action = Send | StartJob | CancelJob | Log | Note
+@dataclass(frozen=True, slots=True)
+class ModelDirective:
+    """Hand a coordinator-directed model frame (``load_model``, ``prefetch_model``, ``desired_models``)
+    to the agent's model handler, which answers it with its own status frames."""
+
+    message: LoadModel | PrefetchModel | DesiredModels
+
+
+Action = Send | StartJob | CancelJob | Log | Note | ModelDirective
 
 ChallengeAnswerer = Callable[[AttestationChallenge], AttestationResponse]
 
@@ -228,6 +241,8 @@ class SessionCore:
                         Note(ChallengeSeen(answered=True))]
             case RuntimeStatus():
                 return self._on_runtime_status(message)
+            case LoadModel() | PrefetchModel() | DesiredModels():
+                return [ModelDirective(message)]
             case UnknownMessage(type=kind):
                 return [_log(LogLevel.INFO, "frame_ignored", kind=kind[:MAX_LOGGED_TYPE_CHARS], reason="unknown_type")]
             case _:
@@ -313,6 +328,7 @@ __all__ = [
     "ChallengeAnswerer",
     "InvalidState",
     "Log",
+    "ModelDirective",
     "Note",
     "RecentRequestIds",
     "Send",

@@ -8,7 +8,7 @@ recorded and dropped. Everything the double sees or does goes to ``events`` (see
 
 Stricter than Go, on purpose: a provider frame missing a field that our ``protocol`` models require is
 dropped as ``InvalidFrame(SCHEMA)`` (Go would read a zero value); [N]-only frame types are dropped as
-``UNKNOWN_TYPE`` because [A] does not know them.
+``UNKNOWN_TYPE`` because [A] does not know them, except the [N] answers about models (``directed.py``).
 
 The provider listener also answers the public ``GET /v1/models/catalog`` (the [A] coordinator serves the
 provider socket and its HTTP API on one port, so a provider derives the catalog URL from its own).
@@ -56,6 +56,7 @@ from .attestation import IMMEDIATELY_UNTRUSTED, Verdict, new_challenge, verify_c
 from .chat_wire import check_event, error_body
 from .config import DoubleConfig
 from .consumer_api import CATALOG_PATH, build_app, catalog_document
+from .directed import MODEL_REPLY_TYPES, on_model_reply
 from .dispatch import ConsumerGone, FailedRequest
 from .hostile import HostileCase
 from .pending import PROVIDER_DISCONNECTED, AcceptedItem, ChunkItem, CompleteItem, ErrorItem, PendingRequest, RequestState
@@ -258,6 +259,10 @@ class CoordinatorDouble:
             sent += 1
         return sent
 
+    async def send_frame(self, ref: ProviderRef, frame: Any) -> None:
+        """Send one coordinator frame (a ``protocol`` model, e.g. ``directed.load_model("m")``) to a provider."""
+        await self._session(ref).ws.send(encode(frame))
+
     async def send_challenge(self, ref: ProviderRef) -> ev.ChallengeResult:
         """One challenge now (besides the periodic ones); returns its recorded result."""
         return await self._challenge(self._session(ref))
@@ -377,7 +382,7 @@ class CoordinatorDouble:
         except ProtocolError as exc:
             self.events.append(ev.InvalidFrame(pid, _classify(frame), str(exc), len(frame)))
             return
-        if isinstance(message, UnknownMessage) or not isinstance(message, _A_TYPES):
+        if isinstance(message, UnknownMessage) or not isinstance(message, _A_TYPES + MODEL_REPLY_TYPES):
             detail = f"type {message.type[:64]!r} is not an [A] provider frame"
             self.events.append(ev.InvalidFrame(pid, ev.InvalidKind.UNKNOWN_TYPE, detail, len(frame)))
             return
@@ -390,6 +395,8 @@ class CoordinatorDouble:
             self._on_heartbeat(session, message)
         elif isinstance(message, AttestationResponse):
             self._on_attestation_response(session, message)
+        elif isinstance(message, MODEL_REPLY_TYPES):
+            on_model_reply(session, message, self.events)
         else:
             pending = self._pending_for(session, message)
             if pending is not None:
