@@ -394,6 +394,7 @@ class Runtime:
                 "id": m.id,
                 "state": state.name.lower(),
                 "resident_bytes": self.manager.resident_bytes(m.id) if state is ModelState.LOADED else None,
+                "idle_s": None if (idle := self.manager.idle_seconds(m.id)) is None else round(idle, 1),
                 "weight_bytes": m.weight_bytes,
                 "context_length": m.context_length,
                 "vision": m.is_vision,
