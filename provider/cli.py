@@ -6,6 +6,7 @@
     doctor [--json] [--no-coordinator] [--timeout S] [--machine-gb N]
     models [--json] [--hash]    discovered models with size, quantization, context and fit
     status [--json]             what the running agent is doing (its local /status endpoint)
+    pull ORG/NAME               download a model from the Hugging Face hub into its cache, with a progress bar
     ps [--json]                 the models the running agent has loaded now: memory, requests, idle time
     unload MODEL                ask the running agent to unload an idle model now
     runtime-hash                the runtime hash sent in `register`
@@ -86,6 +87,7 @@ _SHOWN_SETTINGS: dict[str, tuple[str, ...]] = {
                "memory_reserve_gb"),
     "status": ("state_dir", "local_host", "local_port"),
     "ps": ("state_dir", "local_host", "local_port"),
+    "pull": ("hf_cache_dir",),
     "unload": ("state_dir", "local_host", "local_port"),
     "runtime-hash": ("runtime_hash",),
     "install": ("model_dirs", "local_port", "drain_timeout_s", "process_type"),
@@ -189,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
                       _SHOWN_SETTINGS["status"])
     status.add_argument("--json", action="store_true", default=False, help="its /status document")
 
+    pull = _command(sub, "pull", "download a model from the Hugging Face hub (HF_ENDPOINT) into its cache",
+                    _SHOWN_SETTINGS["pull"])
+    pull.add_argument("repo_id", metavar="ORG/NAME", help="the model's repository on the hub")
     ps = _command(sub, "ps", "the models the running agent has loaded now", _SHOWN_SETTINGS["ps"])
     ps.add_argument("--json", action="store_true", default=False, help="the loaded models as JSON")
     unload = _command(sub, "unload", "ask the running agent to unload an idle model now", _SHOWN_SETTINGS["unload"])
@@ -410,6 +415,33 @@ def _agent_answering(settings: Settings) -> str | None:
     print(f"{PROG}: no running agent answers on {' or '.join(urls)}{where} (is `serve` running? with another "
           "--state-dir?)", file=sys.stderr)
     return None
+
+
+def cmd_pull(args: argparse.Namespace, settings: Settings) -> int:
+    """`ollama pull` for the hub: plan, check the disk, download (resumable) with a bar, hash."""
+    from provider.doctor import human_bytes
+    from provider.models.download import DiskShort, DownloadFailed, check_disk, download, plan_download
+    from provider.models.hashing import weight_hash_sync
+
+    from provider.models import default_hf_cache
+
+    cache = settings.hf_cache_dir if settings.hf_cache_dir is not None else default_hf_cache()
+    try:
+        plan = plan_download(args.repo_id, cache)
+        check_disk(plan, cache)
+        with Progress(f"pulling {args.repo_id} ({human_bytes(plan.total_bytes)})") as bar:
+            folder = download(plan, cache, bar.update)
+    except DiskShort as short:
+        print(f"{PROG}: not enough disk for {args.repo_id}: it needs {human_bytes(short.needed)} "
+              f"(with a margin), {human_bytes(short.free)} is free", file=sys.stderr)
+        return EX_FAILED
+    except DownloadFailed as failed:
+        print(f"{PROG}: {args.repo_id} could not be downloaded ({failed.reason})", file=sys.stderr)
+        return EX_FAILED
+    print(f"{args.repo_id} {plan.commit[:12]}: {len(plan.files)} files, {human_bytes(plan.total_bytes)} "
+          f"in {folder}")
+    print(f"weight hash {weight_hash_sync(folder)}")
+    return EX_OK
 
 
 def cmd_ps(args: argparse.Namespace, settings: Settings) -> int:
@@ -684,6 +716,7 @@ _COMMANDS = {
     "models": cmd_models,
     "status": cmd_status,
     "ps": cmd_ps,
+    "pull": cmd_pull,
     "unload": cmd_unload,
     "runtime-hash": cmd_runtime_hash,
     "service": cmd_service,
