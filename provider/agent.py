@@ -48,7 +48,7 @@ from provider.jobs import JobContext, ServingStats, run_job
 from provider.request import PromptCounter
 from provider.metrics import Metrics
 from provider.local.server import StatusEndpoint
-from provider.models import Inventory
+from provider.models import Inventory, default_hf_cache
 from provider.power import KeepAwake
 from provider.runtime import Runtime
 from provider.runtime_hash import runtime_hash
@@ -172,7 +172,8 @@ class Agent:
             run_job=lambda request, send: run_job(request, ctx, send),
             connect=connect,
             status=status,
-            run_directive=ModelDirectives(manager),
+            run_directive=ModelDirectives(manager, runtime=rt, coordinator_url=settings.coordinator_url,
+                                          hf_cache_dir=settings.hf_cache_dir or default_hf_cache()),
         )
         manager.on_capacity_change = session.capacity_changed
         guest.on_change(lambda _: session.capacity_changed())  # a heartbeat at once: draining, or idle again

@@ -9,12 +9,14 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
-from coordinator_double import CoordinatorDouble, FrameReceived, ModelStatus
-from coordinator_double.directed import load_model
-from double_fixtures import coordinator_double, double_config  # noqa: F401
+from coordinator_double import CoordinatorDouble, FrameReceived, ModelStatus, ModelsUpdated
+from coordinator_double.directed import load_model, prefetch_model
+from double_fixtures import consumer_for, coordinator_double, quick_config  # noqa: F401
+from hub_double import HubDouble
 
 from provider.agent import Agent
 from provider.config import Settings
+from provider.models.hashing import weight_hash_sync
 from provider.slots import ModelState
 
 NO_EOS = frozenset({10**9})
@@ -96,3 +98,84 @@ async def test_load_model_of_a_model_it_does_not_have_fails_as_unavailable(coord
     await double.wait_for(lambda e: isinstance(e, ModelStatus) and e.status != "started", since=mark, timeout=30)
     assert statuses(double, "org/not-here") == [("started", ""), ("failed", "model_unavailable")]
     assert agent.manager.warm_models() == []
+
+
+# --- prefetch_model -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hub(tiny_model_path, monkeypatch):
+    import huggingface_hub.constants as constants
+
+    with HubDouble({"org/tiny": tiny_model_path}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        yield hub
+
+
+@pytest.fixture
+def double_config(tiny_model_path):
+    return quick_config(catalog_weight_hashes=(("org/tiny", weight_hash_sync(tiny_model_path)),))
+
+
+def prefetch_statuses(double: CoordinatorDouble, model_id: str) -> list[ModelStatus]:
+    return [e for e in double.events.of(ModelStatus) if e.kind == "prefetch_model_status" and e.model_id == model_id]
+
+
+async def test_prefetch_model_downloads_verifies_and_advertises_and_the_model_then_serves(
+        coordinator_double, start_agent, hub, tiny_model_path, tmp_path):
+    double = coordinator_double
+    cache = tmp_path / "hf"
+    agent = await start_agent(double.ws_url, {"tiny": tiny_model_path}, hf_cache_dir=cache)
+    await double.wait_routable(model="tiny", timeout=15)
+    mark = double.mark()
+    await double.send_frame(0, prefetch_model("org/tiny"))
+    updated = await double.wait_for(lambda e: isinstance(e, ModelsUpdated), since=mark, timeout=60)
+    frames = prefetch_statuses(double, "org/tiny")
+    assert [f.status for f in frames][0] == "started" and frames[-1].status == "verified"
+    progress = [f for f in frames if f.status == "downloading"]
+    total = sum(p.stat().st_size for p in tiny_model_path.iterdir() if p.is_file())
+    assert progress and progress[-1].bytes_done == progress[-1].bytes_total == total
+    assert all(a.bytes_done <= b.bytes_done for a, b in zip(progress, progress[1:]))
+    assert updated.merged == ("org/tiny",) and updated.dropped == ()
+    [advertised] = [m for m in double._session(0).register.models if m.id == "org/tiny"]
+    assert advertised.weight_hash == weight_hash_sync(tiny_model_path)
+    assert agent.manager.state("org/tiny") is ModelState.NOT_LOADED  # downloaded and verified, not loaded
+    # Routable for the new build at once, and it serves.
+    await double.wait_routable(model="org/tiny", timeout=10)
+    async with consumer_for(double) as client:
+        reply = await client.chat.completions.create(model="org/tiny", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=3)
+    assert reply.usage.completion_tokens == 3
+    assert double.anomalies() == []
+
+
+async def test_prefetch_of_a_corrupted_file_fails_and_nothing_is_advertised(coordinator_double, start_agent, hub,
+                                                                            tiny_model_path, tmp_path):
+    double = coordinator_double
+    hub.corrupt("org/tiny", "model.safetensors")
+    cache = tmp_path / "hf"
+    agent = await start_agent(double.ws_url, {"tiny": tiny_model_path}, hf_cache_dir=cache)
+    await double.wait_routable(model="tiny", timeout=15)
+    mark = double.mark()
+    await double.send_frame(0, prefetch_model("org/tiny"))
+    await double.wait_for(lambda e: isinstance(e, ModelStatus) and e.status in ("failed", "verified"),
+                          since=mark, timeout=60)
+    last = prefetch_statuses(double, "org/tiny")[-1]
+    assert (last.status, last.error) == ("failed", "weight_hash_mismatch")
+    assert double.events.of(ModelsUpdated) == []
+    assert agent.manager.info("org/tiny") is None
+    assert not (cache / "models--org--tiny").exists()  # nothing a later start would find
+
+
+async def test_prefetch_without_a_catalog_hash_fails_before_any_download(coordinator_double, start_agent, hub,
+                                                                         tiny_model_path, tmp_path):
+    double = coordinator_double
+    await start_agent(double.ws_url, {"tiny": tiny_model_path}, hf_cache_dir=tmp_path / "hf")
+    await double.wait_routable(model="tiny", timeout=15)
+    mark = double.mark()
+    await double.send_frame(0, prefetch_model("org/other"))
+    await double.wait_for(lambda e: isinstance(e, ModelStatus) and e.status == "failed", since=mark, timeout=30)
+    assert [(f.status, f.error) for f in prefetch_statuses(double, "org/other")] == \
+        [("started", ""), ("failed", "no_expected_hash")]
+    assert hub.gets == {}
