@@ -1,4 +1,4 @@
-"""Models the coordinator asks for: ``load_model``, ``prefetch_model`` (and, later, ``desired_models``).
+"""Models the coordinator asks for: ``load_model``, ``prefetch_model`` and ``desired_models`` (``DesiredBuilds``).
 
 A ``load_model`` goes through exactly the path a warm-up takes (``ModelManager.ensure_loaded``): the same
 room plan and load gate, the same pending-load claim in the ledger, the same post-load guard. Its answer
@@ -90,12 +90,40 @@ def failure_word(failure: Failure) -> str:
     return "model_load"
 
 
+class DesiredBuilds:
+    """``desired_models``: which build each public model name should run ([N] sends the whole map right
+    after ``register`` and again whenever it changes; each frame replaces the last). A request naming a
+    public name runs its desired build when we have it, else its previous build (the one it is
+    migrating from), else the name as it came (a 404 when it is none of ours)."""
+
+    MAX_ENTRIES = 4096
+
+    def __init__(self, known: Callable[[str], bool]) -> None:
+        self._known = known
+        self._builds: dict[str, tuple[str, str]] = {}
+
+    def update(self, message: DesiredModels) -> None:
+        self._builds = {m.model_name: (m.desired_build, m.previous_build)
+                        for m in message.models[: self.MAX_ENTRIES] if m.model_name and m.desired_build}
+        log.info("desired_models", count=len(self._builds))
+
+    def resolve(self, name: str) -> str:
+        builds = self._builds.get(name)
+        if builds is None:
+            return name
+        return next((b for b in builds if b and self._known(b)), name)
+
+    def as_json(self) -> dict[str, dict[str, str]]:
+        return {name: {"desired_build": d, "previous_build": p} for name, (d, p) in sorted(self._builds.items())}
+
+
 class ModelDirectives:
     """The agent's handler for coordinator-directed model frames (``Session(run_directive=...)``)."""
 
     def __init__(self, manager: ModelManager, *, runtime: Runtime | None = None, coordinator_url: str = "",
-                 hf_cache_dir: Path | None = None) -> None:
+                 hf_cache_dir: Path | None = None, desired: DesiredBuilds | None = None) -> None:
         self._manager = manager
+        self.desired = desired if desired is not None else DesiredBuilds(lambda m: manager.info(m) is not None)
         self._runtime = runtime
         self._coordinator_url = coordinator_url
         self._hf_cache_dir = hf_cache_dir
@@ -107,6 +135,8 @@ class ModelDirectives:
                 await self.load(message, send)
             case PrefetchModel():
                 await self.prefetch(message, send)
+            case DesiredModels():
+                self.desired.update(message)
             case _:
                 log.debug("frame_ignored", kind=message.type, reason="not_handled")
 
@@ -197,4 +227,4 @@ class ModelDirectives:
         return None
 
 
-__all__ = ["DRAINING_FOR_UPDATE", "ModelDirectives", "expected_weight_hash", "failure_word"]
+__all__ = ["DRAINING_FOR_UPDATE", "DesiredBuilds", "ModelDirectives", "expected_weight_hash", "failure_word"]

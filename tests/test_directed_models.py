@@ -9,12 +9,17 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from coordinator_double import CoordinatorDouble, FrameReceived, ModelStatus, ModelsUpdated
-from coordinator_double.directed import load_model, prefetch_model
+from coordinator_double.directed import desired_models, load_model, prefetch_model
 from double_fixtures import consumer_for, coordinator_double, quick_config  # noqa: F401
 from hub_double import HubDouble
 
+from protocol import DesiredModels
+from protocol.to_provider import DesiredModel
 from provider.agent import Agent
+from provider.directed import DesiredBuilds
 from provider.config import Settings
 from provider.models.hashing import weight_hash_sync
 from provider.slots import ModelState
@@ -179,3 +184,42 @@ async def test_prefetch_without_a_catalog_hash_fails_before_any_download(coordin
     assert [(f.status, f.error) for f in prefetch_statuses(double, "org/other")] == \
         [("started", ""), ("failed", "no_expected_hash")]
     assert hub.gets == {}
+
+
+# --- desired_models -------------------------------------------------------------------------------------
+
+
+async def test_desired_models_maps_a_public_name_to_the_build_it_runs(coordinator_double, start_agent,
+                                                                       tiny_model_path, quantized_model_path):
+    """The consumer names the public model "tiny"; the double dispatches on the name ([A] routes on what
+    the provider advertises, and "tiny" is advertised); the agent runs the build desired_models names."""
+    double = coordinator_double
+    agent = await start_agent(double.ws_url, {"tiny": tiny_model_path, "q4": quantized_model_path})
+    await double.wait_routable(model="tiny", timeout=15)
+    mark = double.mark()
+    await double.send_frame(0, desired_models({"tiny": "q4"}))
+    # A barrier: model frames are handled in the order they came, so once a later load_model is
+    # answered the map is in place.
+    await double.send_frame(0, load_model("org/barrier"))
+    await double.wait_for(lambda e: isinstance(e, ModelStatus) and e.status == "failed", since=mark, timeout=10)
+    async with consumer_for(double) as client:
+        reply = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=2)
+    assert reply.usage.completion_tokens == 2
+    # The build that ran is the one loaded (the double's consumer answer names the model asked for).
+    assert agent.manager.state("q4") is ModelState.LOADED and agent.manager.state("tiny") is ModelState.NOT_LOADED
+
+
+@given(st.dictionaries(st.sampled_from("abcdef"), st.tuples(st.sampled_from("pqrs"), st.sampled_from(["", "p", "x"]))),
+       st.sampled_from("abcdefg"))
+def test_desired_builds_run_the_desired_then_the_previous_build_then_the_name(builds, name):
+    here = {"p", "q", "a"}
+    desired = DesiredBuilds(here.__contains__)
+    desired.update(DesiredModels(models=tuple(DesiredModel(model_name=n, desired_build=d, previous_build=p)
+                                              for n, (d, p) in builds.items())))
+    got = desired.resolve(name)
+    if name not in builds:
+        assert got == name
+    else:
+        d, p = builds[name]
+        assert got == (d if d in here else p if p in here else name)
