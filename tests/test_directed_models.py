@@ -223,3 +223,17 @@ def test_desired_builds_run_the_desired_then_the_previous_build_then_the_name(bu
     else:
         d, p = builds[name]
         assert got == (d if d in here else p if p in here else name)
+
+
+@pytest.mark.parametrize("double_config", [quick_config(desired_models=(("tiny", "q4"),))])
+async def test_the_build_map_the_coordinator_sends_after_register_is_used(coordinator_double, start_agent,
+                                                                          tiny_model_path, quantized_model_path):
+    double = coordinator_double
+    agent = await start_agent(double.ws_url, {"tiny": tiny_model_path, "q4": quantized_model_path})
+    await double.wait_routable(model="tiny", timeout=15)
+    mark = double.mark()
+    await double.send_frame(0, load_model("org/barrier"))  # answered after the map (frames keep their order)
+    await double.wait_for(lambda e: isinstance(e, ModelStatus) and e.status == "failed", since=mark, timeout=10)
+    async with consumer_for(double) as client:
+        await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert agent.manager.state("q4") is ModelState.LOADED and agent.manager.state("tiny") is ModelState.NOT_LOADED

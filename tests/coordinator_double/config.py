@@ -49,6 +49,9 @@ class DoubleConfig:
     # (id, weight_hash) pairs, listed in GET /v1/models/catalog (with no size when not in `catalog`).
     # They filter nothing at register.
     catalog_weight_hashes: tuple[tuple[str, str], ...] = ()
+    # [N] sends desired_models right after register (even an empty map): (public name, desired build)
+    # pairs; None sends nothing, as [A].
+    desired_models: tuple[tuple[str, str], ...] | None = None
     # routing
     backend: str = "inprocess-mlx"
     # EIGENINFERENCE_MIN_TRUST. [A]'s default is hardware, which no test provider reaches; self-hosted

@@ -56,7 +56,7 @@ from .attestation import IMMEDIATELY_UNTRUSTED, Verdict, new_challenge, verify_c
 from .chat_wire import check_event, error_body
 from .config import DoubleConfig
 from .consumer_api import CATALOG_PATH, build_app, catalog_document
-from .directed import MODEL_REPLY_TYPES, on_model_reply
+from .directed import MODEL_REPLY_TYPES, desired_models, on_model_reply
 from .dispatch import ConsumerGone, FailedRequest
 from .hostile import HostileCase
 from .pending import PROVIDER_DISCONNECTED, AcceptedItem, ChunkItem, CompleteItem, ErrorItem, PendingRequest, RequestState
@@ -424,6 +424,9 @@ class CoordinatorDouble:
                           session.trust_level, session.attestation_error)
         )
         session.challenge_task = self._spawn(self._challenge_loop(session))
+        if self.config.desired_models is not None:  # [N]: the build map follows register at once
+            frame = encode(desired_models(dict(self.config.desired_models)))
+            self._spawn(self.send(session, frame, self.config.control_write_timeout))
 
     def _on_heartbeat(self, session: ProviderSession, message: Heartbeat) -> None:
         if session.evicted:
