@@ -41,6 +41,7 @@ from protocol.attest import RuntimeHashes, answer_challenge
 from protocol.crypto import KeyFileError
 from provider import __version__
 from provider.config import ConfigError, SelfRestart, Settings, load_settings
+from provider.directed import DesiredBuilds, ModelDirectives
 from provider.engine import Engine
 from provider.guest.monitor import GuestMonitor
 from provider.hardware import available_gb, detect_hardware, os_version
@@ -48,7 +49,7 @@ from provider.jobs import JobContext, ServingStats, run_job
 from provider.request import PromptCounter
 from provider.metrics import Metrics
 from provider.local.server import StatusEndpoint
-from provider.models import Inventory
+from provider.models import Inventory, default_hf_cache
 from provider.power import KeepAwake
 from provider.runtime import Runtime
 from provider.runtime_hash import runtime_hash
@@ -142,8 +143,9 @@ class Agent:
         status = SessionStatus(settings.coordinator_url)
         rt.session = status  # /status and /metrics report the link
         metrics.watch_session(status.view)
+        desired = DesiredBuilds(counter.knows)  # desired_models: public name -> build, for every request
         ctx = JobContext(identity=keys.encryption, manager=manager, counter=counter, stats=stats, metrics=metrics,
-                         requests=status.requests, intake=rt.intake)
+                         requests=status.requests, intake=rt.intake, resolve_model=desired.resolve)
 
         def make_register() -> RegisterFrame:
             snapshot = probe.snapshot()
@@ -172,6 +174,8 @@ class Agent:
             run_job=lambda request, send: run_job(request, ctx, send),
             connect=connect,
             status=status,
+            run_directive=ModelDirectives(manager, runtime=rt, coordinator_url=settings.coordinator_url,
+                                          hf_cache_dir=settings.hf_cache_dir or default_hf_cache(), desired=desired),
         )
         manager.on_capacity_change = session.capacity_changed
         guest.on_change(lambda _: session.capacity_changed())  # a heartbeat at once: draining, or idle again

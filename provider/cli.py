@@ -6,6 +6,9 @@
     doctor [--json] [--no-coordinator] [--timeout S] [--machine-gb N]
     models [--json] [--hash]    discovered models with size, quantization, context and fit
     status [--json]             what the running agent is doing (its local /status endpoint)
+    pull ORG/NAME               download a model from the Hugging Face hub into its cache, with a progress bar
+    ps [--json]                 the models the running agent has loaded now: memory, requests, idle time
+    unload MODEL                ask the running agent to unload an idle model now
     runtime-hash                the runtime hash sent in `register`
     service install [--no-load] [--local] [--system [--user NAME]] | uninstall [--no-load] [--system]
             | status [--system]
@@ -50,7 +53,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
-from provider import __version__, supervision
+from provider import __version__, control, supervision
 from provider.config import (
     FIELDS,
     LIST_FIELDS,
@@ -84,6 +87,9 @@ _SHOWN_SETTINGS: dict[str, tuple[str, ...]] = {
     "models": ("model_dirs", "model_aliases", "hf_cache_dir", "enabled_models", "memory_limit_gb",
                "memory_reserve_gb"),
     "status": ("state_dir", "local_host", "local_port"),
+    "ps": ("state_dir", "local_host", "local_port"),
+    "pull": ("hf_cache_dir",),
+    "unload": ("state_dir", "local_host", "local_port"),
     "runtime-hash": ("runtime_hash",),
     "install": ("model_dirs", "local_port", "drain_timeout_s", "process_type"),
 }
@@ -185,6 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
     status = _command(sub, "status", "what the running agent is doing (found from the state directory)",
                       _SHOWN_SETTINGS["status"])
     status.add_argument("--json", action="store_true", default=False, help="its /status document")
+
+    pull = _command(sub, "pull", "download a model from the Hugging Face hub (HF_ENDPOINT) into its cache",
+                    _SHOWN_SETTINGS["pull"])
+    pull.add_argument("repo_id", metavar="ORG/NAME", help="the model's repository on the hub")
+    ps = _command(sub, "ps", "the models the running agent has loaded now", _SHOWN_SETTINGS["ps"])
+    ps.add_argument("--json", action="store_true", default=False, help="the loaded models as JSON")
+    unload = _command(sub, "unload", "ask the running agent to unload an idle model now", _SHOWN_SETTINGS["unload"])
+    unload.add_argument("model", metavar="MODEL", help="the model id, as `ps` shows it")
 
     _command(sub, "runtime-hash", "print the runtime hash sent in register", _SHOWN_SETTINGS["runtime-hash"])
 
@@ -387,6 +401,76 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
         print(f"{PROG}: an agent is running on {settings.state_dir} ({agent.describe()}) but its local server "
               "does not answer", file=sys.stderr)
     return EX_FAILED
+
+
+def _agent_answering(settings: Settings) -> str | None:
+    """The base URL of the running agent's local server that answers /status, or None (said on stderr)."""
+    agent, urls = status_urls(settings)
+    for url in urls:
+        try:
+            fetch_status(url)
+        except (urllib.error.URLError, OSError, ValueError):
+            continue
+        return url
+    where = f" ({agent.describe()})" if agent is not None else ""
+    print(f"{PROG}: no running agent answers on {' or '.join(urls)}{where} (is `serve` running? with another "
+          "--state-dir?)", file=sys.stderr)
+    return None
+
+
+def cmd_pull(args: argparse.Namespace, settings: Settings) -> int:
+    """`ollama pull` for the hub: plan, check the disk, download (resumable) with a bar, hash."""
+    from provider.doctor import human_bytes
+    from provider.models.download import DiskShort, DownloadFailed, check_disk, download, plan_download
+    from provider.models.hashing import weight_hash_sync
+
+    from provider.models import default_hf_cache
+
+    cache = settings.hf_cache_dir if settings.hf_cache_dir is not None else default_hf_cache()
+    try:
+        plan = plan_download(args.repo_id, cache)
+        check_disk(plan, cache)
+        with Progress(f"pulling {args.repo_id} ({human_bytes(plan.total_bytes)})") as bar:
+            folder = download(plan, cache, bar.update)
+    except DiskShort as short:
+        print(f"{PROG}: not enough disk for {args.repo_id}: it needs {human_bytes(short.needed)} "
+              f"(with a margin), {human_bytes(short.free)} is free", file=sys.stderr)
+        return EX_FAILED
+    except DownloadFailed as failed:
+        print(f"{PROG}: {args.repo_id} could not be downloaded ({failed.reason})", file=sys.stderr)
+        return EX_FAILED
+    print(f"{args.repo_id} {plan.commit[:12]}: {len(plan.files)} files, {human_bytes(plan.total_bytes)} "
+          f"in {folder}")
+    print(f"weight hash {weight_hash_sync(folder)}")
+    return EX_OK
+
+
+def cmd_ps(args: argparse.Namespace, settings: Settings) -> int:
+    url = _agent_answering(settings)
+    if url is None:
+        return EX_FAILED
+    status = fetch_status(url)
+    if args.json:
+        print(json.dumps(control.loaded_rows(status), indent=2))
+    else:
+        print(control.render_ps(status))
+    return EX_OK
+
+
+def cmd_unload(args: argparse.Namespace, settings: Settings) -> int:
+    url = _agent_answering(settings)
+    if url is None:
+        return EX_FAILED
+    try:
+        code, answer = control.fetch_json(url + "/control/unload", body={"model": args.model},
+                                          timeout_s=control.UNLOAD_TIMEOUT_S)
+    except (urllib.error.URLError, OSError, ValueError):
+        print(f"{PROG}: the agent did not answer the unload", file=sys.stderr)
+        return EX_FAILED
+    outcome = answer.get("outcome") if isinstance(answer, dict) else None
+    print(f"{args.model} {control.UNLOAD_WORDS.get(outcome, 'could not be unloaded')}",
+          file=sys.stdout if code == 200 else sys.stderr)
+    return EX_OK if code == 200 else EX_FAILED
 
 
 def render_status(status: dict[str, Any], now: float | None = None) -> str:
@@ -639,6 +723,9 @@ _COMMANDS = {
     "doctor": cmd_doctor,
     "models": cmd_models,
     "status": cmd_status,
+    "ps": cmd_ps,
+    "pull": cmd_pull,
+    "unload": cmd_unload,
     "runtime-hash": cmd_runtime_hash,
     "service": cmd_service,
 }

@@ -57,6 +57,7 @@ class EvictionCause(StrEnum):
     PRESSURE = "pressure"  # memory watermark
     SHUTDOWN = "shutdown"
     PAUSED = "paused"  # the owner's Mac stopped serving (provider/guest): its memory goes back
+    OPERATOR = "operator"  # `darkbloom-provider unload MODEL`
 
 
 class PrefixLookup(StrEnum):

@@ -57,7 +57,7 @@ from provider.jobs import ServingStats
 from provider.request import PromptCounter
 from provider.request.intake import Intake
 from provider.metrics import EvictionCause, Metrics
-from provider.models import DigestCache, Inventory, SkipReason, weight_hash
+from provider.models import DigestCache, Inventory, ModelInfo, SkipReason, weight_hash
 from provider.models.hashing import CACHE_FILE, weight_fingerprint_sync
 from provider.models.template import Lane, TemplateBound, renderer
 from provider.models.template_check import without_unservable
@@ -113,6 +113,12 @@ class WeightHashes:
 
     async def warm(self, model_ids: Iterable[str]) -> dict[str, str]:
         return {model_id: await self.get(model_id) for model_id in model_ids}
+
+    def add(self, model_id: str, path: Path, digest: str) -> None:
+        """A model that arrived while running, with the weight hash already checked (a prefetch)."""
+        self._paths[model_id] = Path(path)
+        if not self._fingerprints:
+            self._done[model_id] = digest
 
     def known(self) -> Mapping[str, str]:
         """The weight hashes computed so far (none with `fingerprints`: those are no weight hashes)."""
@@ -273,6 +279,20 @@ class Runtime:
         await runtime.preload(settings.preload_models)
         return runtime
 
+    def adopt(self, info: ModelInfo, digest: str) -> bool:
+        """Serve a model that arrived while running (a verified `prefetch_model`): its tokenizer, weight
+        hash and slot, advertised from now on if it can ever load here. False (nothing changed) for a
+        model already known or a vision model (its processor is checked at start only)."""
+        if self.counter.knows(info.id) or self.manager.info(info.id) is not None or info.is_vision:
+            return False
+        self.counter.add(info.id, info.path)
+        self.weight_hashes.add(info.id, info.path, digest)
+        self.manager.adopt(info)
+        self.inventory = dataclasses.replace(self.inventory, models=(*self.inventory.models, info))
+        if any(m.id == info.id and verdict.ever_fits for m, verdict in self.manager.verdicts()):
+            self.servable = (*self.servable, info.id)
+        return True
+
     def servable_now(self) -> tuple[str, ...]:
         """`servable` less the models dropped since start (their folder went away, their template
         passed a bound on a request)."""
@@ -394,6 +414,7 @@ class Runtime:
                 "id": m.id,
                 "state": state.name.lower(),
                 "resident_bytes": self.manager.resident_bytes(m.id) if state is ModelState.LOADED else None,
+                "idle_s": None if (idle := self.manager.idle_seconds(m.id)) is None else round(idle, 1),
                 "weight_bytes": m.weight_bytes,
                 "context_length": m.context_length,
                 "vision": m.is_vision,

@@ -644,7 +644,7 @@ async def test_invalid_frames_are_dropped_and_recorded(
     mark = double.mark()
     # Go: "cannot unmarshal number 503.0 into ... status_code of type int" -> the frame is skipped
     await provider.send(f'{{"type":"inference_error","request_id":"{job.request_id}","error":"x","status_code":503.0}}')
-    await provider.send('{"type":"load_model_status","model_id":"m","status":"started"}')  # [N] only
+    await provider.send('{"type":"code_attestation_response","nonce":"n","signature":"s"}')  # [N] only
     await provider.send('{"type":"from_the_future"}')
     await provider.send("not json")
     await provider.send("[1,2]")

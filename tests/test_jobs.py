@@ -397,7 +397,7 @@ async def test_every_official_coordinator_fixture_is_survived(harness):
     """protocol.md §15.5/§15.13: each [N] fixture plus an invented type goes through a session core; the
     requests it starts (plaintext fixture, placeholder keys) are answered with one 400 and no accept."""
     from protocol import CpuCores, Hardware, Register
-    from provider.session.core import CancelJob, Log, Note, Send, SessionCore, StartJob
+    from provider.session.core import CancelJob, Log, ModelDirective, Note, Send, SessionCore, StartJob
 
     cases = load_vector("coordinator_to_provider.json")["cases"]
     hw = Hardware(machine_model="", chip_name="", chip_family="", chip_tier="", memory_gb=0, memory_available_gb=0.0,
@@ -409,7 +409,7 @@ async def test_every_official_coordinator_fixture_is_survived(harness):
     started = []
     for wire in [case["wire"] for case in cases] + ['{"type":"from_the_future","x":[1,2,3]}']:
         for action in core.receive_text(wire):
-            assert isinstance(action, Send | StartJob | CancelJob | Log | Note)
+            assert isinstance(action, Send | StartJob | CancelJob | Log | Note | ModelDirective)
             if isinstance(action, StartJob):
                 started.append(action.request)
     # Both request fixtures use request-a: the second arrives while the first is running and is ignored.

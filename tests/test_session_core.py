@@ -34,6 +34,7 @@ from provider.session.core import (
     CancelJob,
     InvalidState,
     Log,
+    ModelDirective,
     Note,
     RecentRequestIds,
     Send,
@@ -280,14 +281,25 @@ def test_malformed_frames_are_logged_never_raised(frame):
 
 @pytest.mark.parametrize("frame", [
     '{"type":"brand_new_type","x":1}',
-    '{"type":"load_model","model_id":"model-a"}',
-    '{"type":"desired_models","models":[{"model_name":"public-a","desired_build":"model-a"}]}',
     '{"type":"register","hardware":{},"models":[],"backend":"x"}',
 ])
 def test_unknown_and_unhandled_types_are_ignored(frame):
     core = open_core()
     actions = core.receive_text(frame)
     assert all(isinstance(a, Log) for a in actions) and core.active_jobs == frozenset()
+
+
+@pytest.mark.parametrize("frame", [
+    '{"type":"load_model","model_id":"model-a"}',
+    '{"type":"prefetch_model","model_id":"org/model-b","priority":2}',
+    '{"type":"desired_models","models":[{"model_name":"public-a","desired_build":"model-a"}]}',
+])
+@pytest.mark.parametrize("draining", [False, True])
+def test_model_frames_go_to_the_model_handler_also_while_draining(frame, draining):
+    core = open_core()
+    if draining:
+        core.start_draining()
+    assert core.receive_text(frame) == [ModelDirective(decode(frame))]
 
 
 @settings(max_examples=200, deadline=None)
@@ -301,7 +313,7 @@ def test_any_frame_yields_actions_not_exceptions(frame):
     core = open_core()
     actions = core.receive_text(frame)
     for action in actions:
-        assert isinstance(action, Send | StartJob | CancelJob | Log | Note)
+        assert isinstance(action, Send | StartJob | CancelJob | Log | Note | ModelDirective)
         if isinstance(action, Send):
             decode(encode(action.frame))  # whatever we send is a valid frame
             assert isinstance(action.frame, AttestationResponse | InferenceError)

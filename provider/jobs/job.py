@@ -37,6 +37,7 @@ are bound in structlog's context for the job's lifetime.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -144,6 +145,7 @@ class JobContext:
     clock: Callable[[], float] = time.time  # the chunks' `created`
     monotonic: Callable[[], float] = time.monotonic  # budgets and durations
     intake: Intake | None = None  # default: on the counter and the manager's ledger
+    resolve_model: Callable[[str], str] | None = None  # a public name -> the build to run (desired_models)
 
     def __post_init__(self) -> None:
         if self.intake is None:
@@ -239,7 +241,10 @@ class Job:
             raise _Rejected(Failure.invalid_request())
         intake.precheck(data)
         try:
-            return box, parse_chat_body(data)
+            body = parse_chat_body(data)
+            if self._ctx.resolve_model is not None:
+                body = dataclasses.replace(body, model=self._ctx.resolve_model(body.model))
+            return box, body
         except InvalidBody as exc:
             log.info("request_refused", reason="invalid_body", kind=exc.field)
             raise _Rejected(Failure.invalid_request()) from None

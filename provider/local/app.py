@@ -9,6 +9,8 @@
     GET  /status                JSON: mode, models and their states, in-flight requests, ledger bytes
                                 by kind, pressure, cap figures, prefix-cache stats
     GET  /metrics               Prometheus text (provider.metrics.Metrics.render)
+    POST /control/unload        {"model": id}: unload an idle loaded model now (`darkbloom-provider unload`);
+                                from a loopback client without an Origin header only (no web page)
 
 Every error is OpenAI-shaped (`provider.local.errors`): a failure's fixed text, a bad body's
 parameter and rule, a refusal explained in numbers and model ids, an unknown route or method; a
@@ -21,6 +23,7 @@ instead. `allowed_origins` (the `local_allowed_origins` setting) turns on CORS f
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import time
 import uuid
@@ -58,6 +61,17 @@ from provider.telemetry import get_logger, request_timings
 log = get_logger(__name__)
 
 
+MAX_CONTROL_MODEL_CHARS = 256
+_UNLOAD_STATUS = {"unknown_model": 404, "not_loaded": 409, "busy": 409}
+
+
+def _loopback_client(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class Backend(Protocol):
     """What the app needs from whatever holds the models (see backend.RuntimeBackend)."""
 
@@ -71,6 +85,7 @@ class Backend(Protocol):
     def open_completion(self, request_id: str, raw: bytes) -> Any: ...  # -> (CompletionBody, RequestStream)
     def status(self) -> dict[str, Any]: ...
     def refresh_metrics(self) -> None: ...
+    async def unload(self, model_id: str) -> str: ...  # an UnloadOutcome value
 
 
 def _failure_for(code: EngineFailure) -> Failure:
@@ -174,6 +189,21 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
                 "uptime_s": round(time.monotonic() - state.started, 3), **backend.status()}
         body["cap"] = asdict(backend.figures)
         return JSONResponse(body)
+
+    @app.post("/control/unload")
+    async def control_unload(request: Request) -> JSONResponse:
+        # Loopback only, and never from a web page: a browser sends Origin on every cross-site POST.
+        client = request.client.host if request.client is not None else ""
+        if "origin" in request.headers or not _loopback_client(client):
+            return JSONResponse({"error": "forbidden"}, status_code=403)
+        try:
+            model = json.loads(await request.body()).get("model")
+        except (ValueError, AttributeError, RecursionError):
+            model = None
+        if not isinstance(model, str) or not model or len(model) > MAX_CONTROL_MODEL_CHARS:
+            return JSONResponse({"error": "model must be a model id"}, status_code=400)
+        outcome = await backend.unload(model)
+        return JSONResponse({"model": model, "outcome": outcome}, status_code=_UNLOAD_STATUS.get(outcome, 200))
 
     @app.get("/metrics")
     async def prometheus() -> Response:

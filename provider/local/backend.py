@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from enum import StrEnum
 from typing import Any
 
 from memory import CapFigures
@@ -42,7 +43,8 @@ from provider.request.body import ChatBody, CompletionBody, InvalidBody, parse_c
 from provider.request.intake import Intake, OverContext, Refusal
 from provider.request.media import NO_MEDIA, MediaPlan, MediaRefused, inspect_images
 from provider.runtime import Runtime
-from provider.slots import Refused as AdmissionRefused, SlotRefused
+from provider.metrics import EvictionCause
+from provider.slots import ModelState, Refused as AdmissionRefused, SlotRefused
 from provider.slots.admission import kv_need
 from provider.slots.leases import Booking
 from provider.telemetry import get_logger
@@ -131,6 +133,15 @@ def too_large(failure: Failure, model_id: str, fit: FitResult, kv_bytes: int, fi
 
 
 _NEVER_HERE = frozenset({ErrorReason.REQUEST_EXCEEDS_NODE, ErrorReason.REQUEST_EXCEEDS_NODE_BUDGET})
+
+
+class UnloadOutcome(StrEnum):
+    """The answer of `POST /control/unload` (`darkbloom-provider unload MODEL`)."""
+
+    UNLOADED = "unloaded"
+    NOT_LOADED = "not_loaded"
+    BUSY = "busy"  # requests are running on it: it stays
+    UNKNOWN_MODEL = "unknown_model"
 
 
 class RuntimeBackend:
@@ -261,6 +272,18 @@ class RuntimeBackend:
 
     def status(self) -> dict[str, Any]:
         return self.runtime.status()
+
+    async def unload(self, model_id: str) -> str:
+        """The operator's `unload MODEL`: an idle loaded model is unloaded now (a busy one is left alone)."""
+        manager = self.runtime.manager
+        if model_id not in self.model_ids() and manager.info(model_id) is None:
+            return UnloadOutcome.UNKNOWN_MODEL
+        if manager.state(model_id) is not ModelState.LOADED:
+            return UnloadOutcome.NOT_LOADED
+        if await manager.unload(model_id, cause=EvictionCause.OPERATOR):
+            log.info("model_unloaded_by_operator", model=model_id)
+            return UnloadOutcome.UNLOADED
+        return UnloadOutcome.BUSY
 
     def refresh_metrics(self) -> None:
         self.runtime.refresh_metrics()

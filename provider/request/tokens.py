@@ -188,6 +188,10 @@ class PromptCounter:
     def models(self) -> list[str]:
         return list(self._paths)
 
+    def add(self, model_id: str, path: Path) -> None:
+        """A model that arrived while running (a verified prefetch): its tokenizer loads on first use."""
+        self._paths[model_id] = Path(path)
+
     def knows(self, model_id: str) -> bool:
         """Whether ``model_id`` is one of ours and servable (a consumer-chosen string otherwise: not for logs)."""
         return model_id in self._paths and model_id not in self._unservable

@@ -60,6 +60,7 @@ from provider.session.core import (
     CancelJob,
     ChallengeAnswerer,
     Log,
+    ModelDirective,
     Note,
     RecentRequestIds,
     Send,
@@ -101,6 +102,8 @@ class Transport(Protocol):
 ConnectFactory = Callable[[str], Awaitable[Transport]]
 JobRunner = Callable[[InferenceRequest, Callable[[str], None]], Awaitable[object]]
 HeartbeatBuilder = Callable[[bool], Heartbeat]  # draining -> frame
+# A coordinator-directed model frame and this connection's send: the agent's model handler (provider/directed).
+DirectiveRunner = Callable[[Any, Callable[[str], None]], Awaitable[object]]
 
 
 class RedirectRefused(InvalidStatus):
@@ -164,12 +167,14 @@ class Session:
         run_job: JobRunner,
         connect: ConnectFactory | None = None,
         status: SessionStatus | None = None,
+        run_directive: DirectiveRunner | None = None,
     ) -> None:
         self.config = config
         self._build_register = build_register
         self._answer = answer_challenge
         self._build_heartbeat = build_heartbeat
         self._run_job = run_job
+        self._run_directive = run_directive
         self._connect = connect or websocket_connect()
         self.status = status if status is not None else SessionStatus(config.url)
         self.recent = RecentRequestIds()  # finished request ids, across connections: replays are refused
@@ -277,6 +282,7 @@ class _Connection:
                                 recent=session.recent)
         self.queue: asyncio.Queue[str | None] = asyncio.Queue()
         self.jobs: dict[str, asyncio.Task[object]] = {}
+        self.directives: set[asyncio.Task[object]] = set()  # model handler tasks, cancelled with the connection
         self.drained = False
         self._closed = False
         self.barrier_acked = asyncio.Event()
@@ -305,6 +311,8 @@ class _Connection:
                     self.session.status.note(event)
                     if isinstance(event, BarrierAcked):
                         self.barrier_acked.set()
+                case ModelDirective(message=message):
+                    self._start_directive(message)
 
     def send(self, text: str) -> None:
         if not self._closed:
@@ -315,6 +323,20 @@ class _Connection:
         task = asyncio.create_task(self.session._run_job(request, self.send), name=f"job-{rid}")
         self.jobs[rid] = task
         task.add_done_callback(lambda t, rid=rid: self._job_done(rid, t))
+
+    def _start_directive(self, message: Any) -> None:
+        runner = self.session._run_directive
+        if runner is None:
+            log.debug("frame_ignored", kind=message.type, reason="not_handled")
+            return
+        task = asyncio.create_task(runner(message, self.send), name=f"directive-{message.type}")
+        self.directives.add(task)
+        task.add_done_callback(self._directive_done)
+
+    def _directive_done(self, task: asyncio.Task[object]) -> None:
+        self.directives.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("directive_task_failed", exc_info=task.exception())
 
     def _job_done(self, rid: str, task: asyncio.Task[object]) -> None:
         self.jobs.pop(rid, None)
@@ -430,6 +452,9 @@ class _Connection:
         self._closed = True
         self.apply(self.core.connection_lost())
         await self._cancel_jobs()
+        for task in list(self.directives):  # a load they started goes on (shielded); only the answer is dropped
+            task.cancel()
+        await asyncio.gather(*self.directives, return_exceptions=True)
         for task in tasks:
             if task.done() and not task.cancelled() and not isinstance(task.exception(), ConnectionClosed | None):
                 log.error("session_task_failed", kind=task.get_name(), exc_info=task.exception())
@@ -496,6 +521,7 @@ __all__ = [
     "PING_TIMEOUT_S",
     "TRY_AGAIN_LATER",
     "ConnectFactory",
+    "DirectiveRunner",
     "RedirectRefused",
     "HeartbeatBuilder",
     "JobRunner",

@@ -33,6 +33,8 @@ What the core decides (protocol.md §4, §7.4, §15.5, §15.22):
 * ``drain_barrier(id)`` → ``Send(provider_drain)``; the ``provider_drain_ack`` with that id → a ``Note``
   (``BarrierAcked``) the shell waits on; an ack for any other id (stale, or never asked) is logged and
   ignored (protocol-messages.md "Provider lifecycle drain": only the current waiter consumes it).
+* ``load_model``, ``prefetch_model``, ``desired_models`` → ``ModelDirective``: the agent's model handler
+  answers them (``provider/directed``); while draining too (a load then fails with the drain's words).
 * what the operator's status page shows (a challenge seen and answered, a ``runtime_status``
   verdict, a request the core refused itself) → a ``Note`` carrying a ``status`` event.
 * unknown types, [N]-only types and undecodable frames → logged and ignored; the session goes on.
@@ -55,12 +57,15 @@ from protocol import (
     AttestationChallenge,
     AttestationResponse,
     Cancel,
+    DesiredModels,
     InferenceRequest,
+    LoadModel,
     Message,
     ProtocolError,
     ProviderDrain,
     ProviderDrainAck,
     ProviderMessage,
+    PrefetchModel,
     Register,
     RuntimeStatus,
     TrustStatus,
@@ -135,7 +140,15 @@ class Note:
     event: SessionEvent
 
 
-Action = Send | StartJob | CancelJob | Log | Note
+@dataclass(frozen=True, slots=True)
+class ModelDirective:
+    """Hand a coordinator-directed model frame (``load_model``, ``prefetch_model``, ``desired_models``)
+    to the agent's model handler, which answers it with its own status frames."""
+
+    message: LoadModel | PrefetchModel | DesiredModels
+
+
+Action = Send | StartJob | CancelJob | Log | Note | ModelDirective
 
 ChallengeAnswerer = Callable[[AttestationChallenge], AttestationResponse]
 
@@ -252,6 +265,8 @@ class SessionCore:
                 return [_log(LogLevel.INFO, "drain_acked"), Note(BarrierAcked(barrier))]
             case ProviderDrainAck():
                 return [_log(LogLevel.WARNING, "frame_ignored", kind=message.type, reason="no_matching_barrier")]
+            case LoadModel() | PrefetchModel() | DesiredModels():
+                return [ModelDirective(message)]
             case UnknownMessage(type=kind):
                 return [_log(LogLevel.INFO, "frame_ignored", kind=kind[:MAX_LOGGED_TYPE_CHARS], reason="unknown_type")]
             case _:
@@ -344,6 +359,7 @@ __all__ = [
     "ChallengeAnswerer",
     "InvalidState",
     "Log",
+    "ModelDirective",
     "Note",
     "RecentRequestIds",
     "Send",

@@ -228,6 +228,14 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
         log.warning("model_gone", model=model_id, reason=reason.value, path=str(slot.info.path))
         self._resident_set_changed()
 
+    def adopt(self, info: ModelInfo) -> None:
+        """A model that arrived while running (a verified prefetch): a slot, not loaded."""
+        if info.id in self._slots:
+            return
+        self._slots[info.id] = ModelSlot(info)
+        self.gone.pop(info.id, None)
+        log.info("model_adopted", model=info.id)
+
     def info(self, model_id: str) -> ModelInfo | None:
         """The model's info as the manager sizes it (KV per token checked after its last load)."""
         slot = self._slots.get(model_id)

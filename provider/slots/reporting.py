@@ -25,6 +25,13 @@ class Reporting:
         slot = self._slots.get(model_id)
         return slot.resident_bytes if slot is not None else 0
 
+    def idle_seconds(self, model_id: str) -> float | None:
+        """How long a loaded model has served nothing (`ps`); None while it is busy or not loaded."""
+        slot = self._slots.get(model_id)
+        if slot is None or slot.state is not ModelState.LOADED or slot.busy(self._engine.stats(model_id)):
+            return None
+        return max(0.0, self._clock() - slot.last_used)
+
     def warm_models(self) -> list[str]:
         return [s.model_id for s in self._slots.values() if s.state is ModelState.LOADED]
 

@@ -45,6 +45,13 @@ class DoubleConfig:
     # model catalog ([A] registry catalog; GET /v1/models/catalog): (id, size_gb) pairs. Empty, as with [A]'s
     # memory store, filters nothing. Non-empty: register drops models it does not list.
     catalog: tuple[tuple[str, float], ...] = ()
+    # [N] catalog builds carry the weight hash a provider's prefetch verifies against (directed.py):
+    # (id, weight_hash) pairs, listed in GET /v1/models/catalog (with no size when not in `catalog`).
+    # They filter nothing at register.
+    catalog_weight_hashes: tuple[tuple[str, str], ...] = ()
+    # [N] sends desired_models right after register (even an empty map): (public name, desired build)
+    # pairs; None sends nothing, as [A].
+    desired_models: tuple[tuple[str, str], ...] | None = None
     # routing
     backend: str = "inprocess-mlx"
     # EIGENINFERENCE_MIN_TRUST. [A]'s default is hardware, which no test provider reaches; self-hosted

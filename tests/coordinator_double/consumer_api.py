@@ -44,7 +44,10 @@ def committed_headers(pending: Any) -> dict[str, str]:
 
 
 def catalog_document(config: DoubleConfig) -> dict[str, Any]:
-    return {"models": [{"id": model_id, "size_gb": size} for model_id, size in config.catalog]}
+    models: dict[str, dict[str, Any]] = {model_id: {"id": model_id, "size_gb": size} for model_id, size in config.catalog}
+    for model_id, weight_hash in config.catalog_weight_hashes:
+        models.setdefault(model_id, {"id": model_id})["weight_hash"] = weight_hash
+    return {"models": list(models.values())}
 CLIENT_CLOSED = 499
 
 

@@ -157,6 +157,28 @@ class FrameReceived(Record):
 
 
 @dataclass(frozen=True, slots=True)
+class ModelStatus(Record):
+    """A ``load_model_status`` or ``prefetch_model_status`` ([N]; directed.py)."""
+
+    provider_id: str
+    kind: str  # the frame type
+    model_id: str
+    status: str
+    error: str = ""
+    bytes_done: int = 0
+    bytes_total: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelsUpdated(Record):
+    """A ``models_update`` replaced what the provider advertises ([N] MergeProviderModels)."""
+
+    provider_id: str
+    merged: tuple[str, ...]
+    dropped: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class InvalidFrame(Record):
     provider_id: str
     kind: InvalidKind
@@ -383,6 +405,8 @@ __all__ = [
     "EventLog",
     "Evicted",
     "FrameReceived",
+    "ModelStatus",
+    "ModelsUpdated",
     "InvalidFrame",
     "InvalidKind",
     "MarkedUntrusted",

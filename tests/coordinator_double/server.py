@@ -13,7 +13,8 @@ dropped as ``InvalidFrame(SCHEMA)`` (Go would read a zero value); [N]-only frame
 ``provider_drain_ack`` once its pending requests are settled (``DoubleConfig.drain_ack=False``: never);
 an attested registration gets ``trust_status`` (self_signed, online), and ``send_trust_status`` sends any
 other; ``DoubleConfig.restore_pending_registrations`` closes the first registrations with 1013 (state being
-restored: try again later), and ``close_provider`` closes a socket with any code.
+restored: try again later), and ``close_provider`` closes a socket with any code;
+the [N] answers about models likewise (``directed.py``).
 
 The provider listener also answers the public ``GET /v1/models/catalog`` (the [A] coordinator serves the
 provider socket and its HTTP API on one port, so a provider derives the catalog URL from its own).
@@ -64,6 +65,7 @@ from .attestation import IMMEDIATELY_UNTRUSTED, Verdict, new_challenge, verify_c
 from .chat_wire import check_event, error_body
 from .config import DoubleConfig
 from .consumer_api import CATALOG_PATH, build_app, catalog_document
+from .directed import MODEL_REPLY_TYPES, desired_models, on_model_reply
 from .dispatch import ConsumerGone, FailedRequest
 from .hostile import HostileCase
 from .pending import PROVIDER_DISCONNECTED, AcceptedItem, ChunkItem, CompleteItem, ErrorItem, PendingRequest, RequestState
@@ -271,6 +273,10 @@ class CoordinatorDouble:
             sent += 1
         return sent
 
+    async def send_frame(self, ref: ProviderRef, frame: Any) -> None:
+        """Send one coordinator frame (a ``protocol`` model, e.g. ``directed.load_model("m")``) to a provider."""
+        await self._session(ref).ws.send(encode(frame))
+
     async def send_challenge(self, ref: ProviderRef) -> ev.ChallengeResult:
         """One challenge now (besides the periodic ones); returns its recorded result."""
         return await self._challenge(self._session(ref))
@@ -404,7 +410,7 @@ class CoordinatorDouble:
         except ProtocolError as exc:
             self.events.append(ev.InvalidFrame(pid, _classify(frame), str(exc), len(frame)))
             return
-        if isinstance(message, UnknownMessage) or not isinstance(message, _A_TYPES + _N_TYPES):
+        if isinstance(message, UnknownMessage) or not isinstance(message, _A_TYPES + _N_TYPES + MODEL_REPLY_TYPES):
             detail = f"type {message.type[:64]!r} is not an [A] provider frame"
             self.events.append(ev.InvalidFrame(pid, ev.InvalidKind.UNKNOWN_TYPE, detail, len(frame)))
             return
@@ -419,6 +425,8 @@ class CoordinatorDouble:
             self._on_attestation_response(session, message)
         elif isinstance(message, ProviderDrain):
             self._on_drain(session, message)
+        elif isinstance(message, MODEL_REPLY_TYPES):
+            on_model_reply(session, message, self.events)
         else:
             pending = self._pending_for(session, message)
             if pending is not None:
@@ -452,6 +460,9 @@ class CoordinatorDouble:
         elif session.attested:  # [N] sendTrustStatus after a verified registration attestation
             self._spawn(self.send_trust_status(session, "self_signed", "online",
                                                "SE attestation verified, awaiting MDM verification"))
+        if self.config.desired_models is not None:  # [N]: the build map follows register at once
+            frame = encode(desired_models(dict(self.config.desired_models)))
+            self._spawn(self.send(session, frame, self.config.control_write_timeout))
 
     def _on_heartbeat(self, session: ProviderSession, message: Heartbeat) -> None:
         if session.evicted:
