@@ -67,6 +67,7 @@ from provider.session.posture import (
 from provider.session.register import RegisterFrame, advertised_models, build_register
 from provider.session.status import SessionStatus
 from provider.slots import ModelManager
+from provider.slots.quote import capacity_quote
 from provider.supervision import EXIT_RESTART, under_service_manager
 from provider.telemetry import configure_logging, get_logger
 
@@ -137,16 +138,20 @@ class Agent:
         counter, stats, metrics, weight_hashes = rt.counter, rt.stats, rt.metrics, rt.weight_hashes.known()
         hardware = await asyncio.to_thread(detect_hardware, probe.snapshot())
         osver = os_version()
-        heartbeat = HeartbeatSource(stats=stats, capacity=manager.capacity, thermal=thermal, paused=guest.is_paused)
+        heartbeat = HeartbeatSource(stats=stats, capacity=manager.capacity, thermal=thermal, paused=guest.is_paused,
+                                    rates=manager.rates, quoting=True)
         status = SessionStatus(settings.coordinator_url)
         rt.session = status  # /status and /metrics report the link
         metrics.watch_session(status.view)
         ctx = JobContext(identity=keys.encryption, manager=manager, counter=counter, stats=stats, metrics=metrics,
-                         requests=status.requests, intake=rt.intake)
+                         requests=status.requests, intake=rt.intake, rates=manager.rates)
 
         def make_register() -> RegisterFrame:
             snapshot = probe.snapshot()
+            prefill_tps, decode_tps = manager.register_rates()
             return build_register(
+                prefill_tps=prefill_tps,
+                decode_tps=decode_tps,
                 hardware=hardware.model_copy(update={"memory_available_gb": available_gb(snapshot)}),
                 models=advertised_models(manager.verdicts(), weight_hashes),
                 backend=settings.backend,
@@ -171,6 +176,7 @@ class Agent:
             run_job=lambda request, send: run_job(request, ctx, send),
             connect=connect,
             status=status,
+            quote=lambda probe: capacity_quote(probe, manager, manager.rates, heartbeat.capacity_seq),
         )
         manager.on_capacity_change = session.capacity_changed
         guest.on_change(lambda _: session.capacity_changed())  # a heartbeat at once: draining, or idle again

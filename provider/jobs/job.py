@@ -63,6 +63,7 @@ from provider.request.output import OutputPlan
 from provider.request.tokens import PromptCounter
 from provider.slots import Refused
 from provider.slots.leases import Booking
+from provider.slots.rates import RateBook
 from provider.metrics import Metrics, RequestOutcome
 from provider.session.connection import DRAIN_EXPIRED
 from provider.session.status import RequestTally
@@ -144,6 +145,7 @@ class JobContext:
     clock: Callable[[], float] = time.time  # the chunks' `created`
     monotonic: Callable[[], float] = time.monotonic  # budgets and durations
     intake: Intake | None = None  # default: on the counter and the manager's ledger
+    rates: RateBook | None = None  # each completed request's rates (heartbeat evidence, quotes)
 
     def __post_init__(self) -> None:
         if self.intake is None:
@@ -174,6 +176,8 @@ class Job:
         self._content_deadline = self._started + budget_ms / 1000 if budget_ms > 0 else None
         self._deadline_guard: asyncio.Timeout | None = None
         self._submitted = False  # the engine has the request (and gives its grammar's reservation back)
+        self._submitted_at = 0.0
+        self._alone = False  # no other request in flight from submit to first output: an isolated prefill
 
     @property
     def state(self) -> JobState:
@@ -320,6 +324,8 @@ class Job:
                                                    body.max_tokens, booking=booking) as slot:
                     stream = slot.submit(request)
                     self._submitted = True
+                    self._submitted_at = self._ctx.monotonic()
+                    self._alone = len(self._ctx.stats.in_flight) == 1
                     try:
                         return await self._stream(box, body, stream, tools)
                     finally:
@@ -363,6 +369,7 @@ class Job:
                         request_id=self.request_id,
                         usage=Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)))
                     self._completed(usage.prompt_tokens, usage.completion_tokens)
+                    self._measured(body.model, usage.prompt_tokens, usage.completion_tokens)
                     return JobOutcome.COMPLETED
                 case Failed(code=code):
                     if self.lifecycle.state is JobState.STREAMING:
@@ -376,9 +383,21 @@ class Job:
         """Before the first output: the role delta, so it is always the first chunk."""
         if self._first_output is None:
             self._first_output = self._ctx.monotonic()
+            self._alone = self._alone and len(self._ctx.stats.in_flight) == 1
             if self._deadline_guard is not None:
                 self._deadline_guard.reschedule(None)  # content is here: the budget is met
             self._chunk(box, data_line(chunks.role()))
+
+    def _measured(self, model_id: str, prompt_tokens: int, completion_tokens: int) -> None:
+        """The request's rates into the model's evidence: prefill from submit to its first output (the
+        engine's own first-token time is not ours to see; the detokenizer's hold is noise), decode from
+        there to the end."""
+        if self._ctx.rates is None or self._first_output is None:
+            return
+        self._ctx.rates.served(model_id, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                               submitted=self._submitted_at, first_token=self._first_output,
+                               ended=self._ctx.monotonic(), isolated=self._alone,
+                               ttft_s=self._first_output - self._started)
 
     # --- frames ---------------------------------------------------------------------------------------
 

@@ -29,6 +29,9 @@ What the core decides (protocol.md §4, §7.4, §15.5, §15.22):
 * ``attestation_challenge`` → ``Send(attestation_response)`` built by the injected answerer; an empty
   or over-long nonce (the size rule again) is logged and not answered.
 * ``runtime_status`` → logged, naming each mismatched component; we stay connected.
+* ``capacity_probe`` → ``Send(capacity_quote)`` built by the injected quoter (the read-only admission
+  decision, ``provider.slots.quote``), at once; without a quoter (we report no ``capacity_seq``) it is
+  ignored like any [N]-only frame.
 * what the operator's status page shows (a challenge seen and answered, a ``runtime_status``
   verdict, a request the core refused itself) → a ``Note`` carrying a ``status`` event.
 * unknown types, [N]-only types and undecodable frames → logged and ignored; the session goes on.
@@ -51,6 +54,8 @@ from protocol import (
     AttestationChallenge,
     AttestationResponse,
     Cancel,
+    CapacityProbe,
+    CapacityQuote,
     InferenceRequest,
     Message,
     ProtocolError,
@@ -124,6 +129,7 @@ class Note:
 Action = Send | StartJob | CancelJob | Log | Note
 
 ChallengeAnswerer = Callable[[AttestationChallenge], AttestationResponse]
+Quoter = Callable[[CapacityProbe], CapacityQuote]
 
 
 def _log(level: LogLevel, event: str, **fields: Any) -> Log:
@@ -162,9 +168,10 @@ class SessionCore:
     """What to send, start and cancel for each event on one connection. No I/O, no awaits."""
 
     def __init__(self, *, register: Register, answer_challenge: ChallengeAnswerer,
-                 recent: RecentRequestIds | None = None) -> None:
+                 recent: RecentRequestIds | None = None, quote: Quoter | None = None) -> None:
         self._register = register
         self._answer = answer_challenge
+        self._quote = quote
         self._state = SessionState.CONNECTING
         self._jobs: set[str] = set()
         self.recent = recent if recent is not None else RecentRequestIds()
@@ -228,6 +235,8 @@ class SessionCore:
                         Note(ChallengeSeen(answered=True))]
             case RuntimeStatus():
                 return self._on_runtime_status(message)
+            case CapacityProbe() if self._quote is not None:
+                return [Send(self._quote(message))]
             case UnknownMessage(type=kind):
                 return [_log(LogLevel.INFO, "frame_ignored", kind=kind[:MAX_LOGGED_TYPE_CHARS], reason="unknown_type")]
             case _:
@@ -311,6 +320,7 @@ __all__ = [
     "Action",
     "CancelJob",
     "ChallengeAnswerer",
+    "Quoter",
     "InvalidState",
     "Log",
     "Note",

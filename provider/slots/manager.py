@@ -76,6 +76,7 @@ from provider.slots.leases import (
 )
 from provider.slots.loading import FaultHook, Loading, LoadStep
 from provider.slots.prefix import PrefixRoom, WeightHashes
+from provider.slots.rates import RateBook
 from provider.slots.reporting import Reporting
 from provider.slots.state import GoneReason, ModelSlot, ModelState
 from provider.telemetry import get_logger
@@ -154,6 +155,8 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
         self._kept_warm: set[str] = set()  # preloaded: the idle reaper leaves them resident
         self.gone: dict[str, GoneReason] = {}  # models dropped from the inventory since start (`forget`)
         self.on_capacity_change: Callable[[], None] | None = None  # called on the loop after a publish/unload
+        self.rates = RateBook(clock)  # measured rates per model (heartbeat evidence, quotes)
+        self._room: frozenset[str] = frozenset()  # models with room for one more request, last we looked
         self.pause_source: Callable[[], Paused | None] = _never_paused  # provider/guest: asked at every view
 
     @classmethod
@@ -314,6 +317,7 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
         failure = self._reserve_share(slot, reservation, decision, booked_on)
         if failure is not None:  # a load booked just now goes on: the model then idles, LRU-evictable
             return Refused(failure)
+        self._check_room()
         return Booking(model_id, decision.kv, reservation, tuple(s.unload_task for s in leaving))
 
     async def book_when_released(self, request_id: str, model_id: str, prompt_tokens: int,
@@ -403,10 +407,20 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
 
     def _wake_waiters(self, request_id: str) -> None:
         self._releasing.discard(request_id)
+        self._check_room()
         waiters, self._release_waiters = self._release_waiters, []
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
+
+    def _check_room(self) -> None:
+        """A heartbeat at once when a model goes from room for one more request to none, or back
+        (issue 32): the coordinator's view must never say room where admission would refuse."""
+        room = self.models_with_room()
+        if room != self._room:
+            self._room = room
+            if self.on_capacity_change is not None:
+                self.on_capacity_change()
 
     def _cancelling(self, request_id: str) -> None:
         self._releasing.add(request_id)
