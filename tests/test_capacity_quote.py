@@ -4,6 +4,7 @@ a real request of the same shape gets, and it must never book, reserve or load a
 
 from __future__ import annotations
 
+import asyncio
 import random
 from pathlib import Path
 
@@ -106,6 +107,51 @@ async def test_confidence_is_high_only_from_real_samples_of_the_shape(manager: M
     assert seen.ttft_p50_ms == pytest.approx(120.0) and seen.ttft_p90_ms == pytest.approx(140.0)
     other = capacity_quote(probe_of("tiny", 2048, 64), manager, rates, 4)  # another bucket: no samples of it
     assert other.confidence is QuoteConfidence.LOW
+
+
+async def test_transient_refusals_say_when_room_comes_back(manager: ModelManager) -> None:
+    """feasible_after_ms (the floor of the client's Retry-After): when the soonest request in flight
+    should end at the model's decode rate; the same figure is the quote's queue estimate."""
+    rate = manager.rates.decode_tps("tiny")
+    assert rate > 0, "the calibration at load gives a decode rate"
+    outputs = [64, 256, 512, 1024]
+    full = [manager.book(f"f{i}", "tiny", 512, n) for i, n in enumerate(outputs)]
+    refused = manager.book("late", "tiny", 512, 64)
+    assert isinstance(refused, Refused) and refused.failure.rejection is RejectionReason.SLOT_STATE
+    bound_ms = 64 / rate * 1000  # the shortest in flight, not yet started on
+    assert 0 < refused.failure.feasible_after_ms <= round(bound_ms) + 1
+    quote = capacity_quote(probe_of("tiny", 512, 64), manager, manager.rates, 1)
+    assert 0 < quote.queue_est_ms <= round(bound_ms) + 1
+    never = manager.book("huge", "tiny", 2560, 64)  # beyond the context: no wait makes it fit
+    assert isinstance(never, Refused) and never.failure.feasible_after_ms is None
+    for booking in full:
+        booking.release()
+
+
+async def test_capacity_listener_hears_room_run_out_and_come_back(manager: ModelManager) -> None:
+    """The heartbeat goes out at once when the model's room for one more request runs out and when it
+    comes back, and not for bookings that change neither."""
+    calls: list[frozenset[str]] = []
+    manager.on_capacity_change = lambda: calls.append(manager.models_with_room())
+    held = [manager.book(f"f{i}", "tiny", 512, 64) for i in range(BATCH - 1)]
+    assert calls == []  # room left after each
+    held.append(manager.book("last", "tiny", 512, 64))
+    assert calls == [frozenset()]  # the batch is full: no room
+    held.pop().release()
+    await handed_over()
+    assert calls == [frozenset(), frozenset({"tiny"})]
+    for booking in held:
+        booking.release()
+    await handed_over()
+    assert len(calls) == 2
+
+
+async def handed_over() -> None:
+    """After the callbacks a release handed to the loop (FIFO: they were scheduled first)."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    loop.call_soon(done.set_result, None)
+    await done
 
 
 def test_quote_frame_shape() -> None:

@@ -13,6 +13,8 @@ over a real WebSocket, consumers on the `openai` SDK.
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -31,6 +33,7 @@ from provider.config import Settings
 from provider.slots.rates import EWMA_ALPHA
 
 NO_EOS = frozenset({10**9})  # completions run to max_tokens
+REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -92,7 +95,7 @@ async def test_routing_evidence_after_20_requests(coordinator_double: Coordinato
             stamps: list[float] = []
             usage = None
             stream = await client.chat.completions.create(
-                model="tiny", messages=prompt(i, 300), max_tokens=128, temperature=0, stream=True,
+                model="tiny", messages=prompt(i, 550), max_tokens=128, temperature=0, stream=True,
                 stream_options={"include_usage": True})
             async for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
@@ -140,11 +143,34 @@ def heartbeat_event(e) -> bool:
     return isinstance(e, FrameReceived) and isinstance(e.message, Heartbeat)
 
 
-async def test_quotes_while_eight_requests_stream(coordinator_double: CoordinatorDouble, start_agent) -> None:
+async def agent_process(double: CoordinatorDouble, model: Path, tmp_path: Path) -> asyncio.subprocess.Process:
+    """`python -m provider.agent` as a real process: in this one, the double, the engine thread and the
+    agent would share one interpreter lock and one event loop, and the quote's latency would be theirs."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "provider.agent", cwd=REPO, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "DARKBLOOM_COORDINATOR_URL": double.ws_url,
+             "DARKBLOOM_DEV_POSTURE": "true", "DARKBLOOM_STATE_DIR": str(tmp_path / "state"),
+             "DARKBLOOM_HF_CACHE_DIR": str(tmp_path / "hf"), "DARKBLOOM_MODEL_ALIASES": f"tiny={model}",
+             "DARKBLOOM_PRELOAD_MODELS": "tiny", "DARKBLOOM_MAX_BATCH_SIZE": "9",
+             "DARKBLOOM_MEMORY_LIMIT_GB": "8", "DARKBLOOM_MEMORY_RESERVE_GB": "0.5",
+             "DARKBLOOM_LOCAL_ENABLED": "false", "DARKBLOOM_HEARTBEAT_INTERVAL_S": "30"})
+
+
+async def test_quotes_while_eight_requests_stream(coordinator_double: CoordinatorDouble, tiny_model_path: Path,
+                                                  tmp_path: Path) -> None:
     """The requests go to the agent directly (sealed frames on its socket): the double's [A] routing caps
     a provider of 8 GB at 2 concurrent requests, the [N] coordinator at the slot's max_concurrency."""
     double = coordinator_double
-    await start_agent(double.ws_url, max_batch_size=9, heartbeat_interval_s=30.0)
+    process = await agent_process(double, tiny_model_path, tmp_path)
+    try:
+        await _quotes_while_eight_requests_stream(double)
+    finally:
+        process.terminate()
+        await asyncio.wait_for(process.wait(), 60)
+
+
+async def _quotes_while_eight_requests_stream(double: CoordinatorDouble) -> None:
     await double.wait_routable(1, model="tiny", timeout=60)
     session = double._session(0)
     await double.wait_until(lambda: double.quotes.quote_capable(session), timeout=10)
@@ -153,7 +179,7 @@ async def test_quotes_while_eight_requests_stream(coordinator_double: Coordinato
     async def start_request(i: int) -> str:
         rid = f"stream-{i}-{uuid.uuid4().hex}"
         await double.send_raw(0, sealed_request(session.public_key, rid, {
-            "model": "tiny", "messages": prompt(i, 20), "max_tokens": 1500, "stream": True}))
+            "model": "tiny", "messages": prompt(i, 20), "max_tokens": 1500, "temperature": 0, "stream": True}))
         return rid
 
     streaming = [await start_request(i) for i in range(8)]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
@@ -254,7 +255,7 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
                              media_bytes=media_bytes)
             if _clearing_helps(verdict, cleared):
                 verdict = cleared
-        return verdict
+        return self._with_eta(verdict)
 
     def precheck(self, model_id: str, prompt_tokens: int, max_tokens: int | None = None, *,
                  queued: bool = False) -> Failure | None:
@@ -303,7 +304,7 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
                 self._engine.request_reclaim()
                 snap, decision = snap.after_reclaim(), cleared
         if isinstance(decision, Refused):
-            return decision
+            return self._with_eta(decision)
         assert slot is not None
         for victim in decision.evict:
             self._start_unload(self._slots[victim], EvictionCause.LRU)
@@ -412,6 +413,27 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
+
+    def _with_eta(self, decision: Admission) -> Admission:
+        """A refusal that requests in flight will lift gets ``feasible_after_ms``: when the soonest of
+        them should end (``kv_headroom`` is memory short even without them: none), at its model's
+        measured decode rate, from its output bound less what it has
+        had time to make (an upper bound: a request may stop early). None when no rate is known."""
+        if not isinstance(decision, Refused) or decision.failure.feasible_after_ms is not None \
+                or not _room_refusal(decision.failure) or decision.failure.rejection is RejectionReason.KV_HEADROOM:
+            return decision
+        now = time.monotonic()
+        soonest = None
+        for slot in self._slots.values():
+            rate = self.rates.decode_tps(slot.model_id)
+            if rate <= 0:
+                continue
+            for hold in slot.kv_book.holds():
+                left = max(0.0, hold.max_tokens / rate - (now - hold.booked_at))
+                soonest = left if soonest is None else min(soonest, left)
+        if soonest is None:
+            return decision
+        return Refused(dataclasses.replace(decision.failure, feasible_after_ms=max(1, round(soonest * 1000))))
 
     def _check_room(self) -> None:
         """A heartbeat at once when a model goes from room for one more request to none, or back
@@ -558,6 +580,7 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
         sends a heartbeat at once rather than letting the coordinator route on a stale one)."""
         if self._metrics is not None:
             self._metrics.set_loaded_models(len(self.warm_models()))
+        self._room = self.models_with_room()  # this heartbeat reports it: no second one for the same change
         if self.on_capacity_change is not None:
             self.on_capacity_change()
 
