@@ -89,3 +89,16 @@ def test_heartbeat_slot_carries_rates_and_ages_on_the_wire() -> None:
 def test_prompt_buckets_round_up_to_512(tokens: int) -> None:
     bucket = prompt_bucket(tokens)
     assert bucket % PROMPT_BUCKET_TOKENS == 0 and bucket >= max(tokens, 1) and bucket - max(tokens, 1) < PROMPT_BUCKET_TOKENS
+
+
+def test_a_request_that_waited_for_the_load_is_no_warm_ttft_sample() -> None:
+    clock = Clock()
+    book = RateBook(clock)
+    clock.now = 10.2
+    book.loaded("m")  # the load ended at 10.2; the request below arrived at 10.0
+    book.served("m", prompt_tokens=512, completion_tokens=9, submitted=10.2, first_token=10.3, ended=10.5,
+                isolated=True, ttft_s=0.3)
+    assert book.ttft("m", 512) is None and book.observed("m")[1] == 40.0
+    book.served("m", prompt_tokens=512, completion_tokens=9, submitted=10.6, first_token=10.7, ended=10.9,
+                isolated=True, ttft_s=0.1)
+    assert book.ttft("m", 512).samples == 1

@@ -13,7 +13,8 @@ count and ``sample_age_ms``). Per model, from the requests it serves:
 * implausible samples are dropped: a window under 1 ms, prefill above 20,000 tok/s (the
   coordinator's ``maxPrefillTPS``; such a value is read as no measurement);
 * time to first token per (model, prompt bucket of 512): a ring of the last ``TTFT_RING`` real
-  requests, whose quantiles a ``capacity_quote`` reports (``confidence: high`` only from it).
+  requests that found the model loaded, whose quantiles a ``capacity_quote`` reports (``confidence:
+  high`` only from it).
 
 A load starts a new epoch: what the previous engine measured is gone. ``calibrated`` keeps the
 rates of the timed pass at load (register's ``prefill_tps`` / ``decode_tps``) apart from served ones.
@@ -85,6 +86,7 @@ class ModelRates:
     calibrated_prefill_tps: float = 0.0
     calibrated_decode_tps: float = 0.0
     ttft: dict[int, deque[float]] = field(default_factory=dict)
+    loaded_at: float = float("-inf")  # monotonic: a request that arrived before waited for the load
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -101,7 +103,7 @@ class RateBook:
 
     def loaded(self, model_id: str) -> None:
         """A new engine lifetime for this model: a new epoch, nothing measured yet."""
-        self._models[model_id] = ModelRates(epoch=uuid.uuid4().hex[:16])
+        self._models[model_id] = ModelRates(epoch=uuid.uuid4().hex[:16], loaded_at=self._clock())
 
     def _rates(self, model_id: str) -> ModelRates:
         rates = self._models.get(model_id)
@@ -129,8 +131,11 @@ class RateBook:
             tps = (completion_tokens - 1) / decode_s
             if tps <= MAX_DECODE_TPS:
                 rates.decode.add(tps, now)
+        ttft = prefill_s if ttft_s is None else ttft_s
+        if first_token - ttft < rates.loaded_at:
+            return  # it waited for the load: a cold first token is not this shape's warm TTFT
         ring = rates.ttft.setdefault(prompt_bucket(prompt_tokens), deque(maxlen=TTFT_RING))
-        ring.append(max(0.0, (prefill_s if ttft_s is None else ttft_s) * 1000))
+        ring.append(max(0.0, ttft * 1000))
 
     def decode_tps(self, model_id: str) -> float:
         """The served EWMA, else the calibration's, else 0."""
