@@ -89,13 +89,14 @@ async def test_routing_evidence_after_20_requests(coordinator_double: Coordinato
 
     client = consumer_for(double)
     client_prefill, client_decode = [], []
+    messages = []
     try:
         for i in range(20):
             sent = time.monotonic()
             stamps: list[float] = []
             usage = None
             stream = await client.chat.completions.create(
-                model="tiny", messages=prompt(i, 550), max_tokens=128, temperature=0, stream=True,
+                model="tiny", messages=(messages := prompt(i, 550)), max_tokens=128, temperature=0, stream=True,
                 stream_options={"include_usage": True})
             async for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
@@ -125,6 +126,18 @@ async def test_routing_evidence_after_20_requests(coordinator_double: Coordinato
                                                                                       client_decode)
     assert slot.observed_prefill_tps == pytest.approx(ewma(client_prefill), rel=0.2), (slot.observed_prefill_tps,
                                                                                         client_prefill)
+
+    # The same prompt again: its prefix comes from the cache, so its first token is no prefill evidence.
+    mark = double.mark()
+    client = consumer_for(double)
+    try:
+        await client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    finally:
+        await client.close()
+    event = await double.wait_for(
+        lambda e: heartbeat_event(e) and e.message.backend_capacity.slots
+        and slot_of(e.message).performance_measurements.decode.sample_count == 21, since=mark, timeout=10)
+    assert slot_of(event.message).performance_measurements.isolated_prefill.sample_count == 20
 
 
 def ewma(values: list[float]) -> float:

@@ -102,3 +102,13 @@ def test_a_request_that_waited_for_the_load_is_no_warm_ttft_sample() -> None:
     book.served("m", prompt_tokens=512, completion_tokens=9, submitted=10.6, first_token=10.7, ended=10.9,
                 isolated=True, ttft_s=0.1)
     assert book.ttft("m", 512).samples == 1
+
+
+def test_prefill_counts_computed_tokens_and_not_a_cache_hit() -> None:
+    book = RateBook(Clock())
+    book.served("m", prompt_tokens=1030, completion_tokens=2, submitted=0.0, first_token=1.0, ended=1.1,
+                isolated=True, cached_tokens=6)  # a template start from the cache: 1,024 computed in 1 s
+    assert book.observed("m")[0] == 1024.0
+    book.served("m", prompt_tokens=1030, completion_tokens=2, submitted=0.0, first_token=0.1, ended=0.2,
+                isolated=True, cached_tokens=1000)  # mostly restored: no evidence of the rate
+    assert book.measurements("m").isolated_prefill.sample_count == 1

@@ -153,6 +153,7 @@ class Finished:
     reason: FinishReason
     usage: Usage
     completion_ids: tuple[int, ...] = field(repr=False)
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache: its prefill was not all computed
 
 
 @dataclass(frozen=True, slots=True)

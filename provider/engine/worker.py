@@ -995,7 +995,7 @@ class Worker:
                                                              "".join(active.answer), tools=active.tools,
                                                              due=time.monotonic() + NEXT_TURN_QUIET_S)
         usage = Usage(active.prompt_tokens, len(active.completion_ids))
-        event = Finished(reason, usage, tuple(active.completion_ids))
+        event = Finished(reason, usage, tuple(active.completion_ids), cached_tokens=active.reused)
         if self._kept and self._kept[-1].active is active:
             held = self._held.pop(id(active.sink), None)
             if held is not None:

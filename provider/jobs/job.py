@@ -361,7 +361,7 @@ class Job:
                     self._output(box, chunks)
                     for chunk in chunks.for_event(item):
                         self._chunk(box, data_line(chunk))
-                case Finished(usage=usage):
+                case Finished(usage=usage, cached_tokens=cached):
                     self._output(box, chunks)
                     for chunk in chunks.for_event(item):  # the last one carries finish_reason and usage
                         self._chunk(box, data_line(chunk))
@@ -369,7 +369,7 @@ class Job:
                         request_id=self.request_id,
                         usage=Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)))
                     self._completed(usage.prompt_tokens, usage.completion_tokens)
-                    self._measured(body.model, usage.prompt_tokens, usage.completion_tokens)
+                    self._measured(body.model, usage.prompt_tokens, usage.completion_tokens, cached)
                     return JobOutcome.COMPLETED
                 case Failed(code=code):
                     if self.lifecycle.state is JobState.STREAMING:
@@ -388,7 +388,7 @@ class Job:
                 self._deadline_guard.reschedule(None)  # content is here: the budget is met
             self._chunk(box, data_line(chunks.role()))
 
-    def _measured(self, model_id: str, prompt_tokens: int, completion_tokens: int) -> None:
+    def _measured(self, model_id: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
         """The request's rates into the model's evidence: prefill from submit to its first output (the
         engine's own first-token time is not ours to see; the detokenizer's hold is noise), decode from
         there to the end."""
@@ -397,7 +397,7 @@ class Job:
         self._ctx.rates.served(model_id, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                                submitted=self._submitted_at, first_token=self._first_output,
                                ended=self._ctx.monotonic(), isolated=self._alone,
-                               ttft_s=self._first_output - self._started)
+                               ttft_s=self._first_output - self._started, cached_tokens=cached_tokens)
 
     # --- frames ---------------------------------------------------------------------------------------
 

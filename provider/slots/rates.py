@@ -6,8 +6,11 @@ an unchanged EWMA never renews; the slot's ``performance_measurements`` carries 
 count and ``sample_age_ms``). Per model, from the requests it serves:
 
 * decode: (completion tokens − 1) / (last token − first token), every request with ≥ 2 tokens;
-* isolated prefill: prompt tokens / (first token − submit), only when the request was alone in the
-  engine from submit to its first token (a contended window says nothing about the rate);
+* isolated prefill: computed prompt tokens (the prompt less what came from the prefix cache) /
+  (first token − submit), only when the request was alone in the engine from submit to its first
+  token and the cache gave at most 1/8 of its prompt (a contended window, or one mostly spent
+  restoring cached KV, says nothing about the rate; a shared template start of a few tokens is
+  what nearly every request reuses);
 * an EWMA with α = 0.3 (the Swift provider's), reseeded by the first sample after an evidence gap
   longer than ``FRESHNESS_S`` instead of blended with a rate that expired;
 * implausible samples are dropped: a window under 1 ms, prefill above 20,000 tok/s (the
@@ -38,6 +41,7 @@ MAX_PREFILL_TPS = 20_000.0
 MAX_DECODE_TPS = 500.0 * 40  # far above any real per-request rate; only garbage is dropped
 PROMPT_BUCKET_TOKENS = 512  # CapacityProbePromptBucketTokens
 TTFT_RING = 64
+MAX_CACHED_SHARE = 8  # a prefill sample takes at most 1/8 of its prompt from the prefix cache
 HIGH_CONFIDENCE_SAMPLES = 5  # a shape's ring needs this many real requests to quote "high"
 
 
@@ -117,13 +121,16 @@ class RateBook:
         rates.calibrated_decode_tps = max(0.0, min(decode_tps, MAX_DECODE_TPS))
 
     def served(self, model_id: str, *, prompt_tokens: int, completion_tokens: int, submitted: float,
-               first_token: float, ended: float, isolated: bool, ttft_s: float | None = None) -> None:
+               first_token: float, ended: float, isolated: bool, ttft_s: float | None = None,
+               cached_tokens: int = 0) -> None:
         """One request that completed: its timings (monotonic seconds)."""
         rates = self._rates(model_id)
         now = self._clock()
         prefill_s = first_token - submitted
-        if isolated and prompt_tokens > 0 and prefill_s >= MIN_WINDOW_S:
-            tps = prompt_tokens / prefill_s
+        computed = prompt_tokens - max(0, cached_tokens)
+        if isolated and computed > 0 and cached_tokens * MAX_CACHED_SHARE <= prompt_tokens \
+                and prefill_s >= MIN_WINDOW_S:
+            tps = computed / prefill_s
             if tps <= MAX_PREFILL_TPS:
                 rates.prefill.add(tps, now)
         decode_s = ended - first_token
