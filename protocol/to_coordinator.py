@@ -18,6 +18,7 @@ from protocol._wire import (
     Float,
     Int64,
     JsonObject,
+    NullAsEmpty,
     Opaque,
     Raw,
     Str,
@@ -144,6 +145,27 @@ class SystemMetrics(WireModel):
     thermal_state: Str  # a ThermalState value; Go zero value "" is legal
 
 
+class PerformanceRateObservation(WireModel):
+    """One engine rate, independent of heartbeat cadence: ``sample_age_ms`` is monotonic time since its
+    newest sample when the snapshot was taken (coordinator/protocol/performance_measurements.go)."""
+
+    tokens_per_second: Float
+    sample_count: Int64
+    sample_age_ms: Int64
+
+
+class PerformanceMeasurements(WireModel):
+    """A slot's measured rates with their age; ``epoch`` changes with each engine lifetime (a load)."""
+
+    epoch: Str
+    isolated_prefill: PerformanceRateObservation | None = None
+    contended_prefill: PerformanceRateObservation | None = None
+    decode: PerformanceRateObservation | None = None
+    delivered_decode: PerformanceRateObservation | None = None
+    end_to_end: PerformanceRateObservation | None = None
+    workload_buckets: Annotated[tuple[JsonObject, ...], NullAsEmpty] = ()
+
+
 class BackendSlotCapacity(WireModel):
     model: Str
     state: Str  # a SlotState value
@@ -172,6 +194,7 @@ class BackendSlotCapacity(WireModel):
     telemetry: JsonObject | None = None
     prefix_cache: JsonObject | None = None
     paged_storage: JsonObject | None = None
+    performance_measurements: PerformanceMeasurements | None = None
 
 
 class BackendCapacity(WireModel):
@@ -317,9 +340,9 @@ class CapacityQuote(WireModel):
     capacity_seq: UInt64
     admissible_now: Bool
     rejection_reason: RejectionReason | None = None
-    ttft_p50_ms: Int64
-    ttft_p90_ms: Int64
-    queue_est_ms: Int64
+    ttft_p50_ms: Float  # Go float64: end-to-end quantiles of real requests of this shape
+    ttft_p90_ms: Float
+    queue_est_ms: Float
     available_token_budget: Int64
     confidence: QuoteConfidence
 

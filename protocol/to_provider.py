@@ -147,10 +147,10 @@ class TrustStatus(WireModel):
 
 
 class CapacityProbe(WireModel):
-    """Only sent after we report ``capacity_seq > 0``, which a v1 provider does not."""
+    """Only sent after we report ``capacity_seq > 0``. ``quote_id`` is echoed in the quote: bounded."""
 
     type: Literal["capacity_probe"] = "capacity_probe"
-    quote_id: Str = ""
+    quote_id: RequestId = ""
     model: Str = ""
     prompt_tokens_bucket: Int64 = 0
     max_output_tokens: Int64 = 0

@@ -69,6 +69,7 @@ from provider.session.posture import (
 from provider.session.register import RegisterFrame, advertised_models, build_register
 from provider.session.status import SessionStatus
 from provider.slots import ModelManager
+from provider.slots.quote import capacity_quote
 from provider.supervision import EXIT_RESTART, under_service_manager
 from provider.telemetry import configure_logging, get_logger
 
@@ -139,17 +140,22 @@ class Agent:
         counter, stats, metrics, weight_hashes = rt.counter, rt.stats, rt.metrics, rt.weight_hashes.known()
         hardware = await asyncio.to_thread(detect_hardware, probe.snapshot())
         osver = os_version()
-        heartbeat = HeartbeatSource(stats=stats, capacity=manager.capacity, thermal=thermal, paused=guest.is_paused)
+        heartbeat = HeartbeatSource(stats=stats, capacity=manager.capacity, thermal=thermal, paused=guest.is_paused,
+                                    rates=manager.rates, quoting=True)
         status = SessionStatus(settings.coordinator_url)
         rt.session = status  # /status and /metrics report the link
         metrics.watch_session(status.view)
         desired = DesiredBuilds(counter.knows)  # desired_models: public name -> build, for every request
         ctx = JobContext(identity=keys.encryption, manager=manager, counter=counter, stats=stats, metrics=metrics,
-                         requests=status.requests, intake=rt.intake, resolve_model=desired.resolve)
+                         requests=status.requests, intake=rt.intake, resolve_model=desired.resolve,
+                         rates=manager.rates)
 
         def make_register() -> RegisterFrame:
             snapshot = probe.snapshot()
+            prefill_tps, decode_tps = manager.register_rates()
             return build_register(
+                prefill_tps=prefill_tps,
+                decode_tps=decode_tps,
                 hardware=hardware.model_copy(update={"memory_available_gb": available_gb(snapshot)}),
                 models=advertised_models(manager.verdicts(), weight_hashes),
                 backend=settings.backend,
@@ -176,6 +182,7 @@ class Agent:
             status=status,
             run_directive=ModelDirectives(manager, runtime=rt, coordinator_url=settings.coordinator_url,
                                           hf_cache_dir=settings.hf_cache_dir or default_hf_cache(), desired=desired),
+            quote=lambda probe: capacity_quote(probe, manager, manager.rates, heartbeat.capacity_seq),
         )
         manager.on_capacity_change = session.capacity_changed
         guest.on_change(lambda _: session.capacity_changed())  # a heartbeat at once: draining, or idle again

@@ -416,3 +416,25 @@ def test_an_unasked_drain_ack_is_ignored():
 def test_the_drain_barrier_is_only_for_a_draining_session():
     with pytest.raises(InvalidState):
         open_core().drain_barrier("drain-1")
+
+
+def test_a_capacity_probe_is_answered_at_once_by_the_quoter():
+    from protocol import CapacityProbe, CapacityQuote
+    from protocol.to_provider import MAX_REQUEST_ID_CHARS
+
+    asked: list[CapacityProbe] = []
+
+    def quoter(probe: CapacityProbe) -> CapacityQuote:
+        asked.append(probe)
+        return CapacityQuote(quote_id=probe.quote_id, capacity_seq=3, admissible_now=True, ttft_p50_ms=1.0,
+                             ttft_p90_ms=2.0, queue_est_ms=0.0, available_token_budget=512, confidence="low")
+
+    core = SessionCore(register=REGISTER, answer_challenge=answer, quote=quoter)
+    core.connection_made()
+    probe = ('{"type":"capacity_probe","quote_id":"q1","model":"tiny","prompt_tokens_bucket":512,'
+             '"max_output_tokens":64,"deadline_remaining_ms":900}')
+    (quote,) = sends(core.receive_text(probe))
+    assert isinstance(quote, CapacityQuote) and quote.quote_id == "q1" and asked[0].prompt_tokens_bucket == 512
+    oversized = probe.replace('"q1"', '"' + "q" * (MAX_REQUEST_ID_CHARS + 1) + '"')
+    assert sends(core.receive_text(oversized)) == [] and len(asked) == 1  # it could not be echoed: refused
+    assert sends(open_core().receive_text(probe)) == []  # no quoter: we report no capacity_seq, never probed

@@ -153,6 +153,7 @@ class Finished:
     reason: FinishReason
     usage: Usage
     completion_ids: tuple[int, ...] = field(repr=False)
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache: its prefill was not all computed
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +182,8 @@ class LoadedModelInfo:
     cpu_attention: bool = False  # served with the vectorised CPU softmax (attention.py)
     vision: bool = False  # served through mlx-vlm: takes images
     image_text_tokens: int = 0  # vision: text tokens the processor adds around each image (measured)
+    prefill_tps: float = 0.0  # the timed pass at load (engine/calibration.py); 0: not measured
+    decode_tps: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,6 +89,7 @@ from provider.engine.commands import (
     Unload,
 )
 from provider.engine import attention, guided
+from provider.engine.calibration import Calibration, calibrate
 from provider.engine.decode import EngineBatchGenerator
 from provider.engine.device import DeviceLimits
 from provider.engine.layout import MAX_WEIGHT_BYTES, on_cpu, transpose_weights
@@ -417,8 +418,10 @@ class Worker:
         )
         slot = _Slot(info, model, tokenizer, self._generator(model, eos))
         self._calibrate(slot)
+        rates = self._timed_rates(slot)
         slot.info = info = dataclasses.replace(
-            info, solo_min_tokens=slot.solo_min_tokens if slot.split is not None else None)
+            info, solo_min_tokens=slot.solo_min_tokens if slot.split is not None else None,
+            prefill_tps=rates.prefill_tps, decode_tps=rates.decode_tps)
         self._slots[cmd.model_id] = slot
         self.stats[cmd.model_id] = ModelStats(0, 0, 0)
         return info
@@ -441,6 +444,17 @@ class Worker:
             log.exception("prefill calibration failed", extra={"model_id": slot.info.model_id})
             slot.split = None
             return
+        finally:
+            clear_buffer_cache()
+
+    def _timed_rates(self, slot: _Slot) -> Calibration:
+        """register's prefill_tps / decode_tps: a short timed pass (calibration.py)."""
+        try:
+            with mx.stream(slot.generator.stream):
+                return calibrate(slot.model, slot.split)
+        except Exception:  # an edge: without the pass the rates stay unreported (0)
+            log.exception("rate calibration failed", extra={"model_id": slot.info.model_id})
+            return Calibration(0.0, 0.0)
         finally:
             clear_buffer_cache()
 
@@ -981,7 +995,7 @@ class Worker:
                                                              "".join(active.answer), tools=active.tools,
                                                              due=time.monotonic() + NEXT_TURN_QUIET_S)
         usage = Usage(active.prompt_tokens, len(active.completion_ids))
-        event = Finished(reason, usage, tuple(active.completion_ids))
+        event = Finished(reason, usage, tuple(active.completion_ids), cached_tokens=active.reused)
         if self._kept and self._kept[-1].active is active:
             held = self._held.pop(id(active.sink), None)
             if held is not None:

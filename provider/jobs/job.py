@@ -64,6 +64,7 @@ from provider.request.output import OutputPlan
 from provider.request.tokens import PromptCounter
 from provider.slots import Refused
 from provider.slots.leases import Booking
+from provider.slots.rates import RateBook
 from provider.metrics import Metrics, RequestOutcome
 from provider.session.connection import DRAIN_EXPIRED
 from provider.session.status import RequestTally
@@ -146,6 +147,7 @@ class JobContext:
     monotonic: Callable[[], float] = time.monotonic  # budgets and durations
     intake: Intake | None = None  # default: on the counter and the manager's ledger
     resolve_model: Callable[[str], str] | None = None  # a public name -> the build to run (desired_models)
+    rates: RateBook | None = None  # each completed request's rates (heartbeat evidence, quotes)
 
     def __post_init__(self) -> None:
         if self.intake is None:
@@ -176,6 +178,8 @@ class Job:
         self._content_deadline = self._started + budget_ms / 1000 if budget_ms > 0 else None
         self._deadline_guard: asyncio.Timeout | None = None
         self._submitted = False  # the engine has the request (and gives its grammar's reservation back)
+        self._submitted_at = 0.0
+        self._alone = False  # no other request in flight from submit to first output: an isolated prefill
 
     @property
     def state(self) -> JobState:
@@ -325,6 +329,8 @@ class Job:
                                                    body.max_tokens, booking=booking) as slot:
                     stream = slot.submit(request)
                     self._submitted = True
+                    self._submitted_at = self._ctx.monotonic()
+                    self._alone = len(self._ctx.stats.in_flight) == 1
                     try:
                         return await self._stream(box, body, stream, tools)
                     finally:
@@ -360,7 +366,7 @@ class Job:
                     self._output(box, chunks)
                     for chunk in chunks.for_event(item):
                         self._chunk(box, data_line(chunk))
-                case Finished(usage=usage):
+                case Finished(usage=usage, cached_tokens=cached):
                     self._output(box, chunks)
                     for chunk in chunks.for_event(item):  # the last one carries finish_reason and usage
                         self._chunk(box, data_line(chunk))
@@ -368,6 +374,7 @@ class Job:
                         request_id=self.request_id,
                         usage=Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)))
                     self._completed(usage.prompt_tokens, usage.completion_tokens)
+                    self._measured(body.model, usage.prompt_tokens, usage.completion_tokens, cached)
                     return JobOutcome.COMPLETED
                 case Failed(code=code):
                     if self.lifecycle.state is JobState.STREAMING:
@@ -381,9 +388,21 @@ class Job:
         """Before the first output: the role delta, so it is always the first chunk."""
         if self._first_output is None:
             self._first_output = self._ctx.monotonic()
+            self._alone = self._alone and len(self._ctx.stats.in_flight) == 1
             if self._deadline_guard is not None:
                 self._deadline_guard.reschedule(None)  # content is here: the budget is met
             self._chunk(box, data_line(chunks.role()))
+
+    def _measured(self, model_id: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+        """The request's rates into the model's evidence: prefill from submit to its first output (the
+        engine's own first-token time is not ours to see; the detokenizer's hold is noise), decode from
+        there to the end."""
+        if self._ctx.rates is None or self._first_output is None:
+            return
+        self._ctx.rates.served(model_id, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                               submitted=self._submitted_at, first_token=self._first_output,
+                               ended=self._ctx.monotonic(), isolated=self._alone,
+                               ttft_s=self._first_output - self._started, cached_tokens=cached_tokens)
 
     # --- frames ---------------------------------------------------------------------------------------
 

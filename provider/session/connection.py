@@ -46,6 +46,7 @@ import asyncio
 import contextlib
 import secrets
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -53,7 +54,7 @@ from typing import Any, Protocol
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from protocol import MAX_INBOUND_FRAME_BYTES, EncodeError, Heartbeat, InferenceRequest, Register, encode
+from protocol import MAX_INBOUND_FRAME_BYTES, CapacityQuote, EncodeError, Heartbeat, InferenceRequest, Register, encode
 from provider.session.backoff import backoff_delays, clock_jumped, is_retryable, should_reset_backoff
 from provider.session.core import (
     Action,
@@ -62,6 +63,7 @@ from provider.session.core import (
     Log,
     ModelDirective,
     Note,
+    Quoter,
     RecentRequestIds,
     Send,
     SessionCore,
@@ -168,8 +170,10 @@ class Session:
         connect: ConnectFactory | None = None,
         status: SessionStatus | None = None,
         run_directive: DirectiveRunner | None = None,
+        quote: Quoter | None = None,
     ) -> None:
         self.config = config
+        self._quote = quote
         self._build_register = build_register
         self._answer = answer_challenge
         self._build_heartbeat = build_heartbeat
@@ -272,6 +276,9 @@ class Session:
         return time.monotonic() - registered_at
 
 
+_WAKE = "\x00wake"  # queued after a frame sent ahead: the writer looks at `ahead` first
+
+
 class _Connection:
     """The live state of one connection: its core, send queue and job tasks."""
 
@@ -279,8 +286,9 @@ class _Connection:
         self.session = session
         self.transport = transport
         self.core = SessionCore(register=session._build_register(), answer_challenge=session._answer,
-                                recent=session.recent)
+                                recent=session.recent, quote=session._quote)
         self.queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self.ahead: deque[str] = deque()  # capacity quotes: sent before anything queued (250 ms window)
         self.jobs: dict[str, asyncio.Task[object]] = {}
         self.directives: set[asyncio.Task[object]] = set()  # model handler tasks, cancelled with the connection
         self.drained = False
@@ -298,7 +306,10 @@ class _Connection:
                     except EncodeError:  # the core's size rules should make this impossible: a bug
                         log.error("frame_not_encodable", kind=frame.type)
                         continue
-                    self.send(text)
+                    if isinstance(frame, CapacityQuote):
+                        self.send_ahead(text)
+                    else:
+                        self.send(text)
                 case StartJob(request=request):
                     self._start_job(request)
                 case CancelJob(request_id=request_id):
@@ -317,6 +328,13 @@ class _Connection:
     def send(self, text: str) -> None:
         if not self._closed:
             self.queue.put_nowait(text)
+
+    def send_ahead(self, text: str) -> None:
+        """Ahead of the queued frames: a quote is worth something only inside the coordinator's probe
+        window, and a chunk held back by one small frame loses nothing."""
+        if not self._closed:
+            self.ahead.append(text)
+            self.queue.put_nowait(_WAKE)
 
     def _start_job(self, request: InferenceRequest) -> None:
         rid = request.request_id
@@ -354,8 +372,14 @@ class _Connection:
             pass
 
     async def writer(self) -> None:
-        while (text := await self.queue.get()) is not None:
-            await self.transport.send(text)
+        while True:
+            while self.ahead:
+                await self.transport.send(self.ahead.popleft())
+            text = await self.queue.get()
+            if text is None:
+                return
+            if text is not _WAKE:
+                await self.transport.send(text)
 
     async def heartbeats(self, draining: bool = False, since: float | None = None) -> None:
         """Every interval (or at once on a capacity change) until the gap since the last one shows a stall

@@ -35,6 +35,9 @@ What the core decides (protocol.md §4, §7.4, §15.5, §15.22):
   ignored (protocol-messages.md "Provider lifecycle drain": only the current waiter consumes it).
 * ``load_model``, ``prefetch_model``, ``desired_models`` → ``ModelDirective``: the agent's model handler
   answers them (``provider/directed``); while draining too (a load then fails with the drain's words).
+* ``capacity_probe`` → ``Send(capacity_quote)`` built by the injected quoter (the read-only admission
+  decision, ``provider.slots.quote``), at once; without a quoter (we report no ``capacity_seq``) it is
+  ignored like any [N]-only frame.
 * what the operator's status page shows (a challenge seen and answered, a ``runtime_status``
   verdict, a request the core refused itself) → a ``Note`` carrying a ``status`` event.
 * unknown types, [N]-only types and undecodable frames → logged and ignored; the session goes on.
@@ -58,6 +61,8 @@ from protocol import (
     AttestationResponse,
     Cancel,
     DesiredModels,
+    CapacityProbe,
+    CapacityQuote,
     InferenceRequest,
     LoadModel,
     Message,
@@ -151,6 +156,7 @@ class ModelDirective:
 Action = Send | StartJob | CancelJob | Log | Note | ModelDirective
 
 ChallengeAnswerer = Callable[[AttestationChallenge], AttestationResponse]
+Quoter = Callable[[CapacityProbe], CapacityQuote]
 
 
 def _log(level: LogLevel, event: str, **fields: Any) -> Log:
@@ -189,9 +195,10 @@ class SessionCore:
     """What to send, start and cancel for each event on one connection. No I/O, no awaits."""
 
     def __init__(self, *, register: Register, answer_challenge: ChallengeAnswerer,
-                 recent: RecentRequestIds | None = None) -> None:
+                 recent: RecentRequestIds | None = None, quote: Quoter | None = None) -> None:
         self._register = register
         self._answer = answer_challenge
+        self._quote = quote
         self._state = SessionState.CONNECTING
         self._jobs: set[str] = set()
         self._barrier: str | None = None  # the id of the provider_drain we wait on
@@ -267,6 +274,8 @@ class SessionCore:
                 return [_log(LogLevel.WARNING, "frame_ignored", kind=message.type, reason="no_matching_barrier")]
             case LoadModel() | PrefetchModel() | DesiredModels():
                 return [ModelDirective(message)]
+            case CapacityProbe() if self._quote is not None:
+                return [Send(self._quote(message))]
             case UnknownMessage(type=kind):
                 return [_log(LogLevel.INFO, "frame_ignored", kind=kind[:MAX_LOGGED_TYPE_CHARS], reason="unknown_type")]
             case _:
@@ -357,6 +366,7 @@ __all__ = [
     "Action",
     "CancelJob",
     "ChallengeAnswerer",
+    "Quoter",
     "InvalidState",
     "Log",
     "ModelDirective",

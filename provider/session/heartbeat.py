@@ -13,7 +13,10 @@
 * ``backend_capacity`` — from the model manager (slots, token budgets, MLX memory, ``free_for_load_gb``).
   ``total_memory_gb`` and ``gpu_memory_*_gb`` are the memory MLX allocates from; ``telemetry.memory``
   says which (``device``: ``unified``, the machine's RAM; ``discrete``, a GPU's own memory, with the
-  host's RAM beside it as ``host_total_gb`` / ``host_available_gb``).
+  host's RAM beside it as ``host_total_gb`` / ``host_available_gb``). Each slot carries its measured
+  ``observed_prefill_tps`` / ``observed_decode_tps`` and, in ``performance_measurements``, their sample
+  counts and ages (``provider.slots.rates``). ``capacity_seq`` numbers every snapshot (1, 2, …) when the
+  agent answers ``capacity_probe`` (a quote names the snapshot it was computed beside).
 """
 
 from __future__ import annotations
@@ -26,15 +29,19 @@ from memory.policy import GiB
 from protocol import BackendCapacity, BackendSlotCapacity, Heartbeat, HeartbeatStatus, SystemMetrics
 from provider.jobs.stats import ServingStats
 from provider.slots import CapacityReport
+from provider.slots.rates import RateBook
 from provider.session.thermal import THERMAL_TTL_S, ThermalSampler
 
 MAX_TOKENS_POTENTIAL = 1_000_000  # the coordinator clamps to this; we never send more
 
 
-def backend_capacity(report: CapacityReport) -> BackendCapacity:
+def backend_capacity(report: CapacityReport, *, rates: RateBook | None = None,
+                     capacity_seq: int = 0) -> BackendCapacity:
     """The manager's report in wire units: GB floats, token and request counts as ints. Loaded models
-    are ``running`` (what [A] counts as warm), loading ones ``reloading``. ``capacity_seq`` stays absent:
-    we do not answer ``capacity_probe``."""
+    are ``running`` (what [A] counts as warm), loading ones ``reloading``. ``rates``: each slot's
+    measured ``observed_*_tps`` and their ages (``performance_measurements``). ``capacity_seq`` > 0
+    says we answer ``capacity_probe``; 0 leaves it absent."""
+    observed = {s.model: rates.observed(s.model) for s in report.slots} if rates is not None else {}
     return BackendCapacity(
         slots=tuple(
             BackendSlotCapacity(
@@ -49,6 +56,9 @@ def backend_capacity(report: CapacityReport) -> BackendCapacity:
                 active_token_budget_used=s.active_token_budget_used,
                 active_token_budget_max=s.active_token_budget_max,
                 model_load_time_ms=s.model_load_time_ms or 0,
+                observed_prefill_tps=observed.get(s.model, (0.0, 0.0))[0],
+                observed_decode_tps=observed.get(s.model, (0.0, 0.0))[1],
+                performance_measurements=rates.measurements(s.model) if rates is not None else None,
             )
             for s in report.slots
         ),
@@ -57,6 +67,7 @@ def backend_capacity(report: CapacityReport) -> BackendCapacity:
         gpu_memory_cache_gb=_gb(report.mlx_cache_bytes),
         total_memory_gb=_gb(report.total_memory_bytes),
         free_for_load_gb=_gb(report.free_for_load_bytes),
+        capacity_seq=capacity_seq,
         telemetry={"memory": memory_kind(report)},
     )
 
@@ -89,8 +100,13 @@ class HeartbeatSource:
         thermal: ThermalSampler | None = None,
         cpu_percent: Callable[[], float] = lambda: psutil.cpu_percent(None),
         paused: Callable[[], bool] = lambda: False,
+        rates: RateBook | None = None,
+        quoting: bool = False,
     ) -> None:
         self._stats = stats
+        self._rates = rates
+        self._quoting = quoting
+        self.capacity_seq = 0  # the newest snapshot's sequence number (> 0 once quoting)
         self._paused = paused
         self._capacity = capacity
         self.thermal = thermal or ThermalSampler()
@@ -104,6 +120,8 @@ class HeartbeatSource:
 
     def __call__(self, draining: bool = False) -> Heartbeat:
         report = self._capacity()
+        if self._quoting:  # every snapshot a new number: the coordinator drops stale or reordered ones
+            self.capacity_seq += 1
         return Heartbeat(
             status=self.status(draining).value,
             active_model=self._stats.active_model,
@@ -114,7 +132,7 @@ class HeartbeatSource:
                 cpu_usage=_clamp01(float(self._cpu()) / 100.0),
                 thermal_state=self.thermal.state.value,
             ),
-            backend_capacity=backend_capacity(report),
+            backend_capacity=backend_capacity(report, rates=self._rates, capacity_seq=self.capacity_seq),
         )
 
 

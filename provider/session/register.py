@@ -82,6 +82,8 @@ def build_register(
     privacy: PrivacyCapabilities,
     auth_token: str | None = None,
     attestation: RawJSON | None = None,
+    prefill_tps: float = 0.0,
+    decode_tps: float = 0.0,
 ) -> RegisterFrame:
     return RegisterFrame(
         hardware=hardware,
@@ -94,6 +96,8 @@ def build_register(
         runtime_hash=runtime_hash,
         privacy_capabilities=privacy,
         attestation=attestation,
+        prefill_tps=round(max(0.0, prefill_tps), 3),  # 0: none measured yet, omitted
+        decode_tps=round(max(0.0, decode_tps), 3),
     )
 
 

@@ -34,6 +34,7 @@ ledger entry (a reuse of that id is refused as a duplicate until then).
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, replace
 
 from memory import Ledger, Rejection, ReservationKind
@@ -49,6 +50,7 @@ class KvHold:
     tokens: int  # prompt + output, clamped to the context window
     max_tokens: int  # the output part
     nbytes: int = 0  # its ledger reservation (its share of the batch)
+    booked_at: float = 0.0  # monotonic: when it was reserved (how far along it may be, for feasible_after_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +117,7 @@ class KvBook:
             result = ledger.reserve(ledger_id, ReservationKind.REQUEST_KV, share, snapshot=snapshot,
                                     donor=donor, donated=min(donated, share))
             if not isinstance(result, Rejection):
-                self._holds[request_id] = (ledger_id, KvHold(tokens, max_tokens, share))
+                self._holds[request_id] = (ledger_id, KvHold(tokens, max_tokens, share, time.monotonic()))
                 self._high = max(self._high, tokens)
                 self._reserved += share
             return result, share

@@ -104,6 +104,8 @@ class Loading:
             claim.release()
             slot.claim = None
             slot.loaded = loaded
+            self.rates.loaded(model_id)  # a new engine lifetime: what the last one measured is gone
+            self.rates.calibrated(model_id, prefill_tps=loaded.prefill_tps, decode_tps=loaded.decode_tps)
             slot.last_used = self._clock()
             slot.state = ModelState.LOADED
             self._count_load(LoadResult.LOADED)

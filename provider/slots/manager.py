@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
@@ -76,6 +77,7 @@ from provider.slots.leases import (
 )
 from provider.slots.loading import FaultHook, Loading, LoadStep
 from provider.slots.prefix import PrefixRoom, WeightHashes
+from provider.slots.rates import RateBook
 from provider.slots.reporting import Reporting
 from provider.slots.state import GoneReason, ModelSlot, ModelState
 from provider.telemetry import get_logger
@@ -154,6 +156,8 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
         self._kept_warm: set[str] = set()  # preloaded: the idle reaper leaves them resident
         self.gone: dict[str, GoneReason] = {}  # models dropped from the inventory since start (`forget`)
         self.on_capacity_change: Callable[[], None] | None = None  # called on the loop after a publish/unload
+        self.rates = RateBook(clock)  # measured rates per model (heartbeat evidence, quotes)
+        self._room: frozenset[str] = frozenset()  # models with room for one more request, last we looked
         self.pause_source: Callable[[], Paused | None] = _never_paused  # provider/guest: asked at every view
 
     @classmethod
@@ -259,7 +263,7 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
                              media_bytes=media_bytes)
             if _clearing_helps(verdict, cleared):
                 verdict = cleared
-        return verdict
+        return self._with_eta(verdict)
 
     def precheck(self, model_id: str, prompt_tokens: int, max_tokens: int | None = None, *,
                  queued: bool = False) -> Failure | None:
@@ -308,7 +312,7 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
                 self._engine.request_reclaim()
                 snap, decision = snap.after_reclaim(), cleared
         if isinstance(decision, Refused):
-            return decision
+            return self._with_eta(decision)
         assert slot is not None
         for victim in decision.evict:
             self._start_unload(self._slots[victim], EvictionCause.LRU)
@@ -322,6 +326,7 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
         failure = self._reserve_share(slot, reservation, decision, booked_on)
         if failure is not None:  # a load booked just now goes on: the model then idles, LRU-evictable
             return Refused(failure)
+        self._check_room()
         return Booking(model_id, decision.kv, reservation, tuple(s.unload_task for s in leaving))
 
     async def book_when_released(self, request_id: str, model_id: str, prompt_tokens: int,
@@ -411,10 +416,41 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
 
     def _wake_waiters(self, request_id: str) -> None:
         self._releasing.discard(request_id)
+        self._check_room()
         waiters, self._release_waiters = self._release_waiters, []
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
+
+    def _with_eta(self, decision: Admission) -> Admission:
+        """A refusal that requests in flight will lift gets ``feasible_after_ms``: when the soonest of
+        them should end (``kv_headroom`` is memory short even without them: none), at its model's
+        measured decode rate, from its output bound less what it has
+        had time to make (an upper bound: a request may stop early). None when no rate is known."""
+        if not isinstance(decision, Refused) or decision.failure.feasible_after_ms is not None \
+                or not _room_refusal(decision.failure) or decision.failure.rejection is RejectionReason.KV_HEADROOM:
+            return decision
+        now = time.monotonic()
+        soonest = None
+        for slot in self._slots.values():
+            rate = self.rates.decode_tps(slot.model_id)
+            if rate <= 0:
+                continue
+            for hold in slot.kv_book.holds():
+                left = max(0.0, hold.max_tokens / rate - (now - hold.booked_at))
+                soonest = left if soonest is None else min(soonest, left)
+        if soonest is None:
+            return decision
+        return Refused(dataclasses.replace(decision.failure, feasible_after_ms=max(1, round(soonest * 1000))))
+
+    def _check_room(self) -> None:
+        """A heartbeat at once when a model goes from room for one more request to none, or back
+        (issue 32): the coordinator's view must never say room where admission would refuse."""
+        room = self.models_with_room()
+        if room != self._room:
+            self._room = room
+            if self.on_capacity_change is not None:
+                self.on_capacity_change()
 
     def _cancelling(self, request_id: str) -> None:
         self._releasing.add(request_id)
@@ -552,6 +588,7 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
         sends a heartbeat at once rather than letting the coordinator route on a stale one)."""
         if self._metrics is not None:
             self._metrics.set_loaded_models(len(self.warm_models()))
+        self._room = self.models_with_room()  # this heartbeat reports it: no second one for the same change
         if self.on_capacity_change is not None:
             self.on_capacity_change()
 

@@ -11,7 +11,7 @@ from memory import (
 )
 from memory.diagnostics import RestartAdvice
 from protocol.vocab import SlotState
-from provider.models import ModelInfo
+from provider.models import ALLOC_STEP, ModelInfo
 from provider.slots.admission import tokens_for_bytes
 from provider.slots.capacity import CapacityReport, SlotCapacity, max_concurrency
 from provider.slots.state import ModelState
@@ -53,6 +53,32 @@ class Reporting:
                              evictable_bytes=self._evictable_bytes(also=s.model_id),
                              outstanding_bytes=outstanding))
                 for s in self._slots.values()]
+
+    def register_rates(self) -> tuple[float, float]:
+        """register's (prefill_tps, decode_tps): the largest loaded model's (the slowest here), served
+        rates when measured, else its calibration at load; zeros when nothing is loaded."""
+        loaded = [s for s in self._slots.values() if s.state is ModelState.LOADED]
+        if not loaded:
+            return 0.0, 0.0
+        largest = max(loaded, key=lambda s: (s.info.weight_bytes, s.model_id)).model_id
+        return self.rates.prefill_tps(largest), self.rates.decode_tps(largest)
+
+    def models_with_room(self) -> frozenset[str]:
+        """Loaded models that could take one more request of one KV block now: a place in the batch
+        and a block of KV in the ledger."""
+        view = self.view()
+        available = self.figures.available_bytes(self._probe.snapshot(), view.firm_outstanding_bytes)
+        return frozenset(m for m, s in view.slots.items()
+                         if s.state is ModelState.LOADED and s.kv.members < view.batch_size
+                         and tokens_for_bytes(self._slots[m].info, available) >= ALLOC_STEP)
+
+    def available_tokens(self, model_id: str) -> int:
+        """Whole KV blocks of this model the ledger could still give a request now (a quote's budget)."""
+        slot = self._slots.get(model_id)
+        if slot is None:
+            return 0
+        available = self.figures.available_bytes(self._probe.snapshot(), self.view().firm_outstanding_bytes)
+        return tokens_for_bytes(slot.info, available)
 
     def capacity(self) -> CapacityReport:
         """The heartbeat's `backend_capacity` figures, from one snapshot."""

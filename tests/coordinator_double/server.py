@@ -44,6 +44,7 @@ from websockets.http11 import Request, Response
 from protocol import (
     AttestationResponse,
     Cancel,
+    CapacityQuote,
     Heartbeat,
     InferenceAccepted,
     InferenceComplete,
@@ -62,6 +63,7 @@ from protocol.crypto import DecryptError
 
 from . import events as ev
 from .attestation import IMMEDIATELY_UNTRUSTED, Verdict, new_challenge, verify_challenge, verify_registration
+from .capacity import QUOTE_WINDOW_S, QuoteBook, QuoteReceived
 from .chat_wire import check_event, error_body
 from .config import DoubleConfig
 from .consumer_api import CATALOG_PATH, build_app, catalog_document
@@ -111,6 +113,7 @@ class CoordinatorDouble:
         self.config = config or DoubleConfig()
         self.events = ev.EventLog()
         self.registry = Registry(self.config)
+        self.quotes = QuoteBook(self.events)  # [N] capacity probes and quotes (capacity.py)
         self.errors: list[BaseException] = []  # exceptions inside the double itself: a test should see none
         self._ws_port = self.config.ws_port
         self._http_port = self.config.http_port
@@ -277,6 +280,16 @@ class CoordinatorDouble:
         """Send one coordinator frame (a ``protocol`` model, e.g. ``directed.load_model("m")``) to a provider."""
         await self._session(ref).ws.send(encode(frame))
 
+    async def probe(self, ref: ProviderRef, *, model: str, prompt_tokens: int, max_output_tokens: int,
+                    requires_vision: bool = False, vision_image_count: int = 0, deadline_remaining_ms: int = 0,
+                    window_s: float = QUOTE_WINDOW_S) -> QuoteReceived | None:
+        """[N] one ``capacity_probe``; the quote if it came inside the window (capacity.py)."""
+        session = self._session(ref)
+        return await self.quotes.probe(session, session.ws.send, model=model, prompt_tokens=prompt_tokens,
+                                       max_output_tokens=max_output_tokens, requires_vision=requires_vision,
+                                       vision_image_count=vision_image_count,
+                                       deadline_remaining_ms=deadline_remaining_ms, window_s=window_s)
+
     async def send_challenge(self, ref: ProviderRef) -> ev.ChallengeResult:
         """One challenge now (besides the periodic ones); returns its recorded result."""
         return await self._challenge(self._session(ref))
@@ -410,6 +423,10 @@ class CoordinatorDouble:
         except ProtocolError as exc:
             self.events.append(ev.InvalidFrame(pid, _classify(frame), str(exc), len(frame)))
             return
+        if isinstance(message, CapacityQuote) and session.register is not None:  # [N] (capacity.py)
+            self.events.append(ev.FrameReceived(pid, message, len(frame)))
+            self.quotes.received(session, message)
+            return
         if isinstance(message, UnknownMessage) or not isinstance(message, _A_TYPES + _N_TYPES + MODEL_REPLY_TYPES):
             detail = f"type {message.type[:64]!r} is not an [A] provider frame"
             self.events.append(ev.InvalidFrame(pid, ev.InvalidKind.UNKNOWN_TYPE, detail, len(frame)))
@@ -440,6 +457,7 @@ class CoordinatorDouble:
                 session.challenge_task.cancel()
         # [A] builds a fresh Provider object: trust, challenge and eviction state start over.
         session.register = message
+        self.quotes.registered(session)
         session.public_key = message.public_key if valid_public_key(message.public_key) else ""
         session.attestation = verify_registration(message.attestation, message.public_key)
         session.last_heartbeat_at = self.now()
@@ -468,6 +486,8 @@ class CoordinatorDouble:
         if session.evicted:
             self.events.append(ev.Dropped(session.provider_id, ev.DropReason.EVICTED, message.type))
             return
+        if not self.quotes.heartbeat(session, message):
+            return  # [N]: a stale or reordered capacity snapshot is not applied
         session.heartbeats.append(message)
         session.last_heartbeat_at = self.now()
         if message.warm_models:  # [A] cannot clear the list
