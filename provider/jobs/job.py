@@ -394,13 +394,13 @@ class Job:
             self._chunk(box, data_line(chunks.role()))
 
     def _measured(self, model_id: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
-        """The request's rates into the model's evidence: prefill from submit to its first output (the
-        engine's own first-token time is not ours to see; the detokenizer's hold is noise), decode from
-        there to the end."""
+        """The request's rates into the model's evidence: prefill from the frame's receipt to its first
+        output (what the coordinator waits for after dispatch: decryption, tokenizing and admission
+        included, the network not), decode from there to the end."""
         if self._ctx.rates is None or self._first_output is None:
             return
         self._ctx.rates.served(model_id, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                               submitted=self._submitted_at, first_token=self._first_output,
+                               submitted=self._started, first_token=self._first_output,
                                ended=self._ctx.monotonic(), isolated=self._alone,
                                ttft_s=self._first_output - self._started, cached_tokens=cached_tokens)
 
