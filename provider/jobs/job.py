@@ -178,7 +178,6 @@ class Job:
         self._content_deadline = self._started + budget_ms / 1000 if budget_ms > 0 else None
         self._deadline_guard: asyncio.Timeout | None = None
         self._submitted = False  # the engine has the request (and gives its grammar's reservation back)
-        self._submitted_at = 0.0
         self._alone = False  # no other request in flight from submit to first output: an isolated prefill
 
     @property
@@ -329,7 +328,6 @@ class Job:
                                                    body.max_tokens, booking=booking) as slot:
                     stream = slot.submit(request)
                     self._submitted = True
-                    self._submitted_at = self._ctx.monotonic()
                     self._alone = len(self._ctx.stats.in_flight) == 1
                     try:
                         return await self._stream(box, body, stream, tools)
