@@ -28,7 +28,7 @@ import mlx.core as mx
 USE_CUDA_GRAPHS = "MLX_USE_CUDA_GRAPHS"
 
 
-def graph_limits(environ: MutableMapping[str, str] | None = None, *, cuda: bool | None = None) -> dict[str, str]:
+def without_cuda_graphs(environ: MutableMapping[str, str] | None = None, *, cuda: bool | None = None) -> dict[str, str]:
     """Launch kernels directly where MLX runs on CUDA and the operator said nothing; returns what was set."""
     environ = os.environ if environ is None else environ
     if not (mx.cuda.is_available() if cuda is None else cuda) or USE_CUDA_GRAPHS in environ:
@@ -37,4 +37,4 @@ def graph_limits(environ: MutableMapping[str, str] | None = None, *, cuda: bool 
     return {USE_CUDA_GRAPHS: "0"}
 
 
-__all__ = ["USE_CUDA_GRAPHS", "graph_limits"]
+__all__ = ["USE_CUDA_GRAPHS", "without_cuda_graphs"]

@@ -56,7 +56,7 @@ from provider.engine.types import (
     ModelStats,
     TextDelta,
 )
-from provider.engine.cuda_graphs import graph_limits
+from provider.engine.cuda_graphs import without_cuda_graphs
 from provider.engine.vision import Trace
 from provider.engine.vlm import DEFAULT_PREFILL_STEP
 from provider.engine.worker import DEFAULT_BATCH_SIZE, PrefixCacheLookup, Worker
@@ -179,7 +179,7 @@ class Engine:
         "Delivery"); 0: every token as it comes."""
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
-        graph_limits()  # before the worker's first stream exists (cuda_graphs.py)
+        without_cuda_graphs()  # before the worker's first stream exists (cuda_graphs.py)
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._worker = Worker(self._commands, prefix_cache=prefix_cache, vision_prefill_step=vision_prefill_step,
                               trace=trace, batch_size=batch_size, limits=limits,
