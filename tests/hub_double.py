@@ -10,6 +10,8 @@
         hub.corrupt("org/tiny", "model.safetensors")       # serve flipped bytes from now on
 
 `gets` counts the file GETs per path, `starts` the byte each began at (a resumed download asks a Range).
+The `hub` fixture serves the tiny model as `org/tiny` with HF_ENDPOINT pointed at it (import it into a
+test module to use it).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+import pytest
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -122,3 +126,13 @@ class HubDouble:
 
 def _oid(data: bytes) -> str:
     return hashlib.sha1(data).hexdigest()
+
+
+@pytest.fixture
+def hub(tiny_model_path, monkeypatch):
+    import huggingface_hub.constants as constants
+
+    with HubDouble({"org/tiny": tiny_model_path}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        yield hub

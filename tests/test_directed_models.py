@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from coordinator_double import CoordinatorDouble, FrameReceived, ModelStatus, ModelsUpdated
 from coordinator_double.directed import desired_models, load_model, prefetch_model
 from double_fixtures import consumer_for, coordinator_double, quick_config  # noqa: F401
-from hub_double import HubDouble
+from hub_double import hub  # noqa: F401  (the fixture)
 
 from protocol import DesiredModels
 from protocol.to_provider import DesiredModel
@@ -106,16 +106,6 @@ async def test_load_model_of_a_model_it_does_not_have_fails_as_unavailable(coord
 
 
 # --- prefetch_model -------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def hub(tiny_model_path, monkeypatch):
-    import huggingface_hub.constants as constants
-
-    with HubDouble({"org/tiny": tiny_model_path}) as hub:
-        monkeypatch.setenv("HF_ENDPOINT", hub.url)
-        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-        yield hub
 
 
 @pytest.fixture

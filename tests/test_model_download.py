@@ -12,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from hub_double import COMMIT, HubDouble
+from hub_double import COMMIT, HubDouble, hub  # noqa: F401  (hub: the fixture)
 
 from provider.models.download import (
     DiskShort,
@@ -24,16 +24,6 @@ from provider.models.download import (
     repo_folder,
 )
 from provider.models.hashing import weight_hash_sync
-
-
-@pytest.fixture
-def hub(tiny_model_path, monkeypatch):
-    import huggingface_hub.constants as constants
-
-    with HubDouble({"org/tiny": tiny_model_path}) as hub:
-        monkeypatch.setenv("HF_ENDPOINT", hub.url)
-        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-        yield hub
 
 
 def test_plan_download_progress_and_the_same_weight_hash(hub, tmp_path, tiny_model_path):
