@@ -997,9 +997,7 @@ class Worker:
         usage = Usage(active.prompt_tokens, len(active.completion_ids))
         event = Finished(reason, usage, tuple(active.completion_ids), cached_tokens=active.reused)
         if self._kept and self._kept[-1].active is active:
-            held = self._held.pop(id(active.sink), None)
-            if held is not None:
-                self._outbox.append(held)  # the text now; `_retire` below would drop it
+            self._send_held(active.sink)  # the text now; `_retire` below would drop it
             self._kept[-1].finished = (active.sink, event)  # sent once its sequence is stored
         else:
             self._emit(active.sink, event)
@@ -1014,10 +1012,13 @@ class Worker:
     # -- delivery ----------------------------------------------------------------------------
 
     def _emit(self, sink: EventSink, event: Event) -> None:
-        held = self._held.pop(id(sink), None)
-        if held is not None:  # the text held for this request goes first
-            self._outbox.append(held)
+        self._send_held(sink)  # the text held for this request goes first
         self._outbox.append((sink, event))
+
+    def _send_held(self, sink: EventSink) -> None:
+        held = self._held.pop(id(sink), None)
+        if held is not None:
+            self._outbox.append(held)
 
     def _holding(self) -> bool:
         """Whether text after a request's first token may wait for the next release (see "Delivery")."""
