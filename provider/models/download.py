@@ -149,8 +149,10 @@ def download(plan: DownloadPlan, cache_dir: Path, on_progress: Progress | None =
     def poll() -> None:
         last = -1
         while not stop.wait(interval_s):
+            # A blob renamed from .incomplete between listing and stat is missed for one poll: never report
+            # less than before.
             done = min(total, base + cached_bytes(cache_dir, plan.repo_id))
-            if done != last:
+            if done > last:
                 on_progress(done, total)
                 last = done
 
