@@ -1,6 +1,6 @@
 #!/bin/sh
 # One complete GPU measurement in one run: build the model (or reuse it), the decode benchmark, then
-# peer_bench; every table and JSON file lands flat under $OUT (6 files), and the script ends before
+# peer_bench; every table and JSON file lands flat under $OUT (7 files), and the script ends before
 # BUDGET_S (540 s) so a 600 s run returns with its results. Nothing here needs the network.
 #
 # On the GPU host (after the kit's stash runs that install MLX's CUDA backend there):
@@ -12,7 +12,8 @@
 # DECODE_UNTIL_S (script second after which the decode benchmark starts no run; 170), PARTS
 # ("decode peer": leave one out to run the other alone), QUICK=1 (small sizes, for the CPU).
 # Files: $P-run.log (every step's stderr, timings, versions), $P-decode.md/.json,
-# $P-peer.md/.json, $P-servers.log (the end of both servers' logs), with P the preset.
+# $P-peer.md/.json, $P-servers.log (the end of both servers' logs), $P-ours.log.gz (our server's whole
+# log: `python benchmarks/ttft_split.py` splits its TTFTs), with P the preset.
 set -u
 PRESET=${1:-1b}
 OUT=${OUT:?set OUT to the folder for the results}
@@ -88,6 +89,8 @@ if has peer; then
     for f in ours peer; do
       [ -f "$WORK/$f.log" ] && { echo "== $f.log (last 400 lines)"; tail -400 "$WORK/$f.log"; }
     done >"$OUT/$PRESET-servers.log" 2>&1
+    # Where our time to first token went, request by request (benchmarks/ttft_split.py reads it).
+    [ -f "$WORK/ours.log" ] && gzip -c "$WORK/ours.log" >"$OUT/$PRESET-ours.log.gz"
   fi
 fi
 

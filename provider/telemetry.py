@@ -33,13 +33,16 @@ from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path, PurePath
 from types import TracebackType
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 from urllib.parse import urlsplit
 
 import structlog
 from structlog.typing import EventDict, Processor, WrappedLogger
 
 from provider.config import LogFormat, LogLevel
+
+if TYPE_CHECKING:
+    from provider.engine.types import EngineTimes
 
 # Keys whose values are safe to log: identifiers, closed vocabularies, numbers, states.
 SAFE_KEYS: frozenset[str] = frozenset(
@@ -318,14 +321,24 @@ def configure_logging(
 
 
 def request_timings(*, started: float, first_output: float | None, ended: float,
-                    completion_tokens: int) -> dict[str, float]:
+                    completion_tokens: int, engine: EngineTimes | None = None) -> dict[str, float]:
     """The numbers of a request's one served line (monotonic seconds in): time to first output,
-    duration, and the decode rate after the first token (what `mlx_lm.server` and Ollama print)."""
+    duration, and the decode rate after the first token (what `mlx_lm.server` and Ollama print).
+    With the engine's times (a finished request), the time to first output split in four: arrival to
+    the engine thread (parsing, template, admission), waiting there for a place, prefill to the first
+    token, and that token's way to the client."""
     first = ended if first_output is None else first_output
     decode_s = ended - first
     rate = (completion_tokens - 1) / decode_s if completion_tokens > 1 and decode_s > 0 else 0.0
-    return {"ttft_ms": round((first - started) * 1000, 2), "duration_s": round(ended - started, 4),
-            "tokens_per_s": round(rate, 2)}
+    out = {"ttft_ms": _ms(first - started), "duration_s": round(ended - started, 4), "tokens_per_s": round(rate, 2)}
+    if engine is not None:
+        out |= {"to_engine_ms": _ms(engine.received - started), "engine_queue_ms": _ms(engine.started - engine.received),
+                "prefill_ms": _ms(engine.first_token - engine.started), "to_client_ms": _ms(first - engine.first_token)}
+    return out
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 2)
 
 
 def get_logger(name: str) -> Any:

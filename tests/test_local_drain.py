@@ -15,6 +15,7 @@ import signal
 import time
 
 import httpx
+import pytest
 
 from test_local_server import MODEL, start_server
 
@@ -130,6 +131,10 @@ def test_every_served_request_leaves_one_info_line_with_its_numbers_and_never_it
         assert line["level"] == "info" and line["model"] == MODEL and line["outcome"] == "completed"
         assert (line["prompt_tokens"], line["completion_tokens"]) == (usage.prompt_tokens, usage.completion_tokens)
         assert 0 < line["ttft_ms"] <= line["duration_s"] * 1000
+        # Issue 30: the time to first output split where it went; the four parts add up to it.
+        parts = [line[k] for k in ("to_engine_ms", "engine_queue_ms", "prefill_ms", "to_client_ms")]
+        assert min(parts) >= 0 and line["prefill_ms"] > 0
+        assert sum(parts) == pytest.approx(line["ttft_ms"], abs=0.05)
         assert line["request_id"] and (line["tokens_per_s"] > 0) == (usage.completion_tokens > 1)
 
 

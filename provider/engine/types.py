@@ -143,6 +143,17 @@ class TextDelta:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineTimes:
+    """When the engine thread saw a request (`time.monotonic()`): its Submit handled, its prefill or
+    batch insert started, its first token sampled. Numbers for the request's log line, which splits
+    the time to first token between the front, the engine's queue, the prefill and the delivery."""
+
+    received: float
+    started: float
+    first_token: float
+
+
+@dataclass(frozen=True, slots=True)
 class Finished:
     """Terminal: the completion ended normally.
 
@@ -154,6 +165,7 @@ class Finished:
     usage: Usage
     completion_ids: tuple[int, ...] = field(repr=False)
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache: its prefill was not all computed
+    times: EngineTimes | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

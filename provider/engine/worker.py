@@ -109,6 +109,7 @@ from provider.engine.vlm import DEFAULT_PREFILL_STEP
 from provider.engine.types import (
     EngineError,
     EngineFailure,
+    EngineTimes,
     Event,
     Failed,
     Finished,
@@ -161,6 +162,10 @@ class _Active:
     guide: guided.RowGuide | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     tools: Sequence[Mapping[str, object]] = ()  # rendered with the messages (kept only to prepare the next turn)
+    # time.monotonic() of its Submit, of its prefill or insert, of its first token (types.EngineTimes)
+    received: float = field(default_factory=time.monotonic)
+    started: float = 0.0
+    first_token: float = 0.0
 
 
 @dataclass(slots=True)
@@ -609,6 +614,7 @@ class Worker:
             cache = reuse.cache if reuse.cache is not None else make_prompt_cache(slot.model)
             active.solo = SoloPrefill(slot.model, slot.split, cache, rest, chunk=PREFILL_STEP)
             slot.solo = active
+            active.started = time.monotonic()
             return True
         slot.joining = False
         try:
@@ -626,6 +632,7 @@ class Worker:
             self._retire(slot, active)
             return True
         slot.requests[active.uid] = active
+        active.started = time.monotonic()
         return True
 
     def _cached_tokens(self, slot: _Slot, ids: list[int]) -> int:
@@ -947,6 +954,8 @@ class Worker:
     def _on_token(self, slot: _Slot, active: _Active, token: int, finish: str | None,
                   cache: list | None = None, logprob: TokenLogprob | None = None) -> None:
         active.completion_ids.append(token)
+        if not active.first_token:
+            active.first_token = time.monotonic()
         if logprob is not None and finish != "stop":  # issue 31; an EOS token is no part of the text
             active.logprobs.append(logprob)
         if finish is not None:  # the batch handed back this request's cache: keep the sequence
@@ -995,7 +1004,8 @@ class Worker:
                                                              "".join(active.answer), tools=active.tools,
                                                              due=time.monotonic() + NEXT_TURN_QUIET_S)
         usage = Usage(active.prompt_tokens, len(active.completion_ids))
-        event = Finished(reason, usage, tuple(active.completion_ids), cached_tokens=active.reused)
+        times = EngineTimes(active.received, active.started or active.received, active.first_token or time.monotonic())
+        event = Finished(reason, usage, tuple(active.completion_ids), cached_tokens=active.reused, times=times)
         if self._kept and self._kept[-1].active is active:
             self._send_held(active.sink)  # the text now; `_retire` below would drop it
             self._kept[-1].finished = (active.sink, event)  # sent once its sequence is stored

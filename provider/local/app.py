@@ -41,6 +41,7 @@ from protocol.errors import Failure
 from protocol import sse
 from protocol.sse import DONE
 from provider.engine import EngineFailure, Event, Failed, Finished, RequestStream, TextDelta, TokenLogprob, Usage
+from provider.engine.types import EngineTimes
 from provider.engine.openai import ChatChunks, TextChunks, chat_completion, choice_logprobs, text_completion
 from provider.engine.toolcalls import ToolCallStream, tool_calls_for
 from provider.local.backend import Explained, Refused, unknown_model
@@ -332,7 +333,8 @@ class _Served:
         if self.first_output is None:
             self.first_output = time.monotonic()
 
-    def end(self, outcome: RequestOutcome, usage: Usage | None = None, code: EngineFailure | None = None) -> None:
+    def end(self, outcome: RequestOutcome, usage: Usage | None = None, code: EngineFailure | None = None,
+            times: EngineTimes | None = None) -> None:
         self.metrics.request_finished(outcome)
         tokens = {} if usage is None else {"prompt_tokens": usage.prompt_tokens,
                                            "completion_tokens": usage.completion_tokens}
@@ -341,7 +343,7 @@ class _Served:
         log.info(f"request_{outcome.value}", request_id=self.request_id, model=self.model, outcome=outcome.value,
                  **({} if code is None else {"code": code}), **tokens,
                  **request_timings(started=self.started, first_output=self.first_output, ended=time.monotonic(),
-                                   completion_tokens=0 if usage is None else usage.completion_tokens))
+                                   completion_tokens=0 if usage is None else usage.completion_tokens, engine=times))
 
 
 async def _complete(stream: RequestStream, endpoint: _Endpoint, body: ChatBody | CompletionBody,
@@ -355,7 +357,7 @@ async def _complete(stream: RequestStream, endpoint: _Endpoint, body: ChatBody |
                 parts.append(text)
                 entries.extend(logprobs)
             case Finished(usage=usage) as done:
-                served.end(RequestOutcome.COMPLETED, usage)
+                served.end(RequestOutcome.COMPLETED, usage, times=done.times)
                 completion = endpoint.whole(served.request_id, body, "".join(parts), entries, done)
                 return Response(completion.__pydantic_serializer__.to_json(completion),
                                 media_type="application/json")
@@ -396,6 +398,7 @@ async def _events(first: Event, stream: RequestStream) -> AsyncIterator[Event]:
 async def _sse(opened: Any, stream: RequestStream, chunks: ChatChunks | TextChunks, include_usage: bool,
                served: _Served, first: Event, ended: Callable[[], None]) -> AsyncIterator[bytes]:
     outcome, usage, code = RequestOutcome.CANCELLED, None, None  # the client left, unless a terminal event came
+    times = None
     try:
         for chunk in chunks.start():
             yield _event(chunk)
@@ -405,7 +408,7 @@ async def _sse(opened: Any, stream: RequestStream, chunks: ChatChunks | TextChun
                     for chunk in chunks.delta(text, logprobs):
                         yield _event(chunk)
                 case Finished(usage=usage) as done:
-                    outcome = RequestOutcome.COMPLETED
+                    outcome, times = RequestOutcome.COMPLETED, done.times
                     for chunk in chunks.end(done, include_usage):
                         yield _event(chunk)
                 case Failed(code=code):
@@ -418,7 +421,7 @@ async def _sse(opened: Any, stream: RequestStream, chunks: ChatChunks | TextChun
         yield _event(error_body(Failure.internal()))
         yield DONE
     finally:
-        served.end(outcome, usage, code)
+        served.end(outcome, usage, code, times)
         try:
             await opened.__aexit__(None, None, None)
         finally:
