@@ -44,6 +44,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import mlx_lm  # noqa: E402
 
+from provider.engine.cuda_graphs import without_cuda_graphs  # noqa: E402
 from provider.engine.decode import EngineBatchGenerator  # noqa: E402
 from provider.engine.guided import RowGuide  # noqa: E402
 from provider.grammar import GrammarCache, TokenTable, json_schema_grammar  # noqa: E402
@@ -115,6 +116,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--compiles", type=int, default=50)
     args = ap.parse_args()
+    without_cuda_graphs()  # as the engine runs its batch (provider/engine/cuda_graphs.py); a no-op off CUDA
     path = args.model_dir or build_tiny_model(REPO / ".cache" / "tiny-models" / f"{args.preset}-f32", preset=args.preset)
     model, tokenizer = mlx_lm.load(str(path))
     table = TokenTable.of(tokenizer)
