@@ -4,7 +4,6 @@ frames (coordinator_double/directed.py) and records the answers."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -15,38 +14,25 @@ from coordinator_double import CoordinatorDouble, FrameReceived, ModelStatus, Mo
 from coordinator_double.directed import desired_models, load_model, prefetch_model
 from double_fixtures import consumer_for, coordinator_double, quick_config  # noqa: F401
 from hub_double import hub  # noqa: F401  (the fixture)
+from running_agent import Agents, agent_settings
 
 from protocol import DesiredModels
 from protocol.to_provider import DesiredModel
 from provider.agent import Agent
 from provider.directed import DesiredBuilds
-from provider.config import Settings
 from provider.models.hashing import weight_hash_sync
 from provider.slots import ModelState
 
-NO_EOS = frozenset({10**9})
-
-
 @pytest.fixture
 async def start_agent(tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
-    running: list[tuple[Agent, asyncio.Event, asyncio.Task[int]]] = []
+    agents = Agents()
 
     async def start(url: str, models: dict[str, Path], **overrides) -> Agent:
-        settings = Settings(**{
-            "coordinator_url": url, "dev_posture": True, "state_dir": tmp_path / "state",
-            "hf_cache_dir": tmp_path / "empty-hf-cache", "model_aliases": models, "memory_limit_gb": 8.0,
-            "memory_reserve_gb": 0.5, "heartbeat_interval_s": 30.0, "drain_timeout_s": 5.0, "idle_timeout_mins": 0,
-            **overrides})
-        agent = await Agent.start(settings, harden=False, eos_token_ids=dict.fromkeys(models, NO_EOS))
-        stop = asyncio.Event()
-        running.append((agent, stop, asyncio.create_task(agent.run(stop))))
-        return agent
+        settings = agent_settings(url, tmp_path / "state", models, **{"heartbeat_interval_s": 30.0, **overrides})
+        return (await agents.start(settings)).agent
 
     yield start
-    for agent, stop, task in running:
-        stop.set()
-        assert await asyncio.wait_for(task, 30) == 0
-        assert len(agent.ledger) == 0, "every reservation must be released after shutdown"
+    await agents.stop_all()
 
 
 def statuses(double: CoordinatorDouble, model_id: str) -> list[tuple[str, str]]:

@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -46,50 +45,24 @@ from double_fixtures import (  # noqa: F401
 )
 from engine_arithmetic import assert_decisive_reply
 from openai_shape import assert_openai_stream
+from running_agent import NO_EOS, Agents, RunningAgent, agent_settings
 
 from memory import Ledger, ReservationKind
-from provider.agent import Agent
-from provider.config import Settings
 from provider.engine import ChatRequest, Engine, SamplingParams
 from provider.telemetry import capture_redacted_logs
 
-NO_EOS = frozenset({10**9})  # the tiny models never stop early: completions have exactly max_tokens
 REPO = Path(__file__).resolve().parent.parent
-
-
-@dataclass
-class RunningAgent:
-    agent: Agent
-    stop: asyncio.Event
-    task: asyncio.Task[int]
-
-    async def shutdown(self) -> int:
-        self.stop.set()
-        return await asyncio.wait_for(self.task, 30)
 
 
 @pytest.fixture
 async def start_agent(tiny_model_path: Path, tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
-    running: list[RunningAgent] = []
+    agents = Agents()
 
     async def start(url: str, name: str = "p1", models: dict[str, Path] | None = None, **overrides) -> RunningAgent:
-        aliases = models or {"tiny": tiny_model_path}
-        settings = Settings(**{
-            "coordinator_url": url, "dev_posture": True, "state_dir": tmp_path / name,
-            "hf_cache_dir": tmp_path / "empty-hf-cache", "model_aliases": aliases, "memory_limit_gb": 8.0,
-            "memory_reserve_gb": 0.5, "heartbeat_interval_s": 0.5, "drain_timeout_s": 5.0, "idle_timeout_mins": 0,
-            **overrides})
-        agent = await Agent.start(settings, harden=False, eos_token_ids=dict.fromkeys(aliases, NO_EOS))
-        stop = asyncio.Event()
-        handle = RunningAgent(agent, stop, asyncio.create_task(agent.run(stop)))
-        running.append(handle)
-        return handle
+        return await agents.start(agent_settings(url, tmp_path / name, models or {"tiny": tiny_model_path}, **overrides))
 
     yield start
-    for handle in running:
-        if not handle.task.done():
-            assert await handle.shutdown() == 0
-        assert len(handle.agent.ledger) == 0, "every reservation must be released after shutdown"
+    await agents.stop_all()
 
 
 def no_request_reservations(ledger: Ledger) -> bool:

@@ -18,51 +18,31 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from coordinator_double import CoordinatorDouble, FrameReceived
 from coordinator_double.capacity import QuoteReceived
 from double_fixtures import consumer_for, coordinator_double, double_config, sealed_request  # noqa: F401
+from running_agent import Agents, RunningAgent, agent_settings
 
 from protocol import Cancel, Heartbeat, InferenceComplete, InferenceError, InferenceResponseChunk, Register, encode
 from protocol.vocab import RejectionReason
-from provider.agent import Agent
-from provider.config import Settings
 from provider.slots.rates import EWMA_ALPHA
 
-NO_EOS = frozenset({10**9})  # completions run to max_tokens
 REPO = Path(__file__).resolve().parent.parent
-
-
-@dataclass
-class RunningAgent:
-    agent: Agent
-    stop: asyncio.Event
-    task: asyncio.Task[int]
 
 
 @pytest.fixture
 async def start_agent(tiny_model_path: Path, tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
-    running: list[RunningAgent] = []
+    agents = Agents()
 
     async def start(url: str, **overrides) -> RunningAgent:
-        settings = Settings(**{
-            "coordinator_url": url, "dev_posture": True, "state_dir": tmp_path / "p1",
-            "hf_cache_dir": tmp_path / "empty-hf-cache", "model_aliases": {"tiny": tiny_model_path},
-            "memory_limit_gb": 8.0, "memory_reserve_gb": 0.5, "heartbeat_interval_s": 0.5,
-            "drain_timeout_s": 5.0, "idle_timeout_mins": 0, "preload_models": ("tiny",), **overrides})
-        agent = await Agent.start(settings, harden=False, eos_token_ids={"tiny": NO_EOS})
-        stop = asyncio.Event()
-        handle = RunningAgent(agent, stop, asyncio.create_task(agent.run(stop)))
-        running.append(handle)
-        return handle
+        return await agents.start(agent_settings(url, tmp_path / "p1", {"tiny": tiny_model_path},
+                                                 preload_models=("tiny",), **overrides))
 
     yield start
-    for handle in running:
-        handle.stop.set()
-        assert await asyncio.wait_for(handle.task, 30) == 0
+    await agents.stop_all(ledger_empty=False)
 
 
 def heartbeats(double: CoordinatorDouble, since: int = 0) -> list[Heartbeat]:

@@ -17,6 +17,7 @@ import asyncio
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -33,14 +34,11 @@ from coordinator_double import (
     TrustStatusSent,
 )
 from double_fixtures import consumer_for, quick_config
+from running_agent import Agents, RunningAgent, agent_settings
 
-from provider.agent import Agent
 from provider.cli import render_status
-from provider.config import Settings
 from provider.doctor import render_table, report_json, run_doctor
 from provider.session.status import LinkState, SessionStatus
-
-NO_EOS = frozenset({10**9})  # the tiny model never stops early
 
 
 def free_port() -> int:
@@ -49,11 +47,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class Running:
-    def __init__(self, agent: Agent, settings: Settings, stop: asyncio.Event, task: asyncio.Task[int],
-                 port: int) -> None:
-        self.agent, self.settings, self.stop, self.task = agent, settings, stop, task
-        self.http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10)
+@dataclass
+class Running(RunningAgent):
+    """An agent with a client of its local status endpoint."""
+
+    http: httpx.AsyncClient | None = None
 
     @property
     def status(self) -> SessionStatus:
@@ -65,26 +63,21 @@ class Running:
 
 @pytest.fixture
 async def run_agent(tiny_model_path: Path, tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
-    running: list[Running] = []
+    agents = Agents()
+    clients: list[httpx.AsyncClient] = []
 
     async def start(url: str, **overrides) -> Running:
         port = free_port()
-        settings = Settings(**{
-            "coordinator_url": url, "dev_posture": True, "state_dir": tmp_path / "state",
-            "hf_cache_dir": tmp_path / "empty-hf-cache", "model_aliases": {"tiny": tiny_model_path},
-            "memory_limit_gb": 8.0, "memory_reserve_gb": 0.5, "heartbeat_interval_s": 0.5, "drain_timeout_s": 10.0,
-            "idle_timeout_mins": 0, "local_port": port, **overrides})
-        agent = await Agent.start(settings, harden=False, eos_token_ids={"tiny": NO_EOS})
-        stop = asyncio.Event()
-        handle = Running(agent, settings, stop, asyncio.create_task(agent.run(stop)), port)
-        running.append(handle)
+        handle = await agents.start(agent_settings(url, tmp_path / "state", {"tiny": tiny_model_path},
+                                                   drain_timeout_s=10.0, local_port=port, **overrides), Running)
+        handle.http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10)
+        clients.append(handle.http)
         return handle
 
     yield start
-    for handle in running:
-        handle.stop.set()
-        assert await asyncio.wait_for(handle.task, 30) == 0
-        await handle.http.aclose()
+    await agents.stop_all(ledger_empty=False)
+    for client in clients:
+        await client.aclose()
 
 
 async def test_trust_status_is_shown_in_status_the_status_command_and_doctor(run_agent):

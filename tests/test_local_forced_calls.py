@@ -10,15 +10,14 @@ they get alone; a streamed call reassembles to the non-streamed one.
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
 import openai
 import pytest
 
+from mixed_batch import beside_plain
 from test_local_server import CANARY, Server, start_server
 
 MODEL = "demo/tools"
@@ -51,7 +50,6 @@ MOVE = _function("move_arm", {
 TIME = _function("get_time", {"type": "object", "properties": {}, "additionalProperties": False})
 TOOLS = [BOOK, MOVE, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-PLAIN = ["hello", "a river of copper wire", "seven green lamps", "north wind over the salt stone"]
 
 
 @pytest.fixture(scope="module")
@@ -78,26 +76,11 @@ def forced_request(client: openai.OpenAI, i: int):
     return choice, reply
 
 
-def plain_request(client: openai.OpenAI, content: str):
-    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
-                                          max_tokens=16, temperature=0)
-
-
 def test_a_hundred_forced_calls_validate_at_concurrency_8_beside_plain_requests(server):
     client = server.client()
-    alone = {p: plain_request(client, p).choices[0].message.content for p in PLAIN}
-    jobs = [("forced", i) for i in range(100)] + [("plain", p) for p in PLAIN * 5]
-    random.Random(31).shuffle(jobs)
-    with ThreadPoolExecutor(8) as pool:
-        futures = [(kind, arg, pool.submit(forced_request if kind == "forced" else plain_request, client, arg))
-                   for kind, arg in jobs]
-        results = [(kind, arg, f.result()) for kind, arg, f in futures]
+    results = beside_plain(client, MODEL, forced_request)
     valid = 0
-    for kind, arg, result in results:
-        if kind == "plain":
-            assert result.choices[0].message.content == alone[arg]  # greedy: the same tokens as alone
-            continue
-        choice, reply = result
+    for choice, reply in results:
         answer = reply.choices[0]
         assert answer.finish_reason == "tool_calls" and len(answer.message.tool_calls) == 1
         call = answer.message.tool_calls[0]

@@ -7,8 +7,6 @@ it, in the same continuous batch as plain requests, which get exactly the tokens
 from __future__ import annotations
 
 import json
-import random
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
@@ -17,6 +15,7 @@ import openai
 import pytest
 
 from test_engine import reference_greedy
+from mixed_batch import PLAIN, beside_plain
 from test_local_server import CANARY, MODEL, start_server
 
 ROOM = 300  # tokens: more than any schema below needs at its longest
@@ -54,7 +53,6 @@ def _schemas() -> list[dict]:
 
 
 SCHEMAS = _schemas()
-PLAIN = ["hello", "a river of copper wire", "seven green lamps", "north wind over the salt stone"]
 
 
 @pytest.fixture(scope="module")
@@ -74,26 +72,11 @@ def schema_request(client: openai.OpenAI, i: int):
     return schema, reply
 
 
-def plain_request(client: openai.OpenAI, content: str):
-    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
-                                          max_tokens=16, temperature=0)
-
-
 def test_a_hundred_json_schema_answers_validate_at_concurrency_8_beside_plain_requests(server, tiny_model_path):
     client = server.client()
-    alone = {p: plain_request(client, p).choices[0].message.content for p in PLAIN}
-    jobs = [("schema", i) for i in range(100)] + [("plain", p) for p in PLAIN * 5]
-    random.Random(31).shuffle(jobs)
-    with ThreadPoolExecutor(8) as pool:
-        futures = [(kind, arg, pool.submit(schema_request if kind == "schema" else plain_request, client, arg))
-                   for kind, arg in jobs]
-        results = [(kind, arg, f.result()) for kind, arg, f in futures]
+    results = beside_plain(client, MODEL, schema_request)
     valid = 0
-    for kind, arg, result in results:
-        if kind == "plain":
-            assert result.choices[0].message.content == alone[arg]  # greedy: the same tokens as alone
-            continue
-        schema, reply = result
+    for schema, reply in results:
         assert reply.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
         valid += 1

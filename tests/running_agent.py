@@ -1,0 +1,58 @@
+"""The whole agent in the test's process, against a coordinator double: its settings for a small
+machine, and the agents a test started, each stopped at the test's end with exit code 0."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+from provider.agent import Agent
+from provider.config import Settings
+
+NO_EOS = frozenset({10**9})  # the tiny models never stop early: completions have exactly max_tokens
+
+
+def agent_settings(url: str, state_dir: Path, models: dict[str, Path], **overrides: object) -> Settings:
+    """Dev posture, no hub (an empty cache beside `state_dir`), an 8 GB machine, quick heartbeats."""
+    return Settings(**{
+        "coordinator_url": url, "dev_posture": True, "state_dir": state_dir,
+        "hf_cache_dir": state_dir.parent / "empty-hf-cache", "model_aliases": models, "memory_limit_gb": 8.0,
+        "memory_reserve_gb": 0.5, "heartbeat_interval_s": 0.5, "drain_timeout_s": 5.0, "idle_timeout_mins": 0,
+        **overrides})
+
+
+@dataclass
+class RunningAgent:
+    agent: Agent
+    settings: Settings
+    stop: asyncio.Event
+    task: asyncio.Task[int]
+
+    async def shutdown(self) -> int:
+        self.stop.set()
+        return await asyncio.wait_for(self.task, 30)
+
+
+class Agents:
+    """The agents one test starts (`start`); `stop_all` at its end."""
+
+    def __init__(self) -> None:
+        self.running: list[RunningAgent] = []
+
+    async def start(self, settings: Settings, kind: type[RunningAgent] = RunningAgent) -> RunningAgent:
+        """The agent on `settings`, running; `kind`: a RunningAgent subclass to hold it."""
+        agent = await Agent.start(settings, harden=False,
+                                  eos_token_ids=dict.fromkeys(settings.model_aliases, NO_EOS))
+        stop = asyncio.Event()
+        handle = kind(agent, settings, stop, asyncio.create_task(agent.run(stop)))
+        self.running.append(handle)
+        return handle
+
+    async def stop_all(self, *, ledger_empty: bool = True) -> None:
+        """Each agent still running stops with exit code 0 and, with `ledger_empty`, no reservation left."""
+        for handle in self.running:
+            if not handle.task.done():
+                assert await handle.shutdown() == 0
+            if ledger_empty:
+                assert len(handle.agent.ledger) == 0, "every reservation must be released after shutdown"
