@@ -163,6 +163,10 @@ SAFE_FOREIGN_FORMATS: dict[tuple[str, str], tuple[type, ...]] = {
     ("uvicorn.error", "Maximum request limit of %d exceeded. Terminating process."): (int,),
 }
 
+# Libraries whose info lines are noise in the agent's log: the HTTP clients' one line per request (a
+# download's every file), a raw format with nothing in it. Their warnings and errors still come through.
+QUIET_FOREIGN_LOGGERS = ("httpx", "httpx2")
+
 
 class FormatKnownForeign:
     """Foreign-record step: apply the ``%`` arguments of the formats in ``SAFE_FOREIGN_FORMATS``
@@ -308,6 +312,8 @@ def configure_logging(
             old.close()
     root.addHandler(handler)
     root.setLevel(numeric)
+    for name in QUIET_FOREIGN_LOGGERS:
+        logging.getLogger(name).setLevel(max(numeric, logging.WARNING))
 
     structlog.configure(
         processors=[*pre_render_processors(), structlog.stdlib.ProcessorFormatter.wrap_for_formatter],

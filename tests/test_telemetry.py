@@ -316,3 +316,15 @@ def test_a_listed_format_from_another_logger_or_with_odd_arguments_stays_unforma
     assert [line["event"] for line in lines] == [
         "Started server process [%d]", "Cancel %s running task(s), timeout graceful shutdown exceeded"]
     assert CANARY not in stream.getvalue() and not any("redacted" in line for line in lines)
+
+
+def test_the_http_clients_request_lines_stay_out_of_an_info_log() -> None:
+    """huggingface_hub's HTTP client logs every request at info as a raw format ("HTTP Request: %s %s ..."):
+    one placeholder line per file of a download. Its warnings still come through."""
+    stream = io.StringIO()
+    configure_logging("info", "json", stream=stream)
+    for name in ("httpx", "httpx2"):
+        logging.getLogger(name).info('HTTP Request: %s %s "%s %d %s"', "GET", CANARY, "HTTP/1.1", 200, "OK")
+        logging.getLogger(name).warning("something to know")
+    events = [json.loads(line)["event"] for line in stream.getvalue().splitlines()]
+    assert events == ["something to know", "something to know"]
