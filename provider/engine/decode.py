@@ -26,6 +26,15 @@ the cache objects (mlx-lm's `BatchKVCache.filter` rebinds every array it keeps; 
 are deep-copied as before), and the first step is a `DecodeBatch`'s. The values computed are the
 same; only when the host waits for them changes.
 
+Leaving the batch. When sequences end, mlx-lm's batch cache reads the batch's left padding back from
+the device once per layer to extract each finished sequence's cache, and once more per layer to
+filter the batch: 2 x layers reads (64 on an 8B) per departure, the first of which waits for the
+step just scheduled, since the padding it reads is computed behind that step. Every layer holds the
+same padding, so `DecodeBatch` reads it once (`_left_padding`), does the filter's arithmetic on the
+host, and gives every layer its new padding as an array made from those host values, which it
+keeps: the next departure reads nothing from the device unless sequences joined since. The arrays
+are mlx-lm's.
+
 `EngineBatchGenerator` is mlx-lm's `BatchGenerator` with a `PrefillBatch` as its prompt batch and a
 `DecodeBatch` as its generation batch: `extend` merges the batches mlx-lm builds into them.
 """
@@ -36,7 +45,7 @@ import copy
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch, _right_pad_prompts
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from provider.engine import guided
 
@@ -63,6 +72,54 @@ class DecodeBatch(GenerationBatch):
         for sequence, token in zip(self.tokens, tokens):
             sequence.append(token)
         return tokens, [None] * len(tokens)
+
+    def _left_padding(self) -> list[int]:
+        """The batch's left padding, every layer's (see "Leaving the batch"), read once per change."""
+        padding = self.prompt_cache[0].left_padding
+        if getattr(self, "_padding_read", (None,))[0] is not padding:
+            self._padding_read = (padding, padding.tolist())
+        return self._padding_read[1]
+
+    def extract_cache(self, idx: int) -> list:
+        """mlx-lm's `BatchKVCache.extract` for every layer, the padding read once."""
+        if not _batch_kv(self.prompt_cache):
+            return super().extract_cache(idx)
+        start = self._left_padding()[idx]
+        out = []
+        for layer in self.prompt_cache:
+            c = KVCache()
+            c.keys = mx.contiguous(layer.keys[idx: idx + 1, :, start: layer._idx])
+            c.values = mx.contiguous(layer.values[idx: idx + 1, :, start: layer._idx])
+            c.offset = c.keys.shape[2]
+            out.append(c)
+        return out
+
+    def filter(self, keep: list[int]) -> None:
+        """mlx-lm's `GenerationBatch.filter`, with `BatchKVCache.filter`'s padding arithmetic on the host."""
+        caches = self.prompt_cache
+        if not keep or not _batch_kv(caches):
+            return super().filter(keep)
+        padding = [self._left_padding()[i] for i in keep]
+        self.prompt_cache = []  # mlx-lm's filter of everything else; the caches below
+        try:
+            super().filter(keep)
+        finally:
+            self.prompt_cache = caches
+        shift = min(padding)  # the padding every kept sequence has: dropped
+        kept = [p - shift for p in padding]
+        for layer in caches:
+            if layer.keys is not None:
+                layer.keys, layer.values = layer.keys[keep], layer.values[keep]
+                if shift:
+                    layer.keys, layer.values = layer.keys[..., shift:, :], layer.values[..., shift:, :]
+            layer.offset = layer.offset[keep]
+            layer._idx -= shift
+            layer.left_padding = mx.array(kept)  # from the host: nothing behind it to wait for
+        self._padding_read = (caches[0].left_padding, kept)
+
+
+def _batch_kv(cache: list) -> bool:
+    return bool(cache) and all(type(c) is BatchKVCache for c in cache)
 
 
 class PrefillBatch(PromptProcessingBatch):
