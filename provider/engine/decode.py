@@ -32,8 +32,9 @@ filter the batch: 2 x layers reads (64 on an 8B) per departure, the first of whi
 step just scheduled, since the padding it reads is computed behind that step. Every layer holds the
 same padding, so `DecodeBatch` reads it once (`_left_padding`), does the filter's arithmetic on the
 host, and gives every layer its new padding as an array made from those host values, which it
-keeps: the next departure reads nothing from the device unless sequences joined since. The arrays
-are mlx-lm's.
+keeps: the next departure reads nothing from the device unless sequences joined since, and a join
+schedules the joined padding ahead of the next step, so that read finds it computed. The arrays are
+mlx-lm's.
 
 `EngineBatchGenerator` is mlx-lm's `BatchGenerator` with a `PrefillBatch` as its prompt batch and a
 `DecodeBatch` as its generation batch: `extend` merges the batches mlx-lm builds into them.
@@ -72,6 +73,13 @@ class DecodeBatch(GenerationBatch):
         for sequence, token in zip(self.tokens, tokens):
             sequence.append(token)
         return tokens, [None] * len(tokens)
+
+    def extend(self, batch: GenerationBatch) -> None:
+        """mlx-lm's, and the joined batch's padding scheduled now, ahead of the next step: the departure
+        that reads it (`_left_padding`) then finds it computed instead of waiting for a step."""
+        super().extend(batch)
+        if _batch_kv(self.prompt_cache):
+            mx.async_eval(self.prompt_cache[0].left_padding)
 
     def _left_padding(self) -> list[int]:
         """The batch's left padding, every layer's (see "Leaving the batch"), read once per change."""
