@@ -306,6 +306,9 @@ async def test_a_completed_job_leaves_one_served_line_with_its_numbers(harness):
     assert line["log_level"] == "info" and line["model"] == "tiny" and line["outcome"] == "completed"
     assert (line["prompt_tokens"], line["completion_tokens"]) == (usage["prompt_tokens"], usage["completion_tokens"])
     assert 0 < line["ttft_ms"] <= line["duration_s"] * 1000 and line["tokens_per_s"] >= 0
+    # Issue 30: the time to first output split where it went (from the frame's receipt).
+    parts = [line[k] for k in ("to_engine_ms", "engine_queue_ms", "prefill_ms", "to_client_ms")]
+    assert min(parts) >= 0 and line["prefill_ms"] > 0 and sum(parts) == pytest.approx(line["ttft_ms"], abs=0.05)
 
 
 async def test_no_prompt_text_or_consumer_strings_in_logs(harness):

@@ -55,6 +55,7 @@ from protocol.sse import data_line
 from provider.engine import ChatRequest, EngineError, EngineFailure, Failed, Finished, RequestStream, TextDelta
 from provider.engine.openai import ChatChunks
 from provider.engine.toolcalls import ToolCallStream, tool_calls_for
+from provider.engine.types import EngineTimes
 from provider.jobs.lifecycle import JobEvent, JobLifecycle, JobState
 from provider.jobs.stats import ServingStats
 from provider.request.body import ChatBody, InvalidBody, parse_chat_body
@@ -371,7 +372,7 @@ class Job:
                     self._emit(JobEvent.COMPLETE, InferenceComplete(
                         request_id=self.request_id,
                         usage=Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens)))
-                    self._completed(usage.prompt_tokens, usage.completion_tokens)
+                    self._completed(usage.prompt_tokens, usage.completion_tokens, item.times)
                     self._measured(body.model, usage.prompt_tokens, usage.completion_tokens, cached)
                     return JobOutcome.COMPLETED
                 case Failed(code=code):
@@ -429,7 +430,7 @@ class Job:
         log.info("request_failed" if not rejected else "request_rejected", status_code=failure.status_code,
                  failure_code=failure.code, error_reason=failure.reason, rejection_reason=failure.rejection)
 
-    def _completed(self, prompt_tokens: int, completion_tokens: int) -> None:
+    def _completed(self, prompt_tokens: int, completion_tokens: int, times: EngineTimes | None = None) -> None:
         self._ctx.stats.completed(completion_tokens)
         if self._ctx.requests is not None:
             self._ctx.requests.complete()
@@ -439,7 +440,9 @@ class Job:
         log.info("request_completed", outcome="completed", prompt_tokens=prompt_tokens,
                  completion_tokens=completion_tokens,
                  **request_timings(started=self._started, first_output=self._first_output,
-                                   ended=self._ctx.monotonic(), completion_tokens=completion_tokens))
+                                   ended=self._ctx.monotonic(), completion_tokens=completion_tokens,
+                                   # the engine's times are time.monotonic(): only on the same clock
+                                   engine=times if self._ctx.monotonic is time.monotonic else None))
 
     def _drain_expired(self) -> JobOutcome:
         """The drain ran out: end the request with its terminal frame (the task's cancel ends here)."""
