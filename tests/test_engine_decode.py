@@ -71,7 +71,7 @@ def test_a_finished_sequence_hands_back_mlx_lms_cache_and_the_batch_reads_its_pa
     read = DecodeBatch._left_padding
 
     def counted(self):
-        before = getattr(self, "_padding_read", (None,))[0]
+        before = self._padding_read[0]
         out = read(self)
         reads.append(before is not self._padding_read[0])
         return out

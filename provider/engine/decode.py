@@ -52,6 +52,10 @@ from provider.engine import guided
 
 
 class DecodeBatch(GenerationBatch):
+    def __init__(self, *args, **kwargs) -> None:
+        self._padding_read: tuple[mx.array | None, list[int]] = (None, [])  # see `_left_padding`
+        super().__init__(*args, **kwargs)
+
     def _step(self) -> tuple[list[int], list[None]]:
         if any(self.logits_processors):
             if guided.only_guides(self.logits_processors):  # issue 31: grammar masks, log-probabilities
@@ -84,7 +88,7 @@ class DecodeBatch(GenerationBatch):
     def _left_padding(self) -> list[int]:
         """The batch's left padding, every layer's (see "Leaving the batch"), read once per change."""
         padding = self.prompt_cache[0].left_padding
-        if getattr(self, "_padding_read", (None,))[0] is not padding:
+        if self._padding_read[0] is not padding:
             self._padding_read = (padding, padding.tolist())
         return self._padding_read[1]
 
