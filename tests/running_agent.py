@@ -50,9 +50,8 @@ class Agents:
         return handle
 
     async def stop_all(self, *, ledger_empty: bool = True) -> None:
-        """Each agent still running stops with exit code 0 and, with `ledger_empty`, no reservation left."""
+        """Every agent stops (or has stopped) with exit code 0 and, with `ledger_empty`, no reservation left."""
         for handle in self.running:
-            if not handle.task.done():
-                assert await handle.shutdown() == 0
+            assert await handle.shutdown() == 0
             if ledger_empty:
                 assert len(handle.agent.ledger) == 0, "every reservation must be released after shutdown"
