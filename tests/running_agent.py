@@ -1,15 +1,19 @@
-"""The whole agent in the test's process, against a coordinator double: its settings for a small
-machine, and the agents a test started, each stopped at the test's end with exit code 0."""
+"""The whole agent against a coordinator double: in the test's process (its settings for a small
+machine, and the agents a test started, each stopped at the test's end with exit code 0), or as a
+process of its own (`agent_process`)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from provider.agent import Agent
 from provider.config import Settings
 
+REPO = Path(__file__).resolve().parent.parent
 NO_EOS = frozenset({10**9})  # the tiny models never stop early: completions have exactly max_tokens
 
 
@@ -55,3 +59,16 @@ class Agents:
             assert await handle.shutdown() == 0
             if ledger_empty:
                 assert len(handle.agent.ledger) == 0, "every reservation must be released after shutdown"
+
+
+async def agent_process(ws_url: str, model: Path, tmp_path: Path, *, stderr: int = asyncio.subprocess.PIPE,
+                        **env: str) -> asyncio.subprocess.Process:
+    """`python -m provider.agent` on `model` (as "tiny") against the double at `ws_url` (JSON logs on
+    `stderr`), with `env` on top of the settings every real-process test shares."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "provider.agent", cwd=REPO, stdout=asyncio.subprocess.DEVNULL, stderr=stderr,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "DARKBLOOM_COORDINATOR_URL": ws_url,
+             "DARKBLOOM_DEV_POSTURE": "true", "DARKBLOOM_STATE_DIR": str(tmp_path / "state"),
+             "DARKBLOOM_HF_CACHE_DIR": str(tmp_path / "hf"), "DARKBLOOM_MODEL_ALIASES": f"tiny={model}",
+             "DARKBLOOM_MEMORY_LIMIT_GB": "8", "DARKBLOOM_MEMORY_RESERVE_GB": "0.5",
+             "DARKBLOOM_LOG_FORMAT": "json", "DARKBLOOM_HEARTBEAT_INTERVAL_S": "0.5", **env})

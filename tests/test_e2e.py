@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -45,13 +43,11 @@ from double_fixtures import (  # noqa: F401
 )
 from engine_arithmetic import assert_decisive_reply
 from openai_shape import assert_openai_stream
-from running_agent import NO_EOS, Agents, RunningAgent, agent_settings
+from running_agent import NO_EOS, Agents, RunningAgent, agent_process, agent_settings
 
 from memory import Ledger, ReservationKind
 from provider.engine import ChatRequest, Engine, SamplingParams
 from provider.telemetry import capture_redacted_logs
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -372,23 +368,9 @@ async def test_prompt_text_never_reaches_the_logs(coordinator_double, openai_con
 # --- drain on SIGTERM, as a real process -------------------------------------------------------------------
 
 
-async def agent_process(double: CoordinatorDouble, model: Path, tmp_path: Path,
-                        **env: str) -> asyncio.subprocess.Process:
-    """`python -m provider.agent` on the tiny model against the double (JSON logs on stderr), with `env`
-    on top of the settings every real-process test here shares."""
-    return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "provider.agent", cwd=REPO, stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "DARKBLOOM_COORDINATOR_URL": double.ws_url,
-             "DARKBLOOM_DEV_POSTURE": "true", "DARKBLOOM_STATE_DIR": str(tmp_path / "state"),
-             "DARKBLOOM_HF_CACHE_DIR": str(tmp_path / "hf"), "DARKBLOOM_MODEL_ALIASES": f"tiny={model}",
-             "DARKBLOOM_MEMORY_LIMIT_GB": "8", "DARKBLOOM_MEMORY_RESERVE_GB": "0.5",
-             "DARKBLOOM_LOG_FORMAT": "json", "DARKBLOOM_HEARTBEAT_INTERVAL_S": "0.5", **env})
-
-
 async def test_sigterm_drains_the_job_in_flight_then_exits_0(coordinator_double, tiny_model_path, tmp_path):
     double = coordinator_double
-    process = await agent_process(double, tiny_model_path, tmp_path, DARKBLOOM_DRAIN_TIMEOUT_S="30")
+    process = await agent_process(double.ws_url, tiny_model_path, tmp_path, DARKBLOOM_DRAIN_TIMEOUT_S="30")
     try:
         await double.wait_routable(model="tiny", timeout=60)
         async with consumer_for(double) as consumer:
@@ -425,7 +407,7 @@ async def test_a_drain_that_runs_out_ends_every_accepted_request_with_its_termin
     out, each accepted request still gets exactly one terminal frame (503 ``draining``: nothing more
     will come) before the socket closes with 1000; the consumers see their streams fail, not hang."""
     double = coordinator_double
-    process = await agent_process(double, tiny_model_path, tmp_path, DARKBLOOM_DRAIN_TIMEOUT_S="2",
+    process = await agent_process(double.ws_url, tiny_model_path, tmp_path, DARKBLOOM_DRAIN_TIMEOUT_S="2",
                                   DARKBLOOM_LOCAL_ENABLED="false")
 
     async def consume(consumer: openai.AsyncOpenAI, n: int) -> BaseException | None:
@@ -478,7 +460,7 @@ async def test_an_agent_stopped_past_the_eviction_window_registers_afresh(tiny_m
     sides (the [A] coordinator and the agent's default: 90 s)."""
     config = quick_config(eviction_timeout=2.0, eviction_sweep_interval=0.25)
     async with CoordinatorDouble(config) as double:
-        process = await agent_process(double, tiny_model_path, tmp_path, DARKBLOOM_EVICTION_WINDOW_S="2",
+        process = await agent_process(double.ws_url, tiny_model_path, tmp_path, DARKBLOOM_EVICTION_WINDOW_S="2",
                                       DARKBLOOM_LOCAL_ENABLED="false")
         try:
             (first,) = await double.wait_routable(model="tiny", timeout=60)

@@ -13,8 +13,6 @@ over a real WebSocket, consumers on the `openai` SDK.
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -24,13 +22,11 @@ import pytest
 from coordinator_double import CoordinatorDouble, FrameReceived
 from coordinator_double.capacity import QuoteReceived
 from double_fixtures import consumer_for, coordinator_double, double_config, sealed_request  # noqa: F401
-from running_agent import Agents, RunningAgent, agent_settings
+from running_agent import Agents, RunningAgent, agent_process, agent_settings
 
 from protocol import Cancel, Heartbeat, InferenceComplete, InferenceError, InferenceResponseChunk, Register, encode
 from protocol.vocab import RejectionReason
 from provider.slots.rates import EWMA_ALPHA
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -139,26 +135,16 @@ def heartbeat_event(e) -> bool:
     return isinstance(e, FrameReceived) and isinstance(e.message, Heartbeat)
 
 
-async def agent_process(double: CoordinatorDouble, model: Path, tmp_path: Path) -> asyncio.subprocess.Process:
-    """`python -m provider.agent` as a real process: in this one, the double, the engine thread and the
-    agent would share one interpreter lock and one event loop, and the quote's latency would be theirs."""
-    return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "provider.agent", cwd=REPO, stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "DARKBLOOM_COORDINATOR_URL": double.ws_url,
-             "DARKBLOOM_DEV_POSTURE": "true", "DARKBLOOM_STATE_DIR": str(tmp_path / "state"),
-             "DARKBLOOM_HF_CACHE_DIR": str(tmp_path / "hf"), "DARKBLOOM_MODEL_ALIASES": f"tiny={model}",
-             "DARKBLOOM_PRELOAD_MODELS": "tiny", "DARKBLOOM_MAX_BATCH_SIZE": "9",
-             "DARKBLOOM_MEMORY_LIMIT_GB": "8", "DARKBLOOM_MEMORY_RESERVE_GB": "0.5",
-             "DARKBLOOM_LOCAL_ENABLED": "false", "DARKBLOOM_HEARTBEAT_INTERVAL_S": "30"})
-
-
 async def test_quotes_while_eight_requests_stream(coordinator_double: CoordinatorDouble, tiny_model_path: Path,
                                                   tmp_path: Path) -> None:
     """The requests go to the agent directly (sealed frames on its socket): the double's [A] routing caps
     a provider of 8 GB at 2 concurrent requests, the [N] coordinator at the slot's max_concurrency."""
     double = coordinator_double
-    process = await agent_process(double, tiny_model_path, tmp_path)
+    # A process of its own: in this one, the double, the engine thread and the agent would share one
+    # interpreter lock and one event loop, and the quote's latency would be theirs.
+    process = await agent_process(double.ws_url, tiny_model_path, tmp_path, stderr=asyncio.subprocess.DEVNULL,
+                                  DARKBLOOM_PRELOAD_MODELS="tiny", DARKBLOOM_MAX_BATCH_SIZE="9",
+                                  DARKBLOOM_LOCAL_ENABLED="false", DARKBLOOM_HEARTBEAT_INTERVAL_S="30")
     try:
         await _quotes_while_eight_requests_stream(double)
     finally:
