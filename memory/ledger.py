@@ -14,6 +14,12 @@ lock together with the outstanding total. Tests pass snapshots by hand.
 Every reservation is released exactly once by its owner, from its own cleanup path; `release` is
 idempotent and nothing ever expires by age (there is no clock in here).
 
+Cost: every method is O(1) in the number of outstanding reservations. The ledger keeps running
+totals (count and bytes per kind, and their sum) that `reserve`, `grow`, `reduce` and `release`
+update under the same lock as the entries, so `snapshot()` copies a few counters instead of walking
+the entries: admission reads it several times per request, and a provider that has served for days
+must admit as fast as a fresh one.
+
 "One process-wide": the provider builds exactly one `Ledger` at startup and hands that instance to
 everything that reserves (jobs, the model manager, the RAM prefix cache). This module keeps no
 global so tests can build as many as they like.
@@ -46,6 +52,7 @@ class RejectionReason(StrEnum):
     OVER_SINGLE_REQUEST_LIMIT = "over_single_request_limit"  # request_kv above half the hard cap
     DUPLICATE_ID = "duplicate_id"  # an outstanding reservation already has this id
     INVALID_SIZE = "invalid_size"  # negative byte count
+    NOT_OUTSTANDING = "not_outstanding"  # `grow`: no outstanding reservation of this kind under this id
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +113,9 @@ class Ledger:
         self._sample = sample
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
+        # Running totals, kept equal to a walk over `_entries` by every method that changes them.
+        self._count_by_kind = dict.fromkeys(ReservationKind, 0)
+        self._bytes_by_kind = dict.fromkeys(ReservationKind, 0)
         self._total = 0
         self._peak = 0  # high-water mark of Σ outstanding since construction or `reset_peak`
 
@@ -144,11 +154,32 @@ class Ledger:
             if nbytes > available:
                 return Rejection(rid, kind, nbytes, RejectionReason.INSUFFICIENT_MEMORY, available)
             if giver is not None:
-                giver.nbytes -= gift
-                self._total -= gift
-            self._entries[rid] = _Entry(kind, nbytes)
-            self._total += nbytes
-            self._peak = max(self._peak, self._total)
+                self._resize(giver, -gift)
+            entry = self._entries[rid] = _Entry(kind, 0)
+            self._count_by_kind[kind] += 1
+            self._resize(entry, nbytes)
+            return Lease(rid, kind, nbytes)
+
+    def grow(self, rid: str, kind: ReservationKind, nbytes: int, *,
+             snapshot: MemorySnapshot | None = None) -> Lease | Rejection:
+        """Atomically check `nbytes ≤ available` and add them to the outstanding reservation `rid`
+        of `kind` (the same check as `reserve`, the half-cap rule on the grown total for request
+        KV). The lease names the bytes granted now; `bytes_of(rid)` is the new total. Refused with
+        `NOT_OUTSTANDING` when `rid` is not an outstanding reservation of `kind`."""
+        kind = ReservationKind(kind)
+        if nbytes < 0:
+            return Rejection(rid, kind, nbytes, RejectionReason.INVALID_SIZE, 0)
+        with self._lock:
+            snap = self._snapshot_for(snapshot)
+            available = self._figures.available_bytes(snap, self._total)
+            entry = self._entries.get(rid)
+            if entry is None or entry.kind is not kind:
+                return Rejection(rid, kind, nbytes, RejectionReason.NOT_OUTSTANDING, available)
+            if kind is ReservationKind.REQUEST_KV and entry.nbytes + nbytes > self._figures.single_request_limit_bytes:
+                return Rejection(rid, kind, nbytes, RejectionReason.OVER_SINGLE_REQUEST_LIMIT, available)
+            if nbytes > available:
+                return Rejection(rid, kind, nbytes, RejectionReason.INSUFFICIENT_MEMORY, available)
+            self._resize(entry, nbytes)
             return Lease(rid, kind, nbytes)
 
     def claim_pending_load(self, rid: str, nbytes: int, *,
@@ -168,9 +199,7 @@ class Ledger:
             entry = self._entries.get(rid)
             if entry is None:
                 return 0
-            cut = min(nbytes, entry.nbytes)
-            entry.nbytes -= cut
-            self._total -= cut
+            self._resize(entry, -min(nbytes, entry.nbytes))
             return entry.nbytes
 
     def release(self, rid: str) -> int:
@@ -179,8 +208,18 @@ class Ledger:
             entry = self._entries.pop(rid, None)
             if entry is None:
                 return 0
-            self._total -= entry.nbytes
-            return entry.nbytes
+            freed = entry.nbytes
+            self._resize(entry, -freed)
+            self._count_by_kind[entry.kind] -= 1
+            return freed
+
+    def _resize(self, entry: _Entry, delta: int) -> None:
+        """The one place an entry's bytes change, with every running total. Caller holds the lock."""
+        entry.nbytes += delta
+        self._bytes_by_kind[entry.kind] += delta
+        self._total += delta
+        if delta > 0:
+            self._peak = max(self._peak, self._total)
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -231,13 +270,9 @@ class Ledger:
             return len(self._entries)
 
     def snapshot(self) -> LedgerSnapshot:
-        """Count and bytes outstanding per kind, read atomically."""
-        counts = dict.fromkeys(ReservationKind, 0)
-        sizes = dict.fromkeys(ReservationKind, 0)
+        """Count and bytes outstanding per kind, read atomically (the running totals: no walk)."""
         with self._lock:
-            for entry in self._entries.values():
-                counts[entry.kind] += 1
-                sizes[entry.kind] += entry.nbytes
+            counts, sizes = dict(self._count_by_kind), dict(self._bytes_by_kind)
         return LedgerSnapshot(MappingProxyType(counts), MappingProxyType(sizes))
 
     def _snapshot_for(self, snapshot: MemorySnapshot | None) -> MemorySnapshot:

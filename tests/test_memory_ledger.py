@@ -137,6 +137,69 @@ def test_snapshot_counts_and_bytes_by_kind() -> None:
     assert ReservationKind("media") is ReservationKind.MEDIA  # the wire/telemetry spelling
 
 
+def test_grow_takes_the_same_capacity_check_as_reserve() -> None:
+    ledger = Ledger(FIG)
+    assert ledger.reserve("p", ReservationKind.PREFIX_CACHE, 5 * GiB, snapshot=IDLE).granted
+    assert ledger.reserve("kv", ReservationKind.REQUEST_KV, GiB, snapshot=IDLE).granted
+    grown = ledger.grow("p", ReservationKind.PREFIX_CACHE, 2 * GiB, snapshot=IDLE)
+    assert isinstance(grown, Lease) and grown.nbytes == 2 * GiB and ledger.bytes_of("p") == 7 * GiB
+    over = ledger.grow("p", ReservationKind.PREFIX_CACHE, GiB + 1, snapshot=IDLE)
+    assert isinstance(over, Rejection) and over.reason is RejectionReason.INSUFFICIENT_MEMORY
+    assert over.available_bytes == GiB and ledger.bytes_of("p") == 7 * GiB  # nothing changed
+    busy = replace(IDLE, mlx_active_bytes=GiB)  # the live reading binds a grow as it binds a reserve
+    assert not ledger.grow("p", ReservationKind.PREFIX_CACHE, 1, snapshot=busy).granted
+    assert ledger.grow("p", ReservationKind.PREFIX_CACHE, GiB, snapshot=IDLE).granted
+    assert ledger.available_bytes(IDLE) == 0 and ledger.peak_bytes == 9 * GiB
+    # Only an outstanding reservation of the same kind grows.
+    assert ledger.grow("nope", ReservationKind.PREFIX_CACHE, 0, snapshot=IDLE).reason is RejectionReason.NOT_OUTSTANDING
+    assert ledger.grow("p", ReservationKind.MEDIA, 0, snapshot=IDLE).reason is RejectionReason.NOT_OUTSTANDING
+    assert ledger.grow("p", ReservationKind.PREFIX_CACHE, -1, snapshot=IDLE).reason is RejectionReason.INVALID_SIZE
+    snap = ledger.snapshot()
+    assert snap.count_by_kind[ReservationKind.PREFIX_CACHE] == 1 and snap.bytes_by_kind[ReservationKind.PREFIX_CACHE] == 8 * GiB
+    assert ledger.reduce("p", 3 * GiB) == 5 * GiB and ledger.snapshot().bytes_by_kind[ReservationKind.PREFIX_CACHE] == 5 * GiB
+    assert ledger.release("p") == 5 * GiB and ledger.release("p") == 0
+    assert ledger.snapshot().count_by_kind[ReservationKind.PREFIX_CACHE] == 0 and ledger.outstanding_bytes() == GiB
+
+
+def test_grow_keeps_the_half_cap_rule_for_request_kv() -> None:
+    big_fig = figures(128 * GiB, env={})
+    idle = MemorySnapshot(physical_bytes=128 * GiB, available_bytes=127 * GiB)
+    ledger = Ledger(big_fig)
+    half = big_fig.hard_cap_bytes // 2
+    assert ledger.reserve("kv", ReservationKind.REQUEST_KV, half - 10, snapshot=idle).granted
+    over = ledger.grow("kv", ReservationKind.REQUEST_KV, 11, snapshot=idle)
+    assert isinstance(over, Rejection) and over.reason is RejectionReason.OVER_SINGLE_REQUEST_LIMIT
+    assert ledger.grow("kv", ReservationKind.REQUEST_KV, 10, snapshot=idle).granted
+    assert ledger.bytes_of("kv") == half
+
+
+def test_snapshot_does_not_walk_the_entries() -> None:
+    """The totals are kept as reservations come and go: reading them costs the same at 20,000
+    entries as at none (the entries are not even looked at)."""
+    ledger = Ledger(FIG)
+    for i in range(20_000):
+        ledger.reserve(f"p{i}", ReservationKind.PREFIX_CACHE, 3, snapshot=IDLE)
+    ledger.reserve("kv", ReservationKind.REQUEST_KV, 5, snapshot=IDLE, donor="p7", donated=2)
+    ledger._entries = _Unwalkable(ledger._entries)
+    snap = ledger.snapshot()
+    assert snap.count_by_kind[ReservationKind.PREFIX_CACHE] == 20_000 and snap.count == 20_001
+    assert snap.bytes_by_kind[ReservationKind.PREFIX_CACHE] == 60_000 - 2
+    assert snap.bytes_by_kind[ReservationKind.REQUEST_KV] == 5 and snap.total_bytes == 60_003
+
+
+class _Unwalkable(dict):
+    """A ledger's entry table whose walk fails the test (lookups by id still work)."""
+
+    def values(self):
+        raise AssertionError("snapshot() walked the entries")
+
+    def items(self):
+        raise AssertionError("snapshot() walked the entries")
+
+    def __iter__(self):
+        raise AssertionError("snapshot() walked the entries")
+
+
 def test_sample_callable_supplies_the_snapshot() -> None:
     calls = []
 
@@ -178,6 +241,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.ledger = Ledger(self.figures)
         self.snap = MemorySnapshot(physical_bytes=physical_gib * GiB, available_bytes=physical_gib * GiB)
         self.model: dict[str, int] = {}
+        self.kinds: dict[str, ReservationKind] = {}
         self.next_id = 0
 
     def _new_id(self) -> str:
@@ -186,7 +250,8 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def _check_admission(self, result: Lease | Rejection, nbytes: int) -> None:
         if result.granted:
-            self.model[result.id] = nbytes
+            self.model[result.id] = self.model.get(result.id, 0) + nbytes
+            self.kinds[result.id] = result.kind
             after = sum(self.model.values())
             if nbytes == 0:
                 return  # an empty reservation admits nothing (and is allowed even at zero headroom)
@@ -213,6 +278,27 @@ class LedgerMachine(RuleBasedStateMachine):
         self._check_admission(self.ledger.claim_pending_load(rid, nbytes, snapshot=self.snap), nbytes)
 
     @precondition(lambda self: self.model)
+    @rule(data=st.data(), nbytes=SIZES, same_kind=st.booleans())
+    def grow(self, data: st.DataObject, nbytes: int, same_kind: bool) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.model)))
+        kind = self.kinds[rid] if same_kind else data.draw(KINDS.filter(lambda k: k is not self.kinds[rid]))
+        result = self.ledger.grow(rid, kind, nbytes, snapshot=self.snap)
+        if not same_kind:
+            assert not result.granted and result.reason is RejectionReason.NOT_OUTSTANDING
+            return
+        if result.granted:
+            assert result.nbytes == nbytes
+            self._check_admission(result, nbytes)
+        else:
+            assert result.reason in (RejectionReason.INSUFFICIENT_MEMORY, RejectionReason.OVER_SINGLE_REQUEST_LIMIT)
+        assert self.ledger.bytes_of(rid) == self.model[rid]
+
+    @rule(kind=KINDS, nbytes=SIZES)
+    def grow_unknown(self, kind: ReservationKind, nbytes: int) -> None:
+        result = self.ledger.grow(self._new_id(), kind, nbytes, snapshot=self.snap)
+        assert not result.granted and result.reason is RejectionReason.NOT_OUTSTANDING
+
+    @precondition(lambda self: self.model)
     @rule(data=st.data(), kind=KINDS)
     def duplicate(self, data: st.DataObject, kind: ReservationKind) -> None:
         rid = data.draw(st.sampled_from(sorted(self.model)))
@@ -231,6 +317,7 @@ class LedgerMachine(RuleBasedStateMachine):
     def release(self, data: st.DataObject, twice: bool) -> None:
         rid = data.draw(st.sampled_from(sorted(self.model)))
         assert self.ledger.release(rid) == self.model.pop(rid)
+        del self.kinds[rid]
         if twice:
             assert self.ledger.release(rid) == 0
 
@@ -243,6 +330,22 @@ class LedgerMachine(RuleBasedStateMachine):
         assert snap.count == len(self.model)
         assert all(v >= 0 for v in snap.bytes_by_kind.values())
         assert self.ledger.available_bytes(self.snap) >= 0
+
+    @invariant()
+    def running_totals_equal_a_recount(self) -> None:
+        """The per-kind totals `snapshot()` reads without a walk equal a walk over the ledger's own
+        entries (white-box) and over this machine's model of them."""
+        if not hasattr(self, "ledger"):
+            return
+        snap = self.ledger.snapshot()
+        for source in ({rid: (e.kind, e.nbytes) for rid, e in self.ledger._entries.items()},
+                       {rid: (self.kinds[rid], n) for rid, n in self.model.items()}):
+            for kind in ReservationKind:
+                held = [n for k, n in source.values() if k is kind]
+                assert snap.count_by_kind[kind] == len(held), kind
+                assert snap.bytes_by_kind[kind] == sum(held), kind
+        assert snap.total_bytes == self.ledger.outstanding_bytes()
+        assert self.ledger.peak_bytes >= snap.total_bytes
 
     def teardown(self) -> None:
         if not hasattr(self, "ledger"):
