@@ -1,6 +1,6 @@
-"""What the bounded template renderer costs a short prompt (issue 29, item 2).
+"""What the bounded template renderer costs a short prompt, alone and in a burst.
 
-Run: `HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/template_bench.py [--n 2000]`
+Run: `HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/template_bench.py [--n 2000] [--bursts 20] [--only burst]`
 
 The tiny model's tokenizer and ChatML template (built offline into .cache/tiny-models/). Each row is
 the prompt ids of one chat, as admission counts it; the baseline is mlx-lm's in-process
@@ -8,6 +8,13 @@ the prompt ids of one chat, as admission counts it; the baseline is mlx-lm's in-
 run. The rows: the render in the renderer process then tokenizing here, from a thread (`render`, the
 engine thread and the bulk lane) and awaited on the event loop (`arender`, a short prompt's path:
 the wait runs on the renderer's thread). Prints µs per prompt (p50, p99) and p50 / baseline.
+
+The burst table: 32 renders awaited at once on the event loop, each one's latency from the call to
+its text (ms, over every render of `--bursts` bursts), and the burst's span (the first call to the last
+text, median). Two loops: an idle one (the 32 calls made together), and a busy one shaped like a
+burst of requests at the local server (arrivals 1.1 ms apart, each request spending 1 ms of the
+loop's CPU before its render and 1 ms after: reading, parsing, admission). The in-process render on
+the loop (mlx-lm's, unbounded) is the floor.
 """
 
 from __future__ import annotations
@@ -71,10 +78,82 @@ async def run(n: int) -> None:
             print(f"{name + ': ' + label:74} {p50:8.1f} {p99:8.1f} {p50 / base[0]:15.2f}")
 
 
+BURST = 32
+LOOPS = {"idle loop, 32 at once": (0.0, 0.0), "busy loop, 1.1 ms apart, 2 ms of loop CPU each": (1.1, 2.0)}
+
+
+def _spin(ms: float) -> None:
+    """The loop's own CPU for a request (pure Python: it holds the GIL, as parsing and admission do)."""
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
+
+
+async def burst_latencies(render, *, spread_ms: float, busy_ms: float, bursts: int) -> tuple[list[float], list[float]]:
+    """Every render's latency (ms) and each burst's span (ms) over `bursts` bursts of `BURST` requests."""
+    latencies: list[float] = []
+    spans: list[float] = []
+    for _ in range(bursts):
+        ends: list[float] = []
+
+        async def request(i: int) -> None:
+            if spread_ms:
+                await asyncio.sleep(i * spread_ms / 1e3)  # the client's sends, spread as a real burst's
+            _spin(busy_ms / 2)
+            t0 = time.perf_counter()
+            await render()
+            ends.append(time.perf_counter())
+            latencies.append((ends[-1] - t0) * 1e3)
+            _spin(busy_ms / 2)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(request(i) for i in range(BURST)))
+        spans.append((max(ends) - start) * 1e3)
+    return latencies, spans
+
+
+def _pct(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[int(q * (len(ordered) - 1))]
+
+
+async def run_burst(bursts: int) -> None:
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(build_tiny_model(CACHE / "tiny-f32", preset="tiny"))
+    template = ChatTemplate.of(tokenizer)
+    bounded = renderer(Lane.INTERACTIVE)
+    messages = CHATS["1 message"]
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    async def in_process() -> str:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    async def on_loop() -> str:
+        return await bounded.arender(template, messages, add_generation_prompt=True)
+
+    assert await on_loop() == expected
+    await burst_latencies(on_loop, spread_ms=0, busy_ms=0, bursts=2)  # warm
+    print(f"\na burst of {BURST} renders awaited on the event loop ({bounded.__class__.__name__}), "
+          f"{bursts} bursts per row (ms per render; span: first call to last text, median)")
+    print(f"{'loop / path':72} {'p50':>7} {'p90':>7} {'p99':>7} {'max':>7} {'span':>7}")
+    for name, (spread, busy) in LOOPS.items():
+        for label, render in (("in-process (unbounded: the floor)", in_process), ("bounded arender", on_loop)):
+            lat, spans = await burst_latencies(render, spread_ms=spread, busy_ms=busy, bursts=bursts)
+            print(f"{name + ': ' + label:72} {_pct(lat, 0.5):7.2f} {_pct(lat, 0.9):7.2f} {_pct(lat, 0.99):7.2f} "
+                  f"{max(lat):7.2f} {statistics.median(spans):7.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--n", type=int, default=2000)
-    asyncio.run(run(parser.parse_args().n))
+    parser.add_argument("--bursts", type=int, default=20)
+    parser.add_argument("--only", choices=("all", "serial", "burst"), default="all")
+    args = parser.parse_args()
+    if args.only in ("all", "serial"):
+        asyncio.run(run(args.n))
+    if args.only in ("all", "burst"):
+        asyncio.run(run_burst(args.bursts))
 
 
 if __name__ == "__main__":
