@@ -36,6 +36,21 @@ keeps: the next departure reads nothing from the device unless sequences joined 
 schedules the joined padding ahead of the next step, so that read finds it computed. The arrays are
 mlx-lm's.
 
+Prefill waves. mlx-lm's `BatchGenerator._next` decodes, then tops its prompt batch up to
+`prefill_batch_size` (8) prompts, then moves the prompts prefilled by the *previous* call to decoding,
+then prefills the rest. A server's first request wakes the engine alone, so its first wave is one
+prompt, and from then on the top-up before the move makes the waves alternate 7 / 1 / 7 / 1; each
+prompt waits a whole call between its prefill and its first decode, and on a GPU a pass of one short
+prompt costs about what a pass of eight does. `EngineBatchGenerator._next` instead takes every waiting
+prompt whose place in the pass keeps it within `prefill_tokens` (padding included: the pass is
+`rows x longest chunk` tokens), prefills them in one pass, and moves each prompt that pass finished to
+decoding in the same call: its last token's pass is scheduled right behind the prefill, and the next
+decode step reads the first token. A burst on a GPU is one pass; on the CPU, where a pass costs what
+its tokens cost, `prefill_tokens` stays at mlx-lm's own per-prompt pass so a wave never holds the
+running batch longer than one of mlx-lm's passes would. The arithmetic per prompt is mlx-lm's (the
+same prefill, the same last-token pass, the same decode step); only which prompts share a pass, and
+when, changes.
+
 `EngineBatchGenerator` is mlx-lm's `BatchGenerator` with a `PrefillBatch` as its prompt batch and a
 `DecodeBatch` as its generation batch: `extend` merges the batches mlx-lm builds into them.
 """
@@ -43,12 +58,16 @@ mlx-lm's.
 from __future__ import annotations
 
 import copy
+import itertools
+import time
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch, _right_pad_prompts
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from provider.engine import guided
+
+DEFAULT_PREFILL_TOKENS = 2048  # mlx-lm's prefill_step_size: one prompt's pass at most, there
 
 
 class DecodeBatch(GenerationBatch):
@@ -187,12 +206,99 @@ class PrefillBatch(PromptProcessingBatch):
 
 
 class EngineBatchGenerator(BatchGenerator):
-    """mlx-lm's `BatchGenerator` with the engine's prompt and decode batches."""
+    """mlx-lm's `BatchGenerator` with the engine's prompt and decode batches and its own schedule
+    (`_next`, "Prefill waves" in the module docstring). `prefill_tokens`: the most prompt tokens one
+    pass prefills (padding included), whatever number of prompts that is."""
 
-    def __init__(self, model, **kwargs) -> None:
+    def __init__(self, model, *, prefill_tokens: int = DEFAULT_PREFILL_TOKENS, **kwargs) -> None:
         super().__init__(model, **kwargs)
+        if prefill_tokens < 1:
+            raise ValueError("prefill_tokens must be at least 1")
+        self.prefill_tokens = prefill_tokens
         self._prompt_batch = PrefillBatch.empty(self.model, self.sampler, prefill_step_size=self.prefill_step_size)
         self._generation_batch = DecodeBatch.empty(self.model, self.sampler)
+
+    def _next(self):
+        """One decode step of the running batch, then one prefill pass over every waiting prompt that
+        fits `prefill_tokens`; the prompts that pass finishes move to decoding at once."""
+        generation_responses = []
+        prompt_responses = []
+        if len(self._generation_batch) > 0:
+            tic = time.perf_counter()
+            generation_responses = self._generation_batch.next()
+            self._counters.decode_time += time.perf_counter() - tic
+            self._counters.generation_tokens += len(generation_responses)
+            self._counters.generation_steps += 1
+            if self._counters.generation_steps % 512 == 0:
+                mx.clear_cache()
+        if len(self._generation_batch) >= self.completion_batch_size:
+            return prompt_responses, generation_responses
+        n = self._wave()
+        if n > 0:
+            self._prompt_batch.extend(self._make_batch(n))
+        prompt_responses += self._to_decoding()  # prompts with nothing left to prefill (a cache was given)
+        prompts = []
+        for i, seq in enumerate(self._currently_processing):
+            response = PromptProcessingBatch.Response(self._prompt_batch.uids[i], 0, False, False)
+            segments = seq[0]
+            take = min(len(segments[0]), self.prefill_step_size)
+            prompts.append(segments[0][:take])
+            segments[0] = segments[0][take:]
+            if not segments[0]:
+                segments.pop(0)
+                response.end_of_segment = True
+            seq[1] += take
+            response.progress = (seq[1], seq[2])
+            prompt_responses.append(response)
+        if prompts:
+            self._counters.prompt_tokens += sum(len(p) for p in prompts)
+            tic = time.perf_counter()
+            self._prompt_batch.prompt(prompts)
+            self._counters.prompt_time += time.perf_counter() - tic
+            prompt_responses += self._to_decoding()  # the prompts this pass finished, without waiting a call
+        return prompt_responses, generation_responses
+
+    def _wave(self) -> int:
+        """How many waiting prompts join the prompt batch: first come first, while the batch's padded
+        pass stays within `prefill_tokens` (at least one prompt when the prompt batch is empty) and
+        every prompt has a place in the decode batch."""
+        room = self.completion_batch_size - len(self._generation_batch) - len(self._prompt_batch)
+        rows = len(self._prompt_batch)
+        longest = max((_chunk(seq[0], self.prefill_step_size) for seq in self._currently_processing), default=0)
+        n = 0
+        for seq in itertools.islice(self._unprocessed_sequences, max(0, room)):
+            segments = [s for s in seq[1] if s]
+            wider = max(longest, _chunk(segments, self.prefill_step_size))
+            if rows and (rows + 1) * wider > self.prefill_tokens:
+                break
+            rows, longest, n = rows + 1, wider, n + 1
+        return n
+
+    def _to_decoding(self) -> list[PromptProcessingBatch.Response]:
+        """mlx-lm's split: the prompts left with only their last token start decoding (that token's
+        pass is scheduled now; its output is read by the next decode step)."""
+        split = [i for i, seq in enumerate(self._currently_processing) if len(seq[0]) == 1 and len(seq[0][0]) == 1]
+        if not split:
+            return []
+        last_inputs = [self._currently_processing[i][0][0] for i in split]
+        progress = [(self._currently_processing[i][2],) * 2 for i in split]
+        keep = set(split)
+        self._currently_processing = [s for i, s in enumerate(self._currently_processing) if i not in keep]
+        if len(split) == len(self._prompt_batch):
+            batch, self._prompt_batch = self._prompt_batch, PrefillBatch.empty(
+                self.model, self.sampler, prefill_step_size=self.prefill_step_size)
+        else:
+            batch = self._prompt_batch.split(split)
+        generation = batch.generate(last_inputs)
+        self._generation_batch.extend(generation)
+        return [PromptProcessingBatch.Response(uid, p, True, True) for uid, p in zip(generation.uids, progress)]
+
+
+def _chunk(segments: list[list[int]], step: int) -> int:
+    """Tokens the next prefill pass takes from a prompt's segments (its last token is never prefilled)."""
+    if not segments or (len(segments) == 1 and len(segments[0]) == 1):
+        return 0
+    return min(len(segments[0]), step)
 
 
 __all__ = ["DecodeBatch", "EngineBatchGenerator", "PrefillBatch"]

@@ -159,7 +159,7 @@ class Engine:
                  batch_size: int = DEFAULT_BATCH_SIZE, limits: MlxLimits | None = None,
                  next_turn_scratch_bytes: int = 0, solo_min_tokens: int | None = None,
                  weight_layout: bool | None = None, cpu_attention: bool | None = None,
-                 stream_interval_s: float = 0.0):
+                 stream_interval_s: float = 0.0, prefill_tokens: int | None = None):
         """`prefix_cache`: model id -> its `kvcache.ModelKvCache` (e.g. `KvCacheManager.get`); the
         worker reuses cached prompt prefixes on submit and stores them when a request ends.
         `vision_prefill_step`: prompt tokens per prefill step of a vision request (each step is
@@ -176,7 +176,8 @@ class Engine:
         CPU device only. `cpu_attention`: the engine thread's attention with a vectorised softmax
         (attention.py); None: on the CPU device only. `stream_interval_s`: in a large batch, text after
         a request's first token is delivered at most this often, several tokens at a time (worker.py,
-        "Delivery"); 0: every token as it comes."""
+        "Delivery"); 0: every token as it comes. `prefill_tokens`: the most prompt tokens one batched
+        prefill pass takes (decode.py, "Prefill waves"); None: by device."""
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         without_cuda_graphs()  # before the worker's first stream exists (cuda_graphs.py)
@@ -185,7 +186,7 @@ class Engine:
                               trace=trace, batch_size=batch_size, limits=limits,
                               next_turn_scratch_bytes=next_turn_scratch_bytes, solo_min_tokens=solo_min_tokens,
                               weight_layout=weight_layout, cpu_attention=cpu_attention,
-                              stream_interval_s=stream_interval_s)
+                              stream_interval_s=stream_interval_s, prefill_tokens=prefill_tokens)
         self._streams: dict[str, RequestStream] = {}
         self._closed = False
         # Between two steps the engine thread needs the GIL for a moment; while the event loop thread

@@ -90,7 +90,7 @@ from provider.engine.commands import (
 )
 from provider.engine import attention, guided
 from provider.engine.calibration import Calibration, calibrate
-from provider.engine.decode import EngineBatchGenerator
+from provider.engine.decode import DEFAULT_PREFILL_TOKENS, EngineBatchGenerator
 from provider.engine.device import DeviceLimits
 from provider.engine.layout import MAX_WEIGHT_BYTES, on_cpu, transpose_weights
 from provider.engine.prefill import (
@@ -225,15 +225,23 @@ NEXT_TURN_CHUNK = 64  # tokens per idle step of a next-turn preparation: what a 
 NEXT_TURN_QUIET_S = 0.25  # idle this long after an answer before preparing: a person takes longer to reply
 NEXT_TURN_MAX_TOKENS = 1024  # tokens to prefill past the cached prefix; more is not a re-rendered answer
 SHARE_MIN_TOKENS = 32  # a queued prompt sharing at least this many more tokens gets the prompt stored
-_PREFILL_BATCH = 8  # mlx-lm's prefill_batch_size default
+GPU_PREFILL_TOKENS = 8192  # a GPU's pass: a burst of short prompts at once, half what mlx-lm's 8 x 2048 may take
 STREAM_INTERVAL_MIN_REQUESTS = 8  # text is held for `stream_interval_s` only while more requests than this run
 
 
-def _new_generator(model, eos_token_ids: frozenset[int], batch_size: int) -> BatchGenerator:
+def _new_generator(model, eos_token_ids: frozenset[int], batch_size: int, prefill_tokens: int) -> BatchGenerator:
     # completion_batch_size is how many sequences decode at once; admission never admits more
     # concurrent requests per model than this, so no admitted request waits without tokens.
     return EngineBatchGenerator(model, stop_tokens=[[t] for t in sorted(eos_token_ids)] or None,
-                                completion_batch_size=batch_size, prefill_batch_size=min(_PREFILL_BATCH, batch_size))
+                                completion_batch_size=batch_size, prefill_batch_size=batch_size,
+                                prefill_tokens=prefill_tokens)
+
+
+def prefill_tokens_for_device(setting: int | None) -> int:
+    """A prefill pass's token budget (decode.py, "Prefill waves"): the setting, else by device."""
+    if setting is not None:
+        return setting
+    return DEFAULT_PREFILL_TOKENS if on_cpu() else GPU_PREFILL_TOKENS
 
 
 class Worker:
@@ -242,8 +250,9 @@ class Worker:
                  batch_size: int = DEFAULT_BATCH_SIZE, limits: MlxLimits | None = None,
                  next_turn_scratch_bytes: int = 0, solo_min_tokens: int | None = None,
                  weight_layout: bool | None = None, cpu_attention: bool | None = None,
-                 stream_interval_s: float = 0.0):
+                 stream_interval_s: float = 0.0, prefill_tokens: int | None = None):
         self._commands = commands
+        self._prefill_tokens = prefill_tokens  # None: by device, when the first model loads
         self._stream_interval = stream_interval_s  # see "Delivery"
         self._held: dict[int, tuple[EventSink, TextDelta]] = {}  # id(sink) -> its text not yet handed over
         self._released_at = 0.0
@@ -495,7 +504,8 @@ class Worker:
         it as the value its `close()` restores) and again after (it has just wired its own)."""
         self._device.wire()
         try:
-            generator = _new_generator(model, eos_token_ids, self.batch_size)
+            generator = _new_generator(model, eos_token_ids, self.batch_size,
+                                       prefill_tokens_for_device(self._prefill_tokens))
         except BaseException:
             self._unwire_if_empty()
             raise
