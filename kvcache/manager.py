@@ -9,7 +9,8 @@ request finishes, both on the engine thread. What is stored is the request's who
 all of it; matching is on tokens, so a template that re-renders an earlier answer differently
 reuses up to the first token that differs and no further.
 
-Memory: RAM entries are `prefix_cache` reservations in the ledger. When admission or a load needs
+Memory: each model's RAM tier is one `prefix_cache` reservation in the ledger, grown as sequences
+are stored and lowered as they are evicted (kvcache/ram.py). When admission or a load needs
 room it calls `evict_for(nbytes)` (least recently used first, across models); under RED pressure
 or worse `relieve(level)` drops the whole RAM tier. The SSD tier is never charged to the ledger.
 

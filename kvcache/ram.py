@@ -6,8 +6,12 @@ least one prompt token to feed (mlx-lm's `BatchGenerator` feeds the last prompt 
 decode step and refuses an empty prompt). `store` takes a cache that may hold more (a finished
 request's cache also holds its completion) and keeps only the keyed prefix.
 
-Each entry holds one `prefix_cache` lease. `_evict` is the only place that drops an entry and the
-only place that releases a lease, so bytes held and bytes charged cannot drift apart.
+The whole tier is one `prefix_cache` reservation in the ledger, not one per entry (a tier of 16 GiB
+holds tens of thousands of sequences): taken with the first entry, grown by each store (`Ledger.grow`,
+the same capacity check as a new reservation), lowered by each eviction and released when the last
+entry goes: each reservation the tier takes is released exactly once, and a purged tier holds none.
+`_charge` is the only place that adds bytes and `_evict` the only place that drops an entry and
+gives bytes back, so bytes held and bytes charged cannot drift apart.
 
 Threads: `fetch` and `store` run MLX and must be called on the engine thread. Eviction, purge and
 the stats only drop references and touch the ledger, so any thread may call them; a lock guards
@@ -29,6 +33,9 @@ from memory.snapshot import MemorySnapshot
 
 # Shared by every PrefixCache in the process so "least recently used" compares across models.
 _clock = itertools.count(1)
+# Each PrefixCache's reservation id is its own, also for a model purged and loaded again (a late
+# eviction of the purged tier must never touch the new tier's reservation).
+_tiers = itertools.count()
 
 
 class StoreOutcome(Enum):
@@ -43,7 +50,6 @@ class StoreOutcome(Enum):
 class _Entry:
     cache: list  # list[KVCache], exactly len(key) positions
     nbytes: int
-    lease_id: str
     used: int  # _clock stamp of the last fetch/store
 
 
@@ -66,9 +72,10 @@ class PrefixCache:
         self._max_bytes = max_bytes
         self._lock = threading.Lock()
         self._index: PrefixIndex[_Entry] = PrefixIndex()
-        self._bytes = 0
+        self._bytes = 0  # = the ledger's bytes under `lease_id` while `_leased`
         self._closed = False
-        self._serial = itertools.count()
+        self.lease_id = f"prefix:{model_id}:{next(_tiers)}"
+        self._leased = False  # the tier's reservation is outstanding (iff the tier holds an entry)
 
     # -- engine thread -----------------------------------------------------------------------
 
@@ -115,11 +122,9 @@ class PrefixCache:
             if self._max_bytes is not None:
                 while self._bytes + nbytes > self._max_bytes and len(self._index):
                     self._evict(self._index.oldest())
-            lease_id = f"prefix:{self.model_id}:{next(self._serial)}"
-            if not self._ledger.reserve(lease_id, ReservationKind.PREFIX_CACHE, nbytes, snapshot=snapshot).granted:
+            if not self._charge(nbytes, snapshot):
                 return StoreOutcome.REFUSED
-            self._index.insert(key, _Entry(entry_cache, nbytes, lease_id, next(_clock)))
-            self._bytes += nbytes
+            self._index.insert(key, _Entry(entry_cache, nbytes, next(_clock)))
             # Shorter entries on the same path are now redundant: the new one trims to them.
             for shorter in self._index.prefixes_of(key):
                 self._evict(shorter)
@@ -174,12 +179,30 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._index)
 
+    def _charge(self, nbytes: int, snapshot: MemorySnapshot | None) -> bool:
+        """The one way in: `nbytes` more on the tier's reservation (taken now if the tier is empty),
+        checked against what the ledger has available. Caller holds the lock."""
+        if self._leased:
+            granted = self._ledger.grow(self.lease_id, ReservationKind.PREFIX_CACHE, nbytes, snapshot=snapshot).granted
+        else:
+            granted = self._ledger.reserve(self.lease_id, ReservationKind.PREFIX_CACHE, nbytes,
+                                           snapshot=snapshot).granted
+            self._leased = granted
+        if granted:
+            self._bytes += nbytes
+        return granted
+
     def _evict(self, key: Key) -> int:
-        """The one way out: drop the entry and return its lease. Caller holds the lock."""
+        """The one way out: drop the entry and give its bytes back to the ledger (the reservation
+        itself once the tier is empty). Caller holds the lock."""
         entry = self._index.remove(key)
         if entry is None:
             return 0
         self._bytes -= entry.nbytes
-        self._ledger.release(entry.lease_id)
+        if len(self._index):
+            self._ledger.reduce(self.lease_id, entry.nbytes)
+        else:
+            self._ledger.release(self.lease_id)
+            self._leased = False
         entry.cache = []
         return entry.nbytes

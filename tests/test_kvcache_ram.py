@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from kvcache.disk import DiskBudget
 from kvcache.manager import KvCacheManager, PrefixCacheStats, Reuse, Tier
@@ -274,3 +274,56 @@ def test_bfloat16_round_trips_through_host_bytes() -> None:
     assert back[0].keys.dtype == mx.bfloat16 and back[0].offset == 7
     assert mx.array_equal(back[0].values, (k * 2)[..., :7, :]).item()
     assert prefix_copy([c], 3)[0].keys.shape == (1, 2, 3, 8)
+
+
+def synthetic(n: int, seed: int) -> list:
+    """One plain KVCache layer holding `n` positions (no model needed: the tier only keeps arrays)."""
+    c = KVCache()
+    c.keys = mx.random.normal((1, 1, n, 4), key=mx.random.key(seed)).astype(mx.float16)
+    c.values = mx.random.normal((1, 1, n, 4), key=mx.random.key(seed + 1)).astype(mx.float16)
+    c.offset = n
+    return [c]
+
+
+def test_each_ram_tier_is_one_reservation_that_grows_and_shrinks_with_its_entries() -> None:
+    """The tier is charged in aggregate: one ledger entry per model holding sequences, whose bytes are
+    exactly what its entries hold, grown with the same capacity check as a new reservation, and
+    released once, when the tier empties (a purged or emptied tier holds none)."""
+    room = [8 * GiB]  # what the OS reports available (the ledger's room is this less A and the outstanding)
+    ledger = Ledger(figures(16 * GiB, env={}))
+    manager = KvCacheManager(ledger, sample_snapshot=lambda: _with_available(room[0]))
+    kv1, kv2 = manager.attach("m1", "w"), manager.attach("m2", "w")
+    one = 16 * 4 * 2 * 2  # 16 positions × 4 dims × keys and values × float16
+    for i in range(300):
+        assert (kv1 if i % 3 else kv2).store(prompt(100 + i, 16), synthetic(16, i)) is StoreOutcome.STORED
+    snap = ledger.snapshot()
+    assert snap.count_by_kind[ReservationKind.PREFIX_CACHE] == 2 and len(ledger) == 2
+    assert snap.bytes_by_kind[ReservationKind.PREFIX_CACHE] == 300 * one == kv1.ram.nbytes + kv2.ram.nbytes
+    assert ledger.bytes_of(kv1.ram.lease_id) == 200 * one and ledger.bytes_of(kv2.ram.lease_id) == 100 * one
+
+    # A store the ledger has no room for is refused and changes nothing.
+    room[0] = ledger.figures.activation_reserve_bytes + ledger.outstanding_bytes() + one - 1  # one byte short
+    assert kv1.store(prompt(999, 16), synthetic(16, 999)) is StoreOutcome.REFUSED
+    assert len(kv1.ram) == 200 and ledger.bytes_of(kv1.ram.lease_id) == 200 * one
+    room[0] = 8 * GiB
+
+    assert manager.evict_for(5 * one) == 5 * one  # least recently used first, across both models
+    assert ram_bytes(ledger) == 295 * one and ledger.snapshot().count_by_kind[ReservationKind.PREFIX_CACHE] == 2
+    held = kv2.ram.nbytes
+    assert kv2.ram.evict_all() == held == ledger.release(kv2.ram.lease_id) + held
+    assert kv2.ram.lease_id not in ledger and len(kv2.ram) == 0  # emptied: its reservation is released
+    assert kv2.store(prompt(1000, 16), synthetic(16, 1000)) is StoreOutcome.STORED  # a fresh one is taken
+    assert ledger.bytes_of(kv2.ram.lease_id) == one
+
+    held = kv1.ram.nbytes
+    assert manager.purge("m1").ram_bytes == held and kv1.ram.lease_id not in ledger
+    assert kv1.store(prompt(1001, 16), synthetic(16, 1001)) is StoreOutcome.CLOSED
+    again = manager.attach("m1", "w")
+    assert again.ram.lease_id != kv1.ram.lease_id  # a reload's tier never shares the purged one's id
+    assert manager.purge("m2").ram_bytes == one and manager.purge("m1").ram_bytes == 0
+    assert len(ledger) == 0 and ledger.outstanding_bytes() == 0
+
+
+def _with_available(nbytes: int) -> MemorySnapshot:
+    """An idle 16 GiB machine whose OS reports `nbytes` available."""
+    return MemorySnapshot(physical_bytes=16 * GiB, available_bytes=nbytes)
