@@ -1,7 +1,9 @@
 #!/bin/sh
 # One complete GPU measurement in one run: build the model (or reuse it), the decode benchmark, then
-# peer_bench; every table and JSON file lands flat under $OUT (7 files), and the script ends before
-# BUDGET_S (540 s) so a 600 s run returns with its results. Nothing here needs the network.
+# peer_bench (decode batch 32), then peer_bench at c = 32 and 64 with decode batch 64 and our server's
+# GIL holders sampled (py-spy, benchmarks/gil_sample.py); every table and JSON file lands flat under
+# $OUT, and the script ends before BUDGET_S (540 s) so a 600 s run returns with its results. Nothing
+# here needs the network.
 #
 # On the GPU host (after the kit's stash runs that install MLX's CUDA backend there):
 #     . .gpu/kit/install.sh && sh benchmarks/gpu_run.sh 1b        (or 8b)
@@ -10,10 +12,11 @@
 #
 # Environment: OUT (required), PYTHON (python3), MODELS (/root/models), BUDGET_S (540),
 # DECODE_UNTIL_S (script second after which the decode benchmark starts no run; 170), PARTS
-# ("decode peer": leave one out to run the other alone), QUICK=1 (small sizes, for the CPU).
+# ("decode peer peer64": leave some out to run the others alone), PEER64_S (seconds kept for peer64:
+# 150), QUICK=1 (small sizes, for the CPU).
 # Files: $P-run.log (every step's stderr, timings, versions), $P-decode.md/.json,
-# $P-peer.md/.json, $P-servers.log (the end of both servers' logs), $P-ours.log.gz (our server's whole
-# log: `python benchmarks/ttft_split.py` splits its TTFTs), with P the preset.
+# $P-peer.md/.json, $P-peer64.md/.json, $P-servers.log (the end of both servers' logs), $P-ours.log.gz
+# (our server's whole log: `python benchmarks/ttft_split.py` splits its TTFTs), with P the preset.
 set -u
 PRESET=${1:-1b}
 OUT=${OUT:?set OUT to the folder for the results}
@@ -21,7 +24,8 @@ PY=${PYTHON:-python3}
 MODELS=${MODELS:-/root/models}
 BUDGET=${BUDGET_S:-540}
 DECODE_UNTIL=${DECODE_UNTIL_S:-170}
-PARTS=${PARTS:-decode peer}
+PARTS=${PARTS:-decode peer peer64}
+PEER64=${PEER64_S:-150}
 QUICK=${QUICK:-0}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
@@ -39,13 +43,16 @@ has() { case " $PARTS " in *" $1 "*) return 0 ;; esac; return 1; }
 if [ "$QUICK" = 1 ]; then
   DECODE_ARGS="--batch-sizes 1,8 --repeats 1 --prompt-tokens 32 --short-tokens 4 --long-tokens 36"
   PEER_ARGS="--workloads w1,w2,chat --concurrency 1,4 --repeats 1 --batch-size 8 --max-tokens 16 --turn-tokens 8 --warmup-tokens 4"
+  PEER64_ARGS="--workloads w1 --concurrency 4,8 --repeats 1 --batch-size 8 --max-tokens 16 --warmup-tokens 4 --gil-cells w1:4,w1:8"
 else
   # 1B steps take a few ms: 128 measured steps, 3 repeats. The 8B's are ~5x longer: 64 steps, 2 repeats,
   # leaving peer_bench its time.
   LONG=144; REPEATS=3; [ "$PRESET" = 8b ] && LONG=80 && REPEATS=2
   DECODE_ARGS="--batch-sizes 1,8,32,64 --repeats $REPEATS --prompt-tokens 128 --short-tokens 16 --long-tokens $LONG"
-  PEER_ARGS="--workloads w1,w2,chat --concurrency 1,8,32 --repeats 3 --batch-size 32 --max-tokens 64 --turn-tokens 64"
+  PEER_ARGS="--workloads w1,w2,chat --concurrency ${CONCURRENCY:-8,32} --repeats 3 --batch-size 32 --max-tokens 64 --turn-tokens 64"
+  PEER64_ARGS="--workloads w1 --concurrency 32,64 --repeats 2 --batch-size 64 --max-tokens 64 --gil-cells w1:32,w1:64"
 fi
+has peer64 || PEER64=0
 
 note "gpu_run $PRESET: budget $BUDGET s, parts '$PARTS', quick $QUICK, python $PY, model $MODEL"
 {
@@ -72,7 +79,7 @@ if has decode; then
 fi
 
 if has peer; then
-  L=$(left)
+  L=$(( $(left) - PEER64 ))
   if [ "$L" -lt 150 ]; then
     note "SKIPPED peer_bench: only $L s left"; RC=1
   else
@@ -94,7 +101,24 @@ if has peer; then
   fi
 fi
 
+if has peer64; then
+  L=$(left)
+  if [ "$L" -lt 90 ]; then
+    note "SKIPPED peer_bench at c = 64: only $L s left"; RC=1
+  else
+    P=$(( L - 60 )); S=$(( L - 30 ))
+    note "peer_bench at c = 32, 64 with decode batch 64 and GIL samples (starts no cell after $P s, stops at $S s)"
+    # shellcheck disable=SC2086
+    timeout -k 10 $(( L - 10 )) "$PY" benchmarks/peer_bench.py --model-dir "$MODEL" $PEER64_ARGS --warmup cells \
+      --deadline-s "$P" --stop-s "$S" --work-dir "$WORK-64" --json-out "$OUT/$PRESET-peer64.json" \
+      >"$OUT/$PRESET-peer64.md" 2>>"$LOG"
+    rc=$?; [ $rc -ne 0 ] && RC=$rc
+    note "peer_bench at c = 64 exit $rc"
+  fi
+fi
+
 note "done, exit $RC"
 [ -f "$OUT/$PRESET-decode.md" ] && cat "$OUT/$PRESET-decode.md"
 [ -f "$OUT/$PRESET-peer.md" ] && sed '/^per run (noise)/,$d' "$OUT/$PRESET-peer.md"
+[ -f "$OUT/$PRESET-peer64.md" ] && sed '/^per run (noise)/,/^our server/d' "$OUT/$PRESET-peer64.md"
 exit $RC

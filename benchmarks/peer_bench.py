@@ -97,6 +97,7 @@ import openai  # noqa: E402
 import psutil  # noqa: E402
 from openai import AsyncOpenAI  # noqa: E402
 
+from gil_sample import GilCounts, GilSampler  # noqa: E402
 from peer_report import BARE, OURS, PEER, TURNS, pct, print_tables, write_json  # noqa: E402
 
 from provider.tinymodel import PRESETS, build_tiny_model, weights_bytes  # noqa: E402
@@ -523,6 +524,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the servers' logs, config and state (default: a new temporary folder)")
     parser.add_argument("--ours-toml", action="append", default=[], metavar="LINE",
                         help="a line for our server's config, e.g. 'kv_ssd_budget_gb = 0' (repeatable)")
+    parser.add_argument("--gil-cells", default="", metavar="W:C,...",
+                        help="sample our server's GIL holders with py-spy while these cells run on our side, e.g. "
+                             "w1:32,w1:64 (benchmarks/gil_sample.py); the shares are printed and saved")
     return parser.parse_args(argv)
 
 
@@ -581,6 +585,18 @@ class Bench:
     runs: dict[tuple[str, int], dict[tuple[str, int], Run]] = field(default_factory=dict)  # (workload, c) -> (side, repeat) -> run
     log: list[Run] = field(default_factory=list)
     doing: str = "the warm-up"  # what is under way, for a stop's message
+    gil: dict[tuple[str, int], GilCounts] = field(default_factory=dict)  # --gil-cells: counts per cell
+
+    async def _ours_run(self, workload: str, c: int, run: Callable[[], Awaitable[Run]]) -> Run:
+        """Our side's run of a cell, with our server's GIL holders sampled when the cell is one of --gil-cells."""
+        if f"{workload}:{c}" not in self.args.gil_cells.split(","):
+            return await run()
+        sampler = GilSampler(self.servers[OURS].proc.pid, self.gil.setdefault((workload, c), GilCounts()))
+        sampler.start()
+        try:
+            return await run()
+        finally:
+            await asyncio.to_thread(sampler.stop)
 
     async def measure(self) -> str | None:
         """Warm up, then the interleaved repeats. Returns why it stopped early (a deadline), or None."""
@@ -604,8 +620,12 @@ class Bench:
                         lambda: asyncio.to_thread(bare.run, batch, args.max_tokens, workload, c, repeat), pids[BARE])
                     self.log.append(cell_runs[(BARE, repeat)])
                 for side in order:
-                    run = await watch.around(lambda: server_run(servers[side], self.prompts, workload, c, repeat, args),
-                                             pids[side])
+                    def one(side=side):
+                        return server_run(servers[side], self.prompts, workload, c, repeat, args)
+                    if side == OURS:
+                        run = await watch.around(lambda: self._ours_run(workload, c, one), pids[side])
+                    else:
+                        run = await watch.around(one, pids[side])
                     cell_runs[(side, repeat)] = run
                     self.log.append(run)
                 check_same_prompts(cell_runs[(OURS, repeat)], cell_runs[(PEER, repeat)])
@@ -657,8 +677,9 @@ async def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:
         if args.json_out is not None:
-            write_json(args.json_out, {**meta, "stopped": stopped, "elapsed_s": time.monotonic() - STARTED},
-                       bench.runs, bench.log)
+            gil = {f"{w}:{c}": counts.as_dict() for (w, c), counts in bench.gil.items()}
+            write_json(args.json_out, {**meta, "stopped": stopped, "elapsed_s": time.monotonic() - STARTED,
+                                       "gil": gil}, bench.runs, bench.log)
 
     bench = Bench(args, prompts, bare, servers, cells, Deadline(args.deadline_s), save)
     try:
@@ -678,6 +699,10 @@ async def main(argv: list[str] | None = None) -> int:
                  f"chat {TURNS} turns x {args.turn_tokens} tokens, {args.think_s:g} s between turns; BLAS: {blas}; "
                  f"server exit codes {codes}\ndevice {meta['device']} ({meta['device_info'].get('device_name', '?')}), "
                  f"decode batch size {batch}, warm-up {args.warmup}", bench.runs, bench.log, stopped)
+    if bench.gil:
+        print("\nour server's GIL holders while its engine was active (py-spy dump samples, benchmarks/gil_sample.py)\n")
+        for (workload, c), counts in bench.gil.items():
+            print(f"* {workload} c = {c}: {counts.line()}")
     return 1 if stopped is not None and not stopped.startswith(("deadline", "stopped")) else 0
 
 
