@@ -52,6 +52,11 @@ from memory.snapshot import MemorySnapshot
 
 log = logging.getLogger("kvcache")
 
+# A request reuses a cached prefix of at least this many tokens, or its whole prompt but the last token
+# (`fetch(min_tokens=...)`): a chat template's own first tokens (Llama 3's dated system header is ~30)
+# match nearly every prompt, and reusing them saves a few tokens of a batched prefill for a copy of
+# their KV and a cache-carrying join.
+REUSE_MIN_TOKENS = 48
 SSD_MIN_REUSED_TOKENS = 48  # more than a chat template's own first tokens (Llama 3: ~30, with its dated system header)
 
 
@@ -117,10 +122,12 @@ class ModelKvCache:
         self._lock = threading.Lock()
         self._hits = self._partial = self._misses = self._ssd_hits = self._reused = 0
 
-    def fetch(self, tokens: Sequence[int], *, count: bool = True) -> Reuse:
-        """The longest reusable prefix of `tokens` from RAM, else from SSD (promoted to RAM).
-        `count=False`: the engine's own preparation, not a request: the stats stay as they were."""
-        reuse = self._lookup(tokens)
+    def fetch(self, tokens: Sequence[int], *, count: bool = True, min_tokens: int = 1) -> Reuse:
+        """The longest reusable prefix of `tokens` from RAM, else from SSD (promoted to RAM); MISS when
+        it is shorter than `min_tokens` and not the whole prompt (nothing is copied). `count=False`:
+        the engine's own preparation, not a request: the stats stay as they were."""
+        matched = self.longest_match(tokens)
+        reuse = self._lookup(tokens) if matched >= min(min_tokens, len(tokens) - 1) else MISS
         if not count:
             return reuse
         with self._lock:

@@ -30,7 +30,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engine_arithmetic import assert_decisive_continuation
 from kvcache.disk import DiskBudget
-from kvcache.manager import KvCacheManager, Tier
+from kvcache.manager import REUSE_MIN_TOKENS, KvCacheManager, Tier
 from kvcache.ssd import SsdStore
 from memory.ledger import Ledger, ReservationKind
 from memory.policy import GiB, figures
@@ -135,8 +135,9 @@ class Conversation:
         return fin
 
 
-async def cache_off_outputs(model_path: Path, turns: int, keep: Keep = Keep.DECODED) -> list[tuple[int, ...]]:
-    conv = Conversation("off", model_path, keep=keep)
+async def cache_off_outputs(model_path: Path, turns: int, keep: Keep = Keep.DECODED,
+                            first_user: str = "") -> list[tuple[int, ...]]:
+    conv = Conversation("off", model_path, keep=keep, first_user=first_user)
     async with Engine() as engine:
         await engine.load("m", model_path)
         for _ in range(turns):
@@ -199,9 +200,12 @@ async def test_each_turn_reuses_the_whole_previous_turn(tiny_model_path: Path, t
 async def test_a_re_rendered_turn_reuses_only_up_to_the_first_differing_token(
         tiny_model_path: Path, tmp_path: Path, ledger: Ledger, template: str | None, keep: Keep) -> None:
     model_path = tiny_model_path if template is None else with_template(tiny_model_path, tmp_path / "model", template)
-    expected = await cache_off_outputs(model_path, 3, keep)
+    # Every turn opens with the same words, so the common prefix is past what a request reuses at least
+    # (kvcache.manager.REUSE_MIN_TOKENS) whatever the answer.
+    first_user = "the long road by the quiet river under seven green hills "
+    expected = await cache_off_outputs(model_path, 3, keep, first_user)
     manager = KvCacheManager(ledger)
-    conv = Conversation("on", model_path, keep=keep)
+    conv = Conversation("on", model_path, keep=keep, first_user=first_user)
     async with Engine(prefix_cache=manager.get) as engine:
         await engine.load("m", model_path)
         manager.attach("m", "weights")
@@ -212,6 +216,7 @@ async def test_a_re_rendered_turn_reuses_only_up_to_the_first_differing_token(
             differ = common_prefix(previous, templated(model_path, conv.next_messages()))
             before = manager.stats().reused_tokens
             await conv.turn(engine, "m")
+            assert differ >= REUSE_MIN_TOKENS
             assert manager.stats().reused_tokens - before == differ  # not one token past the difference
             if differ == len(previous):  # (an answer that had no leading space to drop)
                 assert keep is Keep.API_TEXT

@@ -16,7 +16,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from kvcache.disk import DiskBudget
-from kvcache.manager import KvCacheManager, PrefixCacheStats, Reuse, Tier
+from kvcache.manager import MISS, KvCacheManager, PrefixCacheStats, Reuse, Tier
 from kvcache.ram import PrefixCache, StoreOutcome
 from kvcache.ssd import SsdStore
 from memory.ledger import Ledger, ReservationKind
@@ -327,3 +327,23 @@ def test_each_ram_tier_is_one_reservation_that_grows_and_shrinks_with_its_entrie
 def _with_available(nbytes: int) -> MemorySnapshot:
     """An idle 16 GiB machine whose OS reports `nbytes` available."""
     return MemorySnapshot(physical_bytes=16 * GiB, available_bytes=nbytes)
+
+
+def test_a_prefix_shorter_than_min_tokens_is_a_miss_and_copies_nothing(tiny, ledger: Ledger) -> None:
+    """A request shares a chat template's first tokens with nearly every stored sequence: below
+    `min_tokens` the manager answers MISS (counted as one) instead of copying a few tokens' KV."""
+    manager = KvCacheManager(ledger)
+    kv = manager.attach("tiny", "w0")
+    ids = prompt(21, 80)
+    _, cache, _ = generate(tiny, ids)
+    kv.store(ids, cache)
+    short = ids[:20] + prompt(22, 40)
+    assert kv.longest_match(short) == 20
+    assert kv.fetch(short, min_tokens=21) is MISS
+    stats = manager.stats()
+    assert (stats.hits, stats.partial_hits, stats.misses, stats.reused_tokens) == (0, 0, 1, 0)
+    taken = kv.fetch(short, min_tokens=20)
+    assert (taken.tier, taken.matched) == (Tier.RAM, 20) and manager.stats().partial_hits == 1
+    # A whole prompt but its last token is reused however short it is.
+    whole = kv.fetch(ids[:11], min_tokens=48)
+    assert (whole.tier, whole.matched) == (Tier.RAM, 10) and manager.stats().hits == 1

@@ -70,7 +70,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
 from kvcache import state
-from kvcache.manager import MISS, ModelKvCache, Reuse
+from kvcache.manager import MISS, REUSE_MIN_TOKENS, ModelKvCache, Reuse
 from memory.mlx_limits import MlxLimits
 from memory.settle import clear_buffer_cache, reclaim
 from provider.engine.commands import (
@@ -650,10 +650,11 @@ class Worker:
         if kv is None:
             return 0
         try:
-            return kv.longest_match(ids)
+            matched = kv.longest_match(ids)
         except Exception:  # an edge: see _reuse
             log.exception("prefix cache lookup failed")
             return 0
+        return matched if matched >= min(REUSE_MIN_TOKENS, len(ids) - 1) else 0  # what `_reuse` would take
 
     # -- prefix cache (kvcache/) -------------------------------------------------------------
 
@@ -667,7 +668,7 @@ class Worker:
         if kv is None:
             return MISS
         try:
-            return kv.fetch(ids)
+            return kv.fetch(ids, min_tokens=REUSE_MIN_TOKENS)
         except Exception:  # an edge: the cache is an optimisation, never a reason to fail
             log.exception("prefix cache fetch failed")
             return MISS
