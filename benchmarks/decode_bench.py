@@ -208,7 +208,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--deadline-s", type=float, default=None, help="start no run after this many seconds")
     ap.add_argument("--json-out", type=Path, default=None)
     ap.add_argument("--stream-interval-ms", type=float, default=0.0,
-                    help="the engine way's stream_interval_s in ms (worker.py, \"Delivery\"); 0: every token")
+                    help="the engine way's stream_interval_s in ms (provider/engine/delivery.py); 0: every token")
     args = ap.parse_args(argv)
     if not 0 < args.short_tokens < args.long_tokens:
         ap.error("need 0 < --short-tokens < --long-tokens")

@@ -1,4 +1,4 @@
-"""Delivery in a large batch (worker.py, "Delivery"): with `stream_interval_s`, text after a
+"""Delivery in a large batch (delivery.py): with `stream_interval_s`, text after a
 request's first token is handed over in fewer, longer deltas while more than
 STREAM_INTERVAL_MIN_REQUESTS requests run; the text, tokens and order are what every-token delivery
 gives, first tokens and ends go out at once, and a small batch is untouched."""
@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from provider.engine import ChatRequest, Engine, Finished, SamplingParams, TextDelta
-from provider.engine.worker import STREAM_INTERVAL_MIN_REQUESTS
+from provider.engine.delivery import STREAM_INTERVAL_MIN_REQUESTS
 
 NO_EOS = frozenset()
 TOKENS = 24
@@ -79,4 +79,4 @@ async def test_a_cancelled_request_with_held_text_leaves_the_others_whole(tiny_m
         outcomes = await asyncio.gather(*(watch(i) for i in range(STREAM_INTERVAL_MIN_REQUESTS + 2)))
         assert outcomes[0] == "cancelled"
         assert all(o not in ("cancelled", "ended") for o in outcomes[1:])
-        assert engine.stats("m").num_running == 0 and not engine._worker._held
+        assert engine.stats("m").num_running == 0 and not engine._worker._delivery.held

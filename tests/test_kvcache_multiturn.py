@@ -385,9 +385,9 @@ async def test_the_next_turn_is_prepared_while_idle_and_reuses_the_re_rendered_a
 
 async def test_a_new_request_drops_the_preparation_and_nothing_half_made_is_kept(
         tiny_model_path: Path, ledger: Ledger, monkeypatch: pytest.MonkeyPatch) -> None:
-    from provider.engine import worker
+    from provider.engine import next_turn
 
-    monkeypatch.setattr(worker, "NEXT_TURN_CHUNK", 4)  # several steps for the tiny model's short answers
+    monkeypatch.setattr(next_turn, "NEXT_TURN_CHUNK", 4)  # several steps for the tiny model's short answers
     model_path = tiny_model_path
     manager = KvCacheManager(ledger)
     conv = PreparedConversation("on", model_path, keep=Keep.API_TEXT)
@@ -431,9 +431,9 @@ async def test_no_preparation_without_room_or_for_requests_not_marked(tiny_model
 async def test_a_next_turn_sent_within_the_quiet_period_never_meets_a_preparation(
         tiny_model_path: Path, ledger: Ledger, monkeypatch: pytest.MonkeyPatch) -> None:
     # A client that replies at once (an agent loop, a benchmark) must not wait behind a guess.
-    from provider.engine import worker
+    from provider.engine import next_turn
 
-    monkeypatch.setattr(worker, "NEXT_TURN_QUIET_S", 3600.0)  # the quiet period never ends in this test
+    monkeypatch.setattr(next_turn, "NEXT_TURN_QUIET_S", 3600.0)  # the quiet period never ends in this test
     manager = KvCacheManager(ledger)
     trace = NextTurnTrace()
     conv = PreparedConversation("on", tiny_model_path, keep=Keep.API_TEXT)

@@ -5,6 +5,7 @@ Public names are re-exported here; see `engine.py` for the usage sketch.
 
 from provider.engine.commands import ReleaseHook
 from provider.engine.engine import Engine, RequestStream
+from provider.engine.options import EngineOptions
 from provider.engine.types import (
     ChatRequest,
     EngineError,
@@ -27,6 +28,7 @@ __all__ = [
     "Engine",
     "EngineError",
     "EngineFailure",
+    "EngineOptions",
     "Event",
     "Failed",
     "Finished",

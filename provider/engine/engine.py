@@ -21,6 +21,7 @@ further event, and the worker removes the request from its batch before the next
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import queue
 import sys
@@ -29,8 +30,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
-from memory.mlx_limits import MlxLimits
 from provider.engine.commands import (
     Cancel,
     Command,
@@ -58,8 +59,9 @@ from provider.engine.types import (
 )
 from provider.engine.cuda_graphs import without_cuda_graphs
 from provider.engine.vision import Trace
-from provider.engine.vlm import DEFAULT_PREFILL_STEP
-from provider.engine.worker import DEFAULT_BATCH_SIZE, PrefixCacheLookup, Worker
+from provider.engine.active import PrefixCacheLookup
+from provider.engine.options import EngineOptions
+from provider.engine.worker import Worker
 
 
 def _wait_for_os_thread_exit(native_id: int | None, limit: float = 2.0) -> None:
@@ -154,39 +156,17 @@ class RequestStream:
 class Engine:
     """Owns the MLX worker thread. Create it on the event loop that will consume its streams."""
 
-    def __init__(self, *, thread_name: str = "mlx-engine", prefix_cache: PrefixCacheLookup | None = None,
-                 vision_prefill_step: int = DEFAULT_PREFILL_STEP, trace: Trace | None = None,
-                 batch_size: int = DEFAULT_BATCH_SIZE, limits: MlxLimits | None = None,
-                 next_turn_scratch_bytes: int = 0, solo_min_tokens: int | None = None,
-                 weight_layout: bool | None = None, cpu_attention: bool | None = None,
-                 stream_interval_s: float = 0.0, prefill_tokens: int | None = None):
-        """`prefix_cache`: model id -> its `kvcache.ModelKvCache` (e.g. `KvCacheManager.get`); the
-        worker reuses cached prompt prefixes on submit and stores them when a request ends.
-        `vision_prefill_step`: prompt tokens per prefill step of a vision request (each step is
-        interleaved with the text batch). `trace(model_id, request_id, phase)`: called on the
-        worker thread before every step (request_id None for a text batch step); for tests.
-        `batch_size`: sequences one model decodes at once (mlx-lm's `completion_batch_size`).
-        `next_turn_scratch_bytes`: the most a next-turn preparation may hold while the engine is idle
-        (worker.py, "Next turn"); 0 = requests marked `prepare_next_turn` are served without it.
-        `limits`: MLX's memory and buffer-cache limits (`memory.mlx_limits(figures)`), applied on the
-        worker thread while the engine runs; the wired limit is the engine's either way (device.py).
-        `solo_min_tokens`: prompts with at least this many tokens left to prefill are prefilled alone,
-        their first token out at once (worker.py, "Solo prefill"); None: measured per model at load; 0: never.
-        `weight_layout`: store dense linear weights transposed for the BLAS (layout.py); None: on the
-        CPU device only. `cpu_attention`: the engine thread's attention with a vectorised softmax
-        (attention.py); None: on the CPU device only. `stream_interval_s`: in a large batch, text after
-        a request's first token is delivered at most this often, several tokens at a time (worker.py,
-        "Delivery"); 0: every token as it comes. `prefill_tokens`: the most prompt tokens one batched
-        prefill pass takes (decode.py, "Prefill waves"); None: by device."""
-        if batch_size < 1:
-            raise ValueError("batch_size must be >= 1")
+    def __init__(self, options: EngineOptions | None = None, *, thread_name: str = "mlx-engine",
+                 prefix_cache: PrefixCacheLookup | None = None, trace: Trace | None = None, **overrides: Any):
+        """`options`: how the engine runs its models (`EngineOptions`); `overrides`: fields of it to
+        replace, e.g. `Engine(batch_size=16)` for a test. `prefix_cache`: model id -> its
+        `kvcache.ModelKvCache` (e.g. `KvCacheManager.get`); the worker reuses cached prompt prefixes
+        on submit and stores them when a request ends. `trace(model_id, request_id, phase)`: called on
+        the worker thread before every step (request_id None for a text batch step); for tests."""
+        options = dataclasses.replace(options or EngineOptions(), **overrides)
         without_cuda_graphs()  # before the worker's first stream exists (cuda_graphs.py)
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._worker = Worker(self._commands, prefix_cache=prefix_cache, vision_prefill_step=vision_prefill_step,
-                              trace=trace, batch_size=batch_size, limits=limits,
-                              next_turn_scratch_bytes=next_turn_scratch_bytes, solo_min_tokens=solo_min_tokens,
-                              weight_layout=weight_layout, cpu_attention=cpu_attention,
-                              stream_interval_s=stream_interval_s, prefill_tokens=prefill_tokens)
+        self._worker = Worker(self._commands, options, prefix_cache=prefix_cache, trace=trace)
         self._streams: dict[str, RequestStream] = {}
         self._closed = False
         # Between two steps the engine thread needs the GIL for a moment; while the event loop thread

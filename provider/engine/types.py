@@ -99,7 +99,7 @@ class ChatRequest:
     kv_tokens: int | None = None
     prompt_ids: Sequence[int] | None = None
     # The local front's conversations: once this finishes, prefill the prompt's next turn up to the
-    # answer as the chat template renders it back, while the engine is idle (worker.py, "Next turn").
+    # answer as the chat template renders it back, while the engine is idle (next_turn.py).
     prepare_next_turn: bool = False
     # Issue 31: the request's grammar (`provider.grammar.Constraint`: the engine masks each token by it
     # and releases its memory reservation when the request leaves), and its log-probabilities (None:

@@ -24,7 +24,8 @@ request (`ChatRequest.kv_tokens`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from provider.engine.commands import EventSink, ReleaseHook, Submit
@@ -80,6 +81,25 @@ class DutyCycle:
 
     def reset(self) -> None:
         self._credit = 0.0
+
+
+def step_vision_slots(visions: Iterable[VisionSlot], duty: DutyCycle, *, text_running: bool) -> list[VisionSlot]:
+    """One loop's vision work: every running request past its prompt decodes a token; the oldest one
+    before its first token gets a step within the duty cycle while text runs. Returns the slots stepped."""
+    visions = list(visions)
+    if not any(v.has_pretoken for v in visions):
+        duty.reset()  # credit is earned only while vision work waits: no burst when it arrives
+    stepped = []
+    for vision in visions:
+        if not vision.runs:
+            continue
+        vision.step_decoding()
+        if vision.has_pretoken and (not text_running or duty.may_run()):
+            started = time.perf_counter()
+            vision.step_pretoken()
+            duty.vision_ran(time.perf_counter() - started)
+        stepped.append(vision)
+    return stepped
 
 
 @dataclass(slots=True)
