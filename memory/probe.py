@@ -9,6 +9,32 @@ container's limits change.
 `snapshot()` at module level keeps one cached `Probe` per argument set, so callers that don't hold a
 `Probe` still pay only the per-sample cost.
 
+One reading shared by the requests that arrive together (`Probe.recent()`): admission asks for the
+machine's memory several times per request, and a burst asks dozens of times within a few
+milliseconds. `recent()` hands out the latest reading while it is younger than `max_age_s` (a few
+milliseconds) and samples afresh otherwise; `snapshot()` always samples afresh, and its reading
+becomes the shared one; `invalidate()` drops the shared reading, so the next `recent()` samples
+(the model manager calls it when a model's weights come or go). Why a reading that old keeps the cap:
+
+* the ledger is never cached: every decision reads its outstanding total live, under its lock, so a
+  promise made since the reading (a request's KV, a load's claim, a prefix entry) is counted;
+* what MLX allocates for us between the reading and the decision is covered by such a promise (a
+  request's KV, a load's weights, a stored prefix) or by the activation reserve, so it is counted
+  even though the reading does not show it yet; what it frees meanwhile only makes the reading
+  pessimistic;
+* a promise is dropped because its bytes became visible in the counters in one place only: a load's
+  claim, released when the model is published, after the load's post-load guard sampled afresh
+  (`snapshot()`, which replaces the shared reading) and before `invalidate()`; a reading taken
+  before that sample is never handed out again;
+* KV a request allocated and gave back inside the window sits in MLX's buffer cache, which the next
+  reading counts as used, and MLX itself frees cached buffers before it allocates past the
+  effective cap (memory/mlx_limits.py);
+* other processes: any reading is already as old as its use; a few milliseconds more is what the
+  operator reserve and the OS floor exist for.
+
+Thread safety: a reading is published only if no `invalidate()` ran while it was taken, and never
+replaces a later one.
+
 The device (`read_device_memory`): on Apple silicon, and on MLX's CPU device, MLX allocates from the
 machine's RAM, so the cap is taken of it (unified memory). On MLX's CUDA backend it allocates from
 the GPU's own memory (`mx.device_info()["total_memory"]`): the cap is taken of that, what MLX holds
@@ -19,6 +45,7 @@ allocations against host RAM both under-uses a large GPU and misjudges a small o
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +58,7 @@ from memory.policy import memory_limit_bytes_from_gb
 from memory.snapshot import DeviceMemory, MemorySnapshot, MlxCounters
 
 MlxCountersFn = Callable[[], MlxCounters]
+SHARED_MAX_AGE_S = 0.005  # how long `Probe.recent()` hands out one reading
 DeviceMemoryFn = Callable[[], int | None]  # a discrete GPU's memory in bytes; None: unified memory
 
 
@@ -75,7 +103,12 @@ class Probe:
         virtual_memory: Callable[[], Any] = psutil.virtual_memory,
         clock: Callable[[], float] = time.monotonic,
         device_memory: DeviceMemoryFn = read_device_memory,
+        max_age_s: float = SHARED_MAX_AGE_S,
     ) -> None:
+        self._max_age_s = max_age_s
+        self._shared: tuple[float, MemorySnapshot] | None = None  # (when its sampling began, the reading)
+        self._generation = 0  # bumped by `invalidate()`: a reading begun before it is not shared
+        self._shared_lock = threading.Lock()
         self._memory_limit_bytes = memory_limit_bytes_from_gb(memory_limit_gb)
         self._device_memory = device_memory
         self._cgroup_root = Path(cgroup_root)
@@ -92,6 +125,7 @@ class Probe:
         self._host_bytes = int(self._virtual_memory().total)
         self._gpu_bytes = self._device_memory()
         self._cgroup_levels = cgroup.locate(self._cgroup_root, self._proc_cgroup)
+        self.invalidate()  # a reading of the old limits is not shared any more
 
     @property
     def device(self) -> DeviceMemory:
@@ -106,8 +140,32 @@ class Probe:
     def cgroup_levels(self) -> tuple[cgroup.CgroupLevel, ...]:
         return self._cgroup_levels
 
+    def recent(self) -> MemorySnapshot:
+        """The shared reading while it is younger than `max_age_s`, else a fresh `snapshot()`. For
+        decisions that also read the ledger live (see the module docstring for why that is safe)."""
+        shared = self._shared
+        if shared is not None and self._clock() - shared[0] <= self._max_age_s:
+            return shared[1]
+        return self.snapshot()
+
+    def invalidate(self) -> None:
+        """Something the counters will show changed (a model's weights came or went): the next
+        `recent()` samples afresh, and a reading under way now is not shared."""
+        with self._shared_lock:
+            self._generation += 1
+            self._shared = None
+
     def snapshot(self) -> MemorySnapshot:
-        """Physical (after cgroup and operator limits), OS-available, MLX counters and RSS, now."""
+        """Physical (after cgroup and operator limits), OS-available, MLX counters and RSS, now.
+        The reading becomes the one `recent()` shares."""
+        generation, began = self._generation, self._clock()
+        snap = self._sample()
+        with self._shared_lock:
+            if generation == self._generation and (self._shared is None or self._shared[0] <= began):
+                self._shared = (began, snap)
+        return snap
+
+    def _sample(self) -> MemorySnapshot:
         counters = self._mlx_counters()
         vm = self._virtual_memory()
         rss = self._process.memory_info().rss

@@ -151,7 +151,7 @@ def build_prefix_cache(settings: Settings, ledger: Ledger, probe: Probe,
     except OSError as exc:
         ssd = None
         log.warning("ssd_tier_unavailable", path=str(root), reason=os_error_name(exc))
-    return KvCacheManager(ledger, ssd=ssd, sample_snapshot=probe.snapshot, write_executor=write_executor,
+    return KvCacheManager(ledger, ssd=ssd, sample_snapshot=probe.recent, write_executor=write_executor,
                           write_delay_s=SSD_QUIET_S)
 
 
@@ -230,7 +230,10 @@ class Runtime:
             await asyncio.to_thread(renderer(lane).start)
         probe = Probe(settings.memory_limit_gb)
         snapshot, policy = probe.snapshot(), policy_settings(settings)
-        ledger = Ledger(memory.compute_figures(snapshot.physical_bytes, policy), sample=probe.snapshot)
+        # Reservations that bring no reading of their own (a large body's, a grammar's, a prefix entry's)
+        # take the reading shared by the requests of the last few ms: the ledger's own total is always
+        # live (memory/probe.py says why that keeps the cap).
+        ledger = Ledger(memory.compute_figures(snapshot.physical_bytes, policy), sample=probe.recent)
         counter = PromptCounter({m.id: m.path for m in inventory.models},
                                 vision={m.id for m in inventory.models if m.is_vision},
                                 template_timeout_s=settings.template_timeout_s)

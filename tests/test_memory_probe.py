@@ -185,6 +185,82 @@ def test_refresh_picks_up_a_new_limit(tmp_path: Path) -> None:
     assert p.snapshot().physical_bytes == 16 * GiB
 
 
+class _Machine:
+    """MLX counters that count their reads and can run something in the middle of one (to play a
+    second thread's call landing while a reading is under way), and a clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.reads = 0
+        self.active = GiB
+        self.during_read = None
+
+    def counters(self) -> MlxCounters:
+        self.reads += 1
+        active = self.active
+        if self.during_read is not None:
+            during, self.during_read = self.during_read, None
+            during()
+        return MlxCounters(active_bytes=active)
+
+    def probe(self, tmp_path: Path, **kw) -> Probe:
+        return Probe(cgroup_root=tmp_path / "none", proc_cgroup=tmp_path / "none", mlx_counters=self.counters,
+                     virtual_memory=fake_vm(64 * GiB, 40 * GiB), clock=lambda: self.now, **kw)
+
+
+def test_recent_shares_one_reading_for_its_max_age(tmp_path: Path) -> None:
+    m = _Machine()
+    p = m.probe(tmp_path, max_age_s=0.005)
+    first = p.recent()
+    assert m.reads == 1
+    m.active = 2 * GiB
+    m.now += 0.004
+    assert p.recent() is first and m.reads == 1  # requests arriving together share it
+    m.now += 0.002  # 6 ms old: sampled afresh
+    second = p.recent()
+    assert m.reads == 2 and second.mlx_active_bytes == 2 * GiB
+    # snapshot() always samples, and its reading is the one shared from then on.
+    m.active = 3 * GiB
+    fresh = p.snapshot()
+    assert m.reads == 3 and fresh.mlx_active_bytes == 3 * GiB and p.recent() is fresh
+
+
+def test_invalidate_makes_the_next_recent_sample(tmp_path: Path) -> None:
+    m = _Machine()
+    p = m.probe(tmp_path)
+    p.recent()
+    m.active = 5 * GiB
+    p.invalidate()
+    assert p.recent().mlx_active_bytes == 5 * GiB and m.reads == 2
+    # An invalidate that lands while a reading is under way: that reading is returned to its caller
+    # but never shared (it may predate the change the invalidate announced).
+    m.now += 1.0
+    m.during_read = p.invalidate
+    m.active = 6 * GiB
+    p.snapshot()
+    m.active = 7 * GiB
+    assert p.recent().mlx_active_bytes == 7 * GiB and m.reads == 4
+    # refresh() re-reads the limits: a reading of the old ones is not shared.
+    p.refresh()
+    assert p.recent() is not None and m.reads == 5
+
+
+def test_a_reading_never_replaces_a_later_one(tmp_path: Path) -> None:
+    m = _Machine()
+    p = m.probe(tmp_path)
+    later: list = []
+
+    def second_caller() -> None:  # begins after the first reading began, and finishes first
+        m.now += 0.001
+        m.active = 9 * GiB
+        later.append(p.snapshot())
+
+    m.during_read = second_caller
+    earlier = p.snapshot()
+    assert earlier.mlx_active_bytes == GiB and later[0].mlx_active_bytes == 9 * GiB
+    assert p.recent() is later[0] and m.reads == 2
+
+
 def test_real_read_of_this_machine() -> None:
     """No fakes: psutil, /proc, the real cgroup files and MLX's counters on this host."""
     p = Probe()

@@ -30,7 +30,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from memory import GiB, MIN_KV_BYTES, Ledger, Probe, compute_figures, padded_weight_bytes, resolve_settings
+from memory import GiB, MIN_KV_BYTES, Ledger, Probe, ReservationKind, compute_figures, padded_weight_bytes, resolve_settings
+from memory.probe import read_mlx_counters
 from protocol.errors import ErrorReason, FailureCode, RejectionReason
 from provider.engine import ChatRequest, Engine, Finished, SamplingParams, TextDelta
 from provider.models import Inventory, discover
@@ -537,3 +538,51 @@ async def test_publish_and_unload_each_tell_the_capacity_listener(rigs, tiny_mod
     assert seen == [["tiny"]]  # called once the model is published, not while it loads
     assert await m.unload("tiny")
     assert seen == [["tiny"], []]
+
+
+# --------------------------------------------------------------------------------------------
+# one memory reading shared by the requests that arrive together
+
+
+async def test_requests_arriving_together_share_one_memory_reading(rigs, tiny_model_path):
+    """Admission reads the machine through `Probe.recent()`: eight requests booked in one instant (the
+    probe's clock never moves here) read it once between them, where each used to read it several
+    times; the ledger stays live, so the eighth still sees the seven before it. An unload tells the
+    probe, so what admission reads next shows the weights gone although no time has passed."""
+    make, baseline = rigs
+    rig = make({"tiny": tiny_model_path}, 100 * 10**6)
+    reads: list[int] = []
+    now = [0.0]
+
+    def counters():
+        reads.append(1)
+        return read_mlx_counters()
+
+    probe = Probe(memory_limit_gb=LIMIT_GB, mlx_counters=counters, clock=lambda: now[0])
+    m = rig.manager = ModelManager(rig.engine, rig.inventory, rig.ledger, rig.figures, probe,
+                                   max_model_slots=3, idle_timeout_s=None, settle_timeout_s=2.0)
+    await m.ensure_loaded("tiny")
+    now[0] += 1.0  # the reading the load left behind is stale now
+    reads.clear()
+    bookings = []
+    for i in range(8):
+        assert m.precheck("tiny", PROMPT, 4) is None
+        booked = m.book(f"b{i}", "tiny", PROMPT, 4)
+        assert not isinstance(booked, Refused)
+        bookings.append(booked)
+    assert len(reads) == 1
+    assert rig.ledger.snapshot().count_by_kind[ReservationKind.REQUEST_KV] == 8  # each saw the ones before
+    for booked in bookings:
+        booked.release()
+    assert len(rig.ledger) == 0
+
+    now[0] += 1.0  # a request on its own: one reading for its whole admission
+    assert m.precheck("tiny", PROMPT, 4) is None
+    lone = m.book("lone", "tiny", PROMPT, 4)
+    assert not isinstance(lone, Refused) and len(reads) == 2
+    lone.release()
+
+    loaded = probe.recent().mlx_active_bytes
+    assert loaded - baseline >= weights_bytes(tiny_model_path) - 256 * 1024
+    assert await m.unload("tiny")
+    assert probe.recent().mlx_active_bytes < loaded - weights_bytes(tiny_model_path) // 2

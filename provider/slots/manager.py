@@ -254,7 +254,7 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
         plan = media or NO_MEDIA
         info = slot.info if slot is not None else None
         media_bytes = plan.decode_bytes(info.vision.input_pixels if info is not None and info.vision else 0)
-        view, snap = self.view(), self._probe.snapshot()
+        view, snap = self.view(), self._probe.recent()
         verdict = decide(view, self.figures, snap, model_id=model_id, info=info, prompt_tokens=prompt_tokens,
                          max_tokens=max_tokens, images=plan.count, media_bytes=media_bytes)
         if _gives_way(verdict, snap):  # a booking would clear MLX's buffer cache first: judge as then
@@ -299,7 +299,7 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
             return Booking(model_id, checked.kv, None, media=media, place=place)
         if media is not None and media.count:
             return Refused(Failure.unsupported_media())
-        snap, view = self._probe.snapshot(), self.view()
+        snap, view = self._probe.recent(), self.view()
         info = slot.info if slot is not None else None
         decision = decide(view, self.figures, snap, model_id=model_id, info=info, prompt_tokens=prompt_tokens,
                           max_tokens=max_tokens)
@@ -586,6 +586,7 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
     def _resident_set_changed(self) -> None:
         """A model was published or unloaded: the gauge, and whoever reports capacity (the session
         sends a heartbeat at once rather than letting the coordinator route on a stale one)."""
+        self._probe.invalidate()  # weights came or went: the next decision reads the machine afresh
         if self._metrics is not None:
             self._metrics.set_loaded_models(len(self.warm_models()))
         self._room = self.models_with_room()  # this heartbeat reports it: no second one for the same change

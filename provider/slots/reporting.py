@@ -47,7 +47,7 @@ class Reporting:
     def verdicts(self) -> list[tuple[ModelInfo, FitResult]]:
         """Fit verdict per inventory model (register, doctor): could it load here now, or after
         evicting idle models? A resident model is judged as if it were reloaded."""
-        snap = self._probe.snapshot()
+        snap = self._probe.recent()
         outstanding = self.view().firm_outstanding_bytes
         return [(s.info, fit(self.figures, snap, s.info.weight_bytes,
                              evictable_bytes=self._evictable_bytes(also=s.model_id),
@@ -67,7 +67,7 @@ class Reporting:
         """Loaded models that could take one more request of one KV block now: a place in the batch
         and a block of KV in the ledger."""
         view = self.view()
-        available = self.figures.available_bytes(self._probe.snapshot(), view.firm_outstanding_bytes)
+        available = self.figures.available_bytes(self._probe.recent(), view.firm_outstanding_bytes)
         return frozenset(m for m, s in view.slots.items()
                          if s.state is ModelState.LOADED and s.kv.members < view.batch_size
                          and tokens_for_bytes(self._slots[m].info, available) >= ALLOC_STEP)
@@ -77,12 +77,12 @@ class Reporting:
         slot = self._slots.get(model_id)
         if slot is None:
             return 0
-        available = self.figures.available_bytes(self._probe.snapshot(), self.view().firm_outstanding_bytes)
+        available = self.figures.available_bytes(self._probe.recent(), self.view().firm_outstanding_bytes)
         return tokens_for_bytes(slot.info, available)
 
     def capacity(self) -> CapacityReport:
         """The heartbeat's `backend_capacity` figures, from one snapshot."""
-        snap = self._probe.snapshot()
+        snap = self._probe.recent()
         figures = self.figures
         ledger = self._ledger.snapshot()
         firm = self.view().firm_outstanding_bytes  # the prefix cache gives way to requests and loads
