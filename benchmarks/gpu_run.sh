@@ -16,7 +16,7 @@
 # 150), QUICK=1 (small sizes, for the CPU).
 # Files: $P-run.log (every step's stderr, timings, versions), $P-decode.md/.json,
 # $P-peer.md/.json, $P-peer64.md/.json, $P-servers.log (the end of both servers' logs), $P-ours.log.gz
-# (our server's whole log: `python benchmarks/ttft_split.py` splits its TTFTs), with P the preset.
+# (our server's whole log) and $P-ttft.md (`benchmarks/ttft_split.py` on it), with P the preset.
 set -u
 PRESET=${1:-1b}
 OUT=${OUT:?set OUT to the folder for the results}
@@ -97,7 +97,8 @@ if has peer; then
       [ -f "$WORK/$f.log" ] && { echo "== $f.log (last 400 lines)"; tail -400 "$WORK/$f.log"; }
     done >"$OUT/$PRESET-servers.log" 2>&1
     # Where our time to first token went, request by request (benchmarks/ttft_split.py reads it).
-    [ -f "$WORK/ours.log" ] && gzip -c "$WORK/ours.log" >"$OUT/$PRESET-ours.log.gz"
+    [ -f "$WORK/ours.log" ] && gzip -c "$WORK/ours.log" >"$OUT/$PRESET-ours.log.gz" \
+      && "$PY" benchmarks/ttft_split.py "$WORK/ours.log" --every 8 >"$OUT/$PRESET-ttft.md" 2>>"$LOG"
   fi
 fi
 
