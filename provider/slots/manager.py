@@ -16,7 +16,7 @@ step the request's share of its model's batch KV and, for a model that is not re
 claim — the load task then starts (slots/loading.py) — and starts unloading the idle models the plan
 evicts (slots/unloading.py); `serve` waits for those, pins the model and yields the request's slot.
 
-Prefix cache (`prefix_cache=`, kvcache/): its RAM entries are ledger reservations that give way:
+Prefix cache (`prefix_cache=`, kvcache/): each model's RAM tier is a ledger reservation that gives way:
 when the ledger refuses a request's KV or a load's claim, entries are evicted (LRU) and the
 reservation retried once before any refusal; under RED pressure the RAM tier is dropped (before a
 load and on each idle-reaper tick). Admission counts those bytes as available (`ManagerView`).
