@@ -8,8 +8,9 @@ thread can both call it and two callers can never both take the last bytes.
 
 Where the live headroom comes from: each call that admits takes the current `MemorySnapshot`
 (`snapshot=`), or, when none is passed, calls the `sample` callable given at construction (in
-production `memory.probe.snapshot`). The snapshot is read, and the arithmetic done, inside the
-lock together with the outstanding total. Tests pass snapshots by hand.
+production `Probe.recent`, a reading at most a few milliseconds old: memory/probe.py says why that
+keeps the cap). The snapshot is read, and the arithmetic done, inside the lock together with the
+outstanding total, which is always live. Tests pass snapshots by hand.
 
 Every reservation is released exactly once by its owner, from its own cleanup path; `release` is
 idempotent and nothing ever expires by age (there is no clock in here).
