@@ -4,7 +4,9 @@ ledger until the thread is really done with them (issue 11)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -97,6 +99,32 @@ async def test_a_full_lane_refuses_at_once_with_queue_full(counter):
     finally:
         gate.set()
         await asyncio.gather(*busy)
+
+
+class Body:
+    """Stands for a request body (bytes cannot be weakly referenced): the lane's arguments."""
+
+
+def refuse(body: Body) -> None:
+    raise ValueError("refused")  # a body the lane's work turns down (bad JSON, over the context...)
+
+
+async def test_a_body_refused_in_the_lane_is_freed_with_the_refusal_without_a_collection(counter):
+    """No reference cycle through the failure's traceback keeps the body: with the garbage collector
+    off, it is gone once the caller has the failure and the thread has left the task."""
+    body = Body()
+    alive = weakref.ref(body)
+    gc.disable()
+    try:
+        try:
+            await counter.lane.run(refuse, body)
+        except ValueError:
+            pass
+        del body
+        await counter.lane.run(int)  # the thread has left the refused task (its frame held the failure)
+        assert alive() is None
+    finally:
+        gc.enable()
 
 
 async def test_working_memory_the_ledger_cannot_give_is_a_503(counter):

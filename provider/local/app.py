@@ -26,6 +26,7 @@ import asyncio
 import ipaddress
 import json
 import time
+import traceback
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
@@ -274,10 +275,12 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
             try:
                 body, stream = await state.requests.unless_expired(opened.__aenter__())
             except InvalidBody as exc:
+                _forget_frames(exc)
                 log.info("request_invalid", request_id=request_id, reason=exc.field)
                 metrics.request_finished(RequestOutcome.REJECTED)
                 return invalid_body_response(exc)
             except (Refused, Explained) as refused:
+                _forget_frames(refused)
                 failure = refused.failure
                 log.info("request_refused", request_id=request_id, code=failure.code,
                          reason=failure.reason, rejection_reason=failure.rejection)
@@ -317,6 +320,15 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
                 state.requests.end(request_id)
 
     return app
+
+
+def _forget_frames(refusal: Exception) -> None:
+    """Clear the locals of the finished frames a refusal passed through: they hold the request's
+    body (megabytes), and one of them (`InFlight.unless_expired`'s, which holds the task that holds
+    this exception) closes a reference cycle, which would keep the body until the next full garbage
+    collection instead of freeing it with the answer. A refusal is answered, never logged with its
+    traceback."""
+    traceback.clear_frames(refusal.__traceback__)
 
 
 @dataclass(slots=True)

@@ -61,7 +61,13 @@ class BulkLane:
                 on_done()
 
         future.add_done_callback(finished)
-        return await asyncio.shield(future)
+        try:
+            return await asyncio.shield(future)
+        finally:
+            # A failure's traceback holds this frame, and the frame `future`, which holds the
+            # failure: a cycle that would keep `args` (a request body of megabytes) alive until the
+            # next full garbage collection, long after the answer.
+            del future
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
