@@ -1,6 +1,7 @@
 """What the bounded template renderer costs a short prompt, alone and in a burst.
 
-Run: `HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/template_bench.py [--n 2000] [--bursts 20] [--only burst]`
+Run: `HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/template_bench.py [--n 2000] [--bursts 20] [--only burst]
+[--against REF]`
 
 The tiny model's tokenizer and ChatML template (built offline into .cache/tiny-models/). Each row is
 the prompt ids of one chat, as admission counts it; the baseline is mlx-lm's in-process
@@ -13,14 +14,16 @@ The burst table: 32 renders awaited at once on the event loop, each one's latenc
 its text (ms, over every render of `--bursts` bursts), and the burst's span (the first call to the last
 text, median). Two loops: an idle one (the 32 calls made together), and a busy one shaped like a
 burst of requests at the local server (arrivals 1.1 ms apart, each request spending 1 ms of the
-loop's CPU before its render and 1 ms after: reading, parsing, admission). The in-process render on
-the loop (mlx-lm's, unbounded) is the floor.
+loop's CPU before its render and 1 ms after: reading, parsing, admission). The floors: mlx-lm's
+render in-process on the loop (unbounded), and two turns of the loop (what an off-loop render that
+cost nothing would wait for the loop); `--against REF` adds the renderer as it was at a git ref.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import time
 from pathlib import Path
@@ -69,10 +72,10 @@ async def run(n: int) -> None:
         async def on_loop(messages=messages):
             return encode(tokenizer, await bounded.arender(template, messages, add_generation_prompt=True))
 
-        assert from_thread() == expected and await on_loop() == expected
+        assert await asyncio.to_thread(from_thread) == expected and await on_loop() == expected
         base = measure(in_process, n)
         rows = [("baseline: mlx-lm apply_chat_template, in-process", base),
-                ("bounded render (from a thread) + tokenize here", measure(from_thread, n)),
+                ("bounded render (from a thread) + tokenize here", await asyncio.to_thread(measure, from_thread, n)),
                 ("bounded render awaited on the event loop + tokenize", await measure_async(on_loop, n))]
         for label, (p50, p99) in rows:
             print(f"{name + ': ' + label:74} {p50:8.1f} {p99:8.1f} {p50 / base[0]:15.2f}")
@@ -80,36 +83,42 @@ async def run(n: int) -> None:
 
 BURST = 32
 LOOPS = {"idle loop, 32 at once": (0.0, 0.0), "busy loop, 1.1 ms apart, 2 ms of loop CPU each": (1.1, 2.0)}
+REPO = Path(__file__).resolve().parent.parent
+
+
+_DEVNULL = os.open(os.devnull, os.O_WRONLY)
 
 
 def _spin(ms: float) -> None:
-    """The loop's own CPU for a request (pure Python: it holds the GIL, as parsing and admission do)."""
+    """The loop's own CPU for a request: pure Python (it holds the GIL, as parsing and admission do)
+    in slices of 0.1 ms, each followed by a write (which lets the GIL go, as the loop's socket reads
+    and writes do)."""
     end = time.perf_counter() + ms / 1e3
-    while time.perf_counter() < end:
-        pass
+    while (now := time.perf_counter()) < end:
+        stop = min(end, now + 1e-4)
+        while time.perf_counter() < stop:
+            pass
+        os.write(_DEVNULL, b"x")
 
 
-async def burst_latencies(render, *, spread_ms: float, busy_ms: float, bursts: int) -> tuple[list[float], list[float]]:
-    """Every render's latency (ms) and each burst's span (ms) over `bursts` bursts of `BURST` requests."""
+async def one_burst(render, *, spread_ms: float, busy_ms: float) -> tuple[list[float], float]:
+    """Each render's latency (ms) in one burst of `BURST` requests, and the burst's span (ms)."""
     latencies: list[float] = []
-    spans: list[float] = []
-    for _ in range(bursts):
-        ends: list[float] = []
+    ends: list[float] = []
 
-        async def request(i: int) -> None:
-            if spread_ms:
-                await asyncio.sleep(i * spread_ms / 1e3)  # the client's sends, spread as a real burst's
-            _spin(busy_ms / 2)
-            t0 = time.perf_counter()
-            await render()
-            ends.append(time.perf_counter())
-            latencies.append((ends[-1] - t0) * 1e3)
-            _spin(busy_ms / 2)
+    async def request(i: int) -> None:
+        if spread_ms:
+            await asyncio.sleep(i * spread_ms / 1e3)  # the client's sends, spread as a real burst's
+        _spin(busy_ms / 2)
+        t0 = time.perf_counter()
+        await render()
+        ends.append(time.perf_counter())
+        latencies.append((ends[-1] - t0) * 1e3)
+        _spin(busy_ms / 2)
 
-        start = time.perf_counter()
-        await asyncio.gather(*(request(i) for i in range(BURST)))
-        spans.append((max(ends) - start) * 1e3)
-    return latencies, spans
+    start = time.perf_counter()
+    await asyncio.gather(*(request(i) for i in range(BURST)))
+    return latencies, (max(ends) - start) * 1e3
 
 
 def _pct(samples: list[float], q: float) -> float:
@@ -117,31 +126,74 @@ def _pct(samples: list[float], q: float) -> float:
     return ordered[int(q * (len(ordered) - 1))]
 
 
-async def run_burst(bursts: int) -> None:
+def renderer_at(ref: str):
+    """The interactive renderer as it was at git `ref`: its module (`provider/models/renderer.py`, or
+    `template.py` before that held it) loaded from a scratch folder with the child script beside it."""
+    import importlib.util
+    import subprocess
+    import sys
+    import tempfile
+
+    def show(name: str) -> bytes | None:
+        shown = subprocess.run(["git", "show", f"{ref}:provider/models/{name}"], cwd=REPO, capture_output=True)
+        return shown.stdout if shown.returncode == 0 else None
+
+    folder = Path(tempfile.mkdtemp(prefix="template-at-"))
+    (folder / "_template_child.py").write_bytes(show("_template_child.py"))
+    name = "renderer.py" if show("renderer.py") is not None else "template.py"
+    (folder / name).write_bytes(show(name))
+    spec = importlib.util.spec_from_file_location(f"renderer_at_{ref}", folder / name)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.TemplateRenderer(processes=2)  # as the interactive renderer
+
+
+async def run_burst(bursts: int, against: str | None) -> None:
     from mlx_lm.utils import load_tokenizer
 
     tokenizer = load_tokenizer(build_tiny_model(CACHE / "tiny-f32", preset="tiny"))
     template = ChatTemplate.of(tokenizer)
-    bounded = renderer(Lane.INTERACTIVE)
     messages = CHATS["1 message"]
     expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     async def in_process() -> str:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
-    async def on_loop() -> str:
-        return await bounded.arender(template, messages, add_generation_prompt=True)
+    async def two_turns() -> None:
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
 
-    assert await on_loop() == expected
-    await burst_latencies(on_loop, spread_ms=0, busy_ms=0, bursts=2)  # warm
-    print(f"\na burst of {BURST} renders awaited on the event loop ({bounded.__class__.__name__}), "
-          f"{bursts} bursts per row (ms per render; span: first call to last text, median)")
-    print(f"{'loop / path':72} {'p50':>7} {'p90':>7} {'p99':>7} {'max':>7} {'span':>7}")
+    def bounded(which):
+        async def on_loop() -> str:
+            return await which.arender(template, messages, add_generation_prompt=True)
+        return on_loop
+
+    sides = {"in-process, unbounded": in_process, "two loop turns (a free off-loop render)": two_turns}
+    if against is not None:
+        sides[f"bounded arender at {against}"] = bounded(renderer_at(against))
+    sides["bounded arender (this tree)"] = bounded(renderer(Lane.INTERACTIVE))
+    for label, render in sides.items():
+        if label.startswith("bounded"):
+            assert await render() == expected
+            for _ in range(2):
+                await one_burst(render, spread_ms=0, busy_ms=0)  # warm
+    print(f"\na burst of {BURST} renders awaited on the event loop, {bursts} bursts per row, the rows' bursts "
+          "interleaved (ms per render; span: first call to last text, median)")
+    print(f"{'loop / path':90} {'p50':>7} {'p90':>7} {'p99':>7} {'max':>7} {'span':>7}")
     for name, (spread, busy) in LOOPS.items():
-        for label, render in (("in-process (unbounded: the floor)", in_process), ("bounded arender", on_loop)):
-            lat, spans = await burst_latencies(render, spread_ms=spread, busy_ms=busy, bursts=bursts)
-            print(f"{name + ': ' + label:72} {_pct(lat, 0.5):7.2f} {_pct(lat, 0.9):7.2f} {_pct(lat, 0.99):7.2f} "
-                  f"{max(lat):7.2f} {statistics.median(spans):7.1f}")
+        latencies: dict[str, list[float]] = {label: [] for label in sides}
+        spans: dict[str, list[float]] = {label: [] for label in sides}
+        labels = list(sides)
+        for b in range(bursts):
+            for label in labels[b % len(labels):] + labels[:b % len(labels)]:  # a rotating order
+                lat, span = await one_burst(sides[label], spread_ms=spread, busy_ms=busy)
+                latencies[label] += lat
+                spans[label].append(span)
+        for label in sides:
+            lat = latencies[label]
+            print(f"{name + ': ' + label:90} {_pct(lat, 0.5):7.2f} {_pct(lat, 0.9):7.2f} {_pct(lat, 0.99):7.2f} "
+                  f"{max(lat):7.2f} {statistics.median(spans[label]):7.1f}")
 
 
 def main() -> None:
@@ -149,11 +201,12 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=2000)
     parser.add_argument("--bursts", type=int, default=20)
     parser.add_argument("--only", choices=("all", "serial", "burst"), default="all")
+    parser.add_argument("--against", metavar="REF", help="also the renderer at this git ref, interleaved")
     args = parser.parse_args()
     if args.only in ("all", "serial"):
         asyncio.run(run(args.n))
     if args.only in ("all", "burst"):
-        asyncio.run(run_burst(args.bursts))
+        asyncio.run(run_burst(args.bursts, args.against))
 
 
 if __name__ == "__main__":

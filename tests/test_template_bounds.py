@@ -35,6 +35,7 @@ from provider.demo import free_port
 from provider.models.template import (
     ChatTemplate,
     Lane,
+    RendererUnavailable,
     TemplateBound,
     TemplateExceeded,
     TemplateFailed,
@@ -400,6 +401,104 @@ def test_a_render_past_its_time_is_killed_and_the_next_one_is_served():
             "<|im_start|>user\nhello<|im_end|>\n"
     finally:
         renderer.close()
+
+
+# --- (f) a burst is not a queue ---------------------------------------------------------------------
+
+
+def _chatml(content: str) -> str:
+    return f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _one(content: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": content}]
+
+
+async def test_a_burst_is_rendered_by_one_process_and_each_caller_gets_its_own_text():
+    """64 renders awaited at once on the loop and 4 threads rendering meanwhile: each caller gets the
+    text of its own messages (the answers, pipelined, are matched to their requests), and one process
+    serves them all (none was stuck, so no second one was started)."""
+    renderer = TemplateRenderer(processes=2)
+    try:
+        plain = ChatTemplate(CHATML)
+        from_threads: dict[str, str] = {}
+
+        def render_in_thread(name: str) -> None:
+            for i in range(8):
+                content = f"{name}-{i}"
+                from_threads[content] = renderer.render(plain, _one(content), add_generation_prompt=True)
+
+        threads = [threading.Thread(target=render_in_thread, args=(f"thread{t}",)) for t in range(4)]
+        for thread in threads:
+            thread.start()
+        contents = [f"loop-{i}" for i in range(64)]
+        texts = await asyncio.gather(*(renderer.arender(plain, _one(c), add_generation_prompt=True)
+                                       for c in contents))
+        for thread in threads:
+            thread.join(timeout=60)
+        assert texts == [_chatml(c) for c in contents]
+        assert len(from_threads) == 32 and all(text == _chatml(c) for c, text in from_threads.items())
+        assert len(renderer.pids()) == 1 and renderer.replaced == 0
+    finally:
+        renderer.close()
+
+
+async def test_a_render_queued_behind_a_stuck_one_is_served_by_a_second_process():
+    """Both sent to the one process; the first loops (its bound far away): the second is sent to a
+    second process once the first has run for the spare delay, and answered while the first still runs."""
+    renderer = TemplateRenderer(processes=2)
+    try:
+        assert await renderer.arender(ChatTemplate(CHATML), MESSAGES, add_generation_prompt=True)  # up and warm
+        stuck = asyncio.ensure_future(renderer.arender(ChatTemplate(HANGS), MESSAGES, add_generation_prompt=True,
+                                                       timeout_s=60))
+        behind = asyncio.ensure_future(renderer.arender(ChatTemplate(CHATML), _one("behind"),
+                                                        add_generation_prompt=True))
+        assert await asyncio.wait_for(behind, 30) == _chatml("behind")
+        assert not stuck.done() and len(renderer.pids()) == 2
+    finally:
+        renderer.close()
+    with pytest.raises(RendererUnavailable):  # closed under it
+        await stuck
+
+
+@pytest.mark.parametrize("template, bound", [(HANGS, TemplateBound.TIMEOUT), (DOUBLING, TemplateBound.MEMORY)],
+                         ids=["timeout", "memory"])
+async def test_with_one_process_the_renders_behind_one_that_passes_a_bound_are_sent_again(template, bound):
+    """One process, and a render that passes a bound ahead of two others in its pipe: it fails with
+    that bound, the process is replaced, and the two behind it are answered by the next one."""
+    renderer = TemplateRenderer(processes=1, memory_bytes=256 << 20)
+    try:
+        assert await renderer.arender(ChatTemplate(CHATML), MESSAGES, add_generation_prompt=True)
+        [first] = renderer.pids()
+        bad = asyncio.ensure_future(renderer.arender(ChatTemplate(template), MESSAGES, add_generation_prompt=True,
+                                                     timeout_s=0.5 if bound is TemplateBound.TIMEOUT else 30))
+        behind = [asyncio.ensure_future(renderer.arender(ChatTemplate(CHATML), _one(f"behind {i}"),
+                                                         add_generation_prompt=True)) for i in range(2)]
+        with pytest.raises(TemplateExceeded) as exceeded:
+            await asyncio.wait_for(bad, 30)
+        assert exceeded.value.bound is bound
+        assert await asyncio.wait_for(asyncio.gather(*behind), 30) == [_chatml("behind 0"), _chatml("behind 1")]
+        assert renderer.replaced == 1 and first not in renderer.pids()
+    finally:
+        renderer.close()
+
+
+async def test_closing_fails_every_render_sent_or_waiting_and_refuses_new_ones():
+    renderer = TemplateRenderer(processes=1)
+    assert await renderer.arender(ChatTemplate(CHATML), MESSAGES, add_generation_prompt=True)
+    [pid] = renderer.pids()
+    spent = psutil.Process(pid).cpu_times().user
+    sent = [asyncio.ensure_future(renderer.arender(ChatTemplate(t), MESSAGES, add_generation_prompt=True,
+                                                   timeout_s=60)) for t in (HANGS, CHATML)]
+    await _until(lambda: psutil.Process(pid).cpu_times().user > spent + 0.3, 20)  # in the loops
+    renderer.close()
+    for render in sent:
+        with pytest.raises(RendererUnavailable):
+            await render
+    assert renderer.pids() == []
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    with pytest.raises(RendererUnavailable):
+        renderer.render(ChatTemplate(CHATML), MESSAGES, add_generation_prompt=True)
 
 
 # --- (e) the same tokens as mlx-lm ---------------------------------------------------------------------

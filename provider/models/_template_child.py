@@ -1,4 +1,4 @@
-"""The chat-template renderer's child process (see provider/models/template.py): a fresh interpreter
+"""The chat-template renderer's child process (see provider/models/renderer.py): a fresh interpreter
 started as a script (``python -P this_file REQ REP LIFELINE MEMORY``), so it imports nothing of the
 agent and shares no state with it.
 
