@@ -1,4 +1,4 @@
-"""`serve --local` on SIGTERM / Ctrl-C, as a real process (issue 29 item 7).
+"""`serve --local` on SIGTERM / Ctrl-C, as a real process.
 
 The owner's server drains like the agent: it keeps listening (new requests and `/healthz` get 503
 `draining`, never a refused connection), lets running requests finish for `drain_timeout_s`, ends every
@@ -18,6 +18,10 @@ import httpx
 import pytest
 
 from test_local_server import MODEL, start_server
+
+from protocol.errors import Failure
+from provider.local.backend import Refused
+from provider.local.drain import InFlight
 
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "tell me a long story"}], "max_tokens": 1900,
         "temperature": 0, "stream": True}
@@ -167,3 +171,90 @@ async def test_the_owners_server_queues_a_request_for_a_full_batch_then_refuses_
             long.cancel()
     finally:
         brief.stop()
+
+
+# --- InFlight.unless_expired: a request still opening when the drain runs out ----------------------
+
+
+class _Opening:
+    """A request's open that waits for `release` (admission, a model load), and says where it ran."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+        self.task: asyncio.Task | None = None
+        self.cancelled = False
+
+    async def open(self) -> str:
+        self.task = asyncio.current_task()
+        self.entered.set()
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        return "opened"
+
+
+async def test_a_request_opening_when_the_drain_runs_out_is_refused_in_its_own_task():
+    requests, opening = InFlight(), _Opening()
+    after: list[str] = []
+
+    async def handler() -> Failure:
+        try:
+            await requests.unless_expired(opening.open())
+        except Refused as refused:
+            await asyncio.sleep(0)  # the request's task goes on: no cancellation is left pending on it
+            after.append("answered")
+            return refused.failure
+        raise AssertionError("opened after the drain ran out")
+
+    task = asyncio.create_task(handler())
+    await opening.entered.wait()
+    assert opening.task is task  # awaited in the request's own task: no task hop
+    assert requests.expire() == 0  # nothing attached yet
+    assert await task == Failure.draining()
+    assert opening.cancelled and after == ["answered"] and task.cancelling() == 0
+
+
+async def test_an_open_that_finishes_returns_its_result_and_a_later_drain_leaves_the_request_alone():
+    requests, opening = InFlight(), _Opening()
+    opened = asyncio.Event()
+    go_on = asyncio.Event()
+
+    async def handler() -> str:
+        result = await requests.unless_expired(opening.open())
+        opened.set()
+        await go_on.wait()  # streaming: the drain ends a stream through the engine, not by cancelling
+        return result
+
+    task = asyncio.create_task(handler())
+    await opening.entered.wait()
+    opening.release.set()
+    await opened.wait()
+    requests.expire()
+    go_on.set()
+    assert await task == "opened" and opening.task is task and not opening.cancelled
+
+
+async def test_a_cancellation_from_elsewhere_stays_a_cancellation():
+    """A client that goes away cancels the request's task: that is no drain refusal, before or after
+    the drain ran out."""
+    for expire_too in (False, True):
+        requests, opening = InFlight(), _Opening()
+        task = asyncio.create_task(requests.unless_expired(opening.open()))
+        await opening.entered.wait()
+        task.cancel()
+        if expire_too:
+            requests.expire()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert opening.cancelled
+
+
+async def test_after_the_drain_ran_out_an_open_is_refused_without_running():
+    requests, opening = InFlight(), _Opening()
+    requests.expire()
+    with pytest.raises(Refused):
+        await requests.unless_expired(opening.open())
+    assert not opening.entered.is_set()

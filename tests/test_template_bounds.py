@@ -1,5 +1,5 @@
-"""A model folder's chat template is bounded in time and memory and never runs on the event loop
-(issue 29, item 2).
+"""A model folder's chat template is bounded in time and memory and never runs on the event loop,
+and a burst of renders is no queue.
 
 Real parts: copies of the suite's tiny model with a `chat_template.jinja` of nested loops (within
 jinja's range limits: hours to render), one that loops only for a message saying LOOP (so the

@@ -1,4 +1,4 @@
-"""The local server's requests in flight, and what its drain does to them (issue 29 item 7).
+"""The local server's requests in flight, and what its drain does to them.
 
     requests = InFlight()
     requests.begin(rid)                        # a chat request arrived (not refused as draining)
@@ -12,15 +12,17 @@
 
 Expiring costs nothing per token: a stream is ended through the engine (`RequestStream.interrupt`),
 whose queue the response is already reading, so the response writes its error event and `[DONE]`
-as for any other failure. Only a request still waiting for admission or its model races the
-expiry, once.
+as for any other failure. A request still opening (waiting for admission or its model) is awaited in
+the request's own task, not in a task of its own: the expiry cancels that task where it waits, and
+`unless_expired` turns that cancellation, and only that one, into `Refused(draining)` (as
+`asyncio.timeout` turns its own into `TimeoutError`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from typing import TypeVar
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from protocol.errors import Failure
 from provider.engine import EngineFailure, RequestStream
@@ -34,14 +36,15 @@ class InFlight:
         self._streams: dict[str, RequestStream | None] = {}
         self._idle = asyncio.Event()
         self._idle.set()
-        self._expired = asyncio.Event()
+        self._expired = False
+        self._opening: dict[asyncio.Task[Any], bool] = {}  # tasks in `unless_expired` -> cancelled by the expiry
 
     def __len__(self) -> int:
         return len(self._streams)
 
     @property
     def expired(self) -> bool:
-        return self._expired.is_set()
+        return self._expired
 
     def begin(self, request_id: str) -> None:
         self._streams[request_id] = None
@@ -58,20 +61,25 @@ class InFlight:
         if not self._streams:
             self._idle.set()
 
-    async def unless_expired(self, step: Awaitable[T]) -> T:
-        """`step`'s result, or `Refused(draining)` if the drain runs out first (`step` is cancelled)."""
-        task = asyncio.ensure_future(step)
-        expiry = asyncio.ensure_future(self._expired.wait())
-        try:
-            await asyncio.wait({task, expiry}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            expiry.cancel()
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        if task.cancelled():
+    async def unless_expired(self, step: Coroutine[Any, Any, T]) -> T:
+        """`step`'s result, awaited in the caller's task, or `Refused(draining)` if the drain runs out
+        first (`step` is cancelled where it waits). A cancellation from elsewhere stays one."""
+        if self._expired:
+            step.close()
             raise Refused(Failure.draining())
-        return task.result()
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("unless_expired runs in a task")
+        self._opening[task] = False
+        try:
+            return await step
+        except asyncio.CancelledError:
+            if self._opening.pop(task) and task.uncancel() == 0:  # the expiry's cancellation, and no other
+                raise Refused(Failure.draining()) from None
+            raise
+        finally:
+            if self._opening.pop(task, False):
+                task.uncancel()  # the step ended otherwise as the expiry cancelled it: that one is spent
 
     async def wait_idle(self, timeout_s: float) -> bool:
         try:
@@ -82,7 +90,11 @@ class InFlight:
 
     def expire(self) -> int:
         """The drain ran out: end every request now; returns how many were still running."""
-        self._expired.set()
+        self._expired = True
+        for task, cancelled in self._opening.items():
+            if not cancelled:
+                self._opening[task] = True
+                task.cancel()
         for stream in self._streams.values():
             if stream is not None:
                 stream.interrupt(EngineFailure.ENGINE_CLOSED)
