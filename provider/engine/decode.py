@@ -60,6 +60,7 @@ from __future__ import annotations
 import copy
 import itertools
 import time
+from collections.abc import Callable
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch, _right_pad_prompts
@@ -73,6 +74,9 @@ DEFAULT_PREFILL_TOKENS = 2048  # mlx-lm's prefill_step_size: one prompt's pass a
 class DecodeBatch(GenerationBatch):
     def __init__(self, *args, **kwargs) -> None:
         self._padding_read: tuple[mx.array | None, list[int]] = (None, [])  # see `_left_padding`
+        # Called once a step is scheduled, before its tokens are read: the host's time while the device
+        # computes (the engine takes new requests then: worker.py, "Intake during a step").
+        self.while_computing: Callable[[], None] | None = None
         super().__init__(*args, **kwargs)
 
     def _step(self) -> tuple[list[int], list[None]]:
@@ -92,6 +96,8 @@ class DecodeBatch(GenerationBatch):
         self._next_tokens = sampled
         self._next_logprobs = [None] * len(self.uids)  # kept aligned for mlx-lm's filter / extend
         mx.async_eval(sampled)  # the next step runs while this one's tokens are read and delivered
+        if self.while_computing is not None:
+            self.while_computing()
         tokens = inputs.tolist()
         for sequence, token in zip(self.tokens, tokens):
             sequence.append(token)

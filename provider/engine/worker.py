@@ -19,6 +19,12 @@ prefilled alone since its last step, the most mlx-lm itself prefills between two
 Prompts with less left to prefill go to the `BatchGenerator` as they are (its batched prefill
 waves); the two kinds are never inserted into it between the same two steps (`active.unmerged`).
 
+Intake during a step. A decode step's host work ends when it is scheduled; then the engine thread
+waits for the device. In that time (`DecodeBatch.while_computing`) it takes the Submits queued since
+the loop last drained and starts them, so a request that arrives during the step joins the prefill
+wave of the same call instead of waiting a whole call. Any other command (a cancel, a load) changes
+the batch and waits for the step's end, and every command after it too, so their order holds.
+
 Vision-language models (`vision.VisionSlot`, loaded with mlx-vlm) are stepped in the same loop,
 after the text batches: every vision request past its prompt decodes one token per loop; the
 oldest one still before its first token (template + processor, vision encoder, prefill chunks)
@@ -93,6 +99,7 @@ class Worker:
         self._delivery = Delivery(options.stream_interval_s, running=lambda: len(self._where))
         self._reuse = PrefixReuse(prefix_cache)
         self._next_turns = NextTurns(options.next_turn_scratch_bytes, self._reuse, trace)
+        self._deferred: list[Command] = []  # taken during a step, handled at its end (see "Intake during a step")
         self._stopped = False
         # Read by other threads; only ever replaced item by item (atomic under the GIL).
         self.stats: dict[str, ModelStats] = {}
@@ -139,10 +146,13 @@ class Worker:
         request (each copies the whole batch), so the ledger hears of every release within a step."""
         cancels: list[str] = []
         while not self._stopped:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                break
+            if self._deferred:
+                command = self._deferred.pop(0)
+            else:
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    break
             if isinstance(command, Cancel):
                 cancels.append(command.request_id)
                 continue
@@ -152,6 +162,25 @@ class Worker:
             self._handle(command)
         if cancels:
             self._cancel_many(cancels)
+
+    def _intake(self) -> None:
+        """The Submits queued since the last drain, taken while a decode step computes (see "Intake
+        during a step"); the first other command, and all after it, wait for the step's end."""
+        while not self._deferred and not self._stopped:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not isinstance(command, Submit):
+                self._deferred.append(command)
+                return
+            try:
+                self._handle(command)
+                slot = self._slots.get(command.model_id)
+                if slot is not None:
+                    self._start_queued(slot)
+            except Exception:  # an edge: never the step's failure; the request is failed by _submit's own paths
+                log.exception("intake during a step failed")
 
     def _handle(self, command: Command) -> None:
         if isinstance(command, (Submit, Load, Unload, Stop)):
@@ -238,6 +267,7 @@ class Worker:
         try:
             generator = _new_generator(model, eos_token_ids, self.batch_size,
                                        prefill_tokens_for_device(self._options.prefill_tokens))
+            generator._generation_batch.while_computing = self._intake
         except BaseException:
             self._unwire_if_empty()
             raise
@@ -323,6 +353,13 @@ class Worker:
                         guide=guided.guide_for(request.constraint, request.top_logprobs))
         slot.queue.append(active)  # started by _advance: its prefix is looked up then (a burst shares it)
         self._where[request.request_id] = (slot, active)
+
+    def _start_queued(self, slot: Slot) -> None:
+        while slot.queue and slot.solo is None:
+            active = slot.queue.popleft()
+            if not self._start(slot, active):
+                slot.queue.appendleft(active)
+                break
 
     def _start(self, slot: Slot, active: Active) -> bool:
         """Take a queued request: alone when enough of its prompt is left to prefill, else into the
@@ -445,11 +482,7 @@ class Worker:
     def _advance(self, slot: Slot) -> None:
         """One step of a model: a chunk of the prompt being prefilled alone while the batch may wait
         for it (module docstring, "Solo prefill"), else the ready requests join and the batch steps."""
-        while slot.queue and slot.solo is None:
-            active = slot.queue.popleft()
-            if not self._start(slot, active):
-                slot.queue.appendleft(active)
-                break
+        self._start_queued(slot)
         if slot.solo is not None and (slot.held_tokens < PREFILL_STEP or not (slot.requests or slot.ready)):
             if self._trace is not None:
                 self._trace(slot.info.model_id, slot.solo.request_id, "solo")
