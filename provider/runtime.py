@@ -50,7 +50,7 @@ from kvcache.ssd import SsdStore
 from memory import Ledger, Probe
 from provider.config import Settings
 from provider.doctor import ROOM_CAUSE_SETTING, discover_models, policy_settings, unlimited_physical_bytes
-from provider.engine import Engine
+from provider.engine import Engine, EngineOptions
 from provider.guest.availability import Paused
 from provider.guest.monitor import GuestMonitor
 from provider.jobs import ServingStats
@@ -155,6 +155,18 @@ def build_prefix_cache(settings: Settings, ledger: Ledger, probe: Probe,
                           write_delay_s=SSD_QUIET_S)
 
 
+def engine_options(settings: Settings, figures: memory.CapFigures) -> EngineOptions:
+    """The engine's options from the settings and the cap's figures."""
+    return EngineOptions(
+        batch_size=settings.max_batch_size,
+        limits=memory.mlx_limits(figures),
+        # Half the activation reserve: a next-turn preparation runs only while no step does (next_turn.py).
+        next_turn_scratch_bytes=figures.activation_reserve_bytes // 2 if settings.prepare_next_turn else 0,
+        solo_min_tokens=None if settings.solo_prefill else 0,
+        stream_interval_s=settings.stream_interval_ms / 1000,
+    )
+
+
 _startup_heap_frozen = False
 
 
@@ -250,12 +262,7 @@ class Runtime:
         writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-ssd-write")
         prefix = await asyncio.to_thread(build_prefix_cache, settings, ledger, probe, writer)
         owns_engine = engine is None
-        # Half the activation reserve: a next-turn preparation runs only while no step does (worker.py).
-        scratch = ledger.figures.activation_reserve_bytes // 2 if settings.prepare_next_turn else 0
-        engine = engine or Engine(prefix_cache=prefix.get, batch_size=settings.max_batch_size,
-                                  limits=memory.mlx_limits(ledger.figures), next_turn_scratch_bytes=scratch,
-                                  solo_min_tokens=None if settings.solo_prefill else 0,
-                                  stream_interval_s=settings.stream_interval_ms / 1000)
+        engine = engine or Engine(engine_options(settings, ledger.figures), prefix_cache=prefix.get)
         digests = await asyncio.to_thread(DigestCache.open, settings.state_dir / WEIGHT_HASH_CACHE)
         hashes = WeightHashes({m.id: m.path for m in inventory.models}, progress=hash_progress, cache=digests,
                               fingerprints=not hash_weights)
