@@ -6,10 +6,14 @@ conversation that went on; its KV is trimmed back to the common part by the call
 because mlx-lm's `KVCache` is trimmable). Among keys with the same common length the one that ends
 exactly there wins (nothing to trim); otherwise any key below that point does (all tie).
 
-The trie holds one node per distinct (prefix, token); each node counts the stored keys in its
-subtree so a lookup walks down once and then follows any non-empty child to a key. LRU order is an
-`OrderedDict` next to it. Values are opaque, so the index is property-tested against a brute-force
-model without MLX (tests/test_kvcache_trie.py).
+A radix tree: each node holds the run of tokens (`edge`) from its parent, so a stored sequence costs
+one node where it leaves the others (two when it splits an edge), not one per token: a store, a
+lookup and the memory an entry pins stay small however long the sequences are (a token-per-node trie
+spent ~36 KB of Python objects and ~100 us of node building per 180-token sequence). Edges are
+compared as tuple slices, in C. Each node counts the stored keys in its subtree, so a lookup walks
+down once and then follows any non-empty child to a key. LRU order is an `OrderedDict` next to it.
+Values are opaque, so the index is property-tested against a brute-force model without MLX
+(tests/test_kvcache_trie.py).
 """
 
 from __future__ import annotations
@@ -24,12 +28,28 @@ Key = tuple[int, ...]
 
 
 class _Node:
-    __slots__ = ("children", "below", "terminal")
+    __slots__ = ("edge", "children", "below", "terminal")
 
-    def __init__(self) -> None:
-        self.children: dict[int, _Node] = {}
+    def __init__(self, edge: Key = ()) -> None:
+        self.edge = edge  # the tokens from the parent to this node
+        self.children: dict[int, _Node] = {}  # by the first token of the child's edge
         self.below = 0  # stored keys in this subtree, this node included
         self.terminal = False
+
+
+def _common(edge: Key, key: Key, start: int) -> int:
+    """How many leading tokens of `edge` equal `key[start:]` (slices compared in C, halving on a miss)."""
+    n = min(len(edge), len(key) - start)
+    if edge[:n] == key[start:start + n]:
+        return n
+    lo, hi = 0, n - 1  # edge[:lo] matches, edge[:hi + 1] does not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if edge[:mid] == key[start:start + mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,10 +94,23 @@ class PrefixIndex(Generic[V]):
         key = tuple(key)
         previous = self._values.pop(key, None)
         if previous is None:
-            path = [self._root]
-            node = self._root
-            for token in key:
-                node = node.children.setdefault(token, _Node())
+            node, at = self._root, 0
+            path = [node]
+            while at < len(key):
+                child = node.children.get(key[at])
+                if child is None:  # the key leaves every stored one here: one node for the rest
+                    child = node.children[key[at]] = _Node(key[at:])
+                    at = len(key)
+                else:
+                    n = _common(child.edge, key, at)
+                    if n < len(child.edge):  # it leaves inside an edge: split it there
+                        mid = node.children[key[at]] = _Node(child.edge[:n])
+                        child.edge = child.edge[n:]
+                        mid.children[child.edge[0]] = child
+                        mid.below = child.below
+                        child = mid
+                    at += n
+                node = child
                 path.append(node)
             node.terminal = True
             for n in path:
@@ -92,66 +125,80 @@ class PrefixIndex(Generic[V]):
             return None
         value = self._values.pop(key)
         path = [self._root]
-        node = self._root
-        for token in key:
-            node = node.children[token]
+        node, at = self._root, 0
+        while at < len(key):
+            node = node.children[key[at]]
+            at += len(node.edge)
             path.append(node)
         node.terminal = False
         for n in path:
             n.below -= 1
-        # Prune the now-empty tail so the trie never holds dead paths.
-        for depth in range(len(key), 0, -1):
-            if path[depth].below:
-                break
-            del path[depth - 1].children[key[depth - 1]]
+        # Prune the now-empty tail so the tree never holds dead paths, and merge a node left with
+        # one child and no key of its own into that child, so every edge ends where keys part.
+        for depth in range(len(path) - 1, 0, -1):
+            child, parent = path[depth], path[depth - 1]
+            if not child.below:
+                del parent.children[child.edge[0]]
+            elif not child.terminal and len(child.children) == 1:
+                (only,) = child.children.values()
+                only.edge = child.edge + only.edge
+                parent.children[child.edge[0]] = only
         return value
+
+    def _walk(self, query: Key) -> tuple[_Node, int, int]:
+        """Follow `query` down: the deepest node reached, the tokens matched, and how many of them lie
+        on that node's edge (all of it when the match ends at the node)."""
+        node, common, on_edge = self._root, 0, 0
+        while common < len(query):
+            child = node.children.get(query[common])
+            if child is None:
+                break
+            n = _common(child.edge, query, common)
+            node, common, on_edge = child, common + n, n
+            if n < len(child.edge):
+                break
+        return node, common, on_edge
 
     def lookup(self, query: Sequence[int]) -> Match[V] | None:
         """The stored key sharing the longest common prefix (≥ 1 token) with `query`, or None."""
-        node = self._root
-        common = 0
-        for token in query:
-            child = node.children.get(token)
-            if child is None:
-                break
-            node, common = child, common + 1
+        query = tuple(query)
+        node, common, on_edge = self._walk(query)
         if common == 0:
             return None
-        key = tuple(query[:common])
+        key = query[:common]
+        if on_edge < len(node.edge):
+            key += node.edge[on_edge:]  # the match ends inside this edge: its keys run on
         if not node.terminal:
             key += self._descend_to_key(node)
         return Match(key, self._values[key], common)
 
     def _descend_to_key(self, node: _Node) -> Key:
         # Any key below `node` shares the same common prefix; follow non-empty children down.
-        tail: list[int] = []
+        tail: Key = ()
         while not node.terminal:
-            token, node = next((t, c) for t, c in node.children.items() if c.below)
-            tail.append(token)
-        return tuple(tail)
+            node = next(c for c in node.children.values() if c.below)
+            tail += node.edge
+        return tail
 
     def prefixes_of(self, key: Sequence[int]) -> list[Key]:
         """Stored keys that are proper prefixes of `key` (shortest first)."""
+        key = tuple(key)
         found: list[Key] = []
-        node = self._root
-        for depth, token in enumerate(key):
-            if node.terminal and depth:
-                found.append(tuple(key[:depth]))
-            child = node.children.get(token)
-            if child is None:
+        node, at = self._root, 0
+        while at < len(key):
+            if node.terminal and at:
+                found.append(key[:at])
+            child = node.children.get(key[at])
+            if child is None or _common(child.edge, key, at) < len(child.edge):
                 return found
-            node = child
+            node, at = child, at + len(child.edge)
         return found
 
     def covers(self, key: Sequence[int]) -> bool:
         """True when some stored key has `key` as a prefix (itself included)."""
-        node = self._root
-        for token in key:
-            child = node.children.get(token)
-            if child is None:
-                return False
-            node = child
-        return node.below > 0
+        key = tuple(key)
+        node, common, _ = self._walk(key)
+        return common == len(key) and node.below > 0
 
     def clear(self) -> list[tuple[Key, V]]:
         """Drop everything; returns the (key, value) pairs, oldest first."""

@@ -82,14 +82,22 @@ class IndexMachine(RuleBasedStateMachine):
 
     @invariant()
     def no_dead_paths(self) -> None:
-        # Every trie node is on the path of a stored key (removal prunes), and counts agree.
+        # Every node is on the path of a stored key (removal prunes), counts agree, edges are keyed by
+        # their first token, and a node that holds no key has at least two children (edges end only
+        # where keys part), so the tree has at most two nodes per stored key.
         def walk(node, depth: int) -> int:
             below = int(node.terminal) + sum(walk(c, depth + 1) for c in node.children.values())
             assert node.below == below
-            assert depth == 0 or below > 0
+            assert all(c.edge and c.edge[0] == t for t, c in node.children.items())
+            if depth:
+                assert below > 0 and (node.terminal or len(node.children) >= 2)
             return below
 
+        def count(node) -> int:
+            return 1 + sum(count(c) for c in node.children.values())
+
         assert walk(self.index._root, 0) == len(self.model)
+        assert count(self.index._root) <= 1 + 2 * len(self.model)
 
 
 IndexMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
