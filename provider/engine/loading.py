@@ -67,13 +67,46 @@ def load_text(cmd: Load, generator: Callable[[object, frozenset[int]], BatchGene
         transposed_weights=transposed,
         cpu_attention=attention.enabled(),
     )
+    weights_s = time.monotonic() - started
     slot = Slot(info, model, tokenizer, generator(model, eos))
     _calibrate(slot, solo_min_tokens)
     rates = _timed_rates(slot)
+    measured = time.monotonic()
+    warm(slot)
+    done = time.monotonic()
     slot.info = dataclasses.replace(
         info, solo_min_tokens=slot.solo_min_tokens if slot.split is not None else None,
-        prefill_tps=rates.prefill_tps, decode_tps=rates.decode_tps)
+        prefill_tps=rates.prefill_tps, decode_tps=rates.decode_tps, load_seconds=done - started,
+        weights_seconds=weights_s, measure_seconds=measured - started - weights_s, warm_seconds=done - measured)
     return slot
+
+
+# Two prompts of different lengths: a padded prefill pass, as a burst makes one (token ids any vocabulary has).
+_WARM_PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3])
+_WARM_TOKENS = 3
+_WARM_CALLS = 12  # far more generator calls than the two prompts need
+
+
+def warm(slot: Slot) -> None:
+    """Serve once before the first request does: two prompts through the slot's own generator, a
+    padded prefill wave and decode steps of the two-row batch, so the kernels serving uses exist (MLX's
+    CUDA backend builds each on first use: an 8B model's first prefill took 20 s on an H200). An edge:
+    a failure only means the first request pays it."""
+    generator = slot.generator
+    try:
+        with mx.stream(generator.stream):
+            uids = generator.insert([list(p) for p in _WARM_PROMPTS], max_tokens=[_WARM_TOKENS] * len(_WARM_PROMPTS))
+            for _ in range(_WARM_CALLS):
+                generator.next()
+                if not (generator._unprocessed_sequences or len(generator._prompt_batch)
+                        or len(generator._generation_batch)):
+                    break
+            else:
+                generator.remove(uids)
+    except Exception:  # an edge: see the docstring
+        log.exception("warm-up failed", extra={"model_id": slot.info.model_id})
+    finally:
+        clear_buffer_cache()
 
 
 def _calibrate(slot: Slot, solo_min_tokens: int | None) -> None:

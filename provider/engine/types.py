@@ -196,6 +196,10 @@ class LoadedModelInfo:
     image_text_tokens: int = 0  # vision: text tokens the processor adds around each image (measured)
     prefill_tps: float = 0.0  # the timed pass at load (engine/calibration.py); 0: not measured
     decode_tps: float = 0.0
+    # Where load_seconds went: reading the weights, the measurements at load, serving once (loading.warm).
+    weights_seconds: float = 0.0
+    measure_seconds: float = 0.0
+    warm_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -255,6 +255,7 @@ class Worker:
         else:
             slot = load_text(cmd, self._generator, weight_layout=self._options.weight_layout,
                              solo_min_tokens=self._options.solo_min_tokens)
+            slot.generator._generation_batch.while_computing = self._intake  # after the load's own steps
             self._slots[cmd.model_id] = slot
             info = slot.info
         self.stats[cmd.model_id] = ModelStats(0, 0, 0)
@@ -267,7 +268,6 @@ class Worker:
         try:
             generator = _new_generator(model, eos_token_ids, self.batch_size,
                                        prefill_tokens_for_device(self._options.prefill_tokens))
-            generator._generation_batch.while_computing = self._intake
         except BaseException:
             self._unwire_if_empty()
             raise
@@ -564,6 +564,7 @@ class Worker:
             self._fail_all(slot, EngineFailure.INTERNAL_ERROR)
             slot.generator.close()
             slot.generator = self._generator(slot.model, slot.info.eos_token_ids)
+            slot.generator._generation_batch.while_computing = self._intake
         self._publish_stats(slot)
 
     def _on_token(self, slot: Slot, active: Active, token: int, finish: str | None,

@@ -112,7 +112,9 @@ class Loading:
             self._resident_set_changed()
             log.info("model_loaded", model=model_id, weights_bytes=loaded.weights_bytes,
                      estimate_bytes=padded_weight_bytes(slot.info.weight_bytes),
-                     load_s=round(loaded.load_seconds, 3), total_s=round(self._clock() - started, 3),
+                     load_s=round(loaded.load_seconds, 3), weights_s=round(loaded.weights_seconds, 3),
+                     measure_s=round(loaded.measure_seconds, 3), warm_s=round(loaded.warm_seconds, 3),
+                     total_s=round(self._clock() - started, 3),
                      solo_min_tokens=loaded.solo_min_tokens, transposed_weights=loaded.transposed_weights,
                      cpu_attention=loaded.cpu_attention)
             return None
