@@ -1,14 +1,14 @@
 """What the bounded template renderer costs a short prompt, alone and in a burst.
 
 Run: `HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/template_bench.py [--n 2000] [--bursts 20] [--only burst]
-[--against REF]`
+[--against REF] [--contend N]`
 
 The tiny model's tokenizer and ChatML template (built offline into .cache/tiny-models/). Each row is
 the prompt ids of one chat, as admission counts it; the baseline is mlx-lm's in-process
 `tokenizer.apply_chat_template` (what the agent did before, on the event loop), measured in the same
 run. The rows: the render in the renderer process then tokenizing here, from a thread (`render`, the
 engine thread and the bulk lane) and awaited on the event loop (`arender`, a short prompt's path:
-the wait runs on the renderer's thread). Prints µs per prompt (p50, p99) and p50 / baseline.
+the loop reads the answer itself). Prints µs per prompt (p50, p99) and p50 / baseline.
 
 The burst table: 32 renders awaited at once on the event loop, each one's latency from the call to
 its text (ms, over every render of `--bursts` bursts), and the burst's span (the first call to the last
@@ -16,7 +16,9 @@ text, median). Two loops: an idle one (the 32 calls made together), and a busy o
 burst of requests at the local server (arrivals 1.1 ms apart, each request spending 1 ms of the
 loop's CPU before its render and 1 ms after: reading, parsing, admission). The floors: mlx-lm's
 render in-process on the loop (unbounded), and two turns of the loop (what an off-loop render that
-cost nothing would wait for the loop); `--against REF` adds the renderer as it was at a git ref.
+cost nothing would wait for the loop); `--against REF` adds the renderer as it was at a git ref;
+`--contend N` keeps N processes spinning on the CPU during the bursts, as MLX's compute and the
+client take the cores during a real burst on a small machine.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import argparse
 import asyncio
 import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -130,8 +134,6 @@ def renderer_at(ref: str):
     """The interactive renderer as it was at git `ref`: its module (`provider/models/renderer.py`, or
     `template.py` before that held it) loaded from a scratch folder with the child script beside it."""
     import importlib.util
-    import subprocess
-    import sys
     import tempfile
 
     def show(name: str) -> bytes | None:
@@ -149,7 +151,7 @@ def renderer_at(ref: str):
     return module.TemplateRenderer(processes=2)  # as the interactive renderer
 
 
-async def run_burst(bursts: int, against: str | None) -> None:
+async def run_burst(bursts: int, against: str | None, contend: int) -> None:
     from mlx_lm.utils import load_tokenizer
 
     tokenizer = load_tokenizer(build_tiny_model(CACHE / "tiny-f32", preset="tiny"))
@@ -178,8 +180,19 @@ async def run_burst(bursts: int, against: str | None) -> None:
             assert await render() == expected
             for _ in range(2):
                 await one_burst(render, spread_ms=0, busy_ms=0)  # warm
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(contend)]
+    try:
+        await _burst_table(sides, bursts, contend)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
+async def _burst_table(sides: dict, bursts: int, contend: int) -> None:
     print(f"\na burst of {BURST} renders awaited on the event loop, {bursts} bursts per row, the rows' bursts "
-          "interleaved (ms per render; span: first call to last text, median)")
+          "interleaved (ms per render; span: first call to last text, median)"
+          + (f"; {contend} processes spinning on the CPU meanwhile" if contend else ""))
     print(f"{'loop / path':90} {'p50':>7} {'p90':>7} {'p99':>7} {'max':>7} {'span':>7}")
     for name, (spread, busy) in LOOPS.items():
         latencies: dict[str, list[float]] = {label: [] for label in sides}
@@ -202,11 +215,14 @@ def main() -> None:
     parser.add_argument("--bursts", type=int, default=20)
     parser.add_argument("--only", choices=("all", "serial", "burst"), default="all")
     parser.add_argument("--against", metavar="REF", help="also the renderer at this git ref, interleaved")
+    parser.add_argument("--contend", type=int, default=0, metavar="N",
+                        help="N processes spinning on the CPU during the bursts (as MLX's compute and a client take "
+                             "the cores in a real burst)")
     args = parser.parse_args()
     if args.only in ("all", "serial"):
         asyncio.run(run(args.n))
     if args.only in ("all", "burst"):
-        asyncio.run(run_burst(args.bursts, args.against))
+        asyncio.run(run_burst(args.bursts, args.against, args.contend))
 
 
 if __name__ == "__main__":

@@ -2,11 +2,13 @@
 that talks to them (provider/models/template.py says why and how it is used).
 
 A child process (`_template_child.py`) renders the requests written into its pipe one after another
-and answers each in turn, so the answers need no ids: the first answer is the oldest request's. The
-renderer's thread (`TemplateRenderer`) owns the processes: it writes every request that waits into a
-pipe in one system call, reads every answer there is in one, hands them to their callers (one
-callback per event loop for all the `arender` answers it has), and enforces the bounds on the render
-in progress in each process:
+and answers each in turn, so the answers need no ids: the first answer is the oldest request's.
+Renders are pipelined, never a round trip each: a caller writes its request into a pipe itself,
+behind those not answered yet, and an event loop that awaits renders reads that process's answers
+itself (``add_reader``), so an `arender` waits for no thread and no hand-off of the GIL; a burst of
+32 costs the process its renders (~0.05 ms each). The renderer's thread (``chat-template``) does the
+rest: it reads the answers no loop reads (`render`'s, from other threads), writes what a full pipe
+held back, starts the processes, and enforces the bounds on the render in progress in each process:
 
 * **time**: ``timeout_s`` plus `RENDER_CHARS_PER_S` of allowance, counted from when the process
   begins the render (its start-up and the renders before it are never counted); past that the
@@ -212,23 +214,11 @@ def _outcome(answer: bytes) -> tuple[str | None, BaseException | None]:
 
 
 class TemplateRenderer:
-    """A few renderer processes: `render` from any thread but the event loop's, `arender` from the
-    event loop.
-
-    Renders are pipelined: a caller writes its request into a process's pipe itself, behind whatever
-    that process has not answered yet, and the answers, which come back in order, go to their callers.
-    An event loop that awaits a render reads that process's answers itself (``add_reader``), so an
-    `arender` waits for no thread and no GIL hand-off: a burst costs the process its renders
-    (~0.05 ms each), not a round trip through a thread each. The renderer's thread
-    (``chat-template``) does the rest: it reads the answers no loop reads (for `render`), starts the
-    processes, enforces the bounds on the render in progress in each process (`queue[0]`), and
-    kills a process that passes one. When a render has run for `SPARE_AFTER_S` (a template stuck in
-    its loops until its bound), the renders queued behind it are sent to another process too,
-    started if there is room (up to `processes`), and new ones go there: a stuck render holds up only
-    itself. A render sent to two processes takes the first answer.
-
-    Every piece of state is guarded by one lock, held by whoever writes, reads or decides, never
-    while waiting."""
+    """Up to `processes` renderer processes (more than one only once a render is stuck): `render`
+    from any thread but the event loop's, `arender` from the event loop. One lock guards every piece
+    of state; whoever holds it writes and reads pipes without blocking and never waits for a render.
+    Answers go to a waiting thread at once, to the loop that read them at once, and to other loops
+    in one callback per loop."""
 
     def __init__(self, *, processes: int = 1, memory_bytes: int = MEMORY_BYTES,
                  limit_address_space: bool = True) -> None:
