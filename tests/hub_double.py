@@ -10,6 +10,7 @@
         hub.corrupt("org/tiny", "model.safetensors")       # serve flipped bytes from now on
 
 `gets` counts the file GETs per path, `starts` the byte each began at (a resumed download asks a Range).
+A file in `withheld` is answered 404, once another file's bytes have been sent.
 The `hub` fixture serves the tiny model as `org/tiny` with HF_ENDPOINT pointed at it (import it into a
 test module to use it).
 """
@@ -37,6 +38,7 @@ class HubDouble:
         self.gets: Counter[str] = Counter()
         self.starts: dict[str, list[int]] = {}  # per file GET: the byte it started from (Range)
         self.withheld: set[str] = set()  # file names answered 404 (a transfer that breaks off)
+        self.served = threading.Event()  # a file's bytes were sent: a withheld file's 404 waits for it
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
@@ -93,7 +95,12 @@ class HubDouble:
                                        for n, b in files.items()])
                 if m := re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path):
                     data = hub._files.get(m[1], {}).get(m[3])
-                    if data is None or m[3] in hub.withheld:
+                    if m[3] in hub.withheld:
+                        # Broken off after another file went through, so a download that fails here
+                        # has always completed something.
+                        hub.served.wait(timeout=30)
+                        return self._missing()
+                    if data is None:
                         return self._missing()
                     return self._file(data, m[3], head)
                 return self._missing()
@@ -114,6 +121,8 @@ class HubDouble:
                     hub.gets[name] += 1
                     hub.starts.setdefault(name, []).append(start)
                     self.wfile.write(data[start:])
+                    self.wfile.flush()
+                    hub.served.set()
 
             def do_GET(self) -> None:  # noqa: N802
                 self._route(head=False)

@@ -44,10 +44,12 @@ class Agents:
     def __init__(self) -> None:
         self.running: list[RunningAgent] = []
 
-    async def start(self, settings: Settings, kind: type[RunningAgent] = RunningAgent) -> RunningAgent:
-        """The agent on `settings`, running; `kind`: a RunningAgent subclass to hold it."""
+    async def start(self, settings: Settings, kind: type[RunningAgent] = RunningAgent, *,
+                    no_eos: tuple[str, ...] = ()) -> RunningAgent:
+        """The agent on `settings`, running; `kind`: a RunningAgent subclass to hold it. The aliased models,
+        and the model ids in `no_eos` (one a test downloads, say), never stop early."""
         agent = await Agent.start(settings, harden=False,
-                                  eos_token_ids=dict.fromkeys(settings.model_aliases, NO_EOS))
+                                  eos_token_ids=dict.fromkeys((*settings.model_aliases, *no_eos), NO_EOS))
         stop = asyncio.Event()
         handle = kind(agent, settings, stop, asyncio.create_task(agent.run(stop)))
         self.running.append(handle)

@@ -27,9 +27,9 @@ from provider.slots import ModelState
 async def start_agent(tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
     agents = Agents()
 
-    async def start(url: str, models: dict[str, Path], **overrides) -> Agent:
+    async def start(url: str, models: dict[str, Path], no_eos: tuple[str, ...] = (), **overrides) -> Agent:
         settings = agent_settings(url, tmp_path / "state", models, **{"heartbeat_interval_s": 30.0, **overrides})
-        return (await agents.start(settings)).agent
+        return (await agents.start(settings, no_eos=no_eos)).agent
 
     yield start
     await agents.stop_all()
@@ -107,7 +107,8 @@ async def test_prefetch_model_downloads_verifies_and_advertises_and_the_model_th
         coordinator_double, start_agent, hub, tiny_model_path, tmp_path):
     double = coordinator_double
     cache = tmp_path / "hf"
-    agent = await start_agent(double.ws_url, {"tiny": tiny_model_path}, hf_cache_dir=cache)
+    # The downloaded build never stops early either: the completion below has exactly max_tokens.
+    agent = await start_agent(double.ws_url, {"tiny": tiny_model_path}, no_eos=("org/tiny",), hf_cache_dir=cache)
     await double.wait_routable(model="tiny", timeout=15)
     mark = double.mark()
     await double.send_frame(0, prefetch_model("org/tiny"))
@@ -126,8 +127,8 @@ async def test_prefetch_model_downloads_verifies_and_advertises_and_the_model_th
     await double.wait_routable(model="org/tiny", timeout=10)
     async with consumer_for(double) as client:
         reply = await client.chat.completions.create(model="org/tiny", messages=[{"role": "user", "content": "hi"}],
-                                                     max_tokens=3)
-    assert reply.usage.completion_tokens == 3
+                                                     max_tokens=3, temperature=0)
+    assert reply.usage.completion_tokens == 3 and reply.choices[0].finish_reason == "length"
     assert double.anomalies() == []
 
 
