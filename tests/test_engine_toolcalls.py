@@ -74,9 +74,10 @@ def streamed(fmt, deltas, reason=FinishReason.STOP, tokens=10, parallel=True):
     return parsed, state.get_final_completion()
 
 
-def whole(fmt, text, reason=FinishReason.STOP, parallel=True) -> ChatCompletion:
+def whole(fmt, text, reason=FinishReason.STOP, parallel=True, forced=False) -> ChatCompletion:
     done = Finished(reason, Usage(5, 10), ())
-    obj = chat_completion("chatcmpl-1", "m", text, done, created=1, tools=tool_calls_for(fmt, TOOLS, parallel=parallel))
+    obj = chat_completion("chatcmpl-1", "m", text, done, created=1,
+                          tools=tool_calls_for(fmt, TOOLS, parallel=parallel, forced=forced))
     return ChatCompletion.model_validate_json(sse.event(obj)[len(b"data: "):])
 
 
@@ -140,6 +141,58 @@ def test_a_call_cut_short_by_max_tokens_finishes_with_length(tokenizer, fmt):
     assert reply.choices[0].finish_reason == "length"
     assert calls_of(reply.choices[0].message) == [("get_weather", {"city": "Paris 日本"})]
     assert reply.choices[0].message.content == "\n" + CALL_2[:30]  # the unreadable rest, as written
+
+
+@pytest.mark.parametrize("cut", [len(CALL_2) - 1, 30, len("<tool_call>"), 3])
+def test_a_forced_answer_cut_short_keeps_its_whole_calls_and_drops_the_unfinished_one(tokenizer, fmt, cut):
+    """`tool_choice` required / a named function: the grammar allows calls and nothing else, so the
+    text of a call that did not close (max_tokens) is never content, streamed or whole."""
+    deltas, _ = engine_deltas(tokenizer, CALL_1 + "\n" + CALL_2[:cut])
+    reply = whole(fmt, "".join(deltas), FinishReason.LENGTH, forced=True)
+    assert reply.choices[0].finish_reason == "length"
+    assert calls_of(reply.choices[0].message) == [("get_weather", {"city": "Paris 日本"})]
+    assert reply.choices[0].message.content is None
+    chunks = forced_chunks(fmt, deltas)
+    assert not any(c.choices[0].delta.content for c in chunks)
+    assert [(d.function.name, json.loads(d.function.arguments)) for d in streamed_calls(chunks)] == calls_of(
+        reply.choices[0].message)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_forced_answer_whose_first_call_is_cut_has_no_calls_and_no_content(tokenizer, fmt):
+    deltas, _ = engine_deltas(tokenizer, CALL_1[:40])
+    reply = whole(fmt, "".join(deltas), FinishReason.LENGTH, forced=True)
+    message = reply.choices[0].message
+    assert not message.tool_calls and not message.content and reply.choices[0].finish_reason == "length"
+    chunks = forced_chunks(fmt, deltas)
+    assert not any(c.choices[0].delta.content for c in chunks) and not streamed_calls(chunks)
+
+
+def forced_chunks(fmt, deltas) -> list[ChatCompletionChunk]:
+    """The chunks of a forced answer cut by max_tokens (the SDK's accumulator refuses a `length` one)."""
+    chunks = ChatChunks("chatcmpl-1", "m", created=1, tools=tool_calls_for(fmt, TOOLS, forced=True))
+    sent = [chunks.role(), *(c for text in deltas for c in chunks.for_event(TextDelta(text))),
+            *chunks.for_event(Finished(FinishReason.LENGTH, Usage(5, 10), ()))]
+    return [ChatCompletionChunk.model_validate_json(sse.event(c)[len(b"data: "):]) for c in sent]
+
+
+def streamed_calls(chunks: list[ChatCompletionChunk]) -> list:
+    """Each streamed call, its name and arguments joined (a call's deltas: name first, then arguments)."""
+    calls: dict[int, object] = {}
+    for chunk in chunks:
+        for delta in chunk.choices[0].delta.tool_calls or ():
+            if delta.id:
+                calls[delta.index] = delta.model_copy(deep=True)
+            else:
+                calls[delta.index].function.arguments += delta.function.arguments
+    return list(calls.values())
+
+
+def test_a_forced_answer_that_closes_is_read_as_any_other(tokenizer, fmt):
+    deltas, _ = engine_deltas(tokenizer, CALL_1 + "\n" + CALL_2)
+    reply = whole(fmt, "".join(deltas), forced=True)
+    assert reply.choices[0].finish_reason == "tool_calls" and reply.choices[0].message.content is None
+    assert calls_of(reply.choices[0].message) == [("get_weather", {"city": "Paris 日本"}), ("get_time", {})]
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call_only(tokenizer, fmt):

@@ -85,6 +85,33 @@ async def test_a_forced_call_reaches_the_engine_as_its_hook(harness):
     assert sent.tool_call.functions == (WEATHER["function"],) and sent.tool_call.start == "<tool_call>"
 
 
+async def test_a_forced_answer_cut_by_max_tokens_sends_its_whole_calls_and_never_the_rest_as_content(harness):
+    """`required` with parallel calls (the default), cut by max_tokens: the calls that closed go out,
+    the one cut is dropped (no markup in `content`), and the finish reason says `length`."""
+    time = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}
+    shapes = set()
+    for seed in range(12):
+        body = request("tools", [{"role": "user", "content": "the weather?"}], tools=[time, WEATHER],
+                       tool_choice="required", max_tokens=60, temperature=1.0, seed=seed)
+        assert await harness.run(harness.coordinator.request(f"c{seed}", body)) is JobOutcome.COMPLETED
+        chunks = [sse_json(e) for e in harness.events(f"c{seed}")]
+        deltas = [c["choices"][0]["delta"] for c in chunks if c.get("choices")]
+        assert not any(d.get("content") for d in deltas), seed
+        streamed: dict[int, list[str]] = {}
+        for part in (p for d in deltas for p in d.get("tool_calls") or ()):
+            call = streamed.setdefault(part["index"], ["", ""])
+            call[0] += part["function"].get("name") or ""
+            call[1] += part["function"].get("arguments") or ""
+        calls = [(name, json.loads(arguments)) for name, arguments in streamed.values()]
+        assert all(name in ("get_time", "get_weather") and isinstance(args, dict) for name, args in calls)
+        finish = chunks[-1]["choices"][0]["finish_reason"]
+        cut = chunks[-1]["usage"]["completion_tokens"] == 60
+        assert finish == ("length" if cut or not calls else "tool_calls"), seed
+        shapes.add((len(calls) > 0, finish))
+    assert {(False, "length"), (True, "length")} <= shapes  # the first call cut, and one after a whole call
+
+
 async def test_a_malformed_tool_choice_is_a_400_before_the_accept(harness):
     body = request("tools", TURNS, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
     assert await harness.run(harness.coordinator.request("m1", body)) is JobOutcome.REJECTED

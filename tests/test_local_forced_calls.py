@@ -48,8 +48,10 @@ MOVE = _function("move_arm", {
         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
     "required": ["to", "speed"], "additionalProperties": False})
 TIME = _function("get_time", {"type": "object", "properties": {}, "additionalProperties": False})
+WEATHER = _function("get_weather", {  # a free string: random weights may write it past any max_tokens
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
 TOOLS = [BOOK, MOVE, TIME]
-SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in [*TOOLS, WEATHER]}
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +107,36 @@ def test_required_with_parallel_calls_gives_calls_that_each_validate(server):
         assert len({c.id for c in answer.message.tool_calls}) == len(answer.message.tool_calls)
         for call in answer.message.tool_calls:
             jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_a_forced_answer_cut_by_max_tokens_keeps_its_whole_calls_and_never_returns_the_rest_as_content(server):
+    """`required` with parallel calls (the default): a call that max_tokens cut is dropped (the first
+    one, or one after whole calls, which stay, with finish_reason length), streamed or not."""
+    client = server.client()
+    shapes = set()
+    for seed in range(12):
+        asked = dict(model=MODEL, messages=[{"role": "user", "content": "the weather?"}], tools=[TIME, WEATHER],
+                     tool_choice="required", max_tokens=60, temperature=1.0, seed=seed)
+        answer = client.chat.completions.create(**asked).choices[0]
+        calls = [(c.function.name, c.function.arguments) for c in answer.message.tool_calls or ()]
+        assert not answer.message.content, seed
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+        assert answer.finish_reason in ("tool_calls", "length") and (calls or answer.finish_reason == "length")
+        shapes.add((len(calls) > 0, answer.finish_reason))
+        streamed: dict[int, list[str]] = {}
+        finish = None
+        for chunk in client.chat.completions.create(**asked, stream=True):
+            delta = chunk.choices[0].delta
+            assert not delta.content, seed
+            for part in delta.tool_calls or ():
+                call = streamed.setdefault(part.index, ["", ""])
+                call[0] += part.function.name or ""
+                call[1] += part.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert ([tuple(c) for c in streamed.values()], finish) == (calls, answer.finish_reason), seed
+    # Both cuts happen among these seeds: of the first call, and of one after a whole call.
+    assert {(False, "length"), (True, "length")} <= shapes
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "move_arm"}}])

@@ -17,7 +17,10 @@ What comes out (`feed` / `finish`, in order):
   `arguments` the JSON text of an object, `id` the model's own where its family writes one, else
   ``call_<24 hex>``. A call the parser cannot read (cut short, or not a call at all) is content, its
   markers included, as the model wrote it — nothing the model said is dropped silently, except the
-  calls after the first when the request asked for one (`parallel=False`).
+  calls after the first when the request asked for one (`parallel=False`), and what a forced answer
+  (`forced`: `tool_choice` "required" or a named function, whose grammar allows calls and nothing
+  else) did not finish: there only whole calls come out, and the text of a call cut short (by
+  `max_tokens`, a stop string) or of a marker begun is dropped, never returned as content.
 
 mlx-lm's parsers read a whole call, so a call's name and arguments are known together when it
 closes: the stream sends them then (`openai.ChatChunks`), not token by token.
@@ -56,12 +59,15 @@ def new_call_id() -> str:
 class ToolCallStream:
     """One completion's tool calls (see the module docstring)."""
 
-    __slots__ = ("_format", "_tools", "_parallel", "_machine", "_mode", "_call", "_space", "_before", "calls")
+    __slots__ = ("_format", "_tools", "_parallel", "_forced", "_machine", "_mode", "_call", "_space", "_before",
+                 "calls")
 
-    def __init__(self, fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], *, parallel: bool = True) -> None:
+    def __init__(self, fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], *, parallel: bool = True,
+                 forced: bool = False) -> None:
         self._format = fmt
         self._tools = [dict(t) for t in tools]  # what a family's parser may read argument types from
         self._parallel = parallel
+        self._forced = forced  # the answer must be calls: text that is not a whole call is dropped
         machine = TextStateMachine({_NORMAL: [(fmt.start, _CALL)], _CALL: [(fmt.end, _NORMAL)] if fmt.end else []})
         self._machine = machine.make_state(_NORMAL)
         self._mode = _NORMAL
@@ -105,6 +111,8 @@ class ToolCallStream:
         return out
 
     def _content(self, text: str) -> list[Piece]:
+        if self._forced:
+            return []
         held = self._space + text
         body = held.rstrip()
         self._space = held[len(body):]
@@ -157,9 +165,10 @@ def _call(item: Any) -> tuple[str, str, str] | None:
 
 
 def tool_calls_for(fmt: ToolFormat | None, tools: Sequence[Mapping[str, Any]], *,
-                   parallel: bool = True) -> ToolCallStream | None:
-    """The reader of a request's output: None when no tools were offered (its text is all content)."""
-    return ToolCallStream(fmt, tools, parallel=parallel) if fmt is not None and tools else None
+                   parallel: bool = True, forced: bool = False) -> ToolCallStream | None:
+    """The reader of a request's output: None when no tools were offered (its text is all content);
+    `forced`: the request forced a call (its answer is whole calls only)."""
+    return ToolCallStream(fmt, tools, parallel=parallel, forced=forced) if fmt is not None and tools else None
 
 
 __all__ = ["Piece", "ToolCall", "ToolCallStream", "new_call_id", "tool_calls_for"]

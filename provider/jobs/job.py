@@ -320,7 +320,8 @@ class Job:
         request = ChatRequest(self.request_id, body.messages, body.sampling(booking.kv.max_tokens), prompt_ids=ids,
                               tools=body.offered_tools, tool_call=body.tool_call(tool_format),
                               constraint=output.constraint, top_logprobs=output.top_logprobs)
-        tools = tool_calls_for(tool_format, body.offered_tools, parallel=body.parallel_tool_calls)  # reads its calls
+        tools = tool_calls_for(tool_format, body.offered_tools, parallel=body.parallel_tool_calls,
+                               forced=body.tool_choice.forces_a_call)  # reads its calls
         remaining = None if self._content_deadline is None else self._content_deadline - self._ctx.monotonic()
         try:
             # [N] first_content_budget_ms: no content by then → give up before any output (rerouted, neutral).
