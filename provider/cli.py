@@ -20,9 +20,10 @@ would show the token in `ps`). Lists repeat the flag (`--model-dirs A --model-di
 about (`_SHOWN_SETTINGS`); `--help-settings` prints every setting (`config.settings_reference`).
 
 Exit codes: 0 fine, 1 a check failed (`doctor` found an error, `status` found no agent), 2 a bad
-command line, 69 the service manager is missing or failed, 78 (EX_CONFIG) invalid configuration, or
-another agent already running on the state directory -- one line on stderr, no traceback; the systemd
-unit does not restart on 78. Under the launchd agent (which cannot be told not to restart on 78) a
+command line, 69 the service manager is missing or failed, 78 (EX_CONFIG) invalid configuration,
+another agent already running on the state directory, or a local address that cannot be listened on
+(a busy `local_port`) -- one line on stderr, no traceback; the systemd unit does not restart on 78;
+141 the reader of the output went away (`status | head -1`), as a shell reports it. Under the launchd agent (which cannot be told not to restart on 78) a
 configuration or command-line error is recorded for `service status` and the exit is 0
 (`provider/supervision.py`).
 
@@ -53,7 +54,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
-from provider import __version__, control, supervision
+from provider import __version__
 from provider.config import (
     FIELDS,
     LIST_FIELDS,
@@ -65,18 +66,17 @@ from provider.config import (
     load_settings,
     settings_reference,
 )
-from provider.progress import Progress
-from provider.session.status import trust_line
-from provider.state_lock import AgentRecord, AlreadyRunning, StateLock, running_agent
 
 if TYPE_CHECKING:
     from provider.service import ServiceStatus
+    from provider.state_lock import AgentRecord
 
 EX_OK = 0
 EX_FAILED = 1
 EX_USAGE = 2  # argparse's own
 EX_UNAVAILABLE = 69
 EX_CONFIG = 78
+EX_PIPE = 128 + 13  # SIGPIPE's: what a shell reports for a command whose reader left
 PROG = "darkbloom-provider"
 # The settings each command's --help shows (every one is accepted as a flag; --help-settings lists them all).
 _SHOWN_SETTINGS: dict[str, tuple[str, ...]] = {
@@ -277,6 +277,9 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     (`provider/supervision.py`): a run that returns 0 or refuses its configuration was not a crash; any
     other exit code (75, a memory self-restart, included) is counted when it is returned, a kill or a
     crash at the next start, and enough of them in the window keep a launchd service down."""
+    from provider import supervision
+    from provider.state_lock import AlreadyRunning, StateLock
+
     env = dict(os.environ)
     try:  # first of all: a second agent on this state directory must not touch it
         lock = StateLock.for_serving(settings, local=args.local)
@@ -289,6 +292,8 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _serve_supervised(args: argparse.Namespace, settings: Settings, env: dict[str, str]) -> int:
+    from provider import supervision
+
     decision = supervision.on_start(settings.state_dir, env=env, limit=settings.crash_loop_limit,
                                     window_s=settings.crash_loop_window_s)
     if decision.stay_down:
@@ -335,6 +340,7 @@ def cmd_models(args: argparse.Namespace, settings: Settings) -> int:
     from provider.models import DigestCache, weight_hash_sync
     from provider.models.hashing import CACHE_FILE
     from provider.models.searched import no_models_lines
+    from provider.progress import Progress
 
     report = run_doctor(settings, check_coordinator_url=False, explain_routing=False, guest=None)
     hashes: dict[str, str] = {}
@@ -372,6 +378,8 @@ def fetch_status(base_url: str, timeout_s: float = 3.0) -> dict[str, Any]:
 def status_urls(settings: Settings) -> tuple[AgentRecord | None, list[str]]:
     """Where to ask: the local server of the agent running on this state directory (whatever port it
     was started with), then the configured one."""
+    from provider.state_lock import running_agent
+
     agent = running_agent(settings.state_dir)
     urls = [agent.local_url] if agent is not None and agent.local_url else []
     return agent, urls + [u for u in (settings.local_base_url,) if u not in urls]
@@ -421,10 +429,10 @@ def _agent_answering(settings: Settings) -> str | None:
 def cmd_pull(args: argparse.Namespace, settings: Settings) -> int:
     """`ollama pull` for the hub: plan, check the disk, download (resumable) with a bar, hash."""
     from provider.doctor import human_bytes
-    from provider.models.download import DiskShort, DownloadFailed, check_disk, download, plan_download
-    from provider.models.hashing import weight_hash_sync
-
     from provider.models import default_hf_cache
+    from provider.models.download import DownloadFailed, check_disk, download, failure_sentence, plan_download
+    from provider.models.hashing import weight_hash_sync
+    from provider.progress import Progress
 
     cache = settings.hf_cache_dir if settings.hf_cache_dir is not None else default_hf_cache()
     try:
@@ -432,12 +440,8 @@ def cmd_pull(args: argparse.Namespace, settings: Settings) -> int:
         check_disk(plan, cache)
         with Progress(f"pulling {args.repo_id} ({human_bytes(plan.total_bytes)})") as bar:
             folder = download(plan, cache, bar.update)
-    except DiskShort as short:
-        print(f"{PROG}: not enough disk for {args.repo_id}: it needs {human_bytes(short.needed)} "
-              f"(with a margin), {human_bytes(short.free)} is free", file=sys.stderr)
-        return EX_FAILED
     except DownloadFailed as failed:
-        print(f"{PROG}: {args.repo_id} could not be downloaded ({failed.reason})", file=sys.stderr)
+        print(f"{PROG}: {failure_sentence(failed, args.repo_id)}", file=sys.stderr)
         return EX_FAILED
     print(f"{args.repo_id} {plan.commit[:12]}: {len(plan.files)} files, {human_bytes(plan.total_bytes)} "
           f"in {folder}")
@@ -446,6 +450,8 @@ def cmd_pull(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_ps(args: argparse.Namespace, settings: Settings) -> int:
+    from provider import control
+
     url = _agent_answering(settings)
     if url is None:
         return EX_FAILED
@@ -458,6 +464,8 @@ def cmd_ps(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_unload(args: argparse.Namespace, settings: Settings) -> int:
+    from provider import control
+
     url = _agent_answering(settings)
     if url is None:
         return EX_FAILED
@@ -527,6 +535,8 @@ def _reasons(counts: dict[str, int]) -> str:
 
 def render_session(s: dict[str, Any], now: float) -> list[str]:
     """The `session` section of /status in a few lines."""
+    from provider.session.status import trust_line  # the agent's package: not imported for `--help`
+
     state = s.get("state", "?")
     head = f"coordinator {s.get('url', '?')}: {state}"
     if s.get("connected_since") is not None:
@@ -550,7 +560,7 @@ def render_session(s: dict[str, Any], now: float) -> list[str]:
         named = ", ".join(rt.get("mismatches", [])) or "no component named"
         lines.append(f"  runtime_status: NOT VERIFIED ({named}): the coordinator does not route to this "
                      "provider until its operator lists this runtime (see `darkbloom-provider doctor`)")
-    lines.append("  " + trust_line(s.get("trust"), now))  # provider.session.status
+    lines.append("  " + trust_line(s.get("trust"), now))
     close = s.get("last_close")
     if close:
         reason = f" \"{close['reason']}\"" if close.get("reason") else ""
@@ -621,7 +631,8 @@ def cmd_runtime_hash(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_service(args: argparse.Namespace, settings: Settings) -> int:
-    from provider import service
+    from provider import service, supervision
+    from provider.state_lock import running_agent
 
     env = dict(os.environ)
     given = list(overrides_from(args))
@@ -735,6 +746,8 @@ _COMMANDS = {
 
 
 def _config_error(exc: ConfigError, env: dict[str, str]) -> int:
+    from provider import supervision
+
     print(f"{PROG}: {exc}", file=sys.stderr)
     return supervision.exit_code_for(supervision.ExitReason.CONFIGURATION, EX_CONFIG, str(exc),
                                      home=_home(env), env=env)
@@ -744,7 +757,18 @@ def _home(env: dict[str, str]) -> Path:
     return Path(env["HOME"]) if env.get("HOME") else Path.home()
 
 
+def _reader_left() -> int:
+    """The reader of our output went away (`darkbloom-provider status | head -1`): nothing is wrong, so
+    no traceback; what is still buffered goes nowhere, and the exit is the shell's for a closed pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # the interpreter's last flush must not fail again
+    os.close(devnull)
+    return EX_PIPE
+
+
 def main(argv: list[str] | None = None) -> int:
+    # Only what the parser needs is imported before parsing, so `--help` and `--version` answer at once;
+    # each command imports what it uses (the engine and MLX only for those that serve).
     env = dict(os.environ)
     parser = build_parser()
     try:
@@ -752,6 +776,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # argparse has printed the usage and the error
         if exc.code != EX_USAGE:
             raise
+        from provider import supervision
+
         return supervision.exit_code_for(supervision.ExitReason.USAGE, EX_USAGE, "invalid command line (see "
                                          "provider.stderr.log)", home=_home(env), env=env)
     if args.command is None:
@@ -761,6 +787,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_from(args)
     except ConfigError as exc:
         return _config_error(exc, env)
+    from provider import supervision
+
     supervision.started(home=_home(env), env=env)
 
     from provider.service import ServiceError
@@ -768,7 +796,11 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging(settings.log_level, settings.log_format, log_file=settings.log_file)
     try:
-        return _COMMANDS[args.command](args, settings)
+        code = _COMMANDS[args.command](args, settings)
+        sys.stdout.flush()  # here, not at exit, so that a reader that left is handled below
+        return code
+    except BrokenPipeError:
+        return _reader_left()
     except ConfigError as exc:
         return _config_error(exc, env)
     except ServiceError as exc:

@@ -167,7 +167,24 @@ def run(model_dir: Path | None = None) -> int:
         if code != 0:
             return 1
     print(f"\ndemo finished in {time.monotonic() - started:.1f} s")
+    print("\n".join(next_steps(model_dir)))
     return 0
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the working directory when it is under it (`.venv/bin/...`), else absolute."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def next_steps(model_dir: Path) -> list[str]:
+    """What to try after the demo; the last line is the command to run next."""
+    exe = _shown(Path(sys.executable).parent / "darkbloom-provider")
+    return [("Next: serve the demo model yourself and point any OpenAI client at http://127.0.0.1:8484/v1 "
+             "(a real model: `darkbloom-provider pull mlx-community/<model>`, see the README):"),
+            f"  {exe} serve --local --model-aliases {MODEL_ID}={_shown(model_dir)}"]
 
 
 def main(argv: list[str] | None = None) -> int:

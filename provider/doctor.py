@@ -117,7 +117,7 @@ from provider.session.status import trust_line
 from provider.state_lock import running_agent
 from provider.supervision import AbnormalExits, guard_unwritable, read_abnormal_exits
 from provider.models import Inventory, ModelInfo, Quantization, default_hf_cache, discover
-from provider.models.searched import README_MODELS_HEADING, place_lines, places_text
+from provider.models.searched import PULL_HINT, README_MODELS_HEADING, place_lines, places_text
 from provider.models.template import TemplateBound
 from provider.models.template_check import check_inventory, without_unservable
 
@@ -190,7 +190,8 @@ _SEVERITY: dict[ProblemCode, Severity] = {
 }
 
 _EXPLAIN: dict[ProblemCode, str] = {
-    ProblemCode.NO_MODELS: f"no servable model found (see '{README_MODELS_HEADING}' in the README)",
+    ProblemCode.NO_MODELS: f"no servable model found: {PULL_HINT} downloads one (see '{README_MODELS_HEADING}' "
+                           "in the README)",
     ProblemCode.ENABLED_MODEL_MISSING: "listed in enabled_models but found nowhere",
     ProblemCode.MODEL_NEVER_FITS: "needs more than the effective cap even on an idle machine",
     ProblemCode.NO_ROOM: "these settings leave no room for any model under the cap (see deploy/README.md)",

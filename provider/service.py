@@ -29,7 +29,8 @@ If starting the service fails, the file is put back as it was: removed when the 
 restored when one was there before (an earlier ``--no-load`` install's): a failed install never
 deletes what it did not write. Without a systemd user session (SSH, su) ``systemctl --user`` cannot
 reach a manager; the error then says how to get one (``loginctl enable-linger``) or to use
-``--no-load``, and ``uninstall`` still removes the file and says that systemd was not told.
+``--no-load``, ``uninstall`` still removes the file and says that systemd was not told, and ``status``
+says how to get one instead of systemctl's own words.
 
 Under launchd a configuration error ends the agent without a relaunch loop and is shown by
 ``service status`` (``provider/supervision.py``).
@@ -483,7 +484,13 @@ def status(
         capture_output=True, text=True, check=False,
     )
     if proc.returncode != 0:
-        raise ServiceError(f"`systemctl --user show` failed: {_first_line(proc.stderr)}")
+        failure = f"`systemctl --user show` failed: {_first_line(proc.stderr)}"
+        if _no_user_session(failure):
+            installed = f"{path} is installed" if path.exists() else f"nothing is installed at {path}"
+            raise ServiceError(f"{_NO_SESSION}, so systemd cannot be asked about {UNIT_NAME} ({installed}): run "
+                               "`loginctl enable-linger $USER` and log in again (or `export XDG_RUNTIME_DIR=/run/user/"
+                               "$(id -u)`) and ask again; `darkbloom-provider status` asks a running agent itself")
+        raise ServiceError(failure)
     props = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
     loaded = props.get("LoadState") == "loaded"
     active, sub = props.get("ActiveState", "unknown"), props.get("SubState", "unknown")

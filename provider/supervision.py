@@ -56,7 +56,6 @@ from pathlib import Path
 import psutil
 
 from kvcache.disk import os_error_name
-from protocol.crypto import write_private_file
 from provider.config import SERVICE_MANAGER_ENV  # set by the launchd plist; not a setting
 from provider.telemetry import get_logger
 
@@ -117,7 +116,7 @@ def exit_code_for(reason: ExitReason, code: int, message: str, *, home: Path, en
     path = exit_record_path(home)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_private_file(path, (json.dumps(asdict(record), indent=2) + "\n").encode())
+        _write_private(path, (json.dumps(asdict(record), indent=2) + "\n").encode())
     except OSError:
         pass  # the message is in the stderr log anyway; not relaunching matters more
     return 0
@@ -202,7 +201,14 @@ def _read_json(path: Path) -> dict | None:
 
 def _write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the state directory, if it is the first thing
-    write_private_file(path, (json.dumps(data, indent=2) + "\n").encode())  # 0600; no temp file left on failure
+    _write_private(path, (json.dumps(data, indent=2) + "\n").encode())  # 0600; no temp file left on failure
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    # Imported here: the protocol package is the agent's, and `--help` / `--version` load this module.
+    from protocol.crypto import write_private_file
+
+    write_private_file(path, data)
 
 
 def _guard_off(state_dir: Path, exc: OSError, phase: str) -> None:

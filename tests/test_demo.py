@@ -22,3 +22,9 @@ def test_demo_runs_end_to_end_and_stops_the_server_cleanly(tiny_model_path):
     assert '"mode": "local"' in text and '"state": "loaded"' in text  # /status JSON
     assert "server exited with code 0" in text
     assert f"{tiny_model_path} (tiny Llama" in text
+    # The last line is what to run next: the CLI of this environment serving the demo model.
+    exe, *command = text.strip().splitlines()[-1].split()
+    assert os.access(exe, os.X_OK) and os.path.samefile(os.path.dirname(exe), os.path.dirname(sys.executable))
+    assert command[:3] == ["serve", "--local", "--model-aliases"]
+    alias, _, folder = command[3].partition("=")
+    assert alias == "darkbloom/demo-tiny" and os.path.samefile(folder, tiny_model_path)

@@ -91,8 +91,10 @@ def test_streaming_chat_with_the_openai_sdk(server, tiny_model_path):
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text
-    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
-    assert 1 <= chunks[-1].usage.completion_tokens <= 8
+    *body, finish, usage = chunks  # as OpenAI ends it: the usage in a last chunk of its own, with no choices
+    assert finish.choices[0].finish_reason in ("stop", "length") and finish.usage is None
+    assert usage.choices == [] and 1 <= usage.usage.completion_tokens <= 8
+    assert all(c.usage is None and c.choices[0].finish_reason is None for c in body)
     same = server.client().chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0)
     # The repeat reuses the cached prompt, its prefill split another way: the same tokens only where
@@ -153,8 +155,35 @@ def test_an_image_for_a_text_model_is_415_unsupported_media(server):
             {"type": "text", "text": "what is this"},
             {"type": "image_url", "image_url": {"url": data_uri(png_bytes(8, 8))}}]}], max_tokens=2)
     assert err.value.status_code == 415
-    assert err.value.response.json()["error"]["code"] == "unsupported_media"
+    error = err.value.response.json()["error"]
+    assert (error["code"], error["param"]) == ("unsupported_media", "image_url")
+    assert f"Model '{MODEL}' reads text only" in error["message"]  # the reason, in words
     assert "retry-after" not in err.value.response.headers
+
+
+@pytest.mark.parametrize(("url", "status", "param", "words"), [
+    ("https://example.com/cat.png", 415, "image_url", "never fetches"),
+    ("data:text/plain;base64,aGk=", 415, "image_url", "image/* media type"),
+    ("data:image/png;base64,%%%", 400, "image_url", "base64"),
+])
+def test_an_image_refusal_names_its_reason_and_param(server, url, status, param, words):
+    response = httpx.post(server.base_url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": url}}]}]})
+    error = response.json()["error"]
+    assert (response.status_code, error["param"]) == (status, param) and words in error["message"], error
+    assert url not in response.text
+
+
+def test_unknown_routes_and_methods_are_in_the_request_log(server):
+    assert httpx.get(server.base_url + "/v1/nope-route-7f3a", timeout=10).status_code == 404
+    assert httpx.delete(server.base_url + "/v1/models", timeout=10).status_code == 405
+    assert httpx.get(server.base_url + "/v1/models/no/such-model-7f3a", timeout=10).status_code == 404
+    events = [json.loads(line) for line in server.log_path.read_text().splitlines() if line.startswith("{")]
+    routed = [(e["status_code"], e["code"]) for e in events if e["event"] == "request_not_routed"]
+    assert (404, "unknown_route") in routed and (405, "method_not_allowed") in routed
+    assert any(e["event"] == "request_refused" and e.get("status_code") == 404 for e in events)
+    assert "7f3a" not in server.log_path.read_text()  # the path and the id asked for are not logged
 
 
 def test_a_model_name_the_client_chose_never_reaches_the_log(server):

@@ -35,13 +35,14 @@ from typing import Any
 
 from memory import CapFigures
 from memory.fit import FitResult
+from memory.media import DEFAULT_LIMITS, MediaLimits
 from protocol.errors import ErrorReason, Failure, RejectionReason
 from provider.engine import ChatRequest, RequestStream
 from provider.models.tools import ToolFormat
 from provider.request import PromptCounter
 from provider.request.body import ChatBody, CompletionBody, InvalidBody, parse_chat_body, parse_completion_body
 from provider.request.intake import Intake, OverContext, Refusal
-from provider.request.media import NO_MEDIA, MediaPlan, MediaRefused, inspect_images
+from provider.request.media import DECODABLE_FORMATS, NO_MEDIA, MediaPlan, MediaRefused, inspect_images
 from provider.runtime import Runtime
 from provider.metrics import EvictionCause
 from provider.slots import ModelState, Refused as AdmissionRefused, SlotRefused
@@ -130,6 +131,51 @@ def too_large(failure: Failure, model_id: str, fit: FitResult, kv_bytes: int, fi
                     f"Model '{model_id}' with this request's KV cache needs {_gib(fit.required_bytes + kv_bytes)} "
                     f"but this machine's memory cap is {_gib(fit.cap_bytes)}. Lower max_tokens or shorten the "
                     "prompt.")
+
+
+_MIB = 1 << 20
+_FORMATS = ", ".join(sorted(DECODABLE_FORMATS))
+_IMAGE_WORDS = {
+    "remote_url": "An image is a URL, and this server never fetches one: send the image inline as a data: URI "
+                  "(data:image/png;base64,...).",
+    "url_scheme": "An image_url must be a data: URI (data:image/png;base64,...).",
+    "data_uri": "An image's data: URI is not of the form data:image/<type>;base64,<data>.",
+    "media_type": "An image's data: URI does not have an image/* media type.",
+    "base64": "An image's base64 data does not decode.",
+    "image_header": f"An image could not be read: it is not a {_FORMATS} image, or it is damaged.",
+    "image_format": f"An image's format is not one this server decodes: send {_FORMATS}.",
+    "image_data": "An image is damaged: its header reads but its pixels do not decode.",
+    "no_vision_runtime": "This installation cannot read images: its `vision` extra is not installed "
+                         "(`make venv` installs it).",
+}
+
+
+def media_refused(refused: MediaRefused, limits: MediaLimits = DEFAULT_LIMITS) -> Explained:
+    """An image refusal with its reason in words (the limit, where one was passed) and the parameter:
+    `messages` for what the images add up to, `image_url` for one image. Never the image or its URL."""
+    kind = refused.kind
+    if kind == "decoded_length":
+        message = f"An image decodes to more than {limits.max_decoded_bytes / _MIB:.0f} MiB, the most one image may."
+    elif kind == "image_pixels":
+        message = f"An image has more than {limits.max_image_pixels:,} pixels, the most one image may have."
+    elif kind == "too_many_images":
+        message = f"This request carries more than {limits.max_images} images, the most one request may."
+    elif kind == "request_pixels":
+        message = (f"This request's images have more than {limits.max_request_pixels:,} pixels in all, the most one "
+                   "request may.")
+    else:
+        message = _IMAGE_WORDS.get(kind, "An image was refused.")
+    param = "messages" if kind in ("too_many_images", "request_pixels") else "image_url"
+    failure = refused.failure
+    return Explained(failure, failure.code.value, param, message, status_code=failure.status_code)
+
+
+def images_for_a_text_model(failure: Failure, model_id: str) -> Explained:
+    """415 naming the model: it reads text only."""
+    shown = model_id if len(model_id) <= MAX_SHOWN_ID else model_id[:MAX_SHOWN_ID] + "..."
+    return Explained(failure, failure.code.value, "image_url",
+                     f"Model '{shown}' reads text only and this request carries images: send text only, or ask a "
+                     "vision-language model.", status_code=failure.status_code)
 
 
 _NEVER_HERE = frozenset({ErrorReason.REQUEST_EXCEEDS_NODE, ErrorReason.REQUEST_EXCEEDS_NODE_BUDGET})
@@ -241,7 +287,9 @@ class RuntimeBackend:
                         yield stream
                 finally:
                     await stream.aclose()  # no-op after a terminal event; a cancel otherwise
-        except (SlotRefused, MediaRefused) as exc:  # MediaRefused: an image that would not decode
+        except MediaRefused as refused:  # an image that would not decode
+            raise media_refused(refused) from None
+        except SlotRefused as exc:
             raise Refused(exc.failure) from None
         finally:
             rt.stats.ended(request_id)
@@ -254,6 +302,8 @@ class RuntimeBackend:
             return context_exceeded(over, prompt_param)
         if failure == Failure.model_unavailable() and model_id is not None:
             return unknown_model(model_id, self.model_ids())
+        if failure == Failure.unsupported_media() and model_id is not None:  # admission: images for a text model
+            return images_for_a_text_model(failure, model_id)
         return Refused(failure)
 
     def _too_large(self, failure: Failure, model_id: str, prompt_tokens: int, max_tokens: int | None) -> Exception:
@@ -313,4 +363,4 @@ def _inspect(request_id: str, images: tuple[str, ...]) -> MediaPlan:
         return inspect_images(images)
     except MediaRefused as refused:
         log.info("request_refused", request_id=request_id, reason="media", kind=refused.kind)
-        raise Refusal(refused.failure) from None
+        raise media_refused(refused) from None

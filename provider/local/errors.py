@@ -27,6 +27,9 @@ from starlette.routing import Route
 from protocol.errors import Failure
 from provider.local.backend import Explained
 from provider.request.body import InvalidBody
+from provider.telemetry import get_logger
+
+log = get_logger(__name__)
 
 
 def openai_error(status: int, message: str, *, code: str | None, param: str | None = None,
@@ -69,17 +72,22 @@ def _routes(app: FastAPI) -> list[str]:
             for method in sorted(route.methods or ()) if method != "HEAD"]
 
 
+_HTTP_CODES = {404: "unknown_route", 405: "method_not_allowed"}
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Starlette's 404 and 405 and FastAPI's validation errors, in OpenAI's shape."""
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         headers = dict(exc.headers or {})
+        # In the request log like every answered request: the status and our code, never the path asked for.
+        log.info("request_not_routed", status_code=exc.status_code, code=_HTTP_CODES.get(exc.status_code))
         if exc.status_code == 404:
             return openai_error(404, "Unknown route. This server serves " + ", ".join(_routes(app)) + ".",
-                                code="unknown_route", headers=headers)
+                                code=_HTTP_CODES[404], headers=headers)
         if exc.status_code == 405:
             allowed = headers.get("Allow", "")
-            return openai_error(405, f"Method not allowed on this route: use {allowed}.", code="method_not_allowed",
+            return openai_error(405, f"Method not allowed on this route: use {allowed}.", code=_HTTP_CODES[405],
                                 headers=headers)
         phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else "Error"
         return openai_error(exc.status_code, f"{phrase}.", code=None, headers=headers)
@@ -88,6 +96,7 @@ def install_error_handlers(app: FastAPI) -> None:
         names = [p for p in exc.errors()[0].get("loc", ()) if isinstance(p, str)][1:]  # drop "query", "path"...
         param = ".".join(names) or None  # a parameter this app declares: our name, never the value
         message = f"Invalid parameter '{param}': is not valid." if param else "The request is not valid."
+        log.info("request_invalid", status_code=400, reason=param)
         return openai_error(400, message, code="invalid_request", param=param)
 
     app.add_exception_handler(HTTPException, http_error)

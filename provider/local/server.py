@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
 
 import uvicorn
 
-from provider.config import Settings, _is_loopback
+from provider.config import Settings, _is_loopback, env_name, flag_name
 from provider.local.app import LocalState, create_app
 from provider.local.backend import RuntimeBackend
 from provider.models.searched import say_if_no_models
@@ -37,6 +40,37 @@ EXPIRED_GRACE_S = 5.0  # after the drain: time for the ended responses to reach 
 
 class NotLoopback(ValueError):
     """The local server refuses any address but a loopback one."""
+
+
+class CannotListen(Exception):
+    """The local address cannot be listened on; the message says why and which setting to change."""
+
+
+_WHY = {
+    errno.EADDRINUSE: ("the port is in use (another agent, or another program, listens there)", "local_port"),
+    errno.EACCES: ("this user may not listen on that port (ports below 1024 need privileges)", "local_port"),
+    errno.EADDRNOTAVAIL: ("that address is not one of this machine's", "local_host"),
+}
+
+
+def listening_socket(settings: Settings) -> socket.socket:
+    """A socket bound to `local_host:local_port` and listening (a client is queued from here on, not
+    refused, while the server starts); `CannotListen` in words naming the setting otherwise."""
+    if not _is_loopback(settings.local_host):
+        raise NotLoopback(settings.local_host)
+    family = socket.AF_INET6 if ":" in settings.local_host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((settings.local_host, settings.local_port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        why, field = _WHY.get(exc.errno or 0, (os.strerror(exc.errno) if exc.errno else type(exc).__name__, "local_port"))
+        raise CannotListen(f"the local server cannot listen on {settings.local_host}:{settings.local_port}: {why}; "
+                           f"choose another with the setting {field} ({flag_name(field)}, {env_name(field)}, "
+                           "or the configuration file)") from exc
+    return sock
 
 
 class LocalServer(uvicorn.Server):
@@ -100,7 +134,9 @@ def uvicorn_config(app: object, settings: Settings) -> uvicorn.Config:
                           access_log=False, lifespan="off", timeout_graceful_shutdown=int(EXPIRED_GRACE_S))
 
 
-async def run_local(settings: Settings) -> None:
+async def run_local(settings: Settings, sock: socket.socket | None = None) -> None:
+    """Serve until stopped; `sock`: the listening socket (`listening_socket`), else bound here."""
+    sock = sock if sock is not None else listening_socket(settings)
     runtime = await Runtime.start(settings, hash_weights=False)  # nothing advertised: listen without hashing
     say_if_no_models(runtime.inventory)  # every request would be a 404: the owner reads why on stderr
     app = create_app(RuntimeBackend(runtime), runtime.metrics, chat=True, mode="local",
@@ -119,7 +155,7 @@ async def run_local(settings: Settings) -> None:
     log.info("local_server_starting", url=settings.local_base_url, models=list(runtime.servable),
              effective_cap_bytes=runtime.ledger.figures.effective_cap_bytes)
     try:
-        await server.serve()
+        await server.serve(sockets=[sock])
     finally:
         state.draining = True
         state.requests.expire()  # a forced stop: whatever still runs ends with its error event
@@ -144,7 +180,17 @@ async def _drain(server: LocalServer, state: LocalState, timeout_s: float) -> No
 
 
 def serve_local(settings: Settings) -> int:
-    asyncio.run(run_local(settings))
+    """`serve --local`: 0 after a stop; `os.EX_CONFIG` (78), in one sentence on stderr, when the address
+    cannot be listened on, found before anything is loaded."""
+    try:
+        sock = listening_socket(settings)
+    except CannotListen as exc:
+        print(f"darkbloom-provider: {exc}", file=sys.stderr)
+        return os.EX_CONFIG
+    try:
+        asyncio.run(run_local(settings, sock))
+    finally:
+        sock.close()
     return 0
 
 
@@ -166,16 +212,11 @@ class StatusEndpoint:
         app = create_app(RuntimeBackend(runtime), runtime.metrics, chat=False, mode=mode,
                          allowed_origins=settings.local_allowed_origins)
         config = uvicorn_config(app, settings)
-        family = socket.AF_INET6 if ":" in settings.local_host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((settings.local_host, settings.local_port))
-            sock.listen(128)  # from now on a client is queued, not refused, while uvicorn starts
-        except OSError as exc:  # the agent serves the coordinator without it; say why once
-            sock.close()
+            sock = listening_socket(settings)
+        except CannotListen as exc:  # the agent serves the coordinator without it; say why once
             log.warning("status_endpoint_unavailable", host=settings.local_host, port=settings.local_port,
-                        exc_type=type(exc).__name__)
+                        exc_type=type(exc.__cause__).__name__)
             return cls(None, None, app)
         server = _QuietServer(config)
         task = asyncio.create_task(server.serve(sockets=[sock]), name="status-endpoint")

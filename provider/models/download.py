@@ -15,7 +15,8 @@ keeps a partial file across processes). Around it:
 * the download is pinned to the planned commit, so what was counted is what arrives.
 
 Verification is the caller's: the weight hash (`provider/models/hashing.py`) of the snapshot folder.
-Errors say what went wrong in a word (`DownloadFailed.reason`), never a server's or an exception's text.
+Errors say what went wrong in a word (`DownloadFailed.reason`), never a server's or an exception's text;
+`failure_sentence` says it to a person, with what to do.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 DISK_MARGIN_BYTES = 1 << 30  # left free after a download: the cache is on the system disk
+GIB = 1 << 30
 PROGRESS_INTERVAL_S = 0.25  # a few progress frames a second at most
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
@@ -62,6 +64,32 @@ class DownloadPlan:
 def hub_endpoint() -> str | None:
     """`HF_ENDPOINT`, read now (the hub library reads it once, at import); None: the hub's default."""
     return os.environ.get("HF_ENDPOINT") or None
+
+
+HUB_DEFAULT = "https://huggingface.co"
+
+
+def failure_sentence(failed: DownloadFailed, repo_id: str, env: Mapping[str, str] | None = None) -> str:
+    """What `pull` prints when a download fails: the reason in words and what to do about it."""
+    env = os.environ if env is None else env
+    endpoint = env.get("HF_ENDPOINT") or HUB_DEFAULT
+    if isinstance(failed, DiskShort):
+        return (f"{repo_id} needs {failed.needed / GIB:.1f} GiB of disk (with a {DISK_MARGIN_BYTES / GIB:.0f} GiB "
+                f"margin) and {failed.free / GIB:.1f} GiB is free: make room, or set hf_cache_dir to a bigger disk")
+    offline = env.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    if failed.reason == "hub_unreachable" and offline:
+        return f"{repo_id} was not asked for: HF_HUB_OFFLINE is set in the environment; unset it to download"
+    words = {
+        "bad_model_id": f"{repo_id!r} is not a model id: the hub's are ORG/NAME (letters, digits, '-', '_', '.')",
+        "not_found": f"{repo_id} was not found on {endpoint} (check the spelling; a private or gated model needs a "
+                     "token: `hf auth login`, or HF_TOKEN)",
+        "hub_unreachable": f"{endpoint} did not answer as a Hugging Face hub: check the network, or HF_ENDPOINT "
+                           "for a mirror",
+        "empty_repo": f"{repo_id} has no files on {endpoint}",
+        "transfer_failed": f"the download of {repo_id} broke off: run the same command again, it fetches only the "
+                           "files still missing",
+    }
+    return words.get(failed.reason, f"{repo_id} could not be downloaded ({failed.reason})")
 
 
 def _silent_tqdm() -> type:
@@ -100,7 +128,10 @@ def plan_download(repo_id: str, cache_dir: Path) -> DownloadPlan:
                                   endpoint=hub_endpoint())
     except (RepositoryNotFoundError, RevisionNotFoundError):
         raise DownloadFailed("not_found") from None
-    except (HfHubHTTPError, OSError, ValueError):
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        # The dry run wraps the hub's answer in its own error (DryRunError): a missing repo is its cause.
+        if isinstance(exc.__cause__, RepositoryNotFoundError | RevisionNotFoundError):
+            raise DownloadFailed("not_found") from None
         raise DownloadFailed("hub_unreachable") from None
     if not infos:
         raise DownloadFailed("empty_repo")
@@ -182,6 +213,7 @@ __all__ = [
     "cached_bytes",
     "check_disk",
     "download",
+    "failure_sentence",
     "plan_download",
     "repo_folder",
     "valid_repo_id",

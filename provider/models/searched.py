@@ -15,6 +15,9 @@ from typing import TextIO
 from provider.models.discovery import Inventory, SearchedPlace
 
 README_MODELS_HEADING = "Pointing the provider at real MLX models"  # a heading of README.md (a test checks)
+# The project's own download first (the disk is checked, the weights hashed); the hub's CLI puts the
+# same files in the same cache.
+PULL_HINT = "`darkbloom-provider pull mlx-community/<model>` (or the hub's `hf download mlx-community/<model>`)"
 
 
 def place_lines(places: Iterable[SearchedPlace], indent: str = "  ") -> list[str]:
@@ -36,8 +39,8 @@ def no_models_lines(places: Sequence[SearchedPlace], disabled: Sequence[str] = (
     lines = [f"no models found{consequence}. Looked in:", *(place_lines(places) or ["  nowhere (no source configured)"])]
     if disabled:
         lines.append(f"  found, but not in enabled_models: {', '.join(disabled)}")
-    lines.append("Download one (`huggingface-cli download mlx-community/<model>`) or set model_dirs / model_aliases: "
-                 f"'{README_MODELS_HEADING}' in the README.")
+    lines.append(f"Download one: {PULL_HINT}; or set model_dirs / model_aliases: '{README_MODELS_HEADING}' in "
+                 "the README.")
     return lines
 
 
