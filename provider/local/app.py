@@ -43,7 +43,14 @@ from protocol import sse
 from protocol.sse import DONE
 from provider.engine import EngineFailure, Event, Failed, Finished, RequestStream, TextDelta, TokenLogprob, Usage
 from provider.engine.types import EngineTimes
-from provider.engine.openai import ChatChunks, TextChunks, chat_completion, choice_logprobs, text_completion
+from provider.engine.openai import (
+    ChatChunks,
+    TextChunks,
+    chat_completion,
+    choice_logprobs,
+    completion_usage,
+    text_completion,
+)
 from provider.engine.toolcalls import ToolCallStream, tool_calls_for
 from provider.local.backend import Explained, Refused, unknown_model
 from provider.local.drain import InFlight
@@ -225,6 +232,7 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
         served = backend.model_ids()
         if model in served:
             return JSONResponse(_model_object(model, backend.tool_format(model)))
+        log.info("request_refused", code="model_unavailable", status_code=404)  # the id asked for is not logged
         return explained_response(unknown_model(model, served))
 
     def tools_of(body: ChatBody) -> ToolCallStream | None:
@@ -422,7 +430,7 @@ async def _sse(opened: Any, stream: RequestStream, chunks: ChatChunks | TextChun
                         yield _event(chunk)
                 case Finished(usage=usage) as done:
                     outcome, times = RequestOutcome.COMPLETED, done.times
-                    for chunk in chunks.end(done, include_usage):
+                    for chunk in _ending(chunks, done, include_usage):
                         yield _event(chunk)
                 case Failed(code=code):
                     outcome = RequestOutcome.FAILED
@@ -439,6 +447,19 @@ async def _sse(opened: Any, stream: RequestStream, chunks: ChatChunks | TextChun
             await opened.__aexit__(None, None, None)
         finally:
             ended()
+
+
+def _ending(chunks: ChatChunks | TextChunks, done: Finished,
+            include_usage: bool) -> list[sse.ChatCompletionChunk] | list[sse.TextCompletion]:
+    """What ends a stream; with `include_usage`, the usage in a last chunk of its own with no choices, as
+    OpenAI sends it (a chat stream's builder puts it on the finish chunk, where the coordinator reads it)."""
+    if isinstance(chunks, TextChunks) or not include_usage:
+        return chunks.end(done, include_usage)
+    ending = chunks.end(done, include_usage=False)
+    last = ending[-1]
+    usage = sse.ChatCompletionChunk(id=last.id, created=last.created, model=last.model, choices=(),
+                                    usage=completion_usage(done.usage))
+    return [*ending, usage]
 
 
 def _event(obj: sse.ChatCompletionChunk | sse.TextCompletion | dict[str, Any]) -> bytes:
