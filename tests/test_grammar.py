@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import jsonschema
 import numpy as np
@@ -18,6 +19,7 @@ from mlx_lm.utils import load_tokenizer
 
 from grammar_walk import allowed, walk
 from memory.grammar import grammar_bytes
+from provider.grammar.numbers import E, EXP, FRAC, INT, ZERO, NumberScan, NumberState, breaks
 from provider.grammar import (
     GrammarCache,
     GrammarRejected,
@@ -255,3 +257,109 @@ def test_markers_that_are_special_tokens_are_forced_as_those_tokens(tools_wrappe
     assert ended and not constraint.failed and tokens[0] == fmt.start_token and tokens[-1] == fmt.end_token
     for call in hermes_calls(text(tools_table, tokens)):
         assert_valid_call(call, [WEATHER, SEARCH])
+
+
+# --- numbers: at most what a double carries ----------------------------------------------------------
+
+PLACE = {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
+         "required": ["lat", "lon"], "additionalProperties": False}
+NUMBER_TEXT = re.compile(rb"-?(\d+)(?:\.(\d+))?(?:[eE][+-]?(\d+))?")
+
+
+def numbers_in(out: str) -> list[tuple[int, int]]:
+    """(mantissa digits, a lone leading 0 not counted; exponent digits) of each number outside strings."""
+    found, rest = [], re.sub(r'"(?:[^"\\]|\\.)*"', '""', out).encode()
+    for m in NUMBER_TEXT.finditer(rest):
+        whole, fraction, exponent = m.group(1), m.group(2) or b"", m.group(3) or b""
+        found.append(((0 if whole == b"0" else len(whole)) + len(fraction), len(exponent)))
+    return found
+
+
+def test_numbers_of_a_schema_close_within_a_doubles_digits_however_a_random_model_writes(table):
+    """A uniform walk takes a digit whenever one is allowed (most of the vocabulary's numeric tokens):
+    without the bound every one of these runs past 200 tokens inside `lat`."""
+    grammar = json_schema_grammar(PLACE)
+    cache = GrammarCache()
+    for seed in range(12):
+        constraint = cache.constraint(table, grammar)
+        tokens, ended = walk(constraint, table, seed, limit=200)
+        out = text(table, tokens)
+        assert ended and constraint.accepting, (seed, len(tokens))
+        answer = json.loads(out)
+        jsonschema.validate(answer, PLACE)
+        assert all(d <= 17 and e <= 3 for d, e in numbers_in(out)), out
+
+
+def test_a_forced_calls_number_arguments_close_too(table):
+    move = {"type": "function", "function": {"name": "go", "parameters": PLACE}}
+    grammar = grammar_for_tool_call([move], {"type": "function", "function": {"name": "go"}}, HERMES)
+    cache = GrammarCache()
+    for seed in range(12):
+        constraint = cache.constraint(table, grammar)
+        tokens, ended = walk(constraint, table, seed, limit=300)
+        out = text(table, tokens)
+        assert ended, (seed, len(tokens))
+        [call] = hermes_calls(out)
+        assert_valid_call(call, [move])
+        assert all(d <= 17 and e <= 3 for d, e in numbers_in(out)), out
+
+
+def test_numbers_of_any_json_object_are_bounded_too(table):
+    """At the 17th digit, no digit more (nor a "." that would need one); the number may close or take
+    an exponent of at most 3 digits."""
+    constraint = GrammarCache().constraint(table, json_object_grammar())
+    for token in table.encode('{"a": [12345678901234567'):
+        constraint.consume(token)
+    spelled = {table.token_bytes(t) for t in allowed(constraint)}
+    assert b"," in spelled and b"]" in spelled and b"e" in spelled
+    assert not any(s[:1].isdigit() or s.startswith(b".") for s in spelled)
+    for token in table.encode("e-123"):
+        constraint.consume(token)
+    assert not any(s[:1].isdigit() for s in map(table.token_bytes, allowed(constraint)))
+    assert not constraint.failed
+
+
+@pytest.mark.parametrize("bounds", [{}, {"minimum": 0}, {"maximum": -5}])
+def test_an_integer_without_both_bounds_takes_at_most_17_digits(table, bounds):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", **bounds}}, "required": ["n"],
+              "additionalProperties": False}
+    cache, grammar = GrammarCache(), json_schema_grammar(schema)
+    for seed in range(6):
+        constraint = cache.constraint(table, grammar)
+        tokens, ended = walk(constraint, table, seed, limit=100)
+        assert ended, seed
+        value = json.loads(text(table, tokens))["n"]
+        jsonschema.validate({"n": value}, schema)
+        assert len(str(abs(value))) <= 17
+
+
+def test_an_integer_schemas_own_bounds_rule_even_past_17_digits(table):
+    """A minimum of 19 digits: the grammar then allows nothing but more digits, and gets them."""
+    schema = {"type": "integer", "minimum": 10**18, "maximum": 10**18 + 5}
+    grammar = json_schema_grammar(schema)
+    for seed in range(4):
+        constraint = GrammarCache().constraint(table, grammar)
+        tokens, ended = walk(constraint, table, seed, limit=100)
+        assert ended and 10**18 <= json.loads(text(table, tokens)) <= 10**18 + 5
+
+
+def test_the_number_scan_reads_json_numbers_and_skips_strings():
+    scan = NumberScan()
+    scan.feed(b'{"a1": "x\\"9", "b": -12.5e+0')
+    assert scan.number == NumberState(EXP, 0, 1)
+    scan.feed(b"7")
+    assert scan.number == NumberState(EXP, 0, 2)
+    scan.feed(b', "c": 0')
+    assert scan.number == NumberState(ZERO)
+    scan.feed(b"]")
+    assert scan.number is None
+    scan.feed(b'"9')
+    assert scan.number is None  # in a string
+
+
+def test_what_breaks_the_bound():
+    at_17 = NumberState(INT, 17)
+    assert breaks(at_17, b"1") and breaks(at_17, b".") and not breaks(at_17, b"e5") and not breaks(at_17, b",")
+    assert not breaks(NumberState(FRAC, 16), b"1,") and breaks(NumberState(FRAC, 16), b"12")
+    assert breaks(NumberState(EXP, 0, 3), b"0") and not breaks(NumberState(E), b"-308")
+    assert not breaks(NumberState(ZERO), b".12345678901234567") and breaks(NumberState(ZERO), b".123456789012345678")

@@ -139,6 +139,20 @@ def test_a_forced_answer_cut_by_max_tokens_keeps_its_whole_calls_and_never_retur
     assert {(False, "length"), (True, "length")} <= shapes
 
 
+def test_a_forced_calls_numbers_without_bounds_close_within_max_tokens(server):
+    place = _function("go_to", {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
+                                "required": ["lat", "lon"], "additionalProperties": False})
+    client = server.client()
+    for seed in range(12):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "go"}], tools=[place], max_tokens=200,
+            tool_choice={"type": "function", "function": {"name": "go_to"}}, temperature=1.0, seed=seed)
+        answer = reply.choices[0]
+        assert answer.finish_reason == "tool_calls", (seed, reply.usage.completion_tokens)
+        [call] = answer.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), place["function"]["parameters"])
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "move_arm"}}])
 def test_a_streamed_forced_call_reassembles_to_the_non_streamed_one(server, choice):
     client = server.client()

@@ -89,6 +89,23 @@ def test_a_hundred_json_schema_answers_validate_at_concurrency_8_beside_plain_re
     assert CANARY not in server.log_path.read_text()  # neither the prompt nor the schema's property name
 
 
+PLACE = {"type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}},
+         "required": ["lat", "lon"], "additionalProperties": False}
+
+
+def test_numbers_without_bounds_still_close_within_max_tokens(server):
+    """A number may take only the digits a double carries (17, and 3 in an exponent): random weights no
+    longer run to max_tokens inside `lat`."""
+    client = server.client()
+    for seed in range(12):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "where?"}], max_tokens=200, temperature=1.0,
+            seed=seed, response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": PLACE}})
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", (seed, reply.usage.completion_tokens)
+        jsonschema.validate(json.loads(choice.message.content), PLACE)
+
+
 def test_json_object_answers_parse(server):
     client = server.client()
     for seed in range(6):

@@ -4,6 +4,7 @@
 * `tools`    the grammar of a forced tool call, in the model's tool-call format
 * `vocab`    `TokenTable`: a model's vocabulary as llguidance reads it (and each token's bytes)
 * `compiled` `GrammarCache` (compiled grammars, bounded LRU) and `Constraint` (one request's matcher)
+* `numbers`  numbers held to what a double carries (17 digits, a 3-digit exponent), so answers close
 
 The engine applies a `Constraint`'s masks inside the batched decode step (`provider/engine/guided.py`);
 the intake compiles it and reserves its memory (`provider/request/output.py`, `memory/grammar.py`).

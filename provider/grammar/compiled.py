@@ -5,6 +5,9 @@ parser: 1 to 3 ms for a 50-property schema on the tiny models, more for a large 
 complex schema (it drops the GIL). Each compiled grammar is kept, keyed by the vocabulary and the
 grammar text, and every request gets a copy of it (`deep_copy`, microseconds; copies share the
 lexer). The cache holds at most `MAX_ENTRIES` grammars, least recently used out first.
+
+A request's masks are the grammar's, less the tokens that would carry a number past what a double
+carries (`numbers`): every constrained answer of a bounded schema closes.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import numpy as np
 from llguidance import LLMatcher
 
 from provider.grammar.formats import GrammarRejected, limits
+from provider.grammar.numbers import NumberScan
 from provider.grammar.vocab import TokenTable
 
 MAX_ENTRIES = 32
@@ -26,24 +30,29 @@ class Constraint:
     """One request's place in its grammar. Stepped on the engine thread (`fill` the next token's mask,
     `consume` the token chosen); `release` gives its memory reservation back (any thread, once)."""
 
-    __slots__ = ("_matcher", "words", "_release", "_lock")
+    __slots__ = ("_matcher", "words", "_release", "_lock", "_table", "_scan")
 
-    def __init__(self, matcher: LLMatcher, vocab_size: int, release: Callable[[], None] | None = None) -> None:
+    def __init__(self, matcher: LLMatcher, table: TokenTable, release: Callable[[], None] | None = None) -> None:
         self._matcher = matcher
-        self.words = (vocab_size + 31) // 32  # int32 words of one packed mask row
+        self.words = (table.vocab_size + 31) // 32  # int32 words of one packed mask row
         self._release = release
         self._lock = threading.Lock()
+        self._table = table
+        self._scan = NumberScan()  # where the output is: inside a number, and where in it
 
     def fill(self, row: np.ndarray) -> None:
         """Write the mask of the tokens allowed next into `row` (contiguous int32, `words` long): bit
         `t % 32` of word `t // 32` is set where token t is allowed. Where the language may end, the
-        EOS tokens are allowed; where it must (or after a refused token), only they are."""
+        EOS tokens are allowed; where it must (or after a refused token), only they are. Inside a
+        number, not the tokens that would carry it past a double's digits (`numbers`)."""
         self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        self._table.numbers.limit(row, self._scan.number)
 
     def consume(self, token: int) -> None:
         """Advance past the token chosen. A token the mask did not allow puts the matcher in its error
         state, where its masks allow nothing but EOS: the request ends there."""
         self._matcher.consume_token(token)
+        self._scan.feed(self._table.token_bytes(token))
 
     @property
     def accepting(self) -> bool:
@@ -97,7 +106,7 @@ class GrammarCache:
                 self._entries.move_to_end(key)
                 while len(self._entries) > self._max:
                     self._entries.popitem(last=False)
-        return Constraint(compiled.deep_copy(), table.vocab_size, release)
+        return Constraint(compiled.deep_copy(), table, release)
 
 
 __all__ = ["MAX_ENTRIES", "Constraint", "GrammarCache"]

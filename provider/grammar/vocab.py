@@ -4,7 +4,8 @@ each token's bytes (what `logprobs` reports as `bytes`).
 Built once per model from its Hugging Face fast tokenizer (`llguidance.hf.from_tokenizer` walks the
 whole vocabulary: ~10 ms for the tiny model's 2k tokens, about a second for 150k), never on the
 event loop. The EOS tokens are the model's (`TokenizerWrapper.eos_token_ids`, the engine's stop
-tokens): a grammar lets one through only where its language may end.
+tokens): a grammar lets one through only where its language may end. With it, the tokens that can
+continue a number (`numbers.NumberIndex`: what holds constrained numbers to a double's digits).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 import llguidance
 import llguidance.hf
 
+from provider.grammar.numbers import NumberIndex
+
 
 class VocabUnavailable(ValueError):
     """The model's tokenizer is not one llguidance can read (not a fast tokenizer)."""
@@ -22,12 +25,13 @@ class VocabUnavailable(ValueError):
 class TokenTable:
     """One model's llguidance tokenizer; thread-safe to read (immutable)."""
 
-    __slots__ = ("tokenizer", "vocab_size", "eos_ids")
+    __slots__ = ("tokenizer", "vocab_size", "eos_ids", "numbers")
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, eos_ids: frozenset[int]) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.vocab_size
         self.eos_ids = eos_ids
+        self.numbers = NumberIndex.of(self.vocab_size, self.token_bytes)
 
     @classmethod
     def of(cls, wrapper: Any) -> TokenTable:
