@@ -276,8 +276,8 @@ def numbers_in(out: str) -> list[tuple[int, int]]:
 
 
 def test_numbers_of_a_schema_close_within_a_doubles_digits_however_a_random_model_writes(table):
-    """A uniform walk takes a digit whenever one is allowed (most of the vocabulary's numeric tokens):
-    without the bound every one of these runs past 200 tokens inside `lat`."""
+    """A uniform walk among the allowed tokens mostly picks a digit inside a number: without the bound,
+    6 of these 12 run past 200 tokens."""
     grammar = json_schema_grammar(PLACE)
     cache = GrammarCache()
     for seed in range(12):
