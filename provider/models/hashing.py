@@ -17,15 +17,27 @@ files that changed. A `DigestCache` opened on a file (`DigestCache.open(state_di
 "weight-hashes.json")`, what the agent does) keeps them across processes: a restart re-reads only
 weight files whose size or modification time changed, instead of every byte of every model. The
 hashing runs in a worker thread: the event loop never reads weights.
+
+Hashing leaves the page cache as it found it. Reading 30 GB of weights through the cache would fill it:
+the memory the agent's gate sees as available shrinks by as much (a model that fits is turned away),
+and on a lent Mac the owner's cached files are pushed out. So on macOS the file is read with
+``F_NOCACHE`` (``fcntl``), and on Linux every chunk read is dropped from the cache behind it
+(``posix_fadvise(POSIX_FADV_DONTNEED)``) except the pages that were cached before the read began
+(``mincore`` on a mapping of the file that is never touched, through ctypes); where that cannot be
+asked, every chunk is dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import fnmatch
 import hashlib
 import json
+import mmap
 import os
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -195,10 +207,119 @@ async def weight_hash(model_dir: Path, *, cache: DigestCache | None = None,
 def _file_digest(path: Path, progress: Progress | None, done_before: int, total: int) -> str:
     sha = hashlib.sha256()
     read = 0
-    with path.open("rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            sha.update(chunk)
-            read += len(chunk)
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        behind = _CacheKeeper(fd)
+        while n := os.readv(fd, [view]):
+            sha.update(view[:n])
+            behind.drop(read, n)
+            read += n
             if progress is not None:
                 progress(done_before + read, total)
+        behind.finish()
+    finally:
+        os.close(fd)
     return sha.hexdigest()
+
+
+# --- reading without filling the page cache
+
+_PAGE = mmap.PAGESIZE
+_F_NOCACHE = 48  # macOS <sys/fcntl.h>; the fcntl module names it on recent Pythons only
+_RESIDENT = bytes(b & 1 for b in range(256))  # mincore's per-page byte: bit 0 is "in the page cache"
+
+
+class _CacheKeeper:
+    """Puts the page cache back as it was for one open file, as its chunks are consumed (`drop`) and once
+    it is read (`finish`). A page just read may still sit in another CPU's batch of pages on their way to
+    the cache's lists, where a drop cannot reach it yet: each drop covers the last `_LAG` bytes again, and
+    `finish` the whole file."""
+
+    __slots__ = ("_before", "_fd", "_size")
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._size = os.fstat(fd).st_size
+        self._before: bytes | None = None  # one byte per page, 1: cached before the first read
+        if sys.platform == "darwin":
+            import fcntl
+
+            try:  # reads bypass the cache; what was cached stays
+                fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", _F_NOCACHE), 1)
+            except OSError:
+                pass
+        elif _CAN_DROP:
+            self._before = _resident_pages(fd, self._size)
+
+    def drop(self, offset: int, length: int) -> None:
+        """[offset, offset + length) was read and hashed: drop what the reads brought into the cache."""
+        start = max(0, offset - _LAG)
+        self._drop(start, offset + length - start)
+
+    def finish(self) -> None:
+        self._drop(0, max(self._size, 1))
+
+    def _drop(self, offset: int, length: int) -> None:
+        if not _CAN_DROP or sys.platform == "darwin":
+            return
+        before = self._before
+        if before is None:
+            _dontneed(self._fd, offset, length)
+            return
+        first, end = offset // _PAGE, -(-(offset + length) // _PAGE)
+        page = before.find(0, first, end)  # the first page this hashing brought in
+        while page != -1:
+            cached = before.find(1, page, end)
+            stop = end if cached == -1 else cached
+            _dontneed(self._fd, page * _PAGE, (stop - page) * _PAGE)
+            page = -1 if cached == -1 else before.find(0, cached, end)
+
+
+_LAG = 8 * _CHUNK
+
+
+_CAN_DROP = hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_DONTNEED")
+
+
+def _dontneed(fd: int, offset: int, length: int) -> None:
+    try:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass  # a filesystem that keeps no page cache of its own (tmpfs): nothing to put back
+
+
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name, use_errno=True)
+    except OSError:
+        return None
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte))
+    return libc
+
+
+_LIBC = _libc() if _CAN_DROP else None
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _resident_pages(fd: int, size: int) -> bytes | None:
+    """One byte per page of the open file (`size` bytes), 1 where the page is in the page cache now
+    (mincore on a read-only mapping that is never touched, so asking reads nothing); None when it cannot
+    be told."""
+    if _LIBC is None or size == 0:
+        return None
+    addr = _LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        return None
+    try:
+        pages = (ctypes.c_ubyte * (-(-size // _PAGE)))()
+        if _LIBC.mincore(addr, size, pages) != 0:
+            return None
+        return bytes(pages).translate(_RESIDENT)
+    finally:
+        _LIBC.munmap(addr, size)
