@@ -6,7 +6,8 @@
 * `kv_bytes_for_tokens(info.kv, tokens)` and `KvLayout` (kv.py)
 * `weight_hash(path)` (hashing.py)
 * a folder's chat template is its code: `renderer(lane).render(ChatTemplate.of(tokenizer), messages, ...)`
-  renders it in a bounded child process (template.py, _template_child.py); `check_inventory` and
+  renders it in a bounded child process (template.py; renderer.py and _template_child.py: the
+  processes, their bounds, pipelined renders); `check_inventory` and
   `without_unservable` (template_check.py) make one that passes a bound a skipped folder
 """
 
