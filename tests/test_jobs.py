@@ -482,3 +482,20 @@ async def test_an_error_after_the_first_chunk_ends_the_stream_with_one_error(tin
     # the engine released the KV reservation with the failed request
     assert h.ledger.snapshot().count_by_kind[ReservationKind.REQUEST_KV] == 0
     await engine.aclose()
+
+
+async def test_a_misspelt_parameter_is_refused_before_the_accept_and_a_vendors_field_is_named_in_the_log(harness):
+    """`max_token` would otherwise run to the default max_tokens: a 400 (the closed invalid_request text)
+    before any accept; another vendor's field is served, named (never its value) in the request log."""
+    canary = "CANARY-vendor-7d1"
+    body = {k: v for k, v in chat().items() if k != "max_tokens"}
+    with capture_redacted_logs() as logs:
+        typo = await harness.run(harness.coordinator.request("t1", {**body, "max_token": 3}))
+        vendor = await harness.run(harness.coordinator.request("t2", chat(cache_prompt=canary, top_n=2)))
+    assert typo is JobOutcome.REJECTED and vendor is JobOutcome.COMPLETED
+    (frame,) = harness.of("t1")
+    assert (frame["type"], frame["status_code"], frame["failure_code"]) == ("inference_error", 400, "invalid_request")
+    assert any(e["event"] == "request_refused" and e.get("kind") == "max_token" for e in logs)
+    [warning] = [e for e in logs if e["event"] == "request_unknown_fields"]
+    assert warning["kind"] == ["cache_prompt", "top_n"] and warning["request_id"] == "t2"
+    assert canary not in json.dumps(logs, default=str) and canary not in json.dumps(harness.frames)

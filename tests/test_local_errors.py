@@ -120,6 +120,10 @@ BAD_BODIES = [  # (what the client sends on top of a valid body, param, words of
     ({"response_format": {"type": "xml"}}, "response_format.type", "must be one of text, json_object, json_schema"),
     ({"extra_body": {"top_k": 5}}, "top_k", "not supported"),
     ({"extra_body": {"reasoning_effort": "high"}}, "reasoning_effort", "not supported"),
+    # a misspelt parameter is named with the one meant, as OpenAI names an unrecognized argument
+    ({"extra_body": {"max_token": 3}}, "max_token", "did you mean 'max_tokens'?"),
+    ({"extra_body": {"response_fromat": {"type": "json_object", "x": CANARY}}}, "response_fromat",
+     "did you mean 'response_format'?"),
 ]
 
 
@@ -146,6 +150,18 @@ def test_what_is_ignored_is_what_does_not_change_the_answer(server):
     tagged = client.chat.completions.create(**kwargs, user="u-1", metadata={"k": "v"}, service_tier="auto",
                                             presence_penalty=0, n=1, logit_bias={}, store=False)
     assert tagged.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_another_vendors_field_is_accepted_and_named_in_the_request_log(server):
+    reply = server.client().chat.completions.create(
+        model=GOOD, messages=[{"role": "user", "content": "hello"}], max_tokens=2,
+        extra_body={"cache_prompt": CANARY, "max_new_tokens": 7})
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    warnings = [json.loads(line) for line in server.log_path.read_text().splitlines()
+                if '"request_unknown_fields"' in line]
+    assert warnings and warnings[-1]["kind"] == ["cache_prompt", "max_new_tokens"]
+    assert warnings[-1]["level"] == "warning" and warnings[-1]["request_id"] == reply.id
+    assert CANARY not in server.log_path.read_text()
 
 
 def test_without_allowed_origins_a_browser_gets_no_cors_headers(server):

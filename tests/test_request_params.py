@@ -12,9 +12,11 @@ from provider.request.body import (
     COMPLETION_MAX_TOKENS,
     InvalidBody,
     ToolChoice,
+    log_unknown_fields,
     parse_chat_body,
     parse_completion_body,
 )
+from provider.telemetry import capture_redacted_logs
 from provider.request.params import IGNORED, NEUTRAL, REFUSED, Endpoint
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -133,6 +135,43 @@ def test_keys_outside_openais_api_are_ignored_as_the_coordinator_needs():
     """protocol.md §7.1: the coordinator adds `endpoint` and metadata keys of its own."""
     assert parse_chat_body({**CHAT, "endpoint": "/v1/chat/completions", "tool_schema_metadata_protocol": 1,
                             "stream_options": {"include_usage": True, "include_obfuscation": False}}).include_usage
+
+
+@pytest.mark.parametrize("endpoint, name, meant", [
+    (Endpoint.CHAT, "max_token", "max_tokens"), (Endpoint.CHAT, "response_fromat", "response_format"),
+    (Endpoint.CHAT, "temprature", "temperature"), (Endpoint.CHAT, "stream_option", "stream_options"),
+    (Endpoint.CHAT, "logprob", "logprobs"), (Endpoint.CHAT, "parallel_tool_call", "parallel_tool_calls"),
+    (Endpoint.COMPLETIONS, "max_token", "max_tokens"), (Endpoint.COMPLETIONS, "promt", "prompt"),
+])
+def test_a_misspelt_parameter_is_refused_naming_it_and_the_one_meant(endpoint, name, meant):
+    parse, base = PARSERS[endpoint]
+    invalid = refused(parse, {**base, name: {"x": "CANARY-value"}})
+    assert invalid.field == name and f"did you mean '{meant}'" in invalid.rule and "CANARY" not in invalid.message
+
+
+VENDOR = {"max_new_tokens": 5, "top_n": 2, "chat_template": "x", "cache_prompt": True, "user_id": "u",
+          "stop_token_ids": [1], "repetition_penalty_range": 3, "x-trace": "t", "max_output_tokens": 9}
+
+
+@pytest.mark.parametrize("endpoint", list(Endpoint))
+def test_other_vendors_fields_are_accepted_and_kept_by_name(endpoint):
+    parse, base = PARSERS[endpoint]
+    body = parse({**base, **VENDOR, "endpoint": "/v1/chat/completions", "tool_schema_metadata_protocol": 1,
+                  "user": "u"})
+    assert body.unknown_fields == tuple(VENDOR)  # not the coordinator's keys, not a table's
+    assert parse(base).unknown_fields == ()
+
+
+def test_the_warning_names_the_unknown_fields_never_their_values():
+    body = parse_chat_body({**CHAT, "cache_prompt": "CANARY-value", "a key with spaces": 1, "x" * 65: 2})
+    with capture_redacted_logs() as logs:
+        log_unknown_fields(body, request_id="r1")
+    [warning] = [e for e in logs if e["event"] == "request_unknown_fields"]
+    assert warning["log_level"] == "warning" and warning["kind"] == ["cache_prompt"] and warning["count"] == 3
+    assert warning["request_id"] == "r1" and "CANARY" not in repr(logs) and "spaces" not in repr(logs)
+    with capture_redacted_logs() as logs:
+        log_unknown_fields(parse_chat_body(CHAT))
+    assert logs == []
 
 
 def test_the_issue_31_parameters_are_parsed_for_their_implementations():

@@ -58,7 +58,7 @@ from provider.engine.toolcalls import ToolCallStream, tool_calls_for
 from provider.engine.types import EngineTimes
 from provider.jobs.lifecycle import JobEvent, JobLifecycle, JobState
 from provider.jobs.stats import ServingStats
-from provider.request.body import ChatBody, InvalidBody, parse_chat_body
+from provider.request.body import ChatBody, InvalidBody, log_unknown_fields, parse_chat_body
 from provider.request.intake import Intake, Refusal, Ticket
 from provider.request.media import NO_MEDIA, MediaPlan, MediaRefused, inspect_images
 from provider.request.output import OutputPlan
@@ -246,6 +246,7 @@ class Job:
         intake.precheck(data)
         try:
             body = parse_chat_body(data)
+            log_unknown_fields(body)
             if self._ctx.resolve_model is not None:
                 body = dataclasses.replace(body, model=self._ctx.resolve_model(body.model))
             return box, body

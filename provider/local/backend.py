@@ -40,7 +40,14 @@ from protocol.errors import ErrorReason, Failure, RejectionReason
 from provider.engine import ChatRequest, RequestStream
 from provider.models.tools import ToolFormat
 from provider.request import PromptCounter
-from provider.request.body import ChatBody, CompletionBody, InvalidBody, parse_chat_body, parse_completion_body
+from provider.request.body import (
+    ChatBody,
+    CompletionBody,
+    InvalidBody,
+    log_unknown_fields,
+    parse_chat_body,
+    parse_completion_body,
+)
 from provider.request.intake import Intake, OverContext, Refusal
 from provider.request.media import DECODABLE_FORMATS, NO_MEDIA, MediaPlan, MediaRefused, inspect_images
 from provider.runtime import Runtime
@@ -221,6 +228,7 @@ class RuntimeBackend:
         try:
             async with rt.intake.ticket(request_id, len(raw)) as ticket:
                 body = asked = await ticket.run(_parse, rt.intake, raw)
+                log_unknown_fields(body, request_id=request_id)
                 media = await ticket.run(_inspect, request_id, body.images) if body.images else NO_MEDIA
                 prompt_ids = await rt.intake.prompt_ids(ticket, body, queued=rt.settings.local_queue_s > 0)
             output = await rt.intake.output(request_id, body)  # issue 31: its grammar, log-probabilities
@@ -253,6 +261,7 @@ class RuntimeBackend:
         try:
             async with rt.intake.ticket(request_id, len(raw)) as ticket:
                 body = asked = await ticket.run(_parse_completion, raw)
+                log_unknown_fields(body, request_id=request_id)
                 prompt_ids = await rt.intake.completion_ids(ticket, body, queued=rt.settings.local_queue_s > 0)
         except Refusal as refusal:
             raise self._explained(refusal.failure, refusal.over, asked and asked.model, "prompt") from None

@@ -9,7 +9,9 @@ Types are JSON's, strictly, as OpenAI checks them: `"stream": "yes"`, `"temperat
 `"max_tokens": 5.0` or `true` for a number are 400s naming the parameter, never coerced. A parameter
 this provider cannot honour (`n: 2`, `top_k`, a non-zero `presence_penalty`...) is a 400 naming it
 too: `provider.request.params` holds that table, with the parameters accepted and ignored. Keys that
-are in neither (the coordinator's own, like `endpoint`) are ignored.
+are in neither (another vendor's, the coordinator's own like `endpoint`) are accepted and kept by
+name in `unknown_fields`, for the front doors' warning (`log_unknown_fields`); one that looks like a
+misspelt parameter (`max_token`) is a 400 naming it and the parameter meant.
 
 Messages: `role` is one of OpenAI's (system, developer, user, assistant, tool); `content` is required
 (null counts as missing) except on an assistant message that carries `tool_calls`. Anything else is a
@@ -39,6 +41,7 @@ allocation) and decode. Whether the model can take images is admission's call, n
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -49,8 +52,11 @@ from pydantic_core import PydanticCustomError
 from provider.engine import SamplingParams, ToolCallConstraint
 from provider.models.tools import ToolFormat
 from provider.request.bounds import countable_chars
-from provider.request.params import Endpoint, unsupported
+from provider.request.params import Endpoint, misspelt, unknown_names, unsupported
 from provider.request.response_format import ResponseFormat, parse_response_format
+from provider.telemetry import get_logger
+
+log = get_logger("provider.request")
 
 
 class InvalidBody(ValueError):
@@ -332,6 +338,7 @@ class ChatBody:
     response_format: ResponseFormat | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    unknown_fields: tuple[str, ...] = ()  # top-level keys no table knows, accepted (names only, for the log)
 
     @property
     def offered_tools(self) -> tuple[Mapping[str, Any], ...]:
@@ -368,6 +375,7 @@ class CompletionBody:
     top_p: float
     seed: int | None
     stop: tuple[str, ...]
+    unknown_fields: tuple[str, ...] = ()  # as ChatBody's
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=min(self.max_tokens, default_max_tokens), temperature=self.temperature,
@@ -396,16 +404,35 @@ _PATH_NAMES = frozenset().union(*(m.model_fields for m in (_Body, _CompletionBod
                                                              _Function)))
 
 
-def _validated(model: type[_Sampled], data: Any, endpoint: Endpoint) -> Any:
+def _validated(model: type[_Sampled], data: Any, endpoint: Endpoint) -> tuple[Any, tuple[str, ...]]:
+    """The validated body and its unknown top-level keys."""
     if not isinstance(data, Mapping):
         raise InvalidBody("body", "must be a JSON object")
     refused = unsupported(data, endpoint)
     if refused is not None:
         raise InvalidBody(*refused)
+    read = frozenset(model.model_fields)
+    unknown = unknown_names(data, endpoint, read)
+    for name in unknown:
+        meant = misspelt(name, endpoint, read)
+        if meant is not None:  # the name is within a letter or two of one of ours: safe to show
+            raise InvalidBody(name, f"is not a parameter of this endpoint: did you mean '{meant}'?")
     try:
-        return model.model_validate(data)
+        return model.model_validate(data), unknown
     except ValidationError as exc:
         raise _invalid(exc.errors(include_url=False, include_input=False)[0]) from None
+
+
+_PARAMETER_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+MAX_NAMED = 16  # unknown fields named in one warning
+
+
+def log_unknown_fields(body: ChatBody | CompletionBody, **context: str) -> None:
+    """The request log's warning for a body with top-level fields no table knows (accepted): their
+    names, those spelled like a parameter name (`count`: all of them), never their values."""
+    if body.unknown_fields:
+        named = [n for n in body.unknown_fields if _PARAMETER_NAME.fullmatch(n)][:MAX_NAMED]
+        log.warning("request_unknown_fields", kind=named, count=len(body.unknown_fields), **context)
 
 
 def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -448,7 +475,7 @@ def _prompt(prompt: Any) -> str | tuple[int, ...]:
 
 def parse_completion_body(data: Any) -> CompletionBody:
     """Validate a decoded legacy completions body; `InvalidBody(field, rule)` on anything we cannot run."""
-    body = _validated(_CompletionBody, data, Endpoint.COMPLETIONS)
+    body, unknown = _validated(_CompletionBody, data, Endpoint.COMPLETIONS)
     return CompletionBody(
         model=body.model,
         prompt=_prompt(body.prompt),
@@ -459,12 +486,13 @@ def parse_completion_body(data: Any) -> CompletionBody:
         top_p=body.top_p,
         seed=body.seed,
         stop=_stop(body.stop),
+        unknown_fields=unknown,
     )
 
 
 def parse_chat_body(data: Any) -> ChatBody:
     """Validate a decoded JSON body; `InvalidBody(field, rule)` on anything we cannot run."""
-    body = _validated(_Body, data, Endpoint.CHAT)
+    body, unknown = _validated(_Body, data, Endpoint.CHAT)
     stop = _stop(body.stop)
     tools = body.tools or []
     if len({t.function.name for t in tools}) < len(tools):
@@ -494,4 +522,5 @@ def parse_chat_body(data: Any) -> ChatBody:
         response_format=response_format,
         logprobs=bool(body.logprobs),
         top_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        unknown_fields=unknown,
     )

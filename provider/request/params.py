@@ -13,8 +13,12 @@ asked. Three kinds:
   ``min_p``...: sampling without them would give another distribution than the client asked for).
 
 ``null`` counts as not sent, as OpenAI reads it. A key in none of these tables and not one the body
-validator reads is ignored: the coordinator adds keys of its own (``endpoint``,
-``tool_schema_metadata_protocol``) and newer ones must be ignored (protocol.md §7.1).
+validator reads is unknown (`unknown_names`): accepted, since other vendors' clients add fields of
+their own and the coordinator adds its metadata (``endpoint``, ``tool_schema_metadata_protocol``, and
+newer ones it may add), and the front doors name it in a warning of the request log. One that looks
+like a misspelling of a parameter the endpoint reads (`misspelt`: ``max_token``, ``response_fromat``)
+is a 400 naming it and the parameter meant, as OpenAI answers an unrecognized argument: a client
+that asked for ``max_token: 3`` would otherwise get a 200 of hundreds of tokens.
 
 Not here: ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``response_format``, ``logprobs`` and
 ``top_logprobs`` on chat are parsed by the body validator (issue 31 items 1-3). On the legacy
@@ -24,6 +28,7 @@ a completion there is free text.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -135,6 +140,33 @@ _CHECKS: Mapping[Endpoint, tuple[tuple[str, Rule], ...]] = {
 }
 
 
+# The coordinator's own keys in a body it forwards (its metadata, not the consumer's).
+COORDINATOR_KEYS = frozenset({"endpoint", "tool_schema_metadata_protocol"})
+TYPO_RATIO = 0.85  # difflib's similarity from which an unknown name is taken for a known one misspelt
+MAX_TYPO_CHARS = 48  # the longest parameter name is 21 characters: a longer unknown one is no misspelling
+
+
+def _known(endpoint: Endpoint, read: frozenset[str]) -> frozenset[str]:
+    return read | IGNORED.keys() | {name for name, _ in _CHECKS[endpoint]} | COORDINATOR_KEYS
+
+
+def unknown_names(data: Mapping[str, Any], endpoint: Endpoint, read: frozenset[str]) -> tuple[str, ...]:
+    """The top-level keys of `data` that no table knows on `endpoint` (`read`: the keys its body
+    validator reads), in the body's order."""
+    known = _known(endpoint, read)
+    return tuple(name for name in data if name not in known)
+
+
+def misspelt(name: str, endpoint: Endpoint, read: frozenset[str]) -> str | None:
+    """The parameter an unknown `name` looks like a misspelling of (one the endpoint reads, or accepts),
+    or None."""
+    if len(name) > MAX_TYPO_CHARS:
+        return None  # too long to be within a letter or two of any parameter name
+    candidates = sorted(read | IGNORED.keys() | {n for n, r in NEUTRAL.items() if endpoint in r.endpoints})
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=TYPO_RATIO)
+    return close[0] if close else None
+
+
 def unsupported(data: Mapping[str, Any], endpoint: Endpoint) -> tuple[str, str] | None:
     """The first parameter of `data` this provider cannot honour on `endpoint`, with its rule; None if
     there is none. Reads only the keys of the table (and never shows a value)."""
@@ -145,4 +177,5 @@ def unsupported(data: Mapping[str, Any], endpoint: Endpoint) -> tuple[str, str] 
     return None
 
 
-__all__ = ["IGNORED", "NEUTRAL", "REFUSED", "Endpoint", "Rule", "unsupported"]
+__all__ = ["COORDINATOR_KEYS", "IGNORED", "NEUTRAL", "REFUSED", "TYPO_RATIO", "Endpoint", "Rule", "misspelt",
+           "unknown_names", "unsupported"]
