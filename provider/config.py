@@ -55,6 +55,9 @@ MEMORY_POLICY_ENV = frozenset({"DARKBLOOM_MEM_CAP_FRACTION", "DARKBLOOM_ACTIVATI
 SERVICE_MANAGER_ENV = "DARKBLOOM_SERVICE_MANAGER"
 DEFAULT_COORDINATOR_URL = "wss://api.darkbloom.dev/ws/provider"
 DEFAULT_LOCAL_PORT = 8484
+# Pages this machine serves itself (a dev server, a local chat UI): allowed to call the local server by
+# default, as Ollama allows them; `:*` is any port.
+LOOPBACK_ORIGINS = ("http://localhost:*", "http://127.0.0.1:*")
 GIB = 1 << 30
 
 
@@ -334,10 +337,11 @@ class Settings(BaseModel):
         **_allowed("a number of seconds >= 0 (0 = refuse at once)"),
     )
     local_allowed_origins: tuple[str, ...] = Field(
-        (), description="Web origins whose pages may call the local server from a browser (CORS), e.g. "
-        "http://localhost:3000. Empty = none: a page on any web site the owner visits could otherwise use the "
-        "models and read /status.",
-        **_allowed("a list of origins scheme://host[:port], no path (not *)"),
+        LOOPBACK_ORIGINS, description="Web origins whose pages may call the local server from a browser (CORS), "
+        "e.g. https://chat.example:8443; host:* is that host on any port. By default the pages this machine "
+        "serves itself (http://localhost:*, http://127.0.0.1:*), as Ollama allows; empty = none. No other: a "
+        "page on any web site the owner visits could otherwise use the models and read /status.",
+        **_allowed("a list of origins scheme://host[:port] or scheme://host:* (any port), no path (not *)"),
     )
 
     # --- the background service
@@ -422,6 +426,8 @@ class Settings(BaseModel):
             parts = urlsplit(origin)
             if not parts.scheme or not parts.netloc or origin != f"{parts.scheme}://{parts.netloc}":
                 raise ValueError("an origin is scheme://host[:port], without a path or a trailing slash")
+            if "*" in origin.removesuffix(":*"):
+                raise ValueError("only the port may be * (scheme://host:*): a host is named in full")
         return origins
 
     @field_validator("enabled_models", "preload_models")
@@ -545,6 +551,8 @@ def default_text(field: str) -> str:
         return "true" if value else "false"
     if isinstance(value, (tuple, dict)) and not value:
         return "empty"
+    if isinstance(value, tuple):
+        return ", ".join(map(str, value))
     if isinstance(value, StrEnum):
         return value.value
     return f"{value:g}" if isinstance(value, float) else str(value)

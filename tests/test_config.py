@@ -11,6 +11,7 @@ from provider.config import (
     DEFAULT_COORDINATOR_URL,
     FIELDS,
     GIB,
+    LOOPBACK_ORIGINS,
     ConfigError,
     LogFormat,
     LogLevel,
@@ -185,16 +186,24 @@ def test_preload_models_from_every_source(home: Path, tmp_path: Path) -> None:
         load_settings(env={"HOME": str(home)}, overrides={"preload_models": [" a"]})
 
 
-def test_local_allowed_origins_from_every_source_and_empty_by_default(home: Path, tmp_path: Path) -> None:
-    """Issue 31 item 4: CORS for the local server, off unless the owner lists origins."""
-    assert load_settings(env={"HOME": str(home)}).local_allowed_origins == ()
+def test_local_allowed_origins_from_every_source_and_this_machines_pages_by_default(home: Path,
+                                                                                     tmp_path: Path) -> None:
+    """CORS for the local server: the pages this machine serves by default (as Ollama allows them), the
+    owner's list instead when set (empty: none)."""
+    assert load_settings(env={"HOME": str(home)}).local_allowed_origins == LOOPBACK_ORIGINS == (
+        "http://localhost:*", "http://127.0.0.1:*")
+    none = write(tmp_path / "none.toml", "local_allowed_origins = []\n")
+    assert load_settings(config_path=none, env={"HOME": str(home)}).local_allowed_origins == ()
+    assert load_settings(env={"HOME": str(home)}, overrides={"local_allowed_origins": ["https://[::1]:*"]}
+                         ).local_allowed_origins == ("https://[::1]:*",)
     env = {"HOME": str(home), "DARKBLOOM_LOCAL_ALLOWED_ORIGINS": "http://localhost:3000, https://chat.example:8443"}
     assert load_settings(env=env).local_allowed_origins == ("http://localhost:3000", "https://chat.example:8443")
     path = write(tmp_path / "o.toml", 'local_allowed_origins = ["http://127.0.0.1:5173"]\n')
     assert load_settings(config_path=path, env={"HOME": str(home)}).local_allowed_origins == ("http://127.0.0.1:5173",)
     assert load_settings(env=env, overrides={"local_allowed_origins": ["app://x"]}).local_allowed_origins == ("app://x",)
     for bad, why in (("*", "any web site"), ("http://localhost:3000/", "trailing slash"),
-                     ("localhost:3000", "scheme://host"), ("http://x/app", "without a path")):
+                     ("localhost:3000", "scheme://host"), ("http://x/app", "without a path"),
+                     ("http://*.example:*", "only the port may be *"), ("http://*:8080", "only the port may be *")):
         with pytest.raises(ConfigError, match="local-allowed-origins") as raised:
             load_settings(env={"HOME": str(home)}, overrides={"local_allowed_origins": [bad]})
         assert why in str(raised.value)

@@ -164,16 +164,26 @@ def test_another_vendors_field_is_accepted_and_named_in_the_request_log(server):
     assert CANARY not in server.log_path.read_text()
 
 
-def test_without_allowed_origins_a_browser_gets_no_cors_headers(server):
-    """local_allowed_origins is empty by default: no page on any site may read an answer; the preflight
-    is a plain OpenAI-shaped 405 (no route answers OPTIONS)."""
-    origin = {"Origin": "http://localhost:3000"}
-    models = httpx.get(server.base_url + "/v1/models", headers=origin, timeout=10)
-    assert models.status_code == 200 and not any(h.startswith("access-control-") for h in models.headers)
-    preflight = httpx.options(server.base_url + "/v1/chat/completions", timeout=10,
-                              headers={**origin, "Access-Control-Request-Method": "POST"})
-    assert preflight.status_code == 405 and not any(h.startswith("access-control-") for h in preflight.headers)
-    assert preflight.json()["error"]["code"] == "method_not_allowed"
+def test_by_default_the_pages_of_this_machine_may_call_it_and_no_others(server):
+    """local_allowed_origins defaults to http://localhost:* and http://127.0.0.1:* (as Ollama allows): a
+    local dev server's page gets CORS headers on any port; any other origin's preflight is an OpenAI
+    400 naming the setting (it was a 405 "use POST", which sent a browser developer nowhere)."""
+    for origin in ("http://localhost:3000", "http://127.0.0.1:5173", "http://localhost"):
+        preflight = httpx.options(server.base_url + "/v1/chat/completions", timeout=10, headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == origin
+        models = httpx.get(server.base_url + "/v1/models", headers={"Origin": origin}, timeout=10)
+        assert models.status_code == 200 and models.headers["access-control-allow-origin"] == origin
+    for other in ("http://evil.example", "https://localhost:3000", "http://localhost.evil.example",
+                  "http://127.0.0.1.nip.io:8080"):
+        models = httpx.get(server.base_url + "/v1/models", headers={"Origin": other}, timeout=10)
+        assert models.status_code == 200 and "access-control-allow-origin" not in models.headers
+        preflight = httpx.options(server.base_url + "/v1/chat/completions", timeout=10,
+                                  headers={"Origin": other, "Access-Control-Request-Method": "POST"})
+        assert preflight.status_code == 400 and "access-control-allow-origin" not in preflight.headers, other
+        error = preflight.json()["error"]
+        assert error["code"] == "cors_origin_not_allowed" and "local_allowed_origins" in error["message"]
 
 
 def test_nan_temperature_and_malformed_json_are_named_too(server):

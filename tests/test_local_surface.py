@@ -11,10 +11,13 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from fastapi import FastAPI
+from starlette.testclient import TestClient
 
+from provider.local.errors import Cors
 from test_local_server import CANARY, MODEL, Server, start_server
 
-ORIGIN = "http://localhost:3000"
+ORIGIN = "https://chat.example:8443"  # the owner's list replaces the default (the pages of this machine)
 
 
 @pytest.fixture(scope="module")
@@ -92,14 +95,53 @@ def test_an_allowed_origin_gets_cors_headers_and_its_preflight_passes(server):
     assert error.status_code == 404 and error.headers["access-control-allow-origin"] == ORIGIN  # errors readable too
 
 
-def test_another_origin_gets_no_cors_headers_and_its_preflight_an_openai_400(server):
-    other = "http://evil.example"
+@pytest.mark.parametrize("other", ["http://evil.example", "http://localhost:3000"])
+def test_another_origin_gets_no_cors_headers_and_its_preflight_an_openai_400(server, other):
     models = httpx.get(server.base_url + "/v1/models", headers={"Origin": other}, timeout=10)
     assert models.status_code == 200 and "access-control-allow-origin" not in models.headers
     preflight = httpx.options(server.base_url + "/v1/chat/completions", timeout=10, headers={
         "Origin": other, "Access-Control-Request-Method": "POST"})
     assert preflight.status_code == 400 and "access-control-allow-origin" not in preflight.headers
-    assert openai_error(preflight)["code"] == "cors_origin_not_allowed"
+    error = openai_error(preflight)
+    assert error["code"] == "cors_origin_not_allowed" and "local_allowed_origins" in error["message"]
+
+
+def _cors_app(origins: tuple[str, ...]) -> TestClient:
+    app = FastAPI()
+    app.add_middleware(Cors, origins=origins)
+
+    @app.post("/v1/chat/completions")
+    async def chat() -> dict:
+        return {}
+
+    return TestClient(app)
+
+
+def test_with_no_origin_allowed_a_preflight_still_gets_the_setting_not_a_405(tmp_path, tiny_model_path):
+    config = tmp_path / "provider.toml"
+    config.write_text("local_allowed_origins = []\n")
+    srv = start_server(tmp_path, tiny_model_path, env_extra={"DARKBLOOM_CONFIG": str(config)})
+    try:
+        origin = "http://localhost:3000"
+        preflight = httpx.options(srv.base_url + "/v1/chat/completions", timeout=10,
+                                  headers={"Origin": origin, "Access-Control-Request-Method": "POST"})
+        assert preflight.status_code == 400 and "access-control-allow-origin" not in preflight.headers
+        assert "local_allowed_origins" in openai_error(preflight)["message"]
+        models = httpx.get(srv.base_url + "/v1/models", headers={"Origin": origin}, timeout=10)
+        assert models.status_code == 200 and "access-control-allow-origin" not in models.headers
+    finally:
+        srv.stop()
+
+
+def test_any_port_is_the_host_on_any_port_or_none_and_nothing_else():
+    client = _cors_app(("http://localhost:*", "https://chat.example:8443"))
+    allowed = ["http://localhost", "http://localhost:1", "http://localhost:65535", "https://chat.example:8443"]
+    refused = ["https://localhost:3000", "http://localhost:", "http://localhost:3000/", "http://localhostx:3000",
+               "http://xlocalhost:3000", "https://chat.example", "http://localhost:3000.evil.example"]
+    for origin in allowed + refused:
+        preflight = client.options("/v1/chat/completions", headers={"Origin": origin,
+                                                                    "Access-Control-Request-Method": "POST"})
+        assert (preflight.status_code == 200) is (origin in allowed), origin
 
 
 # --- privacy: a bad body's values are never echoed nor logged

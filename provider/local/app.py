@@ -17,7 +17,9 @@ parameter and rule, a refusal explained in numbers and model ids, an unknown rou
 capacity refusal is a 503 with `Retry-After`. No response and no log line carries request text. An
 unexpected exception anywhere in a request is the JSON `internal_failure` 500 (`JsonServerErrors`),
 never a plain-text "Internal Server Error"; once a stream has started, it ends with an error event
-instead. `allowed_origins` (the `local_allowed_origins` setting) turns on CORS for those origins.
+instead. `allowed_origins` (the `local_allowed_origins` setting: by default the pages this machine
+serves, `http://localhost:*` and `http://127.0.0.1:*`) are the web origins CORS lets call it; any other
+origin's preflight is an OpenAI-shaped 400 that names the setting.
 """
 
 from __future__ import annotations
@@ -176,11 +178,12 @@ def _model_object(model_id: str, tools: ToolFormat | None) -> dict[str, Any]:
 def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: str = "local",
                allowed_origins: tuple[str, ...] = ()) -> FastAPI:
     """The app; `chat=False` serves only /healthz, /status and /metrics (the coordinator agent's case);
-    `allowed_origins`: the web origins whose pages may call it (CORS), none by default."""
+    `allowed_origins`: the web origins whose pages may call it (CORS; `scheme://host:*` for any port)."""
     app = FastAPI(title="darkbloom-provider (local)", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(JsonServerErrors)
-    if allowed_origins:  # outermost: a 500 or a 503 is readable by an allowed page too
-        app.add_middleware(Cors, origins=tuple(allowed_origins))
+    # Outermost: a 500 or a 503 is readable by an allowed page too. With no origin allowed it still
+    # answers a preflight, with the setting that would allow it.
+    app.add_middleware(Cors, origins=tuple(allowed_origins))
     install_error_handlers(app)
     state = LocalState(mode)
     app.state.local = state

@@ -13,6 +13,7 @@ of the request (it may be prompt text) and never an exception's text.
 
 from __future__ import annotations
 
+import re
 from http import HTTPStatus
 from typing import Any
 
@@ -104,21 +105,27 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 class Cors(CORSMiddleware):
-    """Starlette's CORS for the owner's `local_allowed_origins`, its refused preflight answered in
-    OpenAI's shape (Starlette's is plain text). A listed origin may reach a loopback server from a
-    public page (Chrome's Private Network Access asks first)."""
+    """Starlette's CORS for the owner's `local_allowed_origins` (`scheme://host:*`: the host on any port,
+    or none), its refused preflight answered in OpenAI's shape (Starlette's is plain text) with the
+    setting that would allow it. Installed with no origin listed too: a browser's preflight then gets
+    that answer, not a 405. A listed origin may reach a loopback server from a public page (Chrome's
+    Private Network Access asks first)."""
 
     def __init__(self, app: Any, origins: tuple[str, ...]) -> None:
-        super().__init__(app, allow_origins=origins, allow_methods=("GET", "POST"), allow_headers=("*",),
-                         allow_private_network=True, expose_headers=("Retry-After",))
+        exact = tuple(o for o in origins if not o.endswith(":*"))
+        any_port = [re.escape(o.removesuffix(":*")) + r"(?::[0-9]{1,5})?" for o in origins if o.endswith(":*")]
+        super().__init__(app, allow_origins=exact, allow_origin_regex="|".join(any_port) or None,
+                         allow_methods=("GET", "POST"), allow_headers=("*",), allow_private_network=True,
+                         expose_headers=("Retry-After",))
 
     def preflight_response(self, request_headers: Headers) -> Response:
         response = super().preflight_response(request_headers)
         if response.status_code != 400:
             return response
         if not self.is_allowed_origin(origin=request_headers["origin"]):
-            return openai_error(400, "This origin may not call this server: the owner lists the origins that may in "
-                                "local_allowed_origins.", code="cors_origin_not_allowed")
+            return openai_error(400, "This origin may not call this server from a browser: the owner lists the web "
+                                "origins that may in the setting local_allowed_origins (by default the pages of "
+                                "http://localhost:* and http://127.0.0.1:*).", code="cors_origin_not_allowed")
         return openai_error(400, "Cross-origin requests to this server may use GET and POST only.",
                             code="cors_method_not_allowed")
 
