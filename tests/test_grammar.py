@@ -19,7 +19,6 @@ from mlx_lm.utils import load_tokenizer
 
 from grammar_walk import allowed, walk
 from memory.grammar import grammar_bytes
-from provider.grammar.numbers import E, EXP, FRAC, INT, ZERO, NumberScan, NumberState, breaks
 from provider.grammar import (
     GrammarCache,
     GrammarRejected,
@@ -30,6 +29,7 @@ from provider.grammar import (
     json_object_grammar,
     json_schema_grammar,
 )
+from provider.grammar.numbers import EXP, FRAC, INT, ZERO, E, NumberScan, NumberState, breaks
 
 PERSON = {
     "type": "object",

@@ -16,8 +16,8 @@ from provider.request.body import (
     parse_chat_body,
     parse_completion_body,
 )
-from provider.telemetry import capture_redacted_logs
 from provider.request.params import IGNORED, NEUTRAL, REFUSED, Endpoint
+from provider.telemetry import capture_redacted_logs
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "m", "prompt": "once upon"}

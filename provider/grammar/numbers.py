@@ -96,7 +96,7 @@ class NumberScan:
     """Where one output is: inside a string, inside a number (and where in it), or neither. Fed the
     bytes of each token consumed, in order."""
 
-    __slots__ = ("_in_string", "_escaped", "number")
+    __slots__ = ("_escaped", "_in_string", "number")
 
     def __init__(self) -> None:
         self._in_string = False
