@@ -44,7 +44,7 @@ from provider.config import ConfigError, SelfRestart, Settings, load_settings
 from provider.directed import DesiredBuilds, ModelDirectives
 from provider.engine import Engine
 from provider.guest.monitor import GuestMonitor
-from provider.hardware import available_gb, detect_hardware, os_version
+from provider.hardware import available_gb, detect_machine, hardware_of, measure_memory_bandwidth_gbs, os_version
 from provider.jobs import JobContext, ServingStats, run_job
 from provider.request import PromptCounter
 from provider.metrics import Metrics
@@ -135,10 +135,15 @@ class Agent:
         thermal = ThermalSampler()
         guest = guest or GuestMonitor.from_settings(settings, thermal=lambda: thermal.state)
         guest.report_to(metrics)
+        # Before the runtime starts the engine (the only other MLX user): where Apple's table has no figure,
+        # the bandwidth is measured, so that register lets a coordinator price this provider while cold.
+        machine = await asyncio.to_thread(detect_machine, measure=measure_memory_bandwidth_gbs)
+        if machine.bandwidth_measured:
+            log.info("memory_bandwidth_measured", memory_bandwidth_gbs=machine.memory_bandwidth_gbs)
         rt = await Runtime.start(settings, engine=engine, metrics=metrics, eos_token_ids=eos_token_ids, guest=guest)
         inventory, probe, ledger, manager = rt.inventory, rt.probe, rt.ledger, rt.manager
         counter, stats, metrics, weight_hashes = rt.counter, rt.stats, rt.metrics, rt.weight_hashes.known()
-        hardware = await asyncio.to_thread(detect_hardware, probe.snapshot())
+        hardware = hardware_of(machine, probe.snapshot())
         osver = os_version()
         heartbeat = HeartbeatSource(stats=stats, capacity=manager.capacity, thermal=thermal, paused=guest.is_paused,
                                     rates=manager.rates, quoting=True)

@@ -23,9 +23,11 @@ parts, as Darkbloom's Swift provider writes it (``15.3.0``); elsewhere the syste
 
 ``memory_bandwidth_gbs`` comes from ``BANDWIDTH_GBS``: Apple's published figure per chip *and GPU core
 count*, because binned parts have fewer memory channels (the 30-core M3 Max has 300 GB/s, the 40-core
-400). A chip not in the table, a binned chip whose GPU core count could not be read, and a virtual
-machine (``Apple M1 (Virtual)``: the host's chip is not known) report 0 — the coordinator then uses
-its own default — rather than another chip's figure.
+400); never another chip's figure. Where the table has none (a chip not in it, a binned chip whose GPU
+core count could not be read, a virtual machine, any machine that is not a Mac) the agent measures it
+once at start (``measure_memory_bandwidth_gbs``: a short copy on the device MLX computes on, before
+the engine runs anything): an older coordinator prices a provider whose decode rate it has not been
+told by the square root of this figure, and by a 1 tok/s fallback when it is 0.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from __future__ import annotations
 import platform as _platform
 import re
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,25 +137,102 @@ def read_darwin_sysctl(run: Runner) -> dict[str, str]:
     return values
 
 
-def detect_hardware(snapshot: MemorySnapshot, *, platform: str = sys.platform, run: Runner = run_command,
-                    sys_root: Path = Path("/")) -> Hardware:
-    """The ``register.hardware`` object. Blocking (runs commands, reads files): call it off the loop."""
+# The bandwidth probe: one buffer, copied a few times on MLX's default device (read + write counted);
+# grown while a copy takes less than MIN_PASS_S (a fast device: the launch would dominate), never past
+# MAX_PROBE_BYTES nor an eighth of the memory free, and stopped after PROBE_BUDGET_S.
+PROBE_BYTES = 64 << 20  # above any CPU's last-level cache
+MAX_PROBE_BYTES = 1 << 30
+MIN_PASS_S = 0.004
+PROBE_PASSES = 3
+PROBE_BUDGET_S = 0.5
+MAX_BANDWIDTH_GBS = 2000.0  # the coordinator clamps to this
+
+
+@dataclass(frozen=True, slots=True)
+class Machine:
+    """What does not change while the agent runs: everything of ``register.hardware`` but the memory."""
+
+    machine_model: str
+    chip: Chip
+    cpu_cores: CpuCores
+    gpu_cores: int
+    memory_bandwidth_gbs: float
+    bandwidth_measured: bool = False  # measured here rather than Apple's figure
+
+
+def detect_machine(*, platform: str = sys.platform, run: Runner = run_command, sys_root: Path = Path("/"),
+                   measure: Callable[[], float] | None = None) -> Machine:
+    """The machine; its memory bandwidth from Apple's table, else from `measure` when given (the agent
+    passes `measure_memory_bandwidth_gbs`), else 0. Blocking: call it off the loop."""
     if platform == "darwin":
         machine, brand, cores, gpu = _darwin(run)
     else:
         machine, brand, cores, gpu = _generic(sys_root)
     chip = parse_chip(brand)
+    bandwidth = memory_bandwidth_gbs(chip, gpu)
+    if bandwidth == 0 and measure is not None:
+        return Machine(machine, chip, cores, gpu, measure(), bandwidth_measured=True)
+    return Machine(machine, chip, cores, gpu, bandwidth)
+
+
+def hardware_of(machine: Machine, snapshot: MemorySnapshot) -> Hardware:
+    """The ``register.hardware`` object: the machine and the memory of this snapshot."""
     return Hardware(
-        machine_model=machine,
-        chip_name=chip.name,
-        chip_family=chip.family,
-        chip_tier=chip.tier,
+        machine_model=machine.machine_model,
+        chip_name=machine.chip.name,
+        chip_family=machine.chip.family,
+        chip_tier=machine.chip.tier,
         memory_gb=int(round(snapshot.physical_bytes / GiB)),
         memory_available_gb=available_gb(snapshot),
-        cpu_cores=cores,
-        gpu_cores=gpu,
-        memory_bandwidth_gbs=memory_bandwidth_gbs(chip, gpu),
+        cpu_cores=machine.cpu_cores,
+        gpu_cores=machine.gpu_cores,
+        memory_bandwidth_gbs=machine.memory_bandwidth_gbs,
     )
+
+
+def detect_hardware(snapshot: MemorySnapshot, *, platform: str = sys.platform, run: Runner = run_command,
+                    sys_root: Path = Path("/"), measure: Callable[[], float] | None = None) -> Hardware:
+    """The ``register.hardware`` object. Blocking (runs commands, reads files): call it off the loop."""
+    return hardware_of(detect_machine(platform=platform, run=run, sys_root=sys_root, measure=measure), snapshot)
+
+
+def measure_memory_bandwidth_gbs(*, start_bytes: int = PROBE_BYTES, max_bytes: int = MAX_PROBE_BYTES,
+                                 passes: int = PROBE_PASSES, budget_s: float = PROBE_BUDGET_S) -> float:
+    """GB/s (10⁹ bytes) of a copy on the device MLX computes on: the best of a few passes over one buffer,
+    reads and writes counted; 0.0 when MLX cannot run it. Blocking, for at most about `budget_s`; on a
+    stream of its own, and its buffers are given back before it returns. Call it before the engine runs
+    anything (all other MLX work is the engine thread's)."""
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return 0.0
+    ceiling = max(start_bytes, min(max_bytes, psutil.virtual_memory().available // 8))
+    nbytes, best = start_bytes, float("inf")
+    deadline = time.monotonic() + budget_s
+    try:
+        with mx.stream(mx.new_stream(mx.default_device())):
+            while True:
+                source = mx.ones((nbytes // 4,), dtype=mx.float32)
+                mx.eval(source)
+                mx.eval(source * 1.0)  # a first pass: the destination's pages are allocated once, untimed
+                best = float("inf")
+                for _ in range(passes):
+                    started = time.perf_counter()
+                    mx.eval(source * 1.0)
+                    best = min(best, time.perf_counter() - started)
+                    if time.monotonic() > deadline:
+                        break
+                del source
+                if best >= MIN_PASS_S or nbytes * 2 > ceiling or time.monotonic() > deadline:
+                    break
+                nbytes *= 2
+    except (RuntimeError, ValueError, MemoryError):
+        return 0.0
+    finally:
+        mx.clear_cache()
+    if not 0 < best < float("inf"):
+        return 0.0
+    return round(min(2 * nbytes / best / 1e9, MAX_BANDWIDTH_GBS), 1)
 
 
 def os_version(*, platform: str = sys.platform, mac_ver: str | None = None) -> str:
@@ -196,5 +276,6 @@ def _generic(sys_root: Path) -> tuple[str, str, CpuCores, int]:
         CpuCores(total=total, performance=total, efficiency=0), 0
 
 
-__all__ = ["BANDWIDTH_GBS", "EFFICIENCY_LEVEL", "UNKNOWN", "Chip", "available_gb", "cpu_cores", "detect_hardware",
-           "memory_bandwidth_gbs", "os_version", "parse_chip", "parse_gpu_cores", "read_darwin_sysctl"]
+__all__ = ["BANDWIDTH_GBS", "EFFICIENCY_LEVEL", "UNKNOWN", "Chip", "Machine", "available_gb", "cpu_cores",
+           "detect_hardware", "detect_machine", "hardware_of", "measure_memory_bandwidth_gbs", "memory_bandwidth_gbs",
+           "os_version", "parse_chip", "parse_gpu_cores", "read_darwin_sysctl"]

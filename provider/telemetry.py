@@ -77,7 +77,7 @@ SHORT_KEYS: dict[str, int] = {"given": 16, "used": 16}
 # carry prompt text, and sizes/durations/rates are most of what we log.
 NUMERIC_SUFFIXES: tuple[str, ...] = (
     "_bytes", "_gb", "_gib", "_mb", "_s", "_ms", "_seconds", "_count", "_tokens", "_total", "_tps",
-    "_ratio", "_fraction", "_pct",
+    "_ratio", "_fraction", "_pct", "_gbs",
 )
 MAX_STRING = 200  # characters kept of an allowed string value
 MAX_ITEMS = 32  # items kept of an allowed list value

@@ -144,6 +144,8 @@ async def test_a_coordinator_that_never_acknowledges_costs_the_bound_then_the_cl
     async with CoordinatorDouble(quick_config(drain_ack=False)) as double:
         provider = await run_agent(double.ws_url, drain_ack_timeout_s=1.0)
         (view,) = await double.wait_routable(model="tiny", timeout=30)
+        # The coordinator has shown the newer protocol (a trust_status): only then is a barrier sent.
+        await provider.status.wait_for(lambda s: s.trust is not None, timeout=10)
         provider.stop.set()
         barrier = await double.wait_for(lambda e: isinstance(e, DrainBarrier), timeout=10)
         assert not double.provider(view).routable  # fenced from new dispatch at once

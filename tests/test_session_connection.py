@@ -389,11 +389,15 @@ async def test_doctor_reports_a_redirecting_coordinator_as_rejecting_the_handsha
     assert (check.reachable, check.detail, check.http_status) == (False, Reach.HANDSHAKE_REJECTED, 302)
 
 
+TRUST_STATUS = '{"type":"trust_status","trust_level":"none","status":"online","reason":""}'  # the newer protocol
+
+
 async def test_the_drain_barrier_follows_the_terminal_frames_and_its_ack_ends_the_wait():
     h = Harness(drain_ack_timeout_s=60.0)
     stop = asyncio.Event()
     task = asyncio.create_task(h.session.run(stop))
     conn = await h.connection(1)
+    conn.inbound.put_nowait(TRUST_STATUS)
     conn.inbound.put_nowait(request("running"))
     await conn.wait_for(lambda sent: any(f["type"] == "inference_accepted" for f in sent))
     stop.set()
@@ -414,6 +418,8 @@ async def test_without_an_ack_the_drain_waits_its_bound_then_closes():
     stop = asyncio.Event()
     task = asyncio.create_task(h.session.run(stop))
     conn = await h.connection(1)
+    conn.inbound.put_nowait(TRUST_STATUS)
+    await h.session.status.wait_for(lambda s: s.trust is not None, timeout=10)
     started = time.monotonic()
     stop.set()
     await asyncio.wait_for(task, 10)
@@ -421,3 +427,18 @@ async def test_without_an_ack_the_drain_waits_its_bound_then_closes():
     assert "provider_drain" in conn.types()
     drain = h.session.status.view().last_drain
     assert not drain.acked and drain.waited_s >= 0.3
+
+
+async def test_a_coordinator_that_never_spoke_the_newer_protocol_gets_no_barrier_and_no_wait():
+    """The April coordinator logs provider_drain as an unknown type and never answers it: the close
+    follows the drain at once, as before the barrier existed (an hour's bound is never waited out)."""
+    h = Harness(drain_ack_timeout_s=3600.0)
+    stop = asyncio.Event()
+    task = asyncio.create_task(h.session.run(stop))
+    conn = await h.connection(1)
+    conn.inbound.put_nowait('{"type":"attestation_challenge","nonce":"bm9uY2U=","timestamp":"2026-04-30T10:41:07Z"}')
+    await conn.wait_for(lambda sent: any(f["type"] == "attestation_response" for f in sent))
+    stop.set()
+    await asyncio.wait_for(task, 60)
+    assert conn.close_code == 1000 and "provider_drain" not in conn.types()
+    assert h.session.status.view().last_drain is None

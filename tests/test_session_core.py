@@ -394,10 +394,20 @@ def test_trust_status_is_noted_for_the_status_page_and_changes_nothing_else():
     assert core.state is SessionState.REGISTERED
 
 
+NEWER_FRAMES = ('{"type":"trust_status","trust_level":"none","status":"online","reason":""}',
+                '{"type":"desired_models","models":[]}',
+                '{"type":"load_model","model_id":"m"}',
+                '{"type":"prefetch_model","model_id":"m"}',
+                '{"type":"capacity_probe","quote_id":"q","model":"m","prompt_tokens_bucket":512,'
+                '"max_output_tokens":16,"deadline_remaining_ms":100}')
+
+
 def test_the_drain_barrier_goes_out_and_only_its_own_ack_settles_it():
     core = open_core()
+    core.receive_text(NEWER_FRAMES[0])  # the coordinator speaks the newer protocol
     core.start_draining()
     (send, _) = core.drain_barrier("drain-1")
+    assert core.barrier_pending
     assert isinstance(send, Send) and encode(send.frame) == '{"type":"provider_drain","request_id":"drain-1"}'
     for stale in ('{"type":"provider_drain_ack","request_id":"drain-0"}',
                   '{"type":"provider_drain_ack","request_id":""}'):
@@ -406,6 +416,28 @@ def test_the_drain_barrier_goes_out_and_only_its_own_ack_settles_it():
     assert [a.event for a in actions if isinstance(a, Note)] == [BarrierAcked("drain-1")]
     # a second ack of the same barrier is stale: the waiter is gone
     assert all(isinstance(a, Log) for a in core.receive_text('{"type":"provider_drain_ack","request_id":"drain-1"}'))
+
+
+@pytest.mark.parametrize("frame", NEWER_FRAMES)
+def test_any_frame_of_the_newer_protocol_earns_the_drain_barrier(frame):
+    core = open_core()
+    assert not core.newer_protocol
+    core.receive_text(frame)
+    core.start_draining()
+    assert core.newer_protocol and any(isinstance(a, Send) for a in core.drain_barrier("drain-1"))
+
+
+def test_a_coordinator_that_never_spoke_the_newer_protocol_gets_no_drain_barrier():
+    """The April coordinator drops provider_drain as an unknown type and never acknowledges it."""
+    core = open_core()
+    for frame in ('{"type":"attestation_challenge","nonce":"bm9uY2U=","timestamp":"2026-01-01T00:00:00Z"}',
+                  '{"type":"runtime_status","verified":true}', '{"type":"cancel","request_id":"r"}'):
+        core.receive_text(frame)  # [A]'s own frames say nothing either way
+    core.start_draining()
+    actions = core.drain_barrier("drain-1")
+    assert not core.newer_protocol and not core.barrier_pending
+    assert [a.event for a in actions if isinstance(a, Log)] == ["drain_barrier_skipped"]
+    assert not any(isinstance(a, Send) for a in actions)
 
 
 def test_an_unasked_drain_ack_is_ignored():

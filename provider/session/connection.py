@@ -28,8 +28,10 @@ a job answers with its one terminal frame (503 ``draining``) instead of going si
 barrier ([N] protocol-messages.md "Provider lifecycle drain"): ``provider_drain`` with a random id goes
 out behind those terminal frames, and we wait up to ``drain_ack_timeout_s`` for its
 ``provider_drain_ack`` (the coordinator has settled every request of ours: billing included). No ack in
-time (an [A] coordinator does not know the frame) is logged and recorded, never taken for success; either
-way queued frames are flushed, then the socket is closed with 1000 and ``run`` returns.
+time is logged and recorded, never taken for success. A coordinator that has not shown the newer
+protocol on this connection (the core's ``newer_protocol``: the April [A] coordinator never does, and
+drops the frame as an unknown type) gets no barrier and costs no wait. Either way queued frames are
+flushed, then the socket is closed with 1000 and ``run`` returns.
 
 A close with 1013 (try again later: [N] closes a registration whose durable state it is still
 restoring) is a wait, not a failure: recorded apart (``restore_waits``), not counted as a lost
@@ -458,8 +460,10 @@ class _Connection:
 
     async def _barrier(self, link: set[asyncio.Task[None]]) -> bool:
         """Send ``provider_drain`` behind every terminal frame and wait (bounded) for its ack. False when the
-        connection died meanwhile."""
+        connection died meanwhile. Nothing to wait for when the core sent none (an older coordinator)."""
         self.apply(self.core.drain_barrier("drain-" + secrets.token_hex(8)))
+        if not self.core.barrier_pending:
+            return True
         timeout = self.session.config.drain_ack_timeout_s
         started = time.monotonic()
         acked = asyncio.create_task(self.barrier_acked.wait())

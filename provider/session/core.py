@@ -30,9 +30,13 @@ What the core decides (protocol.md §4, §7.4, §15.5, §15.22):
   or over-long nonce (the size rule again) is logged and not answered.
 * ``runtime_status`` → logged, naming each mismatched component; we stay connected.
 * ``trust_status`` ([N], diagnostics only) → logged and noted for the status page; nothing else changes.
-* ``drain_barrier(id)`` → ``Send(provider_drain)``; the ``provider_drain_ack`` with that id → a ``Note``
-  (``BarrierAcked``) the shell waits on; an ack for any other id (stale, or never asked) is logged and
-  ignored (protocol-messages.md "Provider lifecycle drain": only the current waiter consumes it).
+* ``drain_barrier(id)`` → ``Send(provider_drain)``, but only to a coordinator that has shown it speaks the
+  newer protocol on this connection (it sent ``trust_status``, ``capacity_probe`` or a model directive,
+  ``newer_protocol``): the April coordinator (e515244f) logs the frame as an unknown type and never
+  acknowledges it, so to it nothing is sent and the shell closes at once (``barrier_pending`` stays
+  false). The ``provider_drain_ack`` with that id → a ``Note`` (``BarrierAcked``) the shell waits on; an
+  ack for any other id (stale, or never asked) is logged and ignored (protocol-messages.md "Provider
+  lifecycle drain": only the current waiter consumes it).
 * ``load_model``, ``prefetch_model``, ``desired_models`` → ``ModelDirective``: the agent's model handler
   answers them (``provider/directed``); while draining too (a load then fails with the drain's words).
 * ``capacity_probe`` → ``Send(capacity_quote)`` built by the injected quoter (the read-only admission
@@ -155,6 +159,9 @@ class ModelDirective:
 
 Action = Send | StartJob | CancelJob | Log | Note | ModelDirective
 
+# Frames only the newer coordinator sends: one of them shows it knows the drain barrier.
+_NEWER_ONLY = (TrustStatus, CapacityProbe, LoadModel, PrefetchModel, DesiredModels)
+
 ChallengeAnswerer = Callable[[AttestationChallenge], AttestationResponse]
 Quoter = Callable[[CapacityProbe], CapacityQuote]
 
@@ -202,6 +209,7 @@ class SessionCore:
         self._state = SessionState.CONNECTING
         self._jobs: set[str] = set()
         self._barrier: str | None = None  # the id of the provider_drain we wait on
+        self._newer = False  # the coordinator sent a frame only the newer protocol has
         self.recent = recent if recent is not None else RecentRequestIds()
 
     # --- state ----------------------------------------------------------------------------------------
@@ -214,6 +222,17 @@ class SessionCore:
     def state(self, new: SessionState) -> None:
         log.debug("session_state", from_state=self._state.name, to_state=new.name)
         self._state = new
+
+    @property
+    def newer_protocol(self) -> bool:
+        """The coordinator has sent, on this connection, a frame only the newer protocol has
+        (``trust_status``, ``capacity_probe``, ``load_model``, ``prefetch_model``, ``desired_models``)."""
+        return self._newer
+
+    @property
+    def barrier_pending(self) -> bool:
+        """A ``provider_drain`` went out and its ack has not come back."""
+        return self._barrier is not None
 
     @property
     def active_jobs(self) -> frozenset[str]:
@@ -250,6 +269,8 @@ class SessionCore:
     def receive(self, message: Message) -> list[Action]:
         """One decoded inbound frame."""
         self._guard(SessionState.REGISTERED, SessionState.DRAINING)
+        if isinstance(message, _NEWER_ONLY):
+            self._newer = True
         match message:
             case InferenceRequest():
                 return self._on_request(message)
@@ -295,8 +316,11 @@ class SessionCore:
 
     def drain_barrier(self, barrier_id: str) -> list[Action]:
         """Admission is closed and every accepted request's terminal frame is queued: the barrier that
-        asks the coordinator to settle them before we disconnect (a later call replaces the waiter)."""
+        asks the coordinator to settle them before we disconnect (a later call replaces the waiter).
+        Nothing is sent to a coordinator that has not shown the newer protocol: it would not answer."""
         self._guard(SessionState.DRAINING)
+        if not self._newer:
+            return [_log(LogLevel.INFO, "drain_barrier_skipped", reason="coordinator_without_drain_barrier")]
         self._barrier = barrier_id
         return [Send(ProviderDrain(request_id=barrier_id)), _log(LogLevel.INFO, "drain_barrier_sent")]
 

@@ -56,11 +56,14 @@ class Reporting:
 
     def register_rates(self) -> tuple[float, float]:
         """register's (prefill_tps, decode_tps): the largest loaded model's (the slowest here), served
-        rates when measured, else its calibration at load; zeros when nothing is loaded."""
+        rates when measured, else its calibration at load. With nothing loaded, the largest model's
+        that was measured since the start (a cold provider is priced on them: an older coordinator reads
+        decode_tps only in register); zeros when none was."""
         loaded = [s for s in self._slots.values() if s.state is ModelState.LOADED]
-        if not loaded:
+        measured = loaded or [s for s in self._slots.values() if self.rates.decode_tps(s.model_id) > 0]
+        if not measured:
             return 0.0, 0.0
-        largest = max(loaded, key=lambda s: (s.info.weight_bytes, s.model_id)).model_id
+        largest = max(measured, key=lambda s: (s.info.weight_bytes, s.model_id)).model_id
         return self.rates.prefill_tps(largest), self.rates.decode_tps(largest)
 
     def models_with_room(self) -> frozenset[str]:

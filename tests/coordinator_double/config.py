@@ -62,6 +62,10 @@ class DoubleConfig:
     # provider_drain fences the socket and is acknowledged once its pending requests are settled; False: never
     # acknowledged (an older coordinator, or an ack lost), for the provider's bounded wait.
     drain_ack: bool = True
+    # False: the April [A] coordinator (e515244f) itself: no trust_status, no desired_models, and every
+    # [N] provider frame (provider_drain, the model answers) dropped as an unknown type, as [A] logs
+    # "unknown message type". True: [A] with the additive [N] lifecycle above.
+    newer_protocol: bool = True
     # a verified registration whose durable state cannot be restored is closed with 1013 (try again later):
     # the first `restore_pending_registrations` registrations are (the double asks for no attestation).
     restore_pending_registrations: int = 0
@@ -74,6 +78,8 @@ class DoubleConfig:
     def __post_init__(self) -> None:
         if self.dispatch_attempts < 1:
             raise ValueError("dispatch_attempts must be at least 1")
+        if not self.newer_protocol and self.desired_models is not None:
+            raise ValueError("desired_models is an [N] frame: the April coordinator never sends it")
         for name in (
             "first_response_timeout",
             "accepted_timeout",

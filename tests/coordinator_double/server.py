@@ -12,7 +12,8 @@ dropped as ``InvalidFrame(SCHEMA)`` (Go would read a zero value); [N]-only frame
 (docs/reference/protocol-messages.md): ``provider_drain`` fences the socket and is answered with
 ``provider_drain_ack`` once its pending requests are settled (``DoubleConfig.drain_ack=False``: never);
 an attested registration gets ``trust_status`` (self_signed, online), and ``send_trust_status`` sends any
-other; ``DoubleConfig.restore_pending_registrations`` closes the first registrations with 1013 (state being
+other; ``DoubleConfig.newer_protocol=False`` is the April [A] coordinator itself, which sends none of
+these and drops every [N] provider frame as an unknown type; ``DoubleConfig.restore_pending_registrations`` closes the first registrations with 1013 (state being
 restored: try again later), and ``close_provider`` closes a socket with any code;
 the [N] answers about models likewise (``directed.py``).
 
@@ -427,7 +428,8 @@ class CoordinatorDouble:
             self.events.append(ev.FrameReceived(pid, message, len(frame)))
             self.quotes.received(session, message)
             return
-        if isinstance(message, UnknownMessage) or not isinstance(message, _A_TYPES + _N_TYPES + MODEL_REPLY_TYPES):
+        known = _A_TYPES + _N_TYPES + MODEL_REPLY_TYPES if self.config.newer_protocol else _A_TYPES
+        if isinstance(message, UnknownMessage) or not isinstance(message, known):
             detail = f"type {message.type[:64]!r} is not an [A] provider frame"
             self.events.append(ev.InvalidFrame(pid, ev.InvalidKind.UNKNOWN_TYPE, detail, len(frame)))
             return
@@ -475,7 +477,7 @@ class CoordinatorDouble:
         if self._restores_left > 0:  # [N] verifyProviderAttestation: restore failed after bounded retries
             self._restores_left -= 1
             self._spawn(self.close_provider(session, TRY_AGAIN_LATER, RESTORE_PENDING_REASON))
-        elif session.attested:  # [N] sendTrustStatus after a verified registration attestation
+        elif session.attested and self.config.newer_protocol:  # [N] sendTrustStatus after a verified attestation
             self._spawn(self.send_trust_status(session, "self_signed", "online",
                                                "SE attestation verified, awaiting MDM verification"))
         if self.config.desired_models is not None:  # [N]: the build map follows register at once
