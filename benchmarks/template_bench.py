@@ -32,9 +32,10 @@ import sys
 import time
 from pathlib import Path
 
+from timing import measure
+
 from provider.models.template import ChatTemplate, Lane, encode, renderer
 from provider.tinymodel import build_tiny_model
-from timing import measure
 
 CACHE = Path(__file__).resolve().parent.parent / ".cache" / "tiny-models"
 CHATS = {
@@ -137,7 +138,8 @@ def renderer_at(ref: str):
     import tempfile
 
     def show(name: str) -> bytes | None:
-        shown = subprocess.run(["git", "show", f"{ref}:provider/models/{name}"], cwd=REPO, capture_output=True)
+        shown = subprocess.run(["git", "show", f"{ref}:provider/models/{name}"], cwd=REPO, capture_output=True,
+                               check=False)
         return shown.stdout if shown.returncode == 0 else None
 
     folder = Path(tempfile.mkdtemp(prefix="template-at-"))
@@ -180,13 +182,7 @@ async def run_burst(bursts: int, against: str | None, contend: int) -> None:
             assert await render() == expected
             for _ in range(2):
                 await one_burst(render, spread_ms=0, busy_ms=0)  # warm
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(contend)]
-    try:
-        await _burst_table(sides, bursts, contend)
-    finally:
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait()
+    await _burst_table(sides, bursts, contend)
 
 
 async def _burst_table(sides: dict, bursts: int, contend: int) -> None:
@@ -222,7 +218,13 @@ def main() -> None:
     if args.only in ("all", "serial"):
         asyncio.run(run(args.n))
     if args.only in ("all", "burst"):
-        asyncio.run(run_burst(args.bursts, args.against, args.contend))
+        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.contend)]
+        try:
+            asyncio.run(run_burst(args.bursts, args.against, args.contend))
+        finally:
+            for spinner in spinners:
+                spinner.kill()
+                spinner.wait()
 
 
 if __name__ == "__main__":

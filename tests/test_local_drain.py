@@ -16,7 +16,6 @@ import time
 
 import httpx
 import pytest
-
 from test_local_server import MODEL, start_server
 
 from protocol.errors import Failure
