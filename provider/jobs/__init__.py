@@ -6,20 +6,39 @@
 * ``ServingStats`` — cumulative counters shared with the heartbeat (stats.py)
 """
 
-from provider.jobs.job import (
-    CHAT_ENDPOINT,
-    Job,
-    JobContext,
-    JobOutcome,
-    ModelManager,
-    Slot,
-    engine_failure,
-    exception_failure,
-    run_job,
-)
-from provider.jobs.lifecycle import TRANSITIONS, JobEvent, JobLifecycle, JobState, JobStateError
-from provider.jobs.stats import ServingStats
-from provider.request.tokens import PromptCounter, PromptError, UnknownModel
+import importlib
+
+# Imported on first use (PEP 562): a command that needs one submodule (doctor, the CLI) does not
+# pay for the rest, the engine and MLX among them.
+_WHERE = {
+    "CHAT_ENDPOINT": "provider.jobs.job",
+    "Job": "provider.jobs.job",
+    "JobContext": "provider.jobs.job",
+    "JobEvent": "provider.jobs.lifecycle",
+    "JobLifecycle": "provider.jobs.lifecycle",
+    "JobOutcome": "provider.jobs.job",
+    "JobState": "provider.jobs.lifecycle",
+    "JobStateError": "provider.jobs.lifecycle",
+    "ModelManager": "provider.jobs.job",
+    "PromptCounter": "provider.request.tokens",
+    "PromptError": "provider.request.tokens",
+    "ServingStats": "provider.jobs.stats",
+    "Slot": "provider.jobs.job",
+    "TRANSITIONS": "provider.jobs.lifecycle",
+    "UnknownModel": "provider.request.tokens",
+    "engine_failure": "provider.jobs.job",
+    "exception_failure": "provider.jobs.job",
+    "run_job": "provider.jobs.job",
+}
+
+
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "CHAT_ENDPOINT",

@@ -16,22 +16,57 @@
                  ``doctor``
 """
 
-from provider.session.backoff import backoff_delays, clock_jumped, is_retryable, should_reset_backoff
-from provider.session.connection import Session, SessionConfig, websocket_connect
-from provider.session.core import Action, CancelJob, InvalidState, Log, Note, Send, SessionCore, SessionState, StartJob
-from provider.session.heartbeat import HeartbeatSource, ThermalSampler, backend_capacity
-from provider.session.identity import Keys, load_or_create_keys
-from provider.session.posture import (
-    DevPostureRefused,
-    Hardening,
-    HostPosture,
-    Posture,
-    check_dev_posture,
-    harden_process,
-    read_host_posture,
-)
-from provider.session.register import AdvertisedModel, RegisterFrame, advertised_models, build_register
-from provider.session.status import LinkState, RequestTally, SessionStatus, SessionView
+import importlib
+
+# Imported on first use (PEP 562): a command that needs one submodule (doctor, the CLI) does not
+# pay for the rest, the engine and MLX among them.
+_WHERE = {
+    "Action": "provider.session.core",
+    "AdvertisedModel": "provider.session.register",
+    "CancelJob": "provider.session.core",
+    "DevPostureRefused": "provider.session.posture",
+    "Hardening": "provider.session.posture",
+    "HeartbeatSource": "provider.session.heartbeat",
+    "HostPosture": "provider.session.posture",
+    "InvalidState": "provider.session.core",
+    "Keys": "provider.session.identity",
+    "LinkState": "provider.session.status",
+    "Log": "provider.session.core",
+    "Note": "provider.session.core",
+    "Posture": "provider.session.posture",
+    "RegisterFrame": "provider.session.register",
+    "RequestTally": "provider.session.status",
+    "Send": "provider.session.core",
+    "Session": "provider.session.connection",
+    "SessionConfig": "provider.session.connection",
+    "SessionCore": "provider.session.core",
+    "SessionState": "provider.session.core",
+    "SessionStatus": "provider.session.status",
+    "SessionView": "provider.session.status",
+    "StartJob": "provider.session.core",
+    "ThermalSampler": "provider.session.heartbeat",
+    "advertised_models": "provider.session.register",
+    "backend_capacity": "provider.session.heartbeat",
+    "backoff_delays": "provider.session.backoff",
+    "build_register": "provider.session.register",
+    "check_dev_posture": "provider.session.posture",
+    "clock_jumped": "provider.session.backoff",
+    "harden_process": "provider.session.posture",
+    "is_retryable": "provider.session.backoff",
+    "load_or_create_keys": "provider.session.identity",
+    "read_host_posture": "provider.session.posture",
+    "should_reset_backoff": "provider.session.backoff",
+    "websocket_connect": "provider.session.connection",
+}
+
+
+def __getattr__(name: str):
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "Action",
