@@ -80,6 +80,7 @@ class Loading:
                 slot.info = dataclasses.replace(slot.info, vision=dataclasses.replace(
                     slot.info.vision, image_text_tokens=loaded.image_text_tokens))
             await self._step(LoadStep.LOADED, model_id)
+            checked = self._clock()
             if not await self._check_kv_per_token(slot):
                 self._count_load(LoadResult.REFUSED)
                 return Failure.capacity(RejectionReason.MEMORY_CAP)
@@ -97,7 +98,9 @@ class Loading:
                 self._count_load(LoadResult.REFUSED)
                 await self._step(LoadStep.GUARD_UNLOAD, model_id)
                 return Failure.capacity(RejectionReason.MEMORY_CAP)
+            guarded = self._clock()
             weight_hash = await self._prefix.attach_hash(model_id)  # cached by the runtime: no re-read
+            hashed = self._clock()
             if self._draining:
                 return Failure.draining()
             self._prefix.attach(model_id, weight_hash)  # same step as the publish: no await between
@@ -114,6 +117,7 @@ class Loading:
                      estimate_bytes=padded_weight_bytes(slot.info.weight_bytes),
                      load_s=round(loaded.load_seconds, 3), weights_s=round(loaded.weights_seconds, 3),
                      measure_s=round(loaded.measure_seconds, 3), warm_s=round(loaded.warm_seconds, 3),
+                     check_s=round(guarded - checked, 3), hash_s=round(hashed - guarded, 3),
                      total_s=round(self._clock() - started, 3),
                      solo_min_tokens=loaded.solo_min_tokens, transposed_weights=loaded.transposed_weights,
                      cpu_attention=loaded.cpu_attention)
