@@ -12,11 +12,13 @@ attention on another thread): the BLAS kernel cannot differ there.
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 
 import mlx.core as mx
 import mlx_lm
 import numpy as np
+import psutil
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -61,6 +63,54 @@ def test_exp2_is_within_about_an_ulp_of_the_exact_value():
 def test_exp2_is_exact_at_0_and_0_for_a_masked_score():
     got = exp2(mx.array([0.0, -1.0, -127.0, -500.0, -1e30, -np.inf], dtype=mx.float32)).tolist()
     assert got == [1.0, 0.5, 0.0, 0.0, 0.0, 0.0]
+
+
+# -- compiled for a bounded number of shapes ------------------------------------------------------
+
+def exp2_traces(fn) -> int:
+    """How often `fn` ran the Python bodies of exp2's compiled steps: MLX runs them only to trace."""
+    steps = {"_reduce", "_poly_high", "_poly_low_scaled"}
+    traces = 0
+
+    def profile(frame, event, arg):
+        nonlocal traces
+        if event == "call" and frame.f_code.co_filename == attention.__file__ and frame.f_code.co_name in steps:
+            traces += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return traces
+
+
+def test_exp2_keeps_the_traces_of_max_shapes_shapes_at_most(monkeypatch):
+    """exp2's steps are compiled for each shape; after MAX_SHAPES shapes they are compiled anew, so MLX
+    drops the old traces: a shape met again after that is traced again."""
+    monkeypatch.setattr(attention, "MAX_SHAPES", 4)
+    monkeypatch.setattr(attention, "_compiled", attention._Compiled())
+    shapes = [(1, 2, 3, keys) for keys in range(40, 50)]
+    first = exp2_traces(lambda: mx.eval(exp2(-mx.ones(shapes[0]))))
+    assert first == 3 and exp2_traces(lambda: mx.eval(exp2(-mx.ones(shapes[0])))) == 0  # kept while in use
+    for shape in shapes[1:]:
+        assert exp2_traces(lambda shape=shape: mx.eval(exp2(-mx.ones(shape)))) == 3
+        assert len(attention._compiled.shapes) <= 4
+    assert exp2_traces(lambda: mx.eval(exp2(-mx.ones(shapes[0])))) == 3  # its trace was dropped
+
+
+def test_many_shapes_do_not_grow_the_process():
+    """A decode step or a prefill meets a new shape nearly every time: 3,000 of them (~100 MiB of
+    MLX's traces if every shape's were kept) leave the process within a few MiB."""
+    def run(keys: range) -> None:
+        for k in keys:
+            mx.eval(exp2(-mx.ones((1, 2, 1, k))))
+            mx.clear_cache()  # each size's buffers back to the allocator at once, not kept by MLX
+
+    run(range(1, 1 + 2 * attention.MAX_SHAPES))  # the traces it keeps, and the allocator's warm-up
+    before = psutil.Process().memory_info().rss
+    run(range(1_000, 4_000))
+    assert psutil.Process().memory_info().rss - before < 16 * 2**20
 
 
 # -- the attention against MLX's ------------------------------------------------------------------

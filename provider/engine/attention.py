@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import threading
+from functools import partial
 
 import mlx.core as mx
 
@@ -51,18 +52,28 @@ mlx_attention = mx.fast.scaled_dot_product_attention  # MLX's own, kept for ever
 _local = threading.local()
 
 
-# MLX's CPU compiler fuses an elementwise graph into one vectorised loop only while it is small
-# (measured: a polynomial of 8 coefficients in one function ran unfused, 8x slower), so exp2 is
-# three compiled steps of a few ops each.
+# exp2, compiled. MLX's CPU compiler fuses an elementwise graph into one vectorised loop only while
+# it is small (measured: a polynomial of 8 coefficients in one function ran unfused, 8x slower), so
+# exp2 is three compiled steps of a few ops each.
+#
+# They are compiled for each shape they meet, and MLX keeps a trace per shape for as long as the
+# compiled function lives: ~33 KiB a shape, and finding one among 12,000 took 0.7 ms, while a decode
+# step or a prefill meets a new shape nearly every time (the context grows by a token each step).
+# So after `MAX_SHAPES` shapes the steps are compiled anew, which drops the old traces: a shape met
+# again is traced again (~0.05 ms). (Compiled `shapeless`, one trace for every shape, the steps give
+# the same bits but ran 1.1-1.4x slower from 256K elements of scores: such a trace broadcasts both
+# operands of every binary op, so a step the compiler fuses holds half as many ops, and exp2 took
+# six passes over the scores instead of three.)
 
-@mx.compile
+MAX_SHAPES = 64  # shapes exp2 is compiled for at once (~2 MiB of MLX's traces)
+
+
 def _reduce(t: mx.array) -> tuple[mx.array, mx.array]:
     t = mx.maximum(t, -127.0)
     r = t + _MAGIC
     return r, t - (r - _MAGIC)
 
 
-@mx.compile
 def _poly_high(f: mx.array) -> mx.array:
     p = f * _TAYLOR[7] + _TAYLOR[6]
     for c in reversed(_TAYLOR[3:6]):
@@ -70,7 +81,6 @@ def _poly_high(f: mx.array) -> mx.array:
     return p
 
 
-@mx.compile
 def _poly_low_scaled(p: mx.array, f: mx.array, r: mx.array) -> mx.array:
     for c in reversed(_TAYLOR[:3]):
         p = p * f + c
@@ -78,10 +88,34 @@ def _poly_low_scaled(p: mx.array, f: mx.array, r: mx.array) -> mx.array:
     return p * mx.view(bits, mx.float32)
 
 
+class _Compiled:
+    """exp2's steps compiled for the shapes they meet, `MAX_SHAPES` shapes at a time."""
+
+    def __init__(self) -> None:
+        self._renew()
+
+    def _renew(self) -> None:
+        # A new function object for each (partial): MLX keys its traces to the function, and erases
+        # them when the compiled function is dropped (the one it replaces, here).
+        self.shapes: set[tuple[int, ...]] = set()
+        self.reduce, self.poly_high, self.poly_low_scaled = (
+            mx.compile(partial(fn)) for fn in (_reduce, _poly_high, _poly_low_scaled))
+
+    def exp2(self, t: mx.array) -> mx.array:
+        if t.shape not in self.shapes:
+            if len(self.shapes) >= MAX_SHAPES:
+                self._renew()
+            self.shapes.add(t.shape)
+        r, f = self.reduce(t)
+        return self.poly_low_scaled(self.poly_high(f), f, r)
+
+
+_compiled = _Compiled()
+
+
 def exp2(t: mx.array) -> mx.array:
     """2**t for float32 `t <= 0` (0 below -127), within about one ulp of MLX's."""
-    r, f = _reduce(t)
-    return _poly_low_scaled(_poly_high(f), f, r)
+    return _compiled.exp2(t)
 
 
 def _mask_for(mask, b: int, kv: int, rep: int, length: int, keys: int):
