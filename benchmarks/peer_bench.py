@@ -340,15 +340,17 @@ def start_peer(model_path: Path, work: Path, batch_size: int | None) -> Server:
     return Server(PEER, proc, base, "default_model")
 
 
-def start_ours(model_path: Path, work: Path, batch_size: int | None, extra_toml: list[str]) -> Server:
+def start_ours(model_path: Path, work: Path, batch_size: int | None, extra_toml: list[str],
+               root: Path | None = None, side: str = OURS) -> Server:
     port = free_port()
+    name = "ours" if side == OURS else "peer"  # its files: <name>.toml, <name>.log
     hub = work / "empty-hub"
     hub.mkdir(exist_ok=True)
-    config = work / "provider.toml"
+    config = work / ("provider.toml" if side == OURS else f"{name}-provider.toml")
     config.write_text(  # an --ours-toml log_level (e.g. "info": one line per request) replaces the default
         f"local_port = {port}\n"
         f"hf_cache_dir = {json.dumps(str(hub))}\n"
-        f"state_dir = {json.dumps(str(work / 'state'))}\n"
+        f"state_dir = {json.dumps(str(work / ('state' if side == OURS else 'peer-state')))}\n"
         + ("" if any(line.split("=")[0].strip() == "log_level" for line in extra_toml) else "log_level = \"warning\"\n")
         + "log_format = \"json\"\nidle_timeout_mins = 0\n"
         + ("" if batch_size is None else f"max_batch_size = {batch_size}\n")
@@ -357,10 +359,11 @@ def start_ours(model_path: Path, work: Path, batch_size: int | None, extra_toml:
         f"{json.dumps(MODEL_ID)} = {json.dumps(str(model_path))}\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("DARKBLOOM_")}
     proc = subprocess.Popen([sys.executable, "-m", "provider.cli", "--config", str(config), "serve", "--local"],
-                            env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=(work / "ours.log").open("wb"))
+                            env=env, cwd=root or REPO, stdout=subprocess.DEVNULL,
+                            stderr=(work / f"{name}.log").open("wb"))
     base = f"http://127.0.0.1:{port}"
     wait_ready(base + "/healthz", proc)
-    return Server(OURS, proc, base, MODEL_ID, status_url=base + "/status")
+    return Server(side, proc, base, MODEL_ID, status_url=base + "/status")
 
 
 # -- one request, one run ----------------------------------------------------------------------
@@ -524,6 +527,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the servers' logs, config and state (default: a new temporary folder)")
     parser.add_argument("--ours-toml", action="append", default=[], metavar="LINE",
                         help="a line for our server's config, e.g. 'kv_ssd_budget_gb = 0' (repeatable)")
+    parser.add_argument("--peer-root", type=Path, default=None, metavar="DIR",
+                        help="the other side is our own server run from another checkout (e.g. a git worktree of an "
+                             "earlier commit) instead of mlx_lm.server: an A/B of two versions, 'server' columns the other")
     parser.add_argument("--gil-cells", default="", metavar="W:C,...",
                         help="sample our server's GIL holders with py-spy while these cells run on our side, e.g. "
                              "w1:32,w1:64 (benchmarks/gil_sample.py); the shares are printed and saved")
@@ -683,7 +689,8 @@ async def main(argv: list[str] | None = None) -> int:
 
     bench = Bench(args, prompts, bare, servers, cells, Deadline(args.deadline_s), save)
     try:
-        servers[PEER] = start_peer(model_path, work, batch_size)
+        servers[PEER] = (start_peer(model_path, work, batch_size) if args.peer_root is None
+                         else start_ours(model_path, work, batch_size, args.ours_toml, root=args.peer_root, side=PEER))
         servers[OURS] = start_ours(model_path, work, batch_size, args.ours_toml)
         stopped = await measure_until_stopped(bench)
     except Exception as exc:  # the edge of the run: report what was measured, then fail
