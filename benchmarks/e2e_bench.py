@@ -10,7 +10,7 @@
   model manager's admission and KV reservations.
 
 * ``engine, N at once``: the engine alone again, but at most N requests in it at a time, N being what the
-  double (like [A]) sends this machine concurrently (2 for a ≤ 24 GB machine, protocol.md §9.1): the
+  double (like [A]) sends this machine concurrently (2 for a ≤ 24 GB machine): the
   like-for-like baseline, since through the double the other consumers wait in the coordinator's queue.
 
 Columns: aggregate tok/s = all completion tokens / wall time from t0 to the last stream's end; TTFT =

@@ -1,4 +1,4 @@
-"""Constrained decoding in the continuous batch (issue 31): what 4 grammar-constrained rows cost a batch of 8,
+"""Constrained decoding in the continuous batch: what 4 grammar-constrained rows cost a batch of 8,
 and what compiling a 50-property schema costs, cold and cached.
 
 Decode. One `EngineBatchGenerator` (the engine's decode step) on the model, a batch of 8 distinct

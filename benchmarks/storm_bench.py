@@ -1,4 +1,4 @@
-"""A request storm through `serve --local` on an emulated 8.5 GiB machine (issue 11).
+"""A request storm through `serve --local` on an emulated 8.5 GiB machine.
 
 Run: `HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/storm_bench.py [--storm 100] [--singles 200]
 [--max-batch-size 64]` (under `sh tools/with-blas.sh` for OpenBLAS).

@@ -1,6 +1,6 @@
 """The prefix cache of every loaded model: RAM tier in front, SSD tier behind, one purge.
 
-Lifecycle (memory-policy.md §6): the model manager calls `attach(model, weight_hash)` after a
+Lifecycle: the model manager calls `attach(model, weight_hash)` after a
 load and `purge(model)` on every unload (eviction, idle timeout, shutdown) before the unload
 returns; `disk.startup_sweep(root)` runs once before the first attach. The engine worker calls
 `ModelKvCache.fetch` before inserting a request into its `BatchGenerator` and `store` when the

@@ -20,7 +20,7 @@ File layout (one file per cached prefix, in the model's directory), format 2:
 * Directories are 0700, files 0600, written to a temp file, fsynced, then renamed into place.
 * A corrupt, truncated or tampered file is a miss: it is deleted and `read` returns None.
 
-The closed latch (memory-policy.md §6, seed Phase 4): `purge(model)` closes the model's directory
+The closed latch: `purge(model)` closes the model's directory
 under the lock and then deletes it. A write checks the latch before writing and again after the
 rename; if a purge closed it in between, the write deletes its own file (and the directory it may
 have re-created), so a write racing a purge never leaves a file behind.

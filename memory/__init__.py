@@ -2,7 +2,7 @@
 
     Σ(resident weights) + KV + activations + reservations  ≤  effective cap
 
-Modules (reference/memory-policy.md is the specification):
+Modules:
 
 * `policy`   cap math and env resolution: `figures()` → `CapFigures` and its methods; what env
              values were rejected or clamped (`PolicySettings.adjustments`); the room left for

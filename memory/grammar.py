@@ -1,4 +1,4 @@
-"""A constrained request's memory besides its KV (issue 31), as one bounded figure.
+"""A constrained request's memory besides its KV, as one bounded figure.
 
 A request whose output a grammar constrains (`response_format` json_object / json_schema, a forced
 tool call) holds, from its intake to the moment the engine drops it:

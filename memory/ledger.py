@@ -1,4 +1,4 @@
-"""The one process-wide reservation ledger (memory-policy.md §4).
+"""The one process-wide reservation ledger.
 
 A reservation holds back bytes that are promised but not yet visible in MLX's counters: a request's
 KV, decoded media, a model load in flight, the RAM prefix cache. The ledger admits a reservation

@@ -1,4 +1,4 @@
-"""The cap arithmetic: every figure of reference/memory-policy.md §2–§4, derived in one place.
+"""The cap arithmetic: every figure of the unified-memory cap, derived in one place.
 
     Σ(resident weights) + KV + activations + other reserved bytes  ≤  effective cap
 

@@ -1,4 +1,4 @@
-"""Pressure watermarks of projected utilization (memory-policy.md §8, from the oMLX hardening PR).
+"""Pressure watermarks of projected utilization.
 
     u = (mlx_used + incoming + overhead) / P
 

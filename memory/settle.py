@@ -1,4 +1,4 @@
-"""The settle barrier after an unload (memory-policy.md §6, after the oMLX hardening PR).
+"""The settle barrier after an unload.
 
 After a model is stopped and dropped, its buffers can take a moment to leave MLX's active count (a
 trailing async step held ~60 MiB for 70–90 ms in our measurements; on Metal the release can lag
@@ -74,7 +74,7 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 def clear_buffer_cache() -> None:
     """Drop MLX's buffer cache and return freed heap to the OS (glibc keeps freed weight buffers
-    otherwise; mlx-notes §4). No cycle collection: what the cache rule and loads need, cheaply."""
+    otherwise). No cycle collection: what the cache rule and loads need, cheaply."""
     import mlx.core as mx
 
     mx.clear_cache()

@@ -1,4 +1,4 @@
-"""Signing for the coordinator: the registration attestation and challenge answers (protocol.md §3.7, §10).
+"""Signing for the coordinator: the registration attestation and challenge answers.
 
 Registration attestation (``register.attestation``, §10.1; [A] attestation.go ``AttestationBlob`` /
 ``Verify``, Swift ``AttestationService.createAttestation``):

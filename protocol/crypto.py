@@ -1,4 +1,4 @@
-"""End-to-end encryption of requests and response chunks (protocol.md §11): NaCl box via PyNaCl.
+"""End-to-end encryption of requests and response chunks: NaCl box via PyNaCl.
 
 * ``ProviderIdentity`` — our static X25519 key pair; ``public_key_b64`` is the exact string registered in
   ``register.public_key``, answered in challenges and put in every ``encrypted_data.ephemeral_public_key``.

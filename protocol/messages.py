@@ -1,7 +1,7 @@
 """Every v1 frame of both directions, and the tagged union ``Message`` that ``decode`` produces.
 
 ``UnknownMessage`` is what a frame of a type we do not know decodes to: the coordinator adds types over
-time, and an unknown one must be logged and skipped, never treated as an error (protocol.md §4, §15.5).
+time, and an unknown one must be logged and skipped, never treated as an error.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""OpenAI chat-completion objects and their Server-Sent-Events framing (protocol.md §1.8, §7.3); the
+"""OpenAI chat-completion objects and their Server-Sent-Events framing; the
 legacy ``text_completion`` object too (``/v1/completions``: one shape for a whole answer and a chunk).
 
 Two framings of the same objects (a ``ChatCompletionChunk`` streaming delta, or one ``ChatCompletion``):

@@ -1,4 +1,4 @@
-"""Frames the provider sends to the coordinator (protocol.md §3). Strict: they are what Go must decode.
+"""Frames the provider sends to the coordinator. Strict: they are what Go must decode.
 
 Required fields have no default, so a frame cannot be built with one forgotten. Field order follows the Go
 structs; the wire is semantic JSON, so order never matters to the coordinator.
@@ -355,7 +355,7 @@ class ProviderDrain(WireModel):
 
 
 # --- [N] capability-gated exchanges a v1 provider never starts -------------------------------------------
-# protocol.md lists them without their fields; unknown fields are kept so a decoded frame re-encodes as-is.
+# The coordinator's frames listed without their fields; unknown fields are kept so a decoded frame re-encodes as-is.
 
 
 class PrefixCacheLookup(Opaque):

@@ -1,8 +1,8 @@
-"""Frames the coordinator sends to the provider (protocol.md §4). Tolerant: every field has Go's zero value
+"""Frames the coordinator sends to the provider. Tolerant: every field has Go's zero value
 as its default, so a missing field reads the way Go would have written it, and unknown fields are ignored.
 
 A missing ``encrypted_body`` stays ``None`` instead of failing the frame: the request id is still known, so
-the job can answer with a 400 ``invalid_request`` (protocol.md §4.1, §15.13).
+the job can answer with a 400 ``invalid_request``.
 
 Size rule: every field we echo back (``request_id`` in every answer, the challenge ``nonce``) has a length
 bound, so an answer can always be encoded and stays small; a frame that breaks it does not decode and is

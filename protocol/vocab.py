@@ -1,4 +1,4 @@
-"""Closed vocabularies of the wire (protocol.md §3.2, §3.6, §3.8, §4.2). Values are the exact wire strings."""
+"""Closed vocabularies of the wire. Values are the exact wire strings."""
 
 from __future__ import annotations
 

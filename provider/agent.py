@@ -77,7 +77,7 @@ log = get_logger("provider.agent")
 
 EXIT_OK = 0
 EXIT_CONFIG = 78  # EX_CONFIG, as the CLI uses for configuration errors
-# EXIT_RESTART (75, EX_TEMPFAIL, from provider/supervision.py): a memory restart (issue 20). launchd
+# EXIT_RESTART (75, EX_TEMPFAIL, from provider/supervision.py): a memory restart. launchd
 # (KeepAlive, SuccessfulExit false) and the systemd unit (Restart=on-failure) start the agent again; the
 # crash-loop guard counts it as a memory self-restart, and enough of them keep a launchd service down.
 

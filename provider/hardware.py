@@ -1,4 +1,4 @@
-"""What machine this is, for ``register.hardware`` (protocol.md §3.1): chip, memory, cores, bandwidth.
+"""What machine this is, for ``register.hardware``: chip, memory, cores, bandwidth.
 
 macOS: ``sysctl`` (``hw.model``, ``machdep.cpu.brand_string``, ``hw.physicalcpu`` and the performance
 levels ``hw.nperflevels`` / ``hw.perflevelN.name`` / ``hw.perflevelN.physicalcpu``) and the GPU core

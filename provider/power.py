@@ -1,4 +1,4 @@
-"""Keep the Mac awake while the agent is available (issue 18.7).
+"""Keep the Mac awake while the agent is available.
 
 An idle Mac goes to sleep, and a sleeping Mac drops the coordinator's WebSocket: for the network the
 provider is gone until someone touches the machine. While the agent is available it holds a power
@@ -7,7 +7,7 @@ system sleep (the display may still sleep, and closing a laptop's lid still slee
 the assertion when our process exits, so a crash or a kill can never leave the Mac awake for nothing.
 
 ``keep_awake = false`` turns it off. Availability is a hook, not a guess: the agent wires
-``set_available`` to the guest monitor (issue 16, ``GuestMonitor.follow``), so the assertion is held
+``set_available`` to the guest monitor (``GuestMonitor.follow``), so the assertion is held
 while a serving window is open and nothing pauses the agent, released while it is paused (outside a
 window, the owner busy, on battery, too hot: the Mac may sleep then), and released for good when the
 agent drains. Elsewhere than macOS there is nothing to hold (a Linux server is configured not to

@@ -1,4 +1,4 @@
-"""``runtime_hash``: one SHA-256 naming the exact code that serves requests (protocol.md §10.3).
+"""``runtime_hash``: one SHA-256 naming the exact code that serves requests.
 
 A coordinator with a runtime manifest (``EIGENINFERENCE_KNOWN_RUNTIME_HASHES``) routes only to providers
 whose ``register.runtime_hash`` is on its list; ``darkbloom-provider doctor`` / the CLI print this value

@@ -16,13 +16,13 @@ sets ``RestartPreventExitStatus=78``) nothing changes: the exit code is the erro
 The record holds an error class, the exit code it replaced, the one-line message (the same text
 the operator sees on a terminal: setting names and values, never request text) and a UTC time.
 
-Crash loops (issue 18.8). `KeepAlive {SuccessfulExit: false}` relaunches an agent that exits
+Crash loops. `KeepAlive {SuccessfulExit: false}` relaunches an agent that exits
 abnormally (a crash, a signal, jetsam's SIGKILL) every `ThrottleInterval`, for ever; oMLX's tracker
 shows such a loop stranding wired memory until reboot (233 restarts). So the agent counts its own
 abnormal exits in the state directory, ``abnormal-exits.json``, each with its time and kind:
 
 * an exit code is known when `serve` returns: 0 (a drain) and 78 (a refused configuration) are
-  clean; 75 is a memory self-restart (issue 20: memory that did not come back after unloads), which
+  clean; 75 is a memory self-restart (memory that did not come back after unloads), which
   counts too, so a restart that does not help cannot loop either; any other code is an error exit;
 * a kill or a crash leaves no code: while it runs, ``agent.running`` names the agent's pid and that
   process's start time, and every exit with a code removes it; a marker whose process is gone (no
@@ -142,7 +142,7 @@ def read_exit_record(home: Path) -> ExitRecord | None:
 
 class ExitKind(StrEnum):
     CRASH = "crash"  # no exit code: a signal (jetsam's SIGKILL), a crash, found at the next start
-    MEMORY_RESTART = "memory_restart"  # exit 75: the memory self-restart of issue 20
+    MEMORY_RESTART = "memory_restart"  # exit 75: the memory self-restart
     ERROR_EXIT = "error_exit"  # another non-zero exit code
 
 

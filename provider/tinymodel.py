@@ -9,8 +9,8 @@
   `<|endoftext|>` (0, bos/pad), `<|im_start|>` (1) and `<|im_end|>` (2, eos);
 * the weights are a seeded random init of `mlx_lm.models.llama.Model`.
 
-Presets (the small ones are float32 because float32 is the fastest dtype on an x86 CPU; see
-reference/mlx-notes.md §3; `1b` and `8b` are the real shapes measured on a GPU, in bfloat16):
+Presets (the small ones are float32 because float32 is the fastest dtype on an x86 CPU;
+`1b` and `8b` are the real shapes measured on a GPU, in bfloat16):
 
 | preset | hidden/layers/ffn/heads/kv/vocab | context | weights          |
 | ------ | -------------------------------- | ------- | ---------------- |
@@ -131,8 +131,8 @@ PRESETS: dict[str, Shape] = {
     "tiny": Shape(256, 2, 256, 4, 2, 2048, 2048),
     "small": Shape(512, 4, 1024, 8, 4, 6144, 4096),
     "medium": Shape(1024, 8, 2816, 16, 4, 8192, 4096),
-    # Llama shapes at ~1B and ~8B for a GPU (MLX's CUDA backend batches bf16 matmuls; see
-    # reference/mlx-notes.md, "MLX on CUDA").
+    # Llama shapes at ~1B and ~8B for a GPU (MLX's CUDA backend batches bf16 matmuls, not 4-bit ones,
+    # as measured on an H200).
     "1b": Shape(2048, 16, 8192, 32, 8, 32000, 8192, "bfloat16"),
     "8b": Shape(4096, 32, 14336, 32, 8, 32000, 8192, "bfloat16"),
 }

@@ -1,5 +1,5 @@
 """The rates a model runs at, from one short timed pass at load (register's ``prefill_tps`` /
-``decode_tps``, issue 32 item 1).
+``decode_tps``).
 
 The coordinator forecasts a provider's first content from these until its requests give it
 measured rates (``provider.slots.rates``). The pass is what serving does, at a small size: a

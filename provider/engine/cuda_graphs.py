@@ -1,4 +1,4 @@
-"""Kernels launched one by one on MLX's CUDA backend, not recorded into CUDA graphs (issue 30 item 2).
+"""Kernels launched one by one on MLX's CUDA backend, not recorded into CUDA graphs.
 
 By default MLX's CUDA backend records a step's kernels into CUDA graphs and launches a graph once it
 holds `MLX_MAX_OPS_PER_BUFFER` operations or its inputs `MLX_MAX_MB_PER_BUFFER` megabytes (on an

@@ -1,4 +1,4 @@
-"""The decode step, owned by the engine (issue 30 item 2).
+"""The decode step, owned by the engine.
 
 mlx-lm's `BatchGenerator` still schedules the batch (inserts, batched prefill, joins, removals); its
 generation batch, which runs every decode step, is ours: `DecodeBatch`. Per step mlx-lm's does the
@@ -11,7 +11,7 @@ Token identity: the same forward pass, the same log-probabilities (`logits - log
 sampler calls in the same order as mlx-lm's `GenerationBatch._step`, so every sequence gets the tokens
 mlx-lm would give it. A batch with logits processors takes mlx-lm's own step (they need the token
 context it keeps). `Response.logprobs` is None for the steps taken here. A batch whose only
-processors are the engine's own `guided.RowGuide`s (a grammar's masks, log-probabilities: issue 31)
+processors are the engine's own `guided.RowGuide`s (a grammar's masks, log-probabilities)
 takes `guided.step` instead, which keeps the plain rows' arithmetic as it is here.
 
 Joining the batch (`PrefillBatch`, mlx-lm's prompt batch with three steps changed). When requests
@@ -81,7 +81,7 @@ class DecodeBatch(GenerationBatch):
 
     def _step(self) -> tuple[list[int], list[None]]:
         if any(self.logits_processors):
-            if guided.only_guides(self.logits_processors):  # issue 31: grammar masks, log-probabilities
+            if guided.only_guides(self.logits_processors):  # grammar masks, log-probabilities
                 return guided.step(self)
             return super()._step()
         self._current_tokens, self._current_logprobs = self._next_tokens, self._next_logprobs

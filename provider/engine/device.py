@@ -1,4 +1,4 @@
-"""MLX's process-wide memory settings, owned by the engine thread (issue 18.3, 18.4).
+"""MLX's process-wide memory settings, owned by the engine thread.
 
 `memory.mlx_limits` says what they should be; this applies them with the MLX calls, on the thread
 that owns MLX, and puts back what it found when the engine stops:

@@ -1,4 +1,4 @@
-"""Per-sequence grammar masks and log-probabilities inside the batched decode step (issue 31 items 2, 3).
+"""Per-sequence grammar masks and log-probabilities inside the batched decode step.
 
 A sequence that asks for either carries a `RowGuide`, which rides through mlx-lm's batch scheduling
 as the sequence's one "logits processor" (mlx-lm keeps that list aligned with the batch through

@@ -101,7 +101,7 @@ class ChatRequest:
     # The local front's conversations: once this finishes, prefill the prompt's next turn up to the
     # answer as the chat template renders it back, while the engine is idle (next_turn.py).
     prepare_next_turn: bool = False
-    # Issue 31: the request's grammar (`provider.grammar.Constraint`: the engine masks each token by it
+    # The request's grammar (`provider.grammar.Constraint`: the engine masks each token by it
     # and releases its memory reservation when the request leaves), and its log-probabilities (None:
     # not asked; else the number of alternatives per token, 0-20).
     constraint: Any = field(default=None, repr=False)

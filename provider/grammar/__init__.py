@@ -1,4 +1,4 @@
-"""provider/grammar: constrained output (issue 31 item 2) with llguidance.
+"""provider/grammar: constrained output with llguidance.
 
 * `formats`  `response_format` as a grammar (json_object, json_schema), checked without a tokenizer
 * `tools`    the grammar of a forced tool call, in the model's tool-call format

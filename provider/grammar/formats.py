@@ -1,4 +1,4 @@
-"""What a request asks its output to be, as an llguidance grammar (issue 31 item 2). Pure: no tokenizer.
+"""What a request asks its output to be, as an llguidance grammar. Pure: no tokenizer.
 
 `json_object` is any JSON object; `json_schema` is llguidance's compilation of the schema. JSON is
 generated compact (no whitespace but ", " and ": ", as `json.dumps` writes it): whitespace a random

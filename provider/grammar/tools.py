@@ -1,4 +1,4 @@
-"""The grammar of a forced tool call (`tool_choice: "required"` or a named function), issue 31 item 2.
+"""The grammar of a forced tool call (`tool_choice: "required"` or a named function).
 
 `grammar_for_tool_call(tools, choice, fmt)` is the language of "one call (or, for `required` with
 parallel calls, one or more) to one of these functions, its arguments valid against that function's

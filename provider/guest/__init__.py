@@ -1,4 +1,4 @@
-"""provider/guest: be a good guest on the owner's Mac (issue 16).
+"""provider/guest: be a good guest on the owner's Mac.
 
 The owner says when the Mac serves (`serve_windows`, local time), and may ask it to step aside
 while they use it (`pause_when_active_mins`), while it runs on battery (`pause_on_battery`) or

@@ -138,7 +138,7 @@ class GuestMonitor:
     def follow(self, available: Callable[[bool], None]) -> None:
         """Call `available(not paused)` now (the state as of the last step) and at each flip between
         available and paused, not when only a pause's reason changes: the hook of a power assertion
-        that keeps the Mac awake only while it may serve (issue 18's ``KeepAwake.set_available``)."""
+        that keeps the Mac awake only while it may serve (``KeepAwake.set_available``)."""
         last = [not self.is_paused()]
         available(last[0])
 

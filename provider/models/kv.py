@@ -5,7 +5,7 @@ mlx-lm builds one cache object per layer (`Model.make_cache()`, `mlx_lm/models/c
 * `KVCache` (full attention) holds K and V of shape `(B, kv_heads, n, head_dim)` and grows in
   steps of `ALLOC_STEP` = 256 tokens, so `n = ceil(tokens / 256) * 256` when tokens arrive in
   256-aligned chunks (see `kv_bytes_for_tokens` for the unaligned case). Measured exactly
-  (reference/mlx-notes.md §5 and tests/test_models_kv.py).
+  (tests/test_models_kv.py).
 * `RotatingKVCache(max_size=window)` (sliding-window attention) stops growing at `window` tokens
   once decoding. Before that it holds at most `tokens + 255`: a prefill chunk is stored unpadded,
   and the next one-token step pads by up to 256. During a chunked prefill past the window it holds

@@ -1,5 +1,5 @@
 """``register.attestation``: the signed blob that a coordinator at ``EIGENINFERENCE_MIN_TRUST=self_signed``
-routes, or the reasons there is none (protocol.md §10.1).
+routes, or the reasons there is none.
 
 What [A] does with it (provider.go ``verifyProviderAttestation``, attestation.go ``Verify``): the blob is
 valid when its signature verifies with its own ``publicKey``, ``secureEnclaveAvailable``, ``sipEnabled``

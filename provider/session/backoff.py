@@ -1,4 +1,4 @@
-"""Reconnect policy, as pure functions (STYLE.md §1: websockets' ``backoff()`` / ``process_exception``).
+"""Reconnect policy, as pure functions (as websockets' ``backoff()`` / ``process_exception``).
 
 * ``backoff_delays()`` — an infinite generator of delays: 1 s, 2 s, 4 s … capped at 30 s, each with
   up to ±20 % jitter so a fleet of providers does not reconnect in lock step after a coordinator restart.

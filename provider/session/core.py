@@ -15,7 +15,7 @@ and carries out the returned actions in order: ``Send`` (put the frame on the co
 queue), ``StartJob`` / ``CancelJob`` (start or cancel a job task), ``Log``, ``Note`` (update the
 session status).
 
-What the core decides (protocol.md §4, §7.4, §15.5, §15.22):
+What the core decides:
 
 * ``inference_request`` → ``StartJob``; while draining → a 503 ``draining`` fast reject instead.
   Exactly one terminal frame answers every request whose id can be read: the job's, or one the core

@@ -1,5 +1,5 @@
 """The [A] coordinator's routing gates as pure functions, so ``doctor`` can say from what this agent
-sends whether a coordinator will route to it (protocol.md §9.1, §10.2, §13).
+sends whether a coordinator will route to it.
 
 Trust (``trust_problems``): [A] routes private text only to a provider whose ``register`` has
 ``backend: inprocess-mlx`` and the seven required privacy booleans true

@@ -1,4 +1,4 @@
-"""The ``heartbeat`` frame, every ``heartbeat_interval_s`` (protocol.md §3.2, §9).
+"""The ``heartbeat`` frame, every ``heartbeat_interval_s``.
 
 * ``status`` — ``serving`` iff a request is in flight, else ``idle``; ``draining`` while shutting down
   and while the owner's Mac is paused (provider/guest: outside its serving windows, in use, on

@@ -43,7 +43,7 @@ no such isolation, so it reports ``false`` everywhere; running *inside* a VM iso
 Hardening (``harden_process``, re-exported from ``provider.hardening``): core dumps off, not
 dumpable / no debugger attach, the environment scrubbed of injection hooks and secrets.
 
-``dev_posture``: a self-hosted development coordinator (protocol.md §13) only routes to providers that
+``dev_posture``: a self-hosted development coordinator only routes to providers that
 report SIP, Secure Boot and every privacy capability true. ``dev_posture = true`` reports exactly that
 (and, in the registration attestation, a sealed system volume and a Secure Enclave: the harness
 posture a coordinator at ``EIGENINFERENCE_MIN_TRUST=self_signed`` needs, see

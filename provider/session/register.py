@@ -1,4 +1,4 @@
-"""The ``register`` frame: the first frame of every connection (protocol.md §3.1, §1, §13).
+"""The ``register`` frame: the first frame of every connection.
 
 Models: only those that can ever load under the memory cap are advertised (``FitResult.ever_fits``);
 each carries its fit verdict as extra fields the Go coordinator ignores and a dashboard or the
