@@ -7,10 +7,10 @@ import threading
 
 import mlx_lm
 import pytest
+from engine_arithmetic import StepLogits, assert_decisive, assert_decisive_reply
 from mlx_lm.generate import stream_generate
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from engine_arithmetic import StepLogits, assert_decisive, assert_decisive_reply
 from protocol import sse
 from provider.engine import (
     ChatRequest,
@@ -22,7 +22,7 @@ from provider.engine import (
     SamplingParams,
     TextDelta,
 )
-from provider.engine.openai import ChatChunks, chat_completion
+from provider.response.openai import ChatChunks, chat_completion
 
 PROMPTS = [
     "hello",

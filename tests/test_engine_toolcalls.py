@@ -1,4 +1,4 @@
-"""Tool calls read out of a completion (provider/engine/toolcalls.py, openai.py; issue 31 item 1).
+"""Tool calls read out of a completion (provider/response/toolcalls.py, openai.py).
 
 Random weights call no tool by themselves, so the output side is driven with known answers: their
 real token ids (the tiny tool-calling model's tokenizer, `<tool_call>` = 3) go one at a time through
@@ -19,10 +19,10 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from protocol import sse
 from provider.engine import Finished, FinishReason, TextDelta, TokenLogprob, Usage
-from provider.engine.openai import ChatChunks, chat_completion
 from provider.engine.textstream import CompletionText
-from provider.engine.toolcalls import ToolCall, ToolCallStream, tool_calls_for
 from provider.models.tools import ToolFormat
+from provider.response.openai import ChatChunks, chat_completion
+from provider.response.toolcalls import ToolCall, ToolCallStream, tool_calls_for
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}

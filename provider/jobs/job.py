@@ -48,27 +48,47 @@ from typing import Protocol
 
 from structlog.contextvars import bound_contextvars
 
-from protocol import InferenceAccepted, InferenceComplete, InferenceRequest, ProviderMessage, Usage, encode
+from protocol import (
+    InferenceAccepted,
+    InferenceComplete,
+    InferenceRequest,
+    ProviderMessage,
+    Usage,
+    encode,
+)
 from protocol.crypto import CryptoError, ProviderIdentity, RequestBox
 from protocol.errors import Failure, inference_error_frame
 from protocol.sse import data_line
-from provider.engine import ChatRequest, EngineError, EngineFailure, Failed, Finished, RequestStream, TextDelta
-from provider.engine.openai import ChatChunks
-from provider.engine.toolcalls import ToolCallStream, tool_calls_for
+from provider.engine import (
+    ChatRequest,
+    EngineError,
+    EngineFailure,
+    Failed,
+    Finished,
+    RequestStream,
+    TextDelta,
+)
 from provider.engine.types import EngineTimes
 from provider.jobs.lifecycle import JobEvent, JobLifecycle, JobState
 from provider.jobs.stats import ServingStats
-from provider.request.body import ChatBody, InvalidBody, log_unknown_fields, parse_chat_body
+from provider.metrics import Metrics, RequestOutcome
+from provider.request.body import (
+    ChatBody,
+    InvalidBody,
+    log_unknown_fields,
+    parse_chat_body,
+)
 from provider.request.intake import Intake, Refusal, Ticket
 from provider.request.media import NO_MEDIA, MediaPlan, MediaRefused, inspect_images
 from provider.request.output import OutputPlan
 from provider.request.tokens import PromptCounter
+from provider.response.openai import ChatChunks
+from provider.response.toolcalls import ToolCallStream, tool_calls_for
+from provider.session.connection import DRAIN_EXPIRED
+from provider.session.status import RequestTally
 from provider.slots import Refused
 from provider.slots.leases import Booking
 from provider.slots.rates import RateBook
-from provider.metrics import Metrics, RequestOutcome
-from provider.session.connection import DRAIN_EXPIRED
-from provider.session.status import RequestTally
 from provider.telemetry import get_logger, request_timings
 
 log = get_logger("provider.jobs")

@@ -34,26 +34,25 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memory import CapFigures
-from protocol.errors import Failure
 from protocol import sse
+from protocol.errors import Failure
 from protocol.sse import DONE
-from provider.engine import EngineFailure, Event, Failed, Finished, RequestStream, TextDelta, TokenLogprob, Usage
-from provider.engine.types import EngineTimes
-from provider.engine.openai import (
-    ChatChunks,
-    TextChunks,
-    chat_completion,
-    choice_logprobs,
-    completion_usage,
-    text_completion,
+from provider.engine import (
+    EngineFailure,
+    Event,
+    Failed,
+    Finished,
+    RequestStream,
+    TextDelta,
+    TokenLogprob,
+    Usage,
 )
-from provider.engine.toolcalls import ToolCallStream, tool_calls_for
+from provider.engine.types import EngineTimes
 from provider.local.backend import Explained, Refused, unknown_model
 from provider.local.drain import InFlight
 from provider.local.errors import (
@@ -64,9 +63,18 @@ from provider.local.errors import (
     install_error_handlers,
     invalid_body_response,
 )
+from provider.metrics import CONTENT_TYPE, CapFigure, Metrics, RequestOutcome
 from provider.models.tools import ToolFormat
 from provider.request.body import ChatBody, CompletionBody, InvalidBody
-from provider.metrics import CONTENT_TYPE, CapFigure, Metrics, RequestOutcome
+from provider.response.openai import (
+    ChatChunks,
+    TextChunks,
+    chat_completion,
+    choice_logprobs,
+    completion_usage,
+    text_completion,
+)
+from provider.response.toolcalls import ToolCallStream, tool_calls_for
 from provider.telemetry import get_logger, request_timings
 
 log = get_logger(__name__)

@@ -9,7 +9,7 @@ to the end of the output) and `tool_parser(text, tools)`, which turns one call's
 its template does not render them, and nothing could read its calls.
 
 `ToolFormat.of(tokenizer)` is that answer for the prompt counter (a request's `tools` are refused at
-once for a model without), for the output side (`provider.engine.toolcalls` reads calls with the
+once for a model without), for the output side (`provider.response.toolcalls` reads calls with the
 same parser) and for `doctor` (`models.template_check`), so all three agree.
 """
 

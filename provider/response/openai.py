@@ -2,8 +2,8 @@
 the legacy `text_completion` ones.
 
 A thin adapter: a chat stream starts with a role-only delta, then one content chunk per
-`TextDelta`, and ends with an empty delta carrying `finish_reason` and `usage`
-(protocol.md §7.3). A legacy stream has one text chunk per `TextDelta`, an empty one carrying
+`TextDelta`, and ends with an empty delta carrying `finish_reason` and `usage` (the coordinator
+reads the usage there). A legacy stream has one text chunk per `TextDelta`, an empty one carrying
 `finish_reason`, then, as OpenAI sends it when asked, one usage chunk without choices.
 `protocol.sse.event(obj)` frames each one as a single SSE event.
 
@@ -18,7 +18,7 @@ with its `index`, `id`, `type` and `function.name` (arguments ``""``), then its 
 answer (`chat_completion`) reads the same calls: `message.tool_calls`, `content` null unless there
 is text besides them. The legacy completions endpoint takes no tools.
 
-Log-probabilities (issue 31 item 3): a `TextDelta`'s entries become its chunk's `choices[].logprobs`
+Log-probabilities: a `TextDelta`'s entries become its chunk's `choices[].logprobs`
 (and, collected, the completion's), each token spelled by `token_bytes` (the model's vocabulary,
 `provider.grammar.TokenTable.token_bytes`): `token` its text (a partial character as U+FFFD),
 `bytes` its bytes, `top_logprobs` the alternatives, best first. Text held back inside a tool call
@@ -31,8 +31,15 @@ import time
 from collections.abc import Callable, Iterable
 
 from protocol import sse
-from provider.engine.toolcalls import Piece, ToolCall, ToolCallStream
-from provider.engine.types import Event, Finished, FinishReason, TextDelta, TokenLogprob, Usage
+from provider.engine.types import (
+    Event,
+    Finished,
+    FinishReason,
+    TextDelta,
+    TokenLogprob,
+    Usage,
+)
+from provider.response.toolcalls import Piece, ToolCall, ToolCallStream
 
 TokenBytes = Callable[[int], bytes]
 FLOOR_LOGPROB = -9999.0  # OpenAI's value for a probability too small to write
