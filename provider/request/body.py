@@ -52,28 +52,12 @@ from pydantic_core import PydanticCustomError
 from provider.engine import SamplingParams, ToolCallConstraint
 from provider.models.tools import ToolFormat
 from provider.request.bounds import countable_chars
+from provider.request.errors import InvalidBody
 from provider.request.params import Endpoint, misspelt, unknown_names, unsupported
 from provider.request.response_format import ResponseFormat, parse_response_format
 from provider.telemetry import get_logger
 
 log = get_logger("provider.request")
-
-
-class InvalidBody(ValueError):
-    """The body is not a chat-completions request we can run. ``field`` (the parameter's path) and
-    ``rule`` (fixed text) are safe to show; the value is never kept."""
-
-    def __init__(self, field: str, rule: str = "is not valid") -> None:
-        super().__init__(field)
-        self.field = field
-        self.rule = rule
-
-    @property
-    def message(self) -> str:
-        """What a client is told: the parameter and the rule, e.g. ``'max_tokens' must be an integer >= 1``."""
-        if self.field == "body":
-            return f"The request body {self.rule}."
-        return f"Invalid parameter '{self.field}': {self.rule}."
 
 
 _TOOL_CHOICE_RULE = ('must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}} '

@@ -46,7 +46,8 @@ from provider.grammar import (
     grammar_for_tool_call,
 )
 from provider.grammar.formats import REJECTED_RULE
-from provider.request.body import ChatBody, InvalidBody
+from provider.request.body import ChatBody
+from provider.request.errors import InvalidBody
 from provider.request.response_format import ResponseFormat
 from provider.request.tokens import PromptCounter
 

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from provider.grammar import GrammarRejected, json_object_grammar, json_schema_grammar
 from provider.grammar.formats import REJECTED_RULE
+from provider.request.errors import InvalidBody
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TYPES_RULE = "must be one of text, json_object, json_schema"
@@ -40,8 +41,6 @@ class ResponseFormat:
 
 def parse_response_format(value: Any) -> ResponseFormat | None:
     """None for no constraint; raises `InvalidBody` naming the part of `response_format` at fault."""
-    from provider.request.body import InvalidBody  # body.py imports this module
-
     if value is None:
         return None
     if not isinstance(value, Mapping):
