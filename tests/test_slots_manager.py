@@ -521,7 +521,7 @@ async def test_a_waiter_gives_up_after_load_wait_timeout_but_the_load_goes_on(ri
     go.set()
     # The load goes on without its waiter; wait on the load itself (the 0.2 s waiter deadline is
     # shorter than a load on a busy 2-core machine), then a new request is served by that load.
-    load_task = m._slots["tiny"].load_task
+    load_task = m._s.slots["tiny"].load_task
     assert load_task is not None
     assert await asyncio.wait_for(asyncio.shield(load_task), 60) is None
     assert m.state("tiny") is ModelState.LOADED

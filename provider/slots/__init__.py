@@ -9,8 +9,11 @@ Modules:
 * `batchkv`   the batch KV rule: `join_share` (what a request reserves to join a model's padded
               batch), `KvBook` (a model's reservations; departures keep what the rest still needs)
 * `capacity`  `CapacityReport` / `SlotCapacity` for heartbeats
+* `shared`    `ManagerState`: what the manager and its collaborators share (records, engine, ledger)
+* `loading`, `unloading`, `reporting`: the manager's collaborators `Loader`, `Unloader` (and the
+              idle reaper), `Reporter` (register, heartbeat and doctor figures)
 * `vision`    a vision model's requests: place limit, `kv:` + `media:` reservations before the
-              images are decoded, release hooks (`VisionServing`, mixed into the manager)
+              images are decoded, release hooks (`VisionServer`, a collaborator of the manager)
 
 API for the jobs / session code:
 
@@ -72,7 +75,6 @@ Vision: images for a text model → 415 unsupported_media; media + KV above half
 from provider.slots.admission import (
     Admission,
     Admitted,
-    KvNeed,
     ManagerView,
     Refused,
     RoomPlan,
@@ -82,7 +84,7 @@ from provider.slots.admission import (
     plan_room,
     pressure_victim,
 )
-from provider.slots.batchkv import BatchKv, KvBook, KvHold, join_share
+from provider.slots.batchkv import BatchKv, KvBook, KvHold, KvNeed, join_share
 from provider.slots.capacity import CapacityReport, SlotCapacity
 from provider.slots.leases import Booking
 from provider.slots.manager import LoadStep, ModelManager, ServeSlot, SlotRefused, UnloadReport

@@ -50,19 +50,10 @@ from memory.media import DEFAULT_MAX_VISION_REQUESTS, VisionSpan, vision_reserva
 from protocol.errors import ErrorReason, Failure, FailureCode, RejectionReason
 from provider.guest.availability import Paused
 from provider.models import ALLOC_STEP, ModelInfo, kv_bytes_for_tokens
-from provider.slots.batchkv import EMPTY, join_share
+from provider.slots.batchkv import EMPTY, KvNeed, join_share
 from provider.slots.state import ModelState, SlotView
 
 _NO_CONTEXT_OUTPUT = default_max_tokens(2**62)  # the 8192 default when the config names no context
-
-
-@dataclass(frozen=True, slots=True)
-class KvNeed:
-    """The KV one request reserves."""
-
-    tokens: int  # prompt + output after the context clamp
-    max_tokens: int  # output tokens budgeted
-    nbytes: int
 
 
 @dataclass(frozen=True, slots=True)

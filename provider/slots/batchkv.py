@@ -44,6 +44,15 @@ from provider.models import KvLayout, kv_bytes_for_tokens
 
 
 @dataclass(frozen=True, slots=True)
+class KvNeed:
+    """The KV one request reserves (admission.kv_need sizes it)."""
+
+    tokens: int  # prompt + output after the context clamp
+    max_tokens: int  # output tokens budgeted
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class KvHold:
     """What one in-flight request has reserved on a model."""
 

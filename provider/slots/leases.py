@@ -1,9 +1,6 @@
 """The manager's reservations and the handle a request gets: each one released exactly once.
+(A load's own reservation, `Claim`, lives with the model's record in state.py.)
 
-* `Claim`: a load's pending-load reservation (memory-policy.md §4): the padded weights plus the
-  part of MIN_KV its first requests do not already reserve (`kv_bytes`, given to later requests as
-  they book); booked together with the request that causes the load; released on publish or on
-  any failure path, whichever comes first.
 * `Booking`: what admission reserved for one request (its KV, and the victims' unloads it must
   wait for before its KV may be allocated), from before `inference_accepted` to the engine.
 * `VisionPlace`: a request with images' place among its vision model's `max_vision_requests`,
@@ -23,11 +20,11 @@ import dataclasses
 import threading
 from collections.abc import Callable
 
-from memory import Ledger, MemorySnapshot, Rejection
+from memory import Ledger
 from protocol.errors import Failure
 from provider.engine import ChatRequest, Engine, RequestStream
 from provider.request.media import MediaPlan
-from provider.slots.admission import KvNeed
+from provider.slots.batchkv import KvNeed
 from provider.slots.state import ModelSlot
 
 
@@ -37,33 +34,6 @@ class SlotRefused(Exception):
     def __init__(self, failure: Failure) -> None:
         super().__init__(failure.code.value)
         self.failure = failure
-
-
-class Claim:
-    """The load's pending-load reservation: released exactly once, whoever gets there first."""
-
-    def __init__(self, ledger: Ledger, model_id: str) -> None:
-        self.id = f"load:{model_id}"
-        self._ledger = ledger
-        self.held = False
-        self.kv_bytes = 0  # the part of MIN_KV still held for KV (requests' bookings take it over)
-
-    def take(self, weights_bytes: int, kv_bytes: int, *, snapshot: MemorySnapshot | None = None) -> bool:
-        result = self._ledger.claim_pending_load(self.id, weights_bytes + kv_bytes, snapshot=snapshot)
-        if isinstance(result, Rejection):
-            return False
-        self.held, self.kv_bytes = True, kv_bytes
-        return True
-
-    def gave(self, nbytes: int) -> None:
-        """The ledger moved `nbytes` of the KV part to a request's reservation (`Ledger.reserve(donor=)`)."""
-        self.kv_bytes = max(0, self.kv_bytes - nbytes)
-
-    def release(self) -> None:
-        if self.held:
-            self.held = False
-            self.kv_bytes = 0
-            self._ledger.release(self.id)
 
 
 class KvReservation:

@@ -1,4 +1,5 @@
-"""Loading a model (memory-policy.md §5), `ModelManager`'s load task (a mixin of slots/manager.py).
+"""Loading a model: `Loader`, the model manager's load task (handed the manager's shared state,
+slots/shared.py).
 
 A load starts with its claim already held: admission books it together with the request that
 causes it (`ModelManager.book` / `_book_load`), or the warm-up path plans room and books it
@@ -24,7 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from memory import (
     padded_weight_bytes,
@@ -33,9 +34,13 @@ from memory import (
 from protocol.errors import Failure, RejectionReason
 from provider.engine import EngineError, EngineFailure, LoadedModelInfo
 from provider.metrics import EvictionCause, LoadResult
-from provider.slots.admission import pressure_victim
+from provider.progress import ProgressFactory
+from provider.slots.admission import ManagerView, pressure_victim
 from provider.slots.prefix import with_measured_kv
+from provider.slots.rates import RateBook
+from provider.slots.shared import ManagerState
 from provider.slots.state import ModelSlot, ModelState, log
+from provider.slots.unloading import Unloader
 
 _PROGRESS_INTERVAL_S = 0.2  # how often a terminal's load progress line is redrawn
 
@@ -53,26 +58,41 @@ class LoadStep(enum.Enum):
 FaultHook = Callable[[LoadStep, str], Awaitable[None]]
 
 
-class Loading:
-    """The load task and its steps (used by `ModelManager`; state lives there)."""
+class Loader:
+    """The load task and its steps, over the manager's shared state. `view()` is the manager's
+    (what the pure decisions read), `unloader` evicts for pressure, `on_resident_change()` is the
+    manager's: a model was published."""
 
+    def __init__(self, state: ManagerState, unloader: Unloader, rates: RateBook, *,
+                 view: Callable[[], ManagerView], on_resident_change: Callable[[], None],
+                 eos_token_ids: Mapping[str, frozenset[int]], fault: FaultHook | None,
+                 progress: ProgressFactory | None) -> None:
+        self._s = state
+        self._unloader = unloader
+        self._rates = rates
+        self._view = view
+        self._on_resident_change = on_resident_change
+        self._eos = dict(eos_token_ids)
+        self._fault = fault
+        self._progress = progress
+        self._topups = 0
 
-    async def _load(self, slot: ModelSlot) -> Failure | None:
+    async def load(self, slot: ModelSlot) -> Failure | None:
         """The single-flight load task, started with its claim held (`_book_load`). Returns None
         when published, else the failure to report to the requests that wait for it."""
         model_id = slot.model_id
         claim = slot.claim
         assert claim is not None and claim.held
         load_fut: asyncio.Future[LoadedModelInfo] | None = None
-        started = self._clock()
+        started = self._s.clock()
         try:
-            async with self._room_lock:
+            async with self._s.room_lock:
                 await self._settle_leaving_and_pressure(slot)
-            if self._draining:
+            if self._s.draining:
                 return Failure.draining()
             await self._step(LoadStep.CLAIMED, model_id)
             load_fut = asyncio.ensure_future(
-                self._engine.load(model_id, slot.info.path, eos_token_ids=self._eos.get(model_id),
+                self._s.engine.load(model_id, slot.info.path, eos_token_ids=self._eos.get(model_id),
                                   vision=slot.info.is_vision))
             await self._step(LoadStep.ENGINE_LOADING, model_id)
             loaded = await self._await_load(model_id, load_fut)
@@ -80,55 +100,55 @@ class Loading:
                 slot.info = dataclasses.replace(slot.info, vision=dataclasses.replace(
                     slot.info.vision, image_text_tokens=loaded.image_text_tokens))
             await self._step(LoadStep.LOADED, model_id)
-            checked = self._clock()
+            checked = self._s.clock()
             if not await self._check_kv_per_token(slot):
-                self._count_load(LoadResult.REFUSED)
+                self._count(LoadResult.REFUSED)
                 return Failure.capacity(RejectionReason.MEMORY_CAP)
-            await self._engine.reclaim()  # mx.clear_cache() on the thread that owns MLX
-            snap = self._probe.snapshot()
+            await self._s.engine.reclaim()  # mx.clear_cache() on the thread that owns MLX
+            snap = self._s.probe.snapshot()
             await self._step(LoadStep.GUARD, model_id)
-            if self._draining:
+            if self._s.draining:
                 return Failure.draining()
             # MIN_KV of room beyond every reservation, less the KV its own requests already reserved.
-            floor = max(0, self.figures.min_kv_bytes - slot.kv_book.view().reserved_bytes)
-            if not self._ledger.load_is_serveable(snap, pending_load_id=claim.id, kv_floor_bytes=floor):
+            floor = max(0, self._s.figures.min_kv_bytes - slot.kv_book.view().reserved_bytes)
+            if not self._s.ledger.load_is_serveable(snap, pending_load_id=claim.id, kv_floor_bytes=floor):
                 log.warning("post_load_guard_refused", model=model_id, weights_bytes=loaded.weights_bytes,
-                            headroom_bytes=self.figures.live_headroom_bytes(snap),
-                            required_bytes=floor + self._ledger.outstanding_bytes(excluding=claim.id))
-                self._count_load(LoadResult.REFUSED)
+                            headroom_bytes=self._s.figures.live_headroom_bytes(snap),
+                            required_bytes=floor + self._s.ledger.outstanding_bytes(excluding=claim.id))
+                self._count(LoadResult.REFUSED)
                 await self._step(LoadStep.GUARD_UNLOAD, model_id)
                 return Failure.capacity(RejectionReason.MEMORY_CAP)
-            guarded = self._clock()
-            weight_hash = await self._prefix.attach_hash(model_id)  # cached by the runtime: no re-read
-            hashed = self._clock()
-            if self._draining:
+            guarded = self._s.clock()
+            weight_hash = await self._s.prefix.attach_hash(model_id)  # cached by the runtime: no re-read
+            hashed = self._s.clock()
+            if self._s.draining:
                 return Failure.draining()
-            self._prefix.attach(model_id, weight_hash)  # same step as the publish: no await between
+            self._s.prefix.attach(model_id, weight_hash)  # same step as the publish: no await between
             claim.release()
             slot.claim = None
             slot.loaded = loaded
-            self.rates.loaded(model_id)  # a new engine lifetime: what the last one measured is gone
-            self.rates.calibrated(model_id, prefill_tps=loaded.prefill_tps, decode_tps=loaded.decode_tps)
-            slot.last_used = self._clock()
+            self._rates.loaded(model_id)  # a new engine lifetime: what the last one measured is gone
+            self._rates.calibrated(model_id, prefill_tps=loaded.prefill_tps, decode_tps=loaded.decode_tps)
+            slot.last_used = self._s.clock()
             slot.state = ModelState.LOADED
-            self._count_load(LoadResult.LOADED)
-            self._resident_set_changed()
+            self._count(LoadResult.LOADED)
+            self._on_resident_change()
             log.info("model_loaded", model=model_id, weights_bytes=loaded.weights_bytes,
                      estimate_bytes=padded_weight_bytes(slot.info.weight_bytes),
                      load_s=round(loaded.load_seconds, 3), weights_s=round(loaded.weights_seconds, 3),
                      measure_s=round(loaded.measure_seconds, 3), warm_s=round(loaded.warm_seconds, 3),
                      check_s=round(guarded - checked, 3), hash_s=round(hashed - guarded, 3),
-                     total_s=round(self._clock() - started, 3),
+                     total_s=round(self._s.clock() - started, 3),
                      solo_min_tokens=loaded.solo_min_tokens, transposed_weights=loaded.transposed_weights,
                      cpu_attention=loaded.cpu_attention)
             return None
         except EngineError as exc:
             log.warning("model_load_failed", model=model_id, code=exc.code)
-            self._count_load(LoadResult.FAILED)
+            self._count(LoadResult.FAILED)
             return Failure.model_load_failed()
         except Exception as exc:  # an edge: a load must always end in a typed failure and a clean slate
             log.error("model_load_failed", model=model_id, exc_type=type(exc).__name__)
-            self._count_load(LoadResult.FAILED)
+            self._count(LoadResult.FAILED)
             return Failure.model_load_failed()
         finally:
             if slot.state is ModelState.LOADING:  # anything but a publish: undo, release, forget
@@ -143,27 +163,26 @@ class Loading:
         one at a time; under RED the RAM prefix tier goes first."""
         estimate = padded_weight_bytes(slot.info.weight_bytes)
         while True:
-            leaving = [s.unload_task for s in self._slots.values()
-                       if s.state is ModelState.UNLOADING and s.unload_task is not None]
+            leaving = self._s.leaving()
             if leaving:
                 await asyncio.gather(*(asyncio.shield(t) for t in leaving), return_exceptions=True)
                 continue
-            snap = self._probe.snapshot()
+            snap = self._s.probe.snapshot()
             if snap.reclaimable_bytes and pressure(snap, incoming_bytes=estimate).evict_before_load:
-                await self._engine.reclaim()  # MLX's buffer cache goes before the prefix tier or a model
-                snap = self._probe.snapshot()
-            if self._prefix.relieve(pressure(snap, incoming_bytes=estimate).level):
+                await self._s.engine.reclaim()  # MLX's buffer cache goes before the prefix tier or a model
+                snap = self._s.probe.snapshot()
+            if self._s.prefix.relieve(pressure(snap, incoming_bytes=estimate).level):
                 continue
-            victim = pressure_victim(self.view(), snap, target=slot.model_id, incoming_bytes=estimate)
-            if victim is None or not await self._evict_if_idle(victim, EvictionCause.PRESSURE):
+            victim = pressure_victim(self._view(), snap, target=slot.model_id, incoming_bytes=estimate)
+            if victim is None or not await self._unloader.evict_if_idle(victim, EvictionCause.PRESSURE):
                 return
 
     async def _check_kv_per_token(self, slot: ModelSlot) -> bool:
-        """memory-policy.md §4: the engine's real KV growth vs the config's; keep the larger. The
+        """The engine's real KV growth vs the config's: the larger one stands. The
         requests booked with the load reserved at the estimate: top them up, or fail the load
         (False) when the ledger cannot."""
         try:
-            measured = await self._engine.kv_bytes_per_token(slot.model_id)
+            measured = await self._s.engine.kv_bytes_per_token(slot.model_id)
         except EngineError as exc:  # the config estimate stands
             log.warning("kv_bytes_per_token_unmeasured", model=slot.model_id, code=exc.code)
             return True
@@ -172,22 +191,22 @@ class Loading:
         if slot.info is before:
             return True
         self._topups += 1
-        return slot.kv_book.top_up(self._ledger, slot.info.kv, f"kvtopup:{slot.model_id}:{self._topups}")
+        return slot.kv_book.top_up(self._s.ledger, slot.info.kv, f"kvtopup:{slot.model_id}:{self._topups}")
 
     async def _await_load(self, model_id: str, load_fut: asyncio.Future[LoadedModelInfo]) -> LoadedModelInfo:
         """The engine's load, with a progress line on a terminal: MLX active-memory growth against
         the padded on-disk estimate (the worker evaluates the weights as it reads them)."""
         if self._progress is None:
             return await asyncio.shield(load_fut)
-        expected = padded_weight_bytes(self._slots[model_id].info.weight_bytes)
-        before = self._probe.snapshot().mlx_active_bytes
+        expected = padded_weight_bytes(self._s.slots[model_id].info.weight_bytes)
+        before = self._s.probe.snapshot().mlx_active_bytes
         with self._progress(f"loading {model_id}") as bar:
             while True:
                 done, _ = await asyncio.wait({load_fut}, timeout=_PROGRESS_INTERVAL_S)
                 if done:
                     bar.update(expected, expected)
                     return load_fut.result()
-                bar.update(max(0, self._probe.snapshot().mlx_active_bytes - before), expected)
+                bar.update(max(0, self._s.probe.snapshot().mlx_active_bytes - before), expected)
 
     async def _undo_engine_load(self, model_id: str, load_fut: asyncio.Future | None) -> None:
         """Make sure nothing of a failed load stays resident. A load the engine already started
@@ -200,12 +219,16 @@ class Loading:
         if load_fut.cancelled() or load_fut.exception() is not None:
             return  # the engine cleaned up its own failed load
         try:
-            await self._engine.unload(model_id)
+            await self._s.engine.unload(model_id)
         except EngineError as exc:
             if exc.code is not EngineFailure.MODEL_NOT_LOADED:
                 log.error("model_unload_failed", model=model_id, code=exc.code)
-        await self._engine.reclaim()
+        await self._s.engine.reclaim()
 
     async def _step(self, step: LoadStep, model_id: str) -> None:
         if self._fault is not None:
             await self._fault(step, model_id)
+
+    def _count(self, result: LoadResult) -> None:
+        if self._s.metrics is not None:
+            self._s.metrics.model_load(result)

@@ -11,18 +11,21 @@ first — queued on the engine thread by a booking (ahead of that request's load
 `Engine.request_reclaim`), awaited by a load's pressure step, a warm-up plan and the idle reaper's
 prefix relief. A refusal no clear lifts (a full batch) queues none.
 
-Admission books what it admits (issue 11): `book` decides (admission.py) and reserves in the same
-step the request's share of its model's batch KV and, for a model that is not resident, the load's
-claim — the load task then starts (slots/loading.py) — and starts unloading the idle models the plan
-evicts (slots/unloading.py); `serve` waits for those, pins the model and yields the request's slot.
+Admission books what it admits: `book` decides (admission.py) and reserves in the same step the
+request's share of its model's batch KV and, for a model that is not resident, the load's claim —
+the load task then starts (slots/loading.py) — and starts unloading the idle models the plan evicts
+(slots/unloading.py); `serve` waits for those, pins the model and yields the request's slot.
 
 Prefix cache (`prefix_cache=`, kvcache/): each model's RAM tier is a ledger reservation that gives way:
 when the ledger refuses a request's KV or a load's claim, entries are evicted (LRU) and the
 reservation retried once before any refusal; under RED pressure the RAM tier is dropped (before a
 load and on each idle-reaper tick). Admission counts those bytes as available (`ManagerView`).
 
-Unloads (§6) and the idle reaper: slots/unloading.py. Figures for register, heartbeats and doctor:
-slots/reporting.py.
+The manager's parts are collaborators handed the state they share (`ManagerState`, slots/shared.py):
+loads are `Loader` (slots/loading.py), unloads and the idle reaper `Unloader` (slots/unloading.py),
+figures for register, heartbeats and doctor `Reporter` (slots/reporting.py), a vision model's
+requests `VisionServer` (slots/vision.py). The manager keeps admission, booking and serving, and
+answers for the others' public calls.
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 from kvcache.manager import KvCacheManager
 from memory import (
     CapFigures,
+    FitResult,
     GiB,
     Ledger,
     MemorySnapshot,
@@ -48,12 +52,12 @@ from memory import (
 from memory import (
     RejectionReason as LedgerRejection,
 )
-from memory.diagnostics import RestartThresholds
+from memory.diagnostics import RestartAdvice, RestartThresholds
 from memory.media import DEFAULT_MAX_VISION_REQUESTS
 from protocol.errors import ErrorReason, Failure, RejectionReason
 from provider.engine import Engine, LoadedModelInfo
 from provider.guest.availability import Paused
-from provider.metrics import EvictionCause, LoadResult, Metrics
+from provider.metrics import EvictionCause, Metrics
 from provider.models import Inventory, ModelInfo, on_disk
 from provider.progress import ProgressFactory
 from provider.request.media import NO_MEDIA, MediaPlan
@@ -66,36 +70,37 @@ from provider.slots.admission import (
     decide,
     plan_room,
 )
+from provider.slots.capacity import CapacityReport
 from provider.slots.diagnostics import MemoryDiagnostics
 from provider.slots.leases import (
     Booking,
-    Claim,
     KvReservation,
     ServeSlot,
     SlotRefused,
     VisionPlace,
 )
-from provider.slots.loading import FaultHook, Loading, LoadStep
+from provider.slots.loading import FaultHook, Loader, LoadStep
 from provider.slots.prefix import PrefixRoom, WeightHashes
 from provider.slots.rates import RateBook
-from provider.slots.reporting import Reporting
-from provider.slots.state import GoneReason, ModelSlot, ModelState
+from provider.slots.reporting import Reporter
+from provider.slots.shared import ManagerState
+from provider.slots.state import Claim, GoneReason, ModelSlot, ModelState
+from provider.slots.unloading import KvPurge, Unloader, UnloadReport
+from provider.slots.vision import VisionServer
 from provider.telemetry import get_logger
-from provider.slots.unloading import Unloading, UnloadReport
-from provider.slots.vision import VisionServing
 
 log = get_logger("provider.slots")
 
-KvPurge = Callable[[str], Awaitable[None]]
 # How long an admission waits for KV that cancelled requests are giving back (the engine removes them
 # before its next step: in practice one step, tens of milliseconds; the bound covers a slow step).
 RELEASE_WAIT_S = 5.0
 
 
-class ModelManager(Loading, Unloading, Reporting, VisionServing):
-    """See the package docstring for the API. Loads are in slots/loading.py, unloads and the idle
-    reaper in slots/unloading.py, read-only figures in slots/reporting.py, requests to a vision model
-    in slots/vision.py: mixins over the state kept here."""
+class ModelManager:
+    """See the package docstring for the API. Loads are `Loader` (slots/loading.py), unloads and the
+    idle reaper `Unloader` (slots/unloading.py), read-only figures `Reporter` (slots/reporting.py),
+    requests to a vision model `VisionServer` (slots/vision.py): collaborators over the state they
+    share with the manager (`ManagerState`)."""
 
     def __init__(
         self,
@@ -124,41 +129,36 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
             raise ValueError("figures must be the ledger's own (one cap, one source)")
         if max_model_slots < 1:
             raise ValueError("max_model_slots must be >= 1")
-        self._engine = engine
-        self._inventory = inventory
-        self._ledger = ledger
-        self._probe = probe
-        self._max_slots = max_model_slots
         if max_vision_requests < 1:
             raise ValueError("max_vision_requests must be >= 1")
+        prefix = PrefixRoom(prefix_cache, weight_hash)
+        self._s = ManagerState(engine, ledger, probe, prefix, clock, metrics,
+                               {m.id: ModelSlot(m) for m in inventory.models})
+        self._inventory = inventory
+        self._max_slots = max_model_slots
         self._max_vision = max_vision_requests
-        self._idle_timeout_s = idle_timeout_s if idle_timeout_s else None  # 0 / None = never
         self._load_wait_s = load_wait_timeout_s
-        self._settle_s = settle_timeout_s
-        self._prefix = PrefixRoom(prefix_cache, weight_hash)
-        self._kv_purge = kv_purge if kv_purge is not None or prefix_cache is None else self._prefix.purge
-        self._clock = clock
-        self._metrics = metrics
-        self._eos = dict(eos_token_ids or {})
-        self._fault = fault
-        self._progress = progress
-        self._slots: dict[str, ModelSlot] = {m.id: ModelSlot(m) for m in inventory.models}
-        self._room_lock = asyncio.Lock()
-        self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._releasing: set[str] = set()  # cancelled in the engine, KV not yet released
         self._release_waiters: list[asyncio.Future[None]] = []
-        self._topups = 0
-        self.last_unload: UnloadReport | None = None  # the most recent unload's figures
-        self.baseline_listeners: list[Callable[[], None]] = []  # called on the loop after each baseline sample
-        self.diagnostics = MemoryDiagnostics(lambda: self._ledger.figures, restart_thresholds or RestartThresholds(),
+        self.diagnostics = MemoryDiagnostics(lambda: self._s.ledger.figures, restart_thresholds or RestartThresholds(),
                                              wall_clock=time.time)
-        self._kept_warm: set[str] = set()  # preloaded: the idle reaper leaves them resident
         self.gone: dict[str, GoneReason] = {}  # models dropped from the inventory since start (`forget`)
         self.on_capacity_change: Callable[[], None] | None = None  # called on the loop after a publish/unload
         self.rates = RateBook(clock)  # measured rates per model (heartbeat evidence, quotes)
         self._room: frozenset[str] = frozenset()  # models with room for one more request, last we looked
         self.pause_source: Callable[[], Paused | None] = _never_paused  # provider/guest: asked at every view
+        self._unloader = Unloader(
+            self._s, self.diagnostics,
+            kv_purge=kv_purge if kv_purge is not None or prefix_cache is None else prefix.purge,
+            settle_timeout_s=settle_timeout_s,
+            idle_timeout_s=idle_timeout_s if idle_timeout_s else None,  # 0 / None = never
+            on_resident_change=self._resident_set_changed)
+        self._loader = Loader(self._s, self._unloader, self.rates, view=self.view,
+                              on_resident_change=self._resident_set_changed, eos_token_ids=eos_token_ids or {},
+                              fault=fault, progress=progress)
+        self._reporter = Reporter(self._s, self.diagnostics, self.rates, view=self.view)
+        self._vision = VisionServer(self._s, self._unloader, view=self.view, wait_loaded=self._wait_loaded)
 
     @classmethod
     def from_settings(cls, settings, engine: Engine, inventory: Inventory, ledger: Ledger, probe: Probe,
@@ -176,73 +176,73 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
 
     @property
     def figures(self) -> CapFigures:
-        return self._ledger.figures
+        return self._s.figures
 
     @property
     def draining(self) -> bool:
-        return self._draining
+        return self._s.draining
 
     @property
     def ledger(self) -> Ledger:
-        return self._ledger
+        return self._s.ledger
 
     def context_length(self, model_id: str) -> int | None:
-        slot = self._slots.get(model_id)
+        slot = self._s.slots.get(model_id)
         return slot.info.context_length if slot is not None else None
 
     def state(self, model_id: str) -> ModelState:
-        slot = self._slots.get(model_id)
+        slot = self._s.slots.get(model_id)
         return slot.state if slot is not None else ModelState.NOT_LOADED
 
     # -- fast admission (synchronous, read-only) ------------------------------------------------
 
     def view(self) -> ManagerView:
         """The state the pure decisions read, copied now."""
-        by_kind = self._ledger.snapshot().bytes_by_kind
-        slots = {s.model_id: s.view(self._engine.stats(s.model_id))
-                 for s in self._slots.values() if s.state is not ModelState.NOT_LOADED}
-        return ManagerView(slots, self._max_slots, self._draining, sum(by_kind.values()),
+        by_kind = self._s.ledger.snapshot().bytes_by_kind
+        slots = {s.model_id: s.view(self._s.engine.stats(s.model_id))
+                 for s in self._s.slots.values() if s.state is not ModelState.NOT_LOADED}
+        return ManagerView(slots, self._max_slots, self._s.draining, sum(by_kind.values()),
                            by_kind[ReservationKind.REQUEST_KV],
-                           self._prefix.evictable_bytes(by_kind[ReservationKind.PREFIX_CACHE]),
+                           self._s.prefix.evictable_bytes(by_kind[ReservationKind.PREFIX_CACHE]),
                            self._max_vision,
-                           {s.model_id: s.vision_requests for s in self._slots.values() if s.vision_requests},
-                           batch_size=self._engine.batch_size, paused=self.pause_source())
+                           {s.model_id: s.vision_requests for s in self._s.slots.values() if s.vision_requests},
+                           batch_size=self._s.engine.batch_size, paused=self.pause_source())
 
     def max_concurrency(self, model_id: str) -> int:
         """Requests one model runs at once: the engine's decode batch (admission's ceiling)."""
-        return self._engine.batch_size
+        return self._s.engine.batch_size
 
     @property
     def prefix_cache(self) -> KvCacheManager | None:
-        return self._prefix.cache
+        return self._s.prefix.cache
 
     def loaded(self, model_id: str) -> LoadedModelInfo | None:
         """What the engine reported at the model's last load (None while it is not loaded)."""
-        slot = self._slots.get(model_id)
+        slot = self._s.slots.get(model_id)
         return slot.loaded if slot is not None and slot.state is ModelState.LOADED else None
 
     def forget(self, model_id: str, reason: GoneReason) -> None:
         """Drop a model that is not loaded from the inventory for good (its folder went away): it is no
         longer advertised (the next register, `/v1/models`) and requests for it are 404s."""
-        slot = self._slots.get(model_id)
+        slot = self._s.slots.get(model_id)
         if slot is None or slot.state is not ModelState.NOT_LOADED:
             return
-        del self._slots[model_id]
+        del self._s.slots[model_id]
         self.gone[model_id] = reason
         log.warning("model_gone", model=model_id, reason=reason.value, path=str(slot.info.path))
         self._resident_set_changed()
 
     def adopt(self, info: ModelInfo) -> None:
         """A model that arrived while running (a verified prefetch): a slot, not loaded."""
-        if info.id in self._slots:
+        if info.id in self._s.slots:
             return
-        self._slots[info.id] = ModelSlot(info)
+        self._s.slots[info.id] = ModelSlot(info)
         self.gone.pop(info.id, None)
         log.info("model_adopted", model=info.id)
 
     def info(self, model_id: str) -> ModelInfo | None:
         """The model's info as the manager sizes it (KV per token checked after its last load)."""
-        slot = self._slots.get(model_id)
+        slot = self._s.slots.get(model_id)
         return slot.info if slot is not None else None
 
     def admit(self, model_id: str, prompt_tokens: int, max_tokens: int | None = None, *,
@@ -250,11 +250,11 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
         """Would this request be admitted now? Read-only: no load, no reservation, no allocation
         (callers use it with a lower bound on the prompt, before counting it exactly).
         `media`: the request's checked images (their count and projected decode bytes)."""
-        slot = self._slots.get(model_id)
+        slot = self._s.slots.get(model_id)
         plan = media or NO_MEDIA
         info = slot.info if slot is not None else None
         media_bytes = plan.decode_bytes(info.vision.input_pixels if info is not None and info.vision else 0)
-        view, snap = self.view(), self._probe.recent()
+        view, snap = self.view(), self._s.probe.recent()
         verdict = decide(view, self.figures, snap, model_id=model_id, info=info, prompt_tokens=prompt_tokens,
                          max_tokens=max_tokens, images=plan.count, media_bytes=media_bytes)
         if _gives_way(verdict, snap):  # a booking would clear MLX's buffer cache first: judge as then
@@ -287,11 +287,11 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
         What is booked is in the ledger before the next request is decided, so concurrent
         admissions never promise the same bytes twice. Release with `Booking.release()` unless it
         is handed to `serve(booking=...)`."""
-        slot = self._slots.get(model_id)
+        slot = self._s.slots.get(model_id)
         if slot is not None and slot.state is ModelState.NOT_LOADED and not on_disk(slot.info):
             self.forget(model_id, GoneReason.FOLDER_MISSING)  # deleted since discovery: a load could only fail
             return Refused(Failure.model_unavailable())
-        if slot is not None and slot.info.is_vision:  # KV and media reserved in `_serve_vision` (slots/vision.py)
+        if slot is not None and slot.info.is_vision:  # KV and media reserved when served (slots/vision.py)
             checked = self.admit(model_id, prompt_tokens, max_tokens, media=media)
             if isinstance(checked, Refused):
                 return checked
@@ -299,7 +299,7 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
             return Booking(model_id, checked.kv, None, media=media, place=place)
         if media is not None and media.count:
             return Refused(Failure.unsupported_media())
-        snap, view = self._probe.recent(), self.view()
+        snap, view = self._s.probe.recent(), self.view()
         info = slot.info if slot is not None else None
         decision = decide(view, self.figures, snap, model_id=model_id, info=info, prompt_tokens=prompt_tokens,
                           max_tokens=max_tokens)
@@ -309,20 +309,20 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
             cleared = decide(view, self.figures, snap.after_reclaim(), model_id=model_id, info=info,
                              prompt_tokens=prompt_tokens, max_tokens=max_tokens)
             if _clearing_helps(decision, cleared):
-                self._engine.request_reclaim()
+                self._s.engine.request_reclaim()
                 snap, decision = snap.after_reclaim(), cleared
         if isinstance(decision, Refused):
             return self._with_eta(decision)
         assert slot is not None
         for victim in decision.evict:
-            self._start_unload(self._slots[victim], EvictionCause.LRU)
-        leaving = [s for s in self._slots.values() if s.state is ModelState.UNLOADING and s.unload_task is not None]
+            self._unloader.start_unload(self._s.slots[victim], EvictionCause.LRU)
+        leaving = [s for s in self._s.slots.values() if s.state is ModelState.UNLOADING and s.unload_task is not None]
         # Memory committed to leave (idle models unloading now) counts as free for this booking;
         # its KV is allocated only after those unloads end (`Booking.waits`, awaited in serve).
         booked_on = after_eviction(snap, sum(s.resident_bytes for s in leaving)) if leaving else snap
         if decision.claim_bytes > 0 and not self._book_load(slot, decision, snapshot=booked_on):
             return Refused(Failure.capacity(RejectionReason.MEMORY_CAP))
-        reservation = KvReservation(self._ledger, slot, request_id, decision.kv, on_release=self._released)
+        reservation = KvReservation(self._s.ledger, slot, request_id, decision.kv, on_release=self._released)
         failure = self._reserve_share(slot, reservation, decision, booked_on)
         if failure is not None:  # a load booked just now goes on: the model then idles, LRU-evictable
             return Refused(failure)
@@ -368,7 +368,7 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
         for attempt in range(2):
             claim = slot.claim
             donor, gift = (claim.id, claim.kv_bytes) if claim is not None and claim.held else (None, 0)
-            result, share = slot.kv_book.reserve(self._ledger, info.kv, reservation.request_id, reservation.ledger_id,
+            result, share = slot.kv_book.reserve(self._s.ledger, info.kv, reservation.request_id, reservation.ledger_id,
                                                  kv.tokens, kv.max_tokens, kv.nbytes, snapshot=snapshot,
                                                  donor=donor, donated=gift)
             if not isinstance(result, Rejection):
@@ -378,7 +378,7 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
                 return None
             if result.reason is LedgerRejection.DUPLICATE_ID:
                 return Failure.invalid_request()
-            if attempt == 0 and self._prefix.evict_for(share - result.available_bytes, reason="request_kv"):
+            if attempt == 0 and self._s.prefix.evict_for(share - result.available_bytes, reason="request_kv"):
                 continue
             break
         return Failure.capacity(RejectionReason.KV_HEADROOM)
@@ -386,23 +386,23 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
     def _book_load(self, slot: ModelSlot, decision: Admitted | None, *, snapshot: MemorySnapshot) -> bool:
         """Claim the load (padded weights + what MIN_KV its first request does not cover) and start
         it: LOADING from now on, so the next admission sees the claim and waits for this load."""
-        claim = Claim(self._ledger, slot.model_id)
+        claim = Claim(self._s.ledger, slot.model_id)
         weights = padded_weight_bytes(slot.info.weight_bytes)
         kv_part = (decision.claim_bytes - weights) if decision is not None else self.figures.min_kv_bytes
         for attempt in range(2):
             if claim.take(weights, kv_part, snapshot=snapshot):
                 break
-            if attempt == 0 and self._prefix.evict_for(weights + kv_part, reason="load"):
+            if attempt == 0 and self._s.prefix.evict_for(weights + kv_part, reason="load"):
                 continue
             return False
         slot.claim = claim
         slot.state = ModelState.LOADING
-        slot.load_task = asyncio.create_task(self._load(slot), name=f"load:{slot.model_id}")
+        slot.load_task = asyncio.create_task(self._loader.load(slot), name=f"load:{slot.model_id}")
         return True
 
     def _requests_in_flight(self) -> bool:
         """Some request holds a place in a batch: its end will free room (a residue alone will not)."""
-        return any(slot.kv_book for slot in self._slots.values())
+        return any(slot.kv_book for slot in self._s.slots.values())
 
     def _released(self, request_id: str) -> None:
         """A request's KV went back to the ledger (any thread): wake admissions waiting for room."""
@@ -432,7 +432,7 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
             return decision
         now = time.monotonic()
         soonest = None
-        for slot in self._slots.values():
+        for slot in self._s.slots.values():
             rate = self.rates.decode_tps(slot.model_id)
             if rate <= 0:
                 continue
@@ -445,7 +445,7 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
 
     def _check_room(self) -> None:
         """A heartbeat at once when a model goes from room for one more request to none, or back
-        (issue 32): the coordinator's view must never say room where admission would refuse."""
+        the coordinator's view must never say room where admission would refuse."""
         room = self.models_with_room()
         if room != self._room:
             self._room = room
@@ -467,7 +467,7 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
         never evicted while a request is inside. On exit (cancellation included) a submitted
         request is cancelled in the engine, whose release hook frees its KV; an unsubmitted one's
         KV is released here. A vision model's request (with its checked images, `media`) goes
-        through `_serve_vision`, which reserves its KV and media there.
+        through `VisionServer.serve`, which reserves its KV and media there.
         """
         self._loop = asyncio.get_running_loop()
         if booking is None:
@@ -475,9 +475,9 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
             if isinstance(result, Refused):
                 raise SlotRefused(result.failure)
             booking = result
-        slot = self._slots[booking.model_id]
+        slot = self._s.slots[booking.model_id]
         if booking.reservation is None:  # a vision model
-            async with self._serve_vision(slot, request_id, prompt_tokens, max_tokens, booking) as vision:
+            async with self._vision.serve(slot, request_id, prompt_tokens, max_tokens, booking) as vision:
                 yield vision
             return
         slot.pins += 1
@@ -487,7 +487,7 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
             for task in booking.waits:
                 await self._wait(task, deadline)
             await self._ensure_loaded(slot, deadline)
-            handle = ServeSlot(self._engine, slot, booking.reservation, on_cancel=self._cancelling)
+            handle = ServeSlot(self._s.engine, slot, booking.reservation, on_cancel=self._cancelling)
             yield handle
         finally:
             if handle is not None:
@@ -495,12 +495,12 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
             else:
                 booking.release()
             slot.pins -= 1
-            slot.last_used = self._clock()
+            slot.last_used = self._s.clock()
 
     async def ensure_loaded(self, model_id: str) -> LoadedModelInfo:
         """Load a model (or wait for its load) without serving anything; raises `SlotRefused`."""
         self._loop = asyncio.get_running_loop()
-        slot = self._slots.get(model_id)
+        slot = self._s.slots.get(model_id)
         if slot is None:
             raise SlotRefused(Failure.model_unavailable())
         slot.pins += 1
@@ -510,7 +510,7 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
             return slot.loaded
         finally:
             slot.pins -= 1
-            slot.last_used = self._clock()
+            slot.last_used = self._s.clock()
 
     async def _wait_loaded(self, slot: ModelSlot) -> None:
         """Load the model if no booking did (planning room, evicting and settling as needed), or wait
@@ -519,7 +519,7 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
         while slot.state is ModelState.UNLOADING and slot.unload_task is not None:
             await self._wait(slot.unload_task, deadline)
         if slot.state is ModelState.NOT_LOADED:
-            if self._draining:
+            if self._s.draining:
                 raise SlotRefused(Failure.draining())
             failure = await self._plan_and_book_load(slot)
             if failure is not None:
@@ -529,27 +529,26 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
     async def _plan_and_book_load(self, slot: ModelSlot) -> Failure | None:
         """A load nobody's request booked (warm-up): plan room (evicting idle models and settling),
         then book it in one step. None once the load is started (or already under way)."""
-        async with self._room_lock:
+        async with self._s.room_lock:
             while True:
                 if slot.state is not ModelState.NOT_LOADED:
                     return None
-                if self._draining:
+                if self._s.draining:
                     return Failure.draining()
-                leaving = [s.unload_task for s in self._slots.values()
-                           if s.state is ModelState.UNLOADING and s.unload_task is not None]
+                leaving = self._s.leaving()
                 if leaving:
                     await asyncio.gather(*(asyncio.shield(t) for t in leaving), return_exceptions=True)
                     continue
-                snap = self._probe.snapshot()
+                snap = self._s.probe.snapshot()
                 plan = plan_room(self.view(), self.figures, snap, target=slot.model_id,
                                  weight_bytes_on_disk=slot.info.weight_bytes)
                 if _gives_way(plan, snap):  # MLX's buffer cache goes first (memory/snapshot.py)
-                    await self._engine.reclaim()
+                    await self._s.engine.reclaim()
                     continue
                 if isinstance(plan, Refused):
                     return plan.failure
                 if plan.victims:
-                    await self._evict_if_idle(plan.victims[0], EvictionCause.LRU)
+                    await self._unloader.evict_if_idle(plan.victims[0], EvictionCause.LRU)
                     continue
                 if not self._book_load(slot, None, snapshot=snap):
                     return Failure.capacity(RejectionReason.MEMORY_CAP)
@@ -577,18 +576,89 @@ class ModelManager(Loading, Unloading, Reporting, VisionServing):
         except TimeoutError:
             raise SlotRefused(Failure.admission_timeout()) from None
 
-    # -- metrics ------------------------------------------------------------------------------
+    # -- unloads, the idle reaper, shutdown (Unloader) ------------------------------------------
 
-    def _count_load(self, result: LoadResult) -> None:
-        if self._metrics is not None:
-            self._metrics.model_load(result)
+    @property
+    def last_unload(self) -> UnloadReport | None:
+        """The most recent unload's figures (freed bytes, settle time)."""
+        return self._unloader.last_unload
+
+    @property
+    def baseline_listeners(self) -> list[Callable[[], None]]:
+        """Called on the loop after each no-model baseline sample (append to it)."""
+        return self._unloader.baseline_listeners
+
+    async def unload(self, model_id: str, *, cause: EvictionCause = EvictionCause.IDLE) -> bool:
+        """Unload an idle model now. False if it is not loaded or is busy (never evicted then)."""
+        return await self._unloader.unload(model_id, cause=cause)
+
+    def keep_warm(self, model_id: str) -> None:
+        """Exempt a model from the idle reaper (a preloaded model)."""
+        self._unloader.keep_warm(model_id)
+
+    @property
+    def kept_warm(self) -> frozenset[str]:
+        return self._unloader.kept_warm
+
+    async def reap_idle(self) -> list[str]:
+        """Unload every model idle for `idle_timeout_s` or more, except those kept warm; returns their ids."""
+        return await self._unloader.reap_idle()
+
+    async def run_idle_reaper(self, interval_s: float | None = None) -> None:
+        """Call `reap_idle` periodically until cancelled (a session task)."""
+        await self._unloader.run_idle_reaper(interval_s)
+
+    def start_draining(self) -> None:
+        """Refuse every new request (503 draining) and every new load; in-flight ones continue."""
+        self._unloader.start_draining()
+
+    async def unload_all(self) -> None:
+        """Shutdown: drain, let loads in progress finish (and be undone), unload every model."""
+        await self._unloader.unload_all()
+
+    # -- figures (Reporter) ---------------------------------------------------------------------
+
+    def resident_bytes(self, model_id: str) -> int:
+        return self._reporter.resident_bytes(model_id)
+
+    def idle_seconds(self, model_id: str) -> float | None:
+        """How long a loaded model has served nothing; None while it is busy or not loaded."""
+        return self._reporter.idle_seconds(model_id)
+
+    def warm_models(self) -> list[str]:
+        return self._reporter.warm_models()
+
+    def restart_advice(self) -> RestartAdvice:
+        return self._reporter.restart_advice()
+
+    def verdicts(self) -> list[tuple[ModelInfo, FitResult]]:
+        """Fit verdict per inventory model (register, doctor)."""
+        return self._reporter.verdicts()
+
+    def register_rates(self) -> tuple[float, float]:
+        """register's (prefill_tps, decode_tps)."""
+        return self._reporter.register_rates()
+
+    def models_with_room(self) -> frozenset[str]:
+        """Loaded models that could take one more request of one KV block now."""
+        return self._reporter.models_with_room()
+
+    def available_tokens(self, model_id: str) -> int:
+        """Whole KV blocks of this model the ledger could still give a request now."""
+        return self._reporter.available_tokens(model_id)
+
+    def capacity(self) -> CapacityReport:
+        """The heartbeat's `backend_capacity` figures, from one snapshot."""
+        return self._reporter.capacity()
+
+    # -- metrics ------------------------------------------------------------------------------
 
     def _resident_set_changed(self) -> None:
         """A model was published or unloaded: the gauge, and whoever reports capacity (the session
         sends a heartbeat at once rather than letting the coordinator route on a stale one)."""
-        self._probe.invalidate()  # weights came or went: the next decision reads the machine afresh
-        if self._metrics is not None:
-            self._metrics.set_loaded_models(len(self.warm_models()))
+        self._s.probe.invalidate()  # weights came or went: the next decision reads the machine afresh
+        if self._s.metrics is not None:
+            self._s.metrics.set_loaded_models(len(self.warm_models()))
         self._room = self.models_with_room()  # this heartbeat reports it: no second one for the same change
         if self.on_capacity_change is not None:
             self.on_capacity_change()

@@ -1,9 +1,10 @@
 """Per-model lifecycle state: NOT_LOADED → LOADING → LOADED → UNLOADING → NOT_LOADED.
 
-`ModelSlot` is the manager's mutable record of one model; `SlotView` is a frozen copy of what the
-pure decisions (`admission.py`) read. Assigning `ModelSlot.state` logs the transition (the
-websockets `State` setter pattern), and an illegal step raises `InvalidTransition` naming both
-states, so the lifecycle can be read as the table `_ALLOWED` below.
+`ModelSlot` is the manager's mutable record of one model (with its load's `Claim` while it
+loads); `SlotView` is a frozen copy of what the pure decisions (`admission.py`) read. Assigning
+`ModelSlot.state` logs the transition (the websockets `State` setter pattern), and an illegal step
+raises `InvalidTransition` naming both states, so the lifecycle can be read as the table
+`_ALLOWED` below.
 
 Threads: everything here runs on the event loop, except a request's departure from `kv_book`,
 which the engine thread makes through the request's release hook; the book has its own lock.
@@ -15,15 +16,11 @@ import asyncio
 import enum
 from dataclasses import dataclass
 
-from typing import TYPE_CHECKING
-
+from memory import Ledger, MemorySnapshot, Rejection
 from provider.engine import LoadedModelInfo, ModelStats
 from provider.models import ModelInfo
 from provider.slots.batchkv import EMPTY, BatchKv, KvBook, KvHold
 from provider.telemetry import get_logger
-
-if TYPE_CHECKING:
-    from provider.slots.leases import Claim
 
 log = get_logger("provider.slots")
 
@@ -72,6 +69,36 @@ class SlotView:
     def idle(self) -> bool:
         """Evictable: loaded, and nothing in flight or queued."""
         return self.state is ModelState.LOADED and not self.busy
+
+
+class Claim:
+    """A load's pending-load reservation: the padded weights plus the part of MIN_KV its first
+    requests do not already reserve (`kv_bytes`, given to later requests as they book). Booked
+    together with the request that causes the load; released exactly once, on publish or on any
+    failure path, whoever gets there first."""
+
+    def __init__(self, ledger: Ledger, model_id: str) -> None:
+        self.id = f"load:{model_id}"
+        self._ledger = ledger
+        self.held = False
+        self.kv_bytes = 0  # the part of MIN_KV still held for KV (requests' bookings take it over)
+
+    def take(self, weights_bytes: int, kv_bytes: int, *, snapshot: MemorySnapshot | None = None) -> bool:
+        result = self._ledger.claim_pending_load(self.id, weights_bytes + kv_bytes, snapshot=snapshot)
+        if isinstance(result, Rejection):
+            return False
+        self.held, self.kv_bytes = True, kv_bytes
+        return True
+
+    def gave(self, nbytes: int) -> None:
+        """The ledger moved `nbytes` of the KV part to a request's reservation (`Ledger.reserve(donor=)`)."""
+        self.kv_bytes = max(0, self.kv_bytes - nbytes)
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.kv_bytes = 0
+            self._ledger.release(self.id)
 
 
 class ModelSlot:

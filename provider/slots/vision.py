@@ -1,7 +1,7 @@
 """Serving a vision model's requests: reserve media and KV before any image is decoded.
 
 `ModelManager.serve()` hands a request for a vision model (`ModelInfo.vision`) to
-`VisionServing._serve_vision`, which, in this order:
+`VisionServer.serve` (handed the manager's shared state, slots/shared.py), which, in this order:
 
 1. holds the place among the model's `max_vision_requests` its booking took (requests with images
    only; admission refuses the next one at once with 503 `queue_full`, so slow consumers cannot
@@ -9,7 +9,7 @@
 2. waits for (or does) the model load, like any request;
 3. reserves, atomically against one snapshot, the request's KV span (`kv:<id>`, kind
    `request_kv`) and the projected decode bytes of its images (`media:<id>`, kind `media`) —
-   giving way first to the prefix cache and then evicting idle models, as `_reserve_kv` does;
+   giving way first to the prefix cache and then evicting idle models, as a request's KV share does;
 4. decodes the images off the event loop (`provider.request.media.decode_images`); if the request
    is cancelled meanwhile, the media reservation is released only once the decoding thread has
    finished and its rasters are dropped;
@@ -27,15 +27,17 @@ import asyncio
 import contextlib
 import dataclasses
 import threading
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
-from memory import Ledger, Rejection, RejectionReason as LedgerRejection, ReservationKind
+from memory import Ledger, Rejection, ReservationKind
+from memory import RejectionReason as LedgerRejection
 from protocol.errors import Failure
 from provider.engine import ChatRequest, Engine, RequestStream
 from provider.metrics import EvictionCause
 from provider.request.media import NO_MEDIA, MediaPlan, decode_images
 from provider.slots.admission import (
+    ManagerView,
     VisionNeed,
     kv_refusal,
     plan_kv,
@@ -44,10 +46,9 @@ from provider.slots.admission import (
 )
 from provider.slots.batchkv import KvHold
 from provider.slots.leases import Booking, SlotRefused
+from provider.slots.shared import ManagerState
 from provider.slots.state import ModelSlot
-
-if TYPE_CHECKING:
-    from provider.slots.manager import ModelManager
+from provider.slots.unloading import Unloader
 
 
 class VisionLeases:
@@ -157,29 +158,37 @@ async def decode_held(plan: MediaPlan, leases: VisionLeases) -> list[Any]:
     return images
 
 
-class VisionServing:
-    """`ModelManager`'s vision path (a mixin: it uses the manager's ledger, probe, prefix room,
-    load and eviction steps)."""
+class VisionServer:
+    """The model manager's vision path, over its shared state. `view()` and `wait_loaded(slot)` are
+    the manager's (what the pure decisions read; the load a request waits for), `unloader` evicts
+    idle models for room."""
+
+    def __init__(self, state: ManagerState, unloader: Unloader, *, view: Callable[[], ManagerView],
+                 wait_loaded: Callable[[ModelSlot], Awaitable[None]]) -> None:
+        self._s = state
+        self._unloader = unloader
+        self._view = view
+        self._wait_loaded = wait_loaded
 
     @contextlib.asynccontextmanager
-    async def _serve_vision(self: ModelManager, slot: ModelSlot, request_id: str, prompt_tokens: int,
-                            max_tokens: int | None, booking: Booking) -> AsyncIterator[VisionServeSlot]:
+    async def serve(self, slot: ModelSlot, request_id: str, prompt_tokens: int, max_tokens: int | None,
+                    booking: Booking) -> AsyncIterator[VisionServeSlot]:
         plan = booking.media or NO_MEDIA
         slot.pins += 1
-        leases = VisionLeases(self._ledger, slot, request_id)
+        leases = VisionLeases(self._s.ledger, slot, request_id)
         handle: VisionServeSlot | None = None
         decoding = False
         try:
             await self._wait_loaded(slot)
-            need = vision_need(self.figures, slot.info, prompt_tokens, max_tokens, images=plan.count,
+            need = vision_need(self._s.figures, slot.info, prompt_tokens, max_tokens, images=plan.count,
                                media_bytes=plan.decode_bytes(slot.info.vision.input_pixels))
-            refused = vision_limit_refusal(self.figures, need)
+            refused = vision_limit_refusal(self._s.figures, need)
             if refused is not None:
                 raise SlotRefused(refused.failure)
-            await self._reserve_vision(slot, leases, need)
+            await self._reserve(slot, leases, need)
             decoding = bool(plan.count)
             images = await decode_held(plan, leases) if plan.count else []
-            handle = VisionServeSlot(self._engine, slot, leases, need, images)
+            handle = VisionServeSlot(self._s.engine, slot, leases, need, images)
             yield handle
         finally:
             if handle is not None:
@@ -190,18 +199,18 @@ class VisionServing:
                     leases.release_media()
             slot.pins -= 1
             booking.release()  # its place among the vision requests (no KV booked at admission)
-            slot.last_used = self._clock()
+            slot.last_used = self._s.clock()
 
-    async def _reserve_vision(self: ModelManager, slot: ModelSlot, leases: VisionLeases, need: VisionNeed) -> None:
+    async def _reserve(self, slot: ModelSlot, leases: VisionLeases, need: VisionNeed) -> None:
         """Reserve the KV span and the media together against one snapshot (see the module doc)."""
         tried_prefix = False
         while True:
-            if self._draining:
+            if self._s.draining:
                 raise SlotRefused(Failure.draining())
-            snap = self._probe.snapshot()
-            available = self._ledger.available_bytes(snap)
+            snap = self._s.probe.snapshot()
+            available = self._s.ledger.available_bytes(snap)
             if need.total_bytes <= available:
-                kv = self._ledger.reserve(leases.kv_id, ReservationKind.REQUEST_KV, need.kv_bytes, snapshot=snap)
+                kv = self._s.ledger.reserve(leases.kv_id, ReservationKind.REQUEST_KV, need.kv_bytes, snapshot=snap)
                 if isinstance(kv, Rejection):
                     if kv.reason is LedgerRejection.DUPLICATE_ID:
                         raise SlotRefused(Failure.invalid_request())
@@ -210,7 +219,7 @@ class VisionServing:
                 slot.vision_holds[leases.request_id] = KvHold(need.span.tokens, need.span.max_tokens, need.kv_bytes)
                 if not need.media_bytes:
                     return
-                got = self._ledger.reserve(leases.media_id, ReservationKind.MEDIA, need.media_bytes, snapshot=snap)
+                got = self._s.ledger.reserve(leases.media_id, ReservationKind.MEDIA, need.media_bytes, snapshot=snap)
                 if not isinstance(got, Rejection):
                     leases.hold(leases.media_id)
                     return
@@ -218,15 +227,15 @@ class VisionServing:
                 if got.reason is LedgerRejection.DUPLICATE_ID:
                     raise SlotRefused(Failure.invalid_request())
                 continue
-            view = self.view()
+            view = self._view()
             if not tried_prefix:  # the prefix cache gives way first, then retry once
                 tried_prefix = True
-                if self._prefix.evict_for(need.total_bytes - available, reason="vision"):
+                if self._s.prefix.evict_for(need.total_bytes - available, reason="vision"):
                     continue
-            room = plan_kv(view, self.figures, snap, target=slot.model_id, kv_bytes=need.total_bytes)
+            room = plan_kv(view, self._s.figures, snap, target=slot.model_id, kv_bytes=need.total_bytes)
             if room is None or not room.victims:
                 total = dataclasses.replace(need.kv, nbytes=need.total_bytes)
-                raise SlotRefused(kv_refusal(view, self.figures, snap, slot.info, total).failure)
-            async with self._room_lock:
-                await self._evict_if_idle(room.victims[0], EvictionCause.LRU)
+                raise SlotRefused(kv_refusal(view, self._s.figures, snap, slot.info, total).failure)
+            async with self._s.room_lock:
+                await self._unloader.evict_if_idle(room.victims[0], EvictionCause.LRU)
 
