@@ -1,4 +1,4 @@
-"""Disk budget for the SSD tier, and the startup sweep.
+"""Disk budget for the SSD tier, the startup sweep, and the one way a file is replaced on disk.
 
 The budget is `min(configured bytes, half of the free disk)`, where "free" counts the bytes our
 own files already use as free (they are ours to give back), so the limit does not shrink just
@@ -10,6 +10,10 @@ The sweep: the encryption key lives only in memory, so whatever a previous proce
 (it was killed before it could purge, e.g. a jetsam SIGKILL) is unreadable by design; the sweep
 deletes it at startup, before any model opens a directory. It only touches names this package
 creates, so a mistyped root cannot wipe someone else's files.
+
+`atomic_write` is how every file the agent replaces is written (the SSD tier's entries, the identity
+keys, the service files, the weight-hash cache, the crash-loop guard's records): all or nothing, and
+durable once it returns. It imports nothing beyond the standard library, so any package may use it.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import shutil
 import tempfile
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,6 +119,38 @@ class DiskBudget:
         else:
             del self._by_model[fid[0]]
         return nbytes
+
+
+def atomic_write(path: str | os.PathLike[str], data: bytes | Iterable[bytes], *, mode: int = 0o600) -> None:
+    """Replace `path` with `data` (bytes, or pieces written in order and never joined), all or nothing.
+
+    A temp file of a fresh random name in the same folder (O_EXCL, `mode` whatever the umask, ending
+    in `TEMP_SUFFIX`) is written, flushed and fsynced, renamed over `path`, and the folder is fsynced
+    so the rename survives a crash. A temp file a killed process left under a name of its own can
+    never block the writes that follow. On any failure the temp file is removed and `path` is as it
+    was. The folder must exist."""
+    target = Path(path)
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=TEMP_SUFFIX, dir=target.parent)
+    tmp = Path(name)
+    try:
+        try:
+            os.fchmod(fd, mode)
+            for piece in (data,) if isinstance(data, bytes | bytearray | memoryview) else data:
+                view = memoryview(piece).cast("B")
+                while view:  # a full disk may take part of it, then refuse the rest
+                    view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def ensure_private_dir(path: Path) -> None:

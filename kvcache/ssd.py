@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
 import shutil
 import struct
@@ -46,7 +45,7 @@ import msgpack
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-from kvcache.disk import TEMP_SUFFIX, DiskBudget, ensure_private_dir
+from kvcache.disk import DiskBudget, atomic_write, ensure_private_dir
 from kvcache.host import SLICE_BYTES, HostArray, HostCache
 from kvcache.trie import Key, Match, PrefixIndex
 
@@ -147,7 +146,8 @@ class SsdStore:
             self._between_check_and_write()
         final = d.path / name
         try:
-            _atomic_write(final, blob)
+            ensure_private_dir(final.parent)
+            atomic_write(final, blob)
         except OSError:
             self._forget(d, key, name)
             final.unlink(missing_ok=True)
@@ -319,27 +319,6 @@ def _padme(length: int) -> int:
     exponent = length.bit_length() - 1  # floor(log2(length))
     low = (1 << (exponent - exponent.bit_length())) - 1  # the bits that are rounded away
     return (length + low) & ~low
-
-
-def _atomic_write(final: Path, blob: Sequence[bytes]) -> None:
-    ensure_private_dir(final.parent)
-    tmp = final.with_name(final.name + f".{secrets.token_hex(4)}{TEMP_SUFFIX}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for piece in blob:  # written as sealed: never joined into one more copy
-                f.write(piece)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def _rmdir_if_empty(path: Path) -> None:

@@ -18,12 +18,11 @@ from __future__ import annotations
 import base64
 import binascii
 import os
-import tempfile
-from pathlib import Path
 
 import nacl.exceptions
 from nacl.public import Box, PrivateKey, PublicKey
 
+from kvcache.disk import atomic_write
 from protocol._wire import EncryptedPayload
 from protocol.to_coordinator import InferenceResponseChunk
 
@@ -90,31 +89,10 @@ def parse_public_key(text: str) -> PublicKey:
 
 
 def write_private_file(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` with mode 0600 whatever the umask, atomically: temp file, fsync,
-    rename, fsync of the directory. Key files are the one bit of file I/O this package does."""
-    target = Path(path)
-    # A fresh random name (O_EXCL, 0600): a temp file a killed process left under a name of its own
-    # (its pid, which a later process may get again) can never block the writes that follow.
-    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    tmp = Path(name)
-    try:
-        try:
-            os.fchmod(fd, 0o600)
-            view = memoryview(data)
-            while view:  # a full disk may take part of it, then refuse the rest
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    """Write ``data`` to ``path`` with mode 0600 whatever the umask, atomically and durably
+    (`kvcache.disk.atomic_write`: a fresh temp name, fsync, rename, fsync of the directory). Key
+    files are the one bit of file I/O this package does."""
+    atomic_write(path, data, mode=0o600)
 
 
 class RequestBox:

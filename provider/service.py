@@ -55,8 +55,15 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from kvcache.disk import atomic_write
 from provider.config import ProcessType
-from provider.supervision import SERVICE_MANAGER_ENV, AbnormalExits, launchd_log_dir, read_exit_record, read_abnormal_exits
+from provider.supervision import (
+    SERVICE_MANAGER_ENV,
+    AbnormalExits,
+    launchd_log_dir,
+    read_abnormal_exits,
+    read_exit_record,
+)
 
 LABEL = "io.darkbloom.provider"
 UNIT_NAME = "darkbloom-provider.service"
@@ -582,12 +589,7 @@ def installed_command(kind: ServiceKind, path: Path) -> str | None:
 
 def _write(path: Path, data: bytes, mode: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(tmp, mode)  # O_CREAT's mode is masked by the umask, and an old tmp keeps its mode
-    os.replace(tmp, path)
+    atomic_write(path, data, mode=mode)
 
 
 def _launchctl_fields(text: str) -> dict[str, str]:

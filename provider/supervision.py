@@ -36,8 +36,8 @@ stays down: the systemd unit has the same limit as ``StartLimitBurst`` / ``Start
 (every restart counts there, exit 75 included), and a terminal has a person in front of it.
 `doctor` reports both the recent abnormal exits and a stay-down.
 
-The guard's files are written like the identity keys (`protocol.crypto.write_private_file`: 0600,
-a temporary file renamed into place, removed when a write fails). When the state directory cannot
+The guard's files are written like the identity keys (`kvcache.disk.atomic_write`: 0600, a
+temporary file renamed into place and fsynced, removed when a write fails). When the state directory cannot
 take them (a full disk, a read-only one) the agent still serves, without the guard: it logs
 ``crash_loop_guard_off`` (the OS error's name, never its text), and `doctor`, which writes and removes
 a probe the same way, reports ``crash_loop_guard_off`` until it can again.
@@ -55,7 +55,7 @@ from pathlib import Path
 
 import psutil
 
-from kvcache.disk import os_error_name
+from kvcache.disk import atomic_write, os_error_name
 from provider.config import SERVICE_MANAGER_ENV  # set by the launchd plist; not a setting
 from provider.telemetry import get_logger
 
@@ -205,10 +205,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _write_private(path: Path, data: bytes) -> None:
-    # Imported here: the protocol package is the agent's, and `--help` / `--version` load this module.
-    from protocol.crypto import write_private_file
-
-    write_private_file(path, data)
+    atomic_write(path, data, mode=0o600)
 
 
 def _guard_off(state_dir: Path, exc: OSError, phase: str) -> None:

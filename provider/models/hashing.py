@@ -45,6 +45,8 @@ from pathlib import Path
 
 import structlog
 
+from kvcache.disk import atomic_write
+
 log = structlog.get_logger(__name__)
 
 HASHED_PATTERNS = (
@@ -125,16 +127,11 @@ class DigestCache:
             entries = [(k, v) for k, v in entries if _still_current(k)]  # stat outside the lock
             doc = {"format": CACHE_FORMAT, "files": [
                 {"path": k.real_path, "size": k.size, "mtime_ns": k.mtime_ns, "sha256": v} for k, v in entries]}
-            tmp = self._path.with_name(self._path.name + ".tmp")
             try:
                 self._path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    json.dump(doc, f, separators=(",", ":"))
-                os.replace(tmp, self._path)
+                atomic_write(self._path, json.dumps(doc, separators=(",", ":")).encode(), mode=0o600)
             except OSError as exc:
                 log.warning("weight_hash_cache_not_saved", path=str(self._path), exc_type=type(exc).__name__)
-                tmp.unlink(missing_ok=True)
 
     def __len__(self) -> int:
         with self._lock:
