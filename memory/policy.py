@@ -392,6 +392,16 @@ class RoomCause(StrEnum):
     SMALL_MACHINE = "small_machine"  # P itself: nothing else would make room
 
 
+# What the operator calls each input of the cap math (a config key, or this module's own variable).
+ROOM_CAUSE_SETTING: dict[RoomCause, str] = {
+    RoomCause.MEMORY_RESERVE: "memory_reserve_gb",
+    RoomCause.ACTIVATION_RESERVE: ENV_ACTIVATION_RESERVE_GB,
+    RoomCause.MEMORY_LIMIT: "memory_limit_gb",
+    RoomCause.CAP_FRACTION: ENV_CAP_FRACTION,
+    RoomCause.SMALL_MACHINE: "physical memory",
+}
+
+
 def no_room_causes(physical_bytes: int, settings: PolicySettings) -> tuple[RoomCause, ...]:
     """Why `room_for_weights` is 0 for this machine and these settings; () when there is room.
 

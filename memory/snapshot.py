@@ -77,6 +77,12 @@ class MemorySnapshot:
         return self.mlx_active_bytes + self.mlx_cache_bytes
 
     @property
+    def unlimited_physical_bytes(self) -> int:
+        """`P` before the operator's memory_limit_gb: the machine, lowered to a cgroup limit only."""
+        physical = self.machine_bytes or self.physical_bytes
+        return min(physical, self.cgroup_limit_bytes) if self.cgroup_limit_bytes else physical
+
+    @property
     def reclaimable_bytes(self) -> int:
         """What `mx.clear_cache()` gives back now: MLX's buffer cache."""
         return self.mlx_cache_bytes

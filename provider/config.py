@@ -35,7 +35,7 @@ import tomllib
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -46,6 +46,9 @@ from pydantic import (
     ValidationError,
     field_validator,
 )
+
+if TYPE_CHECKING:
+    from memory import PolicySettings
 
 ENV_PREFIX = "DARKBLOOM_"
 CONFIG_ENV = "DARKBLOOM_CONFIG"  # names the TOML file; not a setting itself
@@ -585,6 +588,15 @@ def unrecognised_env(env: Mapping[str, str]) -> list[str]:
     """``DARKBLOOM_*`` variables that nothing reads (likely typos), for `doctor` to point out."""
     known = {env_name(f) for f in FIELDS} | MEMORY_POLICY_ENV | {CONFIG_ENV, SERVICE_MANAGER_ENV}
     return sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
+
+
+def policy_settings(settings: Settings, env: Mapping[str, str] | None = None) -> PolicySettings:
+    """The memory policy's inputs for these settings (env `None` = `os.environ`): `memory/policy`
+    resolves them, logs each env value it rejects or clamps, and keeps those in `.adjustments`."""
+    from memory import resolve_settings  # imported here: `--help` and `--version` load this module
+
+    return resolve_settings(env, memory_reserve_gb=settings.memory_reserve_gb,
+                            memory_limit_gb=settings.memory_limit_gb)
 
 
 def resolve_config_path(config_path: Path | None, env: Mapping[str, str], home: Path) -> tuple[Path, bool]:

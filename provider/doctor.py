@@ -107,32 +107,23 @@ from memory import (
     Probe,
     RoomCause,
 )
+from memory import ROOM_CAUSE_SETTING
 from kvcache.disk import KVCACHE_DIR, check_writable_dir, os_error_name
 from memory.probe import no_mlx_counters
-from provider.config import Settings, unrecognised_env
+from provider.config import Settings, policy_settings, unrecognised_env
 from provider.doctor_guest import GuestReport, gather_guest, guest_json, guest_lines
 from provider.doctor_routing import BLOCKING, RoutingReport, gather_routing, routing_json, routing_lines, untrusted_sentence
 from provider.hardening import Hardening
 from provider.session.status import trust_line
 from provider.state_lock import running_agent
 from provider.supervision import AbnormalExits, guard_unwritable, read_abnormal_exits
-from provider.models import Inventory, ModelInfo, Quantization, default_hf_cache, discover
+from provider.models import Inventory, ModelInfo, Quantization, discover_models
 from provider.models.searched import PULL_HINT, README_MODELS_HEADING, place_lines, places_text
 from provider.models.template import TemplateBound
 from provider.models.template_check import check_inventory, without_unservable
 
 GIB = 1 << 30
 DEFAULT_COORDINATOR_TIMEOUT_S = 5.0
-
-# What the operator calls each input of the cap math (a config key, or the memory policy's own variable).
-ROOM_CAUSE_SETTING: dict[RoomCause, str] = {
-    RoomCause.MEMORY_RESERVE: "memory_reserve_gb",
-    RoomCause.ACTIVATION_RESERVE: "DARKBLOOM_ACTIVATION_RESERVE_GB",
-    RoomCause.MEMORY_LIMIT: "memory_limit_gb",
-    RoomCause.CAP_FRACTION: "DARKBLOOM_MEM_CAP_FRACTION",
-    RoomCause.SMALL_MACHINE: "physical memory",
-}
-
 
 class Severity(StrEnum):
     ERROR = "error"
@@ -303,29 +294,6 @@ def machine_snapshot(settings: Settings, *, machine_gb: float | None = None) -> 
 def cap_figures(settings: Settings, snapshot: MemorySnapshot, env: Mapping[str, str] | None = None) -> CapFigures:
     """The figures the agent computes for this snapshot and these settings."""
     return memory.compute_figures(snapshot.physical_bytes, policy_settings(settings, env))
-
-
-def policy_settings(settings: Settings, env: Mapping[str, str] | None = None) -> PolicySettings:
-    """The memory policy's inputs for these settings (env `None` = `os.environ`); logs each env
-    value it rejects or clamps, and keeps them in `.adjustments`."""
-    return memory.resolve_settings(env, memory_reserve_gb=settings.memory_reserve_gb,
-                                   memory_limit_gb=settings.memory_limit_gb)
-
-
-def unlimited_physical_bytes(snapshot: MemorySnapshot) -> int:
-    """`P` before the operator's memory_limit_gb (the machine, lowered to a cgroup limit only)."""
-    physical = snapshot.machine_bytes or snapshot.physical_bytes
-    return min(physical, snapshot.cgroup_limit_bytes) if snapshot.cgroup_limit_bytes else physical
-
-
-def discover_models(settings: Settings) -> Inventory:
-    """`provider.models.discover` with the settings' sources (the HF cache default when unset)."""
-    return discover(
-        hf_cache=settings.hf_cache_dir if settings.hf_cache_dir is not None else default_hf_cache(),
-        model_dirs=settings.model_dirs,
-        aliases=settings.model_aliases,
-        enabled_ids=settings.enabled_models or None,
-    )
 
 
 def runtime_hash_of(settings: Settings) -> str | None:
@@ -517,7 +485,7 @@ def _routing_problems(routing: RoutingReport) -> tuple[Problem, ...]:
 
 def _no_room(settings: Settings, snapshot: MemorySnapshot, policy: PolicySettings, cap: CapFigures) -> Problem | None:
     """One problem naming the settings that leave no room for any model, or None when there is room."""
-    causes = memory.no_room_causes(unlimited_physical_bytes(snapshot), policy)
+    causes = memory.no_room_causes(snapshot.unlimited_physical_bytes, policy)
     if not causes:
         return None
     values = {
@@ -525,7 +493,7 @@ def _no_room(settings: Settings, snapshot: MemorySnapshot, policy: PolicySetting
         RoomCause.ACTIVATION_RESERVE: f"activation reserve {human_bytes(cap.activation_reserve_bytes)}",
         RoomCause.MEMORY_LIMIT: f"memory_limit_gb = {settings.memory_limit_gb or 0:g}",
         RoomCause.CAP_FRACTION: f"cap fraction {cap.cap_fraction:g}",
-        RoomCause.SMALL_MACHINE: f"{human_bytes(unlimited_physical_bytes(snapshot))} physical",
+        RoomCause.SMALL_MACHINE: f"{human_bytes(snapshot.unlimited_physical_bytes)} physical",
     }
     detail = (f"a load needs its weights + the activation reserve ({human_bytes(cap.activation_reserve_bytes)}) "
               f"+ the minimum KV ({human_bytes(cap.min_kv_bytes)}) under the effective cap "

@@ -47,24 +47,21 @@ import memory
 from kvcache.disk import KVCACHE_DIR, DiskBudget, check_writable_dir, os_error_name, startup_sweep
 from kvcache.manager import KvCacheManager
 from kvcache.ssd import SsdStore
-from memory import Ledger, Probe
-from provider.config import Settings
-from provider.doctor import ROOM_CAUSE_SETTING, discover_models, policy_settings, unlimited_physical_bytes
+from memory import ROOM_CAUSE_SETTING, FitVerdict, Ledger, Probe
+from provider.config import Settings, policy_settings
 from provider.engine import Engine, EngineOptions
 from provider.guest.availability import Paused
 from provider.guest.monitor import GuestMonitor
 from provider.jobs import ServingStats
-from provider.request import PromptCounter
-from provider.request.intake import Intake
 from provider.metrics import EvictionCause, Metrics
-from provider.models import DigestCache, Inventory, ModelInfo, SkipReason, weight_hash
+from provider.models import DigestCache, Inventory, ModelInfo, SkipReason, discover_models, weight_hash
 from provider.models.hashing import CACHE_FILE, weight_fingerprint_sync
 from provider.models.template import Lane, TemplateBound, renderer
 from provider.models.template_check import without_unservable
 from provider.progress import ProgressFactory, default_progress, terminal_progress
-from provider.session.status import SessionStatus
-from memory import FitVerdict
-from provider.session.status import failure_reason
+from provider.request import PromptCounter
+from provider.request.intake import Intake
+from provider.session.status import SessionStatus, failure_reason
 from provider.slots import GoneReason, ModelManager, ModelState, SlotRefused
 from provider.telemetry import get_logger
 
@@ -253,7 +250,7 @@ class Runtime:
                                         if memory.fit(ledger.figures, snapshot, m.weight_bytes).ever_fits)
         inventory = without_unservable(inventory, unservable, timeout_s=settings.template_timeout_s)
         _log_unservable(settings, inventory)
-        if causes := memory.no_room_causes(unlimited_physical_bytes(snapshot), policy):
+        if causes := memory.no_room_causes(snapshot.unlimited_physical_bytes, policy):
             # Otherwise every model would just be "too large": say once which settings take the room.
             log.warning("memory_reserves_leave_no_room", variable=[ROOM_CAUSE_SETTING[c] for c in causes],
                         effective_cap_bytes=ledger.figures.effective_cap_bytes,

@@ -80,7 +80,7 @@ async def test_a_preload_that_fits_only_by_evicting_an_earlier_one_is_refused(
     spare, so not beside small (≈ 49 MB resident): preloading small then medium would evict small."""
     import memory
     from memory import Probe
-    from provider.doctor import discover_models
+    from provider.models import discover_models
 
     settings = settings_for(tmp_path, {"small": small_model_path, "medium": medium_model_path},
                             memory_limit_gb=7.25, preload_models=("small", "medium"))

@@ -1,7 +1,8 @@
 """Model discovery and inventory: which MLX models are on disk, what they cost, what they are.
 
-* `discover()` -> `Inventory(models, skipped, disabled, missing, searched)` (discovery.py); the
-  words for where it looked (`searched: SearchedPlace`) are in searched.py
+* `discover()` -> `Inventory(models, skipped, disabled, missing, searched)` (discovery.py), and
+  `discover_models(settings)` with the settings' sources; the words for where it looked
+  (`searched: SearchedPlace`) are in searched.py
 * `ModelInfo`, `SkippedModel(path, reason: SkipReason, message)` (discovery.py)
 * `kv_bytes_for_tokens(info.kv, tokens)` and `KvLayout` (kv.py)
 * `weight_hash(path)` (hashing.py)
@@ -20,6 +21,7 @@ from provider.models.discovery import (
     SkipReason,
     default_hf_cache,
     discover,
+    discover_models,
     inspect_model,
     newest_snapshot,
     on_disk,
@@ -40,7 +42,7 @@ from provider.models.vision import VisionInfo
 __all__ = [
     "ALLOC_STEP", "HASHED_PATTERNS", "DType", "DigestCache", "Inventory", "KvAccuracy",
     "KvConfigError", "KvLayout", "ModelInfo", "ModelSource", "QuantMode", "Quantization",
-    "SearchedPlace", "SkipReason", "SkippedModel", "SlidingGroup", "VisionInfo", "default_hf_cache", "discover", "inspect_model",
-    "kv_bytes_for_tokens", "kv_layout", "newest_snapshot",
+    "SearchedPlace", "SkipReason", "SkippedModel", "SlidingGroup", "VisionInfo", "default_hf_cache", "discover",
+    "discover_models", "inspect_model", "kv_bytes_for_tokens", "kv_layout", "newest_snapshot",
     "on_disk", "weight_hash", "weight_hash_sync",
 ]

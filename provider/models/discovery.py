@@ -34,7 +34,7 @@ import os
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -42,6 +42,9 @@ from provider.models import metadata
 from provider.models.kv import KvConfigError, KvLayout, kv_layout
 from provider.models.metadata import DType, MetadataError, MetadataProblem, Quantization
 from provider.models.vision import VisionInfo, vision_info, vision_runtime_available
+
+if TYPE_CHECKING:
+    from provider.config import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -232,6 +235,16 @@ def discover(
     missing = sorted(set(enabled_ids or ()) - set(taken)
                      - {s.id for s in skipped if s.id is not None})
     return Inventory(tuple(models), tuple(skipped), tuple(sorted(set(disabled))), tuple(missing), tuple(searched))
+
+
+def discover_models(settings: Settings) -> Inventory:
+    """`discover` with the settings' sources (the Hugging Face cache default when unset)."""
+    return discover(
+        hf_cache=settings.hf_cache_dir if settings.hf_cache_dir is not None else default_hf_cache(),
+        model_dirs=settings.model_dirs,
+        aliases=settings.model_aliases,
+        enabled_ids=settings.enabled_models or None,
+    )
 
 
 def inspect_model(
