@@ -1,12 +1,14 @@
-"""One ``inference_request``, end to end (protocol.md §7).
+"""One ``inference_request``, end to end: the coordinator's door onto the request pipeline.
 
-    open encrypted_body ─▶ parse OpenAI body ─▶ size bound ─▶ count prompt ─▶ check images (headers only)
-      ─▶ admission + booking
-      ─▶ inference_accepted ─▶ wait for the model (manager.serve) ─▶ stream: one sealed ``data:``
-      line per chunk ─▶ inference_complete (exact usage; the coordinator then ends the consumer's
-      stream with [DONE])
+    open encrypted_body ─▶ the pipeline (`provider.request.serving`): parse, size bound, images'
+      headers, exact prompt count, output plan ─▶ admission + booking
+      ─▶ inference_accepted ─▶ the pipeline serves: wait for the model, submit ─▶ stream: one sealed
+      ``data:`` line per chunk ─▶ inference_complete (exact usage; the coordinator then ends the
+      consumer's stream with [DONE])
 
-Before any big allocation (issue 11, `provider.request.intake`): a large body is opened, parsed and
+The pipeline is the local server's too; what this module adds is the coordinator's framing: the
+body decrypted, the job's lifecycle, the accept between booking and serving, the first-content
+deadline, and every answer sealed. Before any big allocation: a large body is opened, parsed and
 counted in the bulk lane with its working memory reserved, never on the loop; a prompt whose size
 alone proves it too long for the context (400) or for the room the ledger has (503) is refused
 before it is tokenized; admission books the request's KV (and a cold model's load) in the ledger
@@ -22,11 +24,12 @@ terminal frame and nothing after it.
 * The accept goes out as soon as admission says yes — before any model load.
 * The role delta is sent together with the first real output, so a request that fails before
   producing anything is still rerouted by the coordinator (it has not committed).
-* ``first_content_budget_ms`` ([N]), anchored at frame receipt: already spent at admission → 503
+* ``first_content_budget_ms``, anchored at frame receipt: already spent at admission → 503
   ``deadline_unreachable`` without an accept; no content by then → the same error instead of content
   (before any output, so the coordinator reroutes without counting it against us).
+* An engine failure is answered from the one table both doors read (`provider.response.failures`).
 * Cancellation (``cancel`` from the coordinator, or a lost connection) cancels the job's task: the
-  engine stream is closed, the manager releases the KV reservation, and nothing more is sent (§7.4).
+  engine stream is closed, the manager releases the KV reservation, and nothing more is sent.
   A drain that runs out cancels it too, with ``DRAIN_EXPIRED`` as the message: the coordinator still
   waits for this request, so it gets its one terminal frame, 503 ``draining``.
 
@@ -37,56 +40,33 @@ are bound in structlog's context for the job's lifetime.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import time
-from collections.abc import Callable, Mapping
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol
+from typing import Any
 
 from structlog.contextvars import bound_contextvars
 
-from protocol import (
-    InferenceAccepted,
-    InferenceComplete,
-    InferenceRequest,
-    ProviderMessage,
-    Usage,
-    encode,
-)
+from protocol import InferenceAccepted, InferenceComplete, InferenceRequest, ProviderMessage, Usage, encode
 from protocol.crypto import CryptoError, ProviderIdentity, RequestBox
 from protocol.errors import Failure, inference_error_frame
 from protocol.sse import data_line
-from provider.engine import (
-    ChatRequest,
-    EngineError,
-    EngineFailure,
-    Failed,
-    Finished,
-    RequestStream,
-    TextDelta,
-)
+from provider.engine import Failed, Finished, RequestStream, TextDelta
 from provider.engine.types import EngineTimes
 from provider.jobs.lifecycle import JobEvent, JobLifecycle, JobState
 from provider.jobs.stats import ServingStats
 from provider.metrics import Metrics, RequestOutcome
-from provider.request.body import (
-    ChatBody,
-    InvalidBody,
-    log_unknown_fields,
-    parse_chat_body,
-)
-from provider.request.intake import Intake, Refusal, Ticket
-from provider.request.media import NO_MEDIA, MediaPlan, MediaRefused, inspect_images
-from provider.request.output import OutputPlan
+from provider.request.body import ChatBody, InvalidBody
+from provider.request.intake import Intake, Refusal
+from provider.request.media import MediaRefused
+from provider.request.serving import ModelManager, Pipeline, Prepared, json_body
 from provider.request.tokens import PromptCounter
+from provider.response.failures import engine_failure, exception_failure
 from provider.response.openai import ChatChunks
 from provider.response.toolcalls import ToolCallStream, tool_calls_for
 from provider.session.connection import DRAIN_EXPIRED
 from provider.session.status import RequestTally
-from provider.slots import Refused
 from provider.slots.leases import Booking
 from provider.slots.rates import RateBook
 from provider.telemetry import get_logger, request_timings
@@ -101,54 +81,6 @@ class JobOutcome(StrEnum):
     FAILED = "failed"  # accepted, then ended by an inference_error
     REJECTED = "rejected"  # inference_error without an accept
     CANCELLED = "cancelled"
-
-
-# --- what jobs need from the model manager (provider.slots.ModelManager) ---------------------------------
-
-
-class Slot(Protocol):
-    def submit(self, request: ChatRequest) -> RequestStream: ...
-
-
-class ModelManager(Protocol):
-    def precheck(self, model_id: str, prompt_tokens: int, max_tokens: int | None = None) -> Failure | None: ...
-
-    async def book_when_released(self, request_id: str, model_id: str, prompt_tokens: int,
-                                 max_tokens: int | None = None, *,
-                                 media: MediaPlan | None = None) -> Booking | Refused: ...
-
-    def context_length(self, model_id: str) -> int | None: ...
-
-    def serve(self, request_id: str, model_id: str, prompt_tokens: int, max_tokens: int | None = None, *,
-              booking: Booking | None = None) -> AbstractAsyncContextManager[Slot]: ...
-
-
-# --- engine failures in the protocol's vocabulary ------------------------------------------------------
-
-_ENGINE_FAILURES: Mapping[EngineFailure, Callable[[], Failure]] = {
-    EngineFailure.REQUEST_EXCEEDS_CONTEXT: Failure.request_exceeds_context,
-    EngineFailure.INVALID_REQUEST: Failure.invalid_request,
-    EngineFailure.MODEL_NOT_LOADED: Failure.model_load_failed,
-    EngineFailure.MODEL_UNLOADED: Failure.model_load_failed,
-    EngineFailure.LOAD_FAILED: Failure.model_load_failed,
-    EngineFailure.ENGINE_CLOSED: Failure.draining,
-    EngineFailure.MODEL_ALREADY_LOADED: Failure.internal,
-    EngineFailure.INTERNAL_ERROR: Failure.generation_failed,
-}
-
-
-def engine_failure(code: EngineFailure) -> Failure:
-    return _ENGINE_FAILURES.get(code, Failure.internal)()
-
-
-def exception_failure(exc: BaseException) -> Failure | None:
-    """A failure the manager or engine raised on purpose (typed), None for anything unexpected."""
-    failure = getattr(exc, "failure", None)
-    if isinstance(failure, Failure):
-        return failure
-    if isinstance(exc, EngineError):
-        return engine_failure(exc.code)
-    return None
 
 
 # --- the job ---------------------------------------------------------------------------------------------
@@ -169,13 +101,18 @@ class JobContext:
     intake: Intake | None = None  # default: on the counter and the manager's ledger
     resolve_model: Callable[[str], str] | None = None  # a public name -> the build to run (desired_models)
     rates: RateBook | None = None  # each completed request's rates (heartbeat evidence, quotes)
+    pipeline: Pipeline | None = None  # default: on the intake, the manager and the stats
 
     def __post_init__(self) -> None:
         if self.intake is None:
             self.intake = Intake(self.counter, self.manager.ledger, self.manager)
+        if self.pipeline is None:
+            self.pipeline = Pipeline(self.intake, self.manager, self.stats, resolve_model=self.resolve_model)
 
 
-_Rejected = Refusal  # internal shorthand: refuse before acceptance with this failure
+class _Unanswerable(Refusal):
+    """Internal: a refusal the job decides itself (a body it cannot open, a deadline already spent),
+    not one of admission's: it is answered, but not counted among the rejects."""
 
 
 class _EncryptionFailed(Exception):
@@ -198,7 +135,7 @@ class Job:
         budget_ms = request.first_content_budget_ms
         self._content_deadline = self._started + budget_ms / 1000 if budget_ms > 0 else None
         self._deadline_guard: asyncio.Timeout | None = None
-        self._submitted = False  # the engine has the request (and gives its grammar's reservation back)
+        self._box: RequestBox | None = None  # the request's box, once its body is opened
         self._alone = False  # no other request in flight from submit to first output: an isolated prefill
 
     @property
@@ -223,139 +160,78 @@ class Job:
                 return JobOutcome.REJECTED if rejected else JobOutcome.FAILED
 
     async def _run(self) -> JobOutcome:
+        """Every refusal before the accept is answered here, with no accept before it."""
         try:
             sealed = self._request.encrypted_body
             if sealed is None:
-                raise _Rejected(Failure.invalid_request())
-            intake = self._ctx.intake
-            assert intake is not None
-            async with intake.ticket(self.request_id, len(sealed.ciphertext)) as ticket:
-                box, body = await ticket.run(self._open, intake)
-                # The model string is the consumer's: it reaches the logs only once it names one of ours.
-                with bound_contextvars(**({"model": body.model} if self._ctx.counter.knows(body.model) else {})):
-                    prompt_ids, media = await self._count(ticket, body)
-            with bound_contextvars(model=body.model):
-                output = await self._output_plan(body)
-                try:
-                    return await self._admit_and_serve(box, body, prompt_ids, media, output)
-                finally:
-                    if not self._submitted:
-                        output.release()  # it never reached the engine
-        except Refusal as rejected:
-            self._fail(rejected.failure)
-            return JobOutcome.REJECTED
+                raise _Unanswerable(Failure.invalid_request())
+            pipeline = self._ctx.pipeline
+            assert pipeline is not None
+            async with pipeline.chat(self.request_id, len(sealed.ciphertext), self._open) as request:
+                with bound_contextvars(model=request.body.model):
+                    return await self._admit_and_serve(request)
+        except _Unanswerable as unanswerable:
+            failure = unanswerable.failure
+        except InvalidBody as exc:  # what the body asks, or asks of this model, it cannot have
+            log.info("request_refused", reason="invalid_body", kind=exc.field)
+            failure = Failure.invalid_request()
+        except (Refusal, MediaRefused) as refused:  # an image by its headers; the intake; admission
+            failure = refused.failure
+            self._count_rejection(failure)
+        self._fail(failure)
+        return JobOutcome.REJECTED
 
     # --- before the accept --------------------------------------------------------------------------
 
-    def _open(self, intake: Intake) -> tuple[RequestBox, ChatBody]:
-        """Decrypt and parse (on the loop for a small body, in the bulk lane for a large one)."""
+    def _open(self) -> Any:
+        """Decrypt the body and read its JSON (on the loop for a small body, in the bulk lane for a large one)."""
         sealed = self._request.encrypted_body
         assert sealed is not None
         try:
-            box, plaintext = self._ctx.identity.open_request(sealed)
+            self._box, plaintext = self._ctx.identity.open_request(sealed)
         except CryptoError:
             log.info("request_undecryptable")
-            raise _Rejected(Failure.invalid_request()) from None
-        try:
-            data = json.loads(plaintext)
-        except (ValueError, RecursionError):
-            raise _Rejected(Failure.invalid_request()) from None
+            raise _Unanswerable(Failure.invalid_request()) from None
+        data = json_body(plaintext)
         if isinstance(data, dict) and data.get("endpoint", CHAT_ENDPOINT) != CHAT_ENDPOINT:
             log.info("request_refused", reason="unsupported_endpoint")
-            raise _Rejected(Failure.invalid_request())
-        intake.precheck(data)
-        try:
-            body = parse_chat_body(data)
-            log_unknown_fields(body)
-            if self._ctx.resolve_model is not None:
-                body = dataclasses.replace(body, model=self._ctx.resolve_model(body.model))
-            return box, body
-        except InvalidBody as exc:
-            log.info("request_refused", reason="invalid_body", kind=exc.field)
-            raise _Rejected(Failure.invalid_request()) from None
-
-    async def _count(self, ticket: Ticket, body: ChatBody) -> tuple[list[int], MediaPlan]:
-        """The size bound first (no tokenizing a prompt that cannot be served), then the exact ids;
-        the images' headers (bounds before any decoding; on the loop or in the lane, by body size)."""
-        intake = self._ctx.intake
-        assert intake is not None
-        try:
-            media = await ticket.run(_inspect, body.images) if body.images else NO_MEDIA
-            return await intake.prompt_ids(ticket, body), media
-        except Refusal as refusal:
-            self._count_rejection(refusal.failure)
-            raise
-        except InvalidBody as exc:  # what the body asks of this model, it cannot do (tools)
-            log.info("request_refused", reason="invalid_body", kind=exc.field)
-            raise _Rejected(Failure.invalid_request()) from None
-
-    async def _output_plan(self, body: ChatBody) -> OutputPlan:
-        """Issue 31: the request's grammar (compiled, its memory reserved) and log-probabilities."""
-        intake = self._ctx.intake
-        assert intake is not None
-        try:
-            return await intake.output(self.request_id, body)
-        except InvalidBody as exc:
-            log.info("request_refused", reason="invalid_body", kind=exc.field)
-            raise _Rejected(Failure.invalid_request()) from None
-        except Refusal as refusal:
-            self._count_rejection(refusal.failure)
-            raise
+            raise _Unanswerable(Failure.invalid_request())
+        return data
 
     def _count_rejection(self, failure: Failure) -> None:
         if self._ctx.metrics is not None:
             self._ctx.metrics.rejected(failure.rejection or failure.reason or failure.code)
 
-    async def _admit_and_serve(self, box: RequestBox, body: ChatBody, prompt_ids: list[int],
-                               media: MediaPlan, output: OutputPlan) -> JobOutcome:
-        booked = await self._ctx.manager.book_when_released(self.request_id, body.model, len(prompt_ids),
-                                                            body.max_tokens, media=media)
-        if isinstance(booked, Refused):
-            self._count_rejection(booked.failure)
-            raise _Rejected(booked.failure)
+    async def _admit_and_serve(self, request: Prepared[ChatBody]) -> JobOutcome:
+        booked = await request.book()
         try:
             if self._content_deadline is not None and self._ctx.monotonic() >= self._content_deadline:
-                raise _Rejected(Failure.deadline_unreachable())
+                raise _Unanswerable(Failure.deadline_unreachable())
             self.lifecycle.step(JobEvent.ADMIT)
             self._emit(JobEvent.ACCEPT, InferenceAccepted(request_id=self.request_id))
         except BaseException:
             booked.release()
             raise
-        max_tokens = booked.kv.max_tokens  # the request's own, or the model's default, clamped to context
-        self._ctx.stats.accepted(self.request_id, body.model)
         if self._ctx.requests is not None:
             self._ctx.requests.accept()
-        log.info("request_accepted", prompt_tokens=len(prompt_ids), max_tokens=max_tokens)
-        try:
-            return await self._serve(box, body, prompt_ids, booked, output)
-        finally:
-            self._ctx.stats.ended(self.request_id)
+        # max_tokens: the request's own, or the model's default, clamped to the context
+        log.info("request_accepted", prompt_tokens=request.prompt_tokens, max_tokens=booked.kv.max_tokens)
+        return await self._serve(request, booked)
 
     # --- after the accept ---------------------------------------------------------------------------
 
-    async def _serve(self, box: RequestBox, body: ChatBody, prompt_ids: list[int], booking: Booking,
-                     output: OutputPlan) -> JobOutcome:
-        # A vision model's processor places the image tokens itself: it gets the messages, not ids.
-        ids = prompt_ids if booking.reservation is not None else None
-        tool_format = self._ctx.counter.tool_format_now(body.model)
-        request = ChatRequest(self.request_id, body.messages, body.sampling(booking.kv.max_tokens), prompt_ids=ids,
-                              tools=body.offered_tools, tool_call=body.tool_call(tool_format),
-                              constraint=output.constraint, top_logprobs=output.top_logprobs)
-        tools = tool_calls_for(tool_format, body.offered_tools, parallel=body.parallel_tool_calls,
-                               forced=body.tool_choice.forces_a_call)  # reads its calls
+    async def _serve(self, request: Prepared[ChatBody], booking: Booking) -> JobOutcome:
+        body, box = request.body, self._box
+        assert box is not None
+        tools = tool_calls_for(self._ctx.counter.tool_format_now(body.model), body.offered_tools,
+                               parallel=body.parallel_tool_calls, forced=body.tool_choice.forces_a_call)
         remaining = None if self._content_deadline is None else self._content_deadline - self._ctx.monotonic()
         try:
-            # [N] first_content_budget_ms: no content by then → give up before any output (rerouted, neutral).
+            # first_content_budget_ms: no content by then → give up before any output (rerouted, neutral).
             async with asyncio.timeout(remaining) as self._deadline_guard:
-                async with self._ctx.manager.serve(self.request_id, body.model, len(prompt_ids),
-                                                   body.max_tokens, booking=booking) as slot:
-                    stream = slot.submit(request)
-                    self._submitted = True
+                async with request.serve(booking) as stream:
                     self._alone = len(self._ctx.stats.in_flight) == 1
-                    try:
-                        return await self._stream(box, body, stream, tools)
-                    finally:
-                        await stream.aclose()  # no-op after a terminal event; a cancel otherwise
+                    return await self._stream(box, body, stream, tools)
         except asyncio.CancelledError:
             raise
         except TimeoutError:
@@ -377,7 +253,7 @@ class Job:
     async def _stream(self, box: RequestBox, body: ChatBody, stream: RequestStream,
                       tools: ToolCallStream | None) -> JobOutcome:
         # With tools, a delta inside a call gives no chunk yet: the role delta still goes out with it.
-        # Issue 31: a request that asked for log-probabilities had its model's spelling built at intake.
+        # A request that asked for log-probabilities had its model's spelling built at intake.
         table = self._ctx.intake.grammars.table(body.model) if body.top_logprobs is not None else None
         chunks = ChatChunks(f"chatcmpl-{self.request_id}", body.model, created=int(self._ctx.clock()), tools=tools,
                             token_bytes=None if table is None else table.token_bytes)
@@ -428,7 +304,7 @@ class Job:
     # --- frames ---------------------------------------------------------------------------------------
 
     def _chunk(self, box: RequestBox, line: bytes) -> None:
-        """One chunk: one SSE ``data:`` line, sealed (protocol.md §1.8: the coordinator adds the blank line)."""
+        """One chunk: one SSE ``data:`` line, sealed (no blank line after it: the coordinator adds it)."""
         try:
             frame = box.seal_chunk(self.request_id, line)
         except CryptoError:
@@ -489,28 +365,9 @@ class Job:
         log.info("request_cancelled", phase="before_output" if before_output else "streaming")
 
 
-def _inspect(images: tuple[str, ...]) -> MediaPlan:
-    """The images' headers only (nothing decoded); a refusal names its kind, never the data."""
-    try:
-        return inspect_images(images)
-    except MediaRefused as refused:
-        log.info("request_refused", reason="media", kind=refused.kind)
-        raise Refusal(refused.failure) from None
-
-
 async def run_job(request: InferenceRequest, ctx: JobContext, send: Callable[[str], None]) -> JobOutcome:
     """Run one request to its terminal frame (or its cancellation)."""
     return await Job(request, ctx, send).run()
 
 
-__all__ = [
-    "CHAT_ENDPOINT",
-    "Job",
-    "JobContext",
-    "JobOutcome",
-    "ModelManager",
-    "Slot",
-    "engine_failure",
-    "exception_failure",
-    "run_job",
-]
+__all__ = ["CHAT_ENDPOINT", "Job", "JobContext", "JobOutcome", "run_job"]

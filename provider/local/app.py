@@ -42,16 +42,7 @@ from memory import CapFigures
 from protocol import sse
 from protocol.errors import Failure
 from protocol.sse import DONE
-from provider.engine import (
-    EngineFailure,
-    Event,
-    Failed,
-    Finished,
-    RequestStream,
-    TextDelta,
-    TokenLogprob,
-    Usage,
-)
+from provider.engine import EngineFailure, Event, Failed, Finished, RequestStream, TextDelta, TokenLogprob, Usage
 from provider.engine.types import EngineTimes
 from provider.local.backend import Explained, Refused, unknown_model
 from provider.local.drain import InFlight
@@ -66,6 +57,7 @@ from provider.local.errors import (
 from provider.metrics import CONTENT_TYPE, CapFigure, Metrics, RequestOutcome
 from provider.models.tools import ToolFormat
 from provider.request.body import ChatBody, CompletionBody, InvalidBody
+from provider.response.failures import engine_failure
 from provider.response.openai import (
     ChatChunks,
     TextChunks,
@@ -105,16 +97,6 @@ class Backend(Protocol):
     def status(self) -> dict[str, Any]: ...
     def refresh_metrics(self) -> None: ...
     async def unload(self, model_id: str) -> str: ...  # an UnloadOutcome value
-
-
-def _failure_for(code: EngineFailure) -> Failure:
-    if code is EngineFailure.ENGINE_CLOSED:  # the server's drain ran out (or the engine stopped under it)
-        return Failure.draining()
-    if code is EngineFailure.REQUEST_EXCEEDS_CONTEXT:
-        return Failure.request_exceeds_context()
-    if code is EngineFailure.INVALID_REQUEST:
-        return Failure.invalid_request()
-    return Failure.generation_failed()
 
 
 class JsonServerErrors:
@@ -252,7 +234,7 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
                               forced=body.tool_choice.forces_a_call)
 
     def spelling(body: ChatBody) -> Callable[[int], bytes] | None:
-        """Issue 31: the request asked for log-probabilities (the intake built its model's spelling)."""
+        """The request asked for log-probabilities (the intake built its model's spelling)."""
         return backend.token_bytes(body.model) if body.top_logprobs is not None else None
 
     def chat_whole(request_id: str, body: ChatBody, text: str, entries: list[TokenLogprob],
@@ -328,7 +310,7 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
                     served.end(RequestOutcome.CANCELLED)
                     return error_response(Failure.cancelled())
                 served.end(RequestOutcome.FAILED, code=first.code)
-                failure = _failure_for(first.code)
+                failure = engine_failure(first.code)
                 return error_response(failure, Refused(failure).retry_after_s)
             handed_over = True
             chunks = endpoint.chunks(request_id, body)
@@ -395,7 +377,7 @@ async def _complete(stream: RequestStream, endpoint: _Endpoint, body: ChatBody |
                                 media_type="application/json")
             case Failed(code):
                 served.end(RequestOutcome.FAILED, code=code)
-                failure = _failure_for(code)
+                failure = engine_failure(code)
                 return error_response(failure, Refused(failure).retry_after_s)
     served.end(RequestOutcome.CANCELLED)
     return error_response(Failure.cancelled())
@@ -445,7 +427,7 @@ async def _sse(opened: Any, stream: RequestStream, chunks: ChatChunks | TextChun
                         yield _event(chunk)
                 case Failed(code=code):
                     outcome = RequestOutcome.FAILED
-                    yield _event(error_body(_failure_for(code)))
+                    yield _event(error_body(engine_failure(code)))
         yield DONE
     except Exception as exc:  # mid-stream the status is sent: the error becomes the last event
         log.error("request_unexpected_error", request_id=served.request_id, phase="streaming", exc_info=exc)

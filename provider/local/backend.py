@@ -1,19 +1,16 @@
 """What the local server serves from: the shared `provider.runtime.Runtime`, so `serve --local`
-has the same admission and memory policy as the coordinator agent (issue 7).
+has the same admission and memory policy as the coordinator agent.
 
 `RuntimeBackend.open(request_id, body)` (chat) and `open_completion` (the legacy completions
 endpoint: the prompt tokenized without the chat template) are async context managers that either
 raise (`InvalidBody`, `Refused`: a typed `protocol.errors.Failure`, or `Explained`) or yield the
-request's event stream. The steps are the job's (`provider.jobs.job`), minus the encryption:
-
-* read the body through the runtime's `Intake` (a large one in the bulk lane, its working memory
-  reserved), refuse by the size bound, count the prompt exactly (no model load needed), compile
-  its grammar with the grammar's memory reserved (`response_format`, issue 31);
-* check the images, if any: bounds before allocation (`provider.request.media`, headers only);
-* admission books the request (`ModelManager.book_when_released`): its KV and, for a cold model,
-  the load's claim, in one step; a refusal is the manager's `Failure`;
-* `async with manager.serve(..., booking=...) as slot`: waits for the load, pins the model;
-  `slot.submit(...)` starts it; leaving the block cancels it if it is still running.
+request's event stream. The steps are the request pipeline's (`provider.request.serving`), the
+coordinator's door's too, minus the encryption: the body read through the runtime's `Intake` (a
+large one in the bulk lane, its working memory reserved), the size bound, the images' headers, the
+exact prompt count, the output plan, the booking, then the model waited for and the request
+submitted; leaving the block cancels it if it is still running. This door sets the pipeline's
+`queue_s` (`local_queue_s`: a booking refused for room waits for a request in flight to end) and asks
+the engine to prepare a conversation's next turn.
 
 Every 503 carries `Retry-After` (a capacity refusal is transient: memory frees as requests finish; a
 pause says when it ends, `Failure.retry_after_s`). A request this machine can never serve (the model,
@@ -22,12 +19,13 @@ refuses it so another provider takes it, but behind the owner's server there is 
 is `TooLarge`, a 400 whose message gives the numbers (what `doctor` shows). The owner's client is
 told more than the coordinator's fixed words in two more cases (`Explained`): a model not served
 here (the id asked for, and the ids served) and a prompt over the context window (its tokens,
-max_tokens and the window).
+max_tokens and the window). An engine failure is answered from the table both doors read
+(`provider.response.failures`).
 """
-
 from __future__ import annotations
 
-import json
+import contextlib
+import functools
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from enum import StrEnum
@@ -37,24 +35,18 @@ from memory import CapFigures
 from memory.fit import FitResult
 from memory.media import DEFAULT_LIMITS, MediaLimits
 from protocol.errors import ErrorReason, Failure, RejectionReason
-from provider.engine import ChatRequest, RequestStream
+from provider.engine import EngineError, RequestStream
+from provider.metrics import EvictionCause
 from provider.models.tools import ToolFormat
 from provider.request import PromptCounter
-from provider.request.body import (
-    ChatBody,
-    CompletionBody,
-    InvalidBody,
-    log_unknown_fields,
-    parse_chat_body,
-    parse_completion_body,
-)
-from provider.request.intake import Intake, OverContext, Refusal
-from provider.request.media import DECODABLE_FORMATS, NO_MEDIA, MediaPlan, MediaRefused, inspect_images
+from provider.request.body import ChatBody, CompletionBody
+from provider.request.intake import OverContext, Refusal
+from provider.request.media import DECODABLE_FORMATS, MediaRefused
+from provider.request.serving import Pipeline, Prepared, json_body
+from provider.response.failures import engine_failure
 from provider.runtime import Runtime
-from provider.metrics import EvictionCause
-from provider.slots import ModelState, Refused as AdmissionRefused, SlotRefused
+from provider.slots import ModelState, SlotRefused
 from provider.slots.admission import kv_need
-from provider.slots.leases import Booking
 from provider.telemetry import get_logger
 
 log = get_logger(__name__)
@@ -202,6 +194,8 @@ class RuntimeBackend:
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
+        self.pipeline = Pipeline(runtime.intake, runtime.manager, runtime.stats, queue_s=runtime.settings.local_queue_s,
+                                 next_turn=True)  # one user's conversations: the next turn comes here
 
     @property
     def figures(self) -> CapFigures:
@@ -220,88 +214,57 @@ class RuntimeBackend:
 
     @asynccontextmanager
     async def open(self, request_id: str, raw: bytes) -> AsyncIterator[tuple[ChatBody, RequestStream]]:
-        """A chat request: parse `raw` (inline or in the bulk lane, by its size), count, book, wait for
-        the model, submit; yields the body and its event stream. Raises `InvalidBody`, `Refused` or
-        `Explained`."""
-        rt = self.runtime
-        asked: ChatBody | None = None
-        try:
-            async with rt.intake.ticket(request_id, len(raw)) as ticket:
-                body = asked = await ticket.run(_parse, rt.intake, raw)
-                log_unknown_fields(body, request_id=request_id)
-                media = await ticket.run(_inspect, request_id, body.images) if body.images else NO_MEDIA
-                prompt_ids = await rt.intake.prompt_ids(ticket, body, queued=rt.settings.local_queue_s > 0)
-            output = await rt.intake.output(request_id, body)  # issue 31: its grammar, log-probabilities
-        except Refusal as refusal:
-            raise self._explained(refusal.failure, refusal.over, asked and asked.model, "messages") from None
-
-        def request(booked: Booking) -> ChatRequest:
-            ids = prompt_ids if booked.reservation is not None else None  # a VLM's processor places its images
-            return ChatRequest(request_id, body.messages, body.sampling(booked.kv.max_tokens), prompt_ids=ids,
-                               prepare_next_turn=True,  # one user's conversations: the next turn comes here
-                               tools=body.offered_tools, tool_call=body.tool_call(self.tool_format(body.model)),
-                               constraint=output.constraint, top_logprobs=output.top_logprobs)
-
-        submitted = False
-        try:
-            async with self._served(request_id, body.model, prompt_ids, body.max_tokens, media, request,
-                                    "messages") as stream:
-                submitted = True  # from here the engine gives the grammar's reservation back
-                yield body, stream
-        finally:
-            if not submitted:
-                output.release()  # it never reached the engine
+        """A chat request through the pipeline: parse `raw` (inline or in the bulk lane, by its size),
+        count, book, wait for the model, submit; yields the body and its event stream. Raises
+        `InvalidBody`, `Refused` or `Explained`."""
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                request = await stack.enter_async_context(
+                    self.pipeline.chat(request_id, len(raw), functools.partial(json_body, raw)))
+            except Refusal as refusal:
+                raise self._explained(refusal.failure, refusal.over, refusal.model_id, "messages") from None
+            except MediaRefused as refused:
+                raise media_refused(refused) from None
+            stream = await stack.enter_async_context(self._served(request, "messages"))
+            yield request.body, stream
 
     @asynccontextmanager
     async def open_completion(self, request_id: str, raw: bytes) -> AsyncIterator[tuple[CompletionBody, RequestStream]]:
         """A legacy completions request, the same steps as `open` but for the prompt: its text
         tokenized without the chat template (or its ids as given). Same admission, same engine."""
-        rt = self.runtime
-        asked: CompletionBody | None = None
-        try:
-            async with rt.intake.ticket(request_id, len(raw)) as ticket:
-                body = asked = await ticket.run(_parse_completion, raw)
-                log_unknown_fields(body, request_id=request_id)
-                prompt_ids = await rt.intake.completion_ids(ticket, body, queued=rt.settings.local_queue_s > 0)
-        except Refusal as refusal:
-            raise self._explained(refusal.failure, refusal.over, asked and asked.model, "prompt") from None
-
-        def request(booked: Booking) -> ChatRequest:
-            return ChatRequest(request_id, (), body.sampling(booked.kv.max_tokens), prompt_ids=prompt_ids)
-
-        async with self._served(request_id, body.model, prompt_ids, body.max_tokens, NO_MEDIA, request, "prompt") as stream:
-            yield body, stream
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                request = await stack.enter_async_context(
+                    self.pipeline.completion(request_id, len(raw), functools.partial(json_body, raw)))
+            except Refusal as refusal:
+                raise self._explained(refusal.failure, refusal.over, refusal.model_id, "prompt") from None
+            stream = await stack.enter_async_context(self._served(request, "prompt"))
+            yield request.body, stream
 
     @asynccontextmanager
-    async def _served(self, request_id: str, model_id: str, prompt_ids: list[int], max_tokens: int | None,
-                      media: MediaPlan, request: Callable[[Booking], ChatRequest], prompt_param: str,
-                      ) -> AsyncIterator[RequestStream]:
-        """Book (waiting up to local_queue_s for room), wait for the model, submit `request(booking)`."""
-        rt = self.runtime
-        booked = await rt.manager.book_when_released(request_id, model_id, len(prompt_ids), max_tokens,
-                                                     media=media, queue_s=rt.settings.local_queue_s)
-        if isinstance(booked, AdmissionRefused):
-            if booked.failure.reason in _NEVER_HERE:
-                raise self._too_large(booked.failure, model_id, len(prompt_ids), max_tokens)
-            context = rt.manager.context_length(model_id)
-            over = None if context is None else OverContext(model_id, len(prompt_ids), True, context, max_tokens)
-            raise self._explained(booked.failure, over, model_id, prompt_param)
-        rt.stats.accepted(request_id, model_id)
+    async def _served(self, request: Prepared[Any], prompt_param: str) -> AsyncIterator[RequestStream]:
+        """Book (waiting up to local_queue_s for room), wait for the model, submit; a refusal in the
+        owner's words, an engine failure from the table both doors read."""
+        model_id = request.body.model
         try:
-            async with rt.manager.serve(request_id, model_id, len(prompt_ids), max_tokens, booking=booked) as slot:
-                stream = slot.submit(request(booked))
-                rt.metrics.add_tokens(prompt=len(prompt_ids))
-                try:
-                    with rt.metrics.in_flight():
-                        yield stream
-                finally:
-                    await stream.aclose()  # no-op after a terminal event; a cancel otherwise
+            booking = await request.book()
+        except Refusal as refusal:
+            if refusal.failure.reason in _NEVER_HERE:
+                raise self._too_large(refusal.failure, model_id, request.prompt_tokens,
+                                      request.body.max_tokens) from None
+            raise self._explained(refusal.failure, refusal.over, model_id, prompt_param) from None
+        metrics = self.runtime.metrics
+        try:
+            async with request.serve(booking) as stream:
+                metrics.add_tokens(prompt=request.prompt_tokens)
+                with metrics.in_flight():
+                    yield stream
         except MediaRefused as refused:  # an image that would not decode
             raise media_refused(refused) from None
         except SlotRefused as exc:
             raise Refused(exc.failure) from None
-        finally:
-            rt.stats.ended(request_id)
+        except EngineError as exc:  # submit refused by the engine itself (closed under a drain)
+            raise Refused(engine_failure(exc.code)) from None
 
     def _explained(self, failure: Failure, over: OverContext | None, model_id: str | None,
                    prompt_param: str) -> Exception:
@@ -347,29 +310,3 @@ class RuntimeBackend:
     def refresh_metrics(self) -> None:
         self.runtime.refresh_metrics()
 
-
-def _json(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError):
-        raise InvalidBody("body", "is not valid JSON") from None
-
-
-def _parse(intake: Intake, raw: bytes) -> ChatBody:
-    """JSON, the message-count precheck, then the one validator (`InvalidBody` names the field)."""
-    data = _json(raw)
-    intake.precheck(data)
-    return parse_chat_body(data)
-
-
-def _parse_completion(raw: bytes) -> CompletionBody:
-    return parse_completion_body(_json(raw))
-
-
-def _inspect(request_id: str, images: tuple[str, ...]) -> MediaPlan:
-    """The images' headers only (nothing decoded); a refusal names its kind, never the data."""
-    try:
-        return inspect_images(images)
-    except MediaRefused as refused:
-        log.info("request_refused", request_id=request_id, reason="media", kind=refused.kind)
-        raise media_refused(refused) from None

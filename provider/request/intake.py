@@ -1,7 +1,8 @@
 """From request bytes to a validated chat body and its prompt ids, before any big allocation.
 
 Both front doors (the coordinator's jobs and the local server) take a request through the same
-steps, each cheap check before the costly step it guards (issue 11):
+steps (the request pipeline, `serving.Pipeline`, runs them for both), each cheap check before the
+costly step it guards:
 
 1. the body's size decides where it is read: up to `INLINE_BYTES` on the event loop (a few
    hundred microseconds), beyond that in the bulk lane (`lanes.BulkLane`), with its working memory
@@ -14,7 +15,7 @@ steps, each cheap check before the costly step it guards (issue 11):
 3. the size bound (`bounds.TokenBounds.lower_bound`) is handed to admission by the caller, which
    refuses a prompt that surely exceeds the context (400) or what the ledger can give (503);
 4. `PromptCounter.prompt_ids`: exact ids, short prompts inline, long ones in the lane;
-5. `output` (issue 31, `output.py`): a grammar's memory reserved and the grammar compiled, the
+5. `output` (`output.py`): a grammar's memory reserved and the grammar compiled, the
    vocabulary of log-probabilities built, before admission books the request.
 
 The legacy completions endpoint's prompt (`completion_ids`) takes the same steps without a chat
@@ -69,12 +70,14 @@ class OverContext:
 
 class Refusal(Exception):
     """Refuse before acceptance; `failure` becomes the error (protocol/errors); `over`: the numbers of
-    a prompt too long for the context window."""
+    a prompt too long for the context window; `model_id`: the model asked for, on a refusal because
+    it is not served here (the client's string: for an answer that names it, never for a log)."""
 
-    def __init__(self, failure: Failure, over: OverContext | None = None) -> None:
+    def __init__(self, failure: Failure, over: OverContext | None = None, *, model_id: str | None = None) -> None:
         super().__init__(failure.code.value)
         self.failure = failure
         self.over = over
+        self.model_id = model_id
 
 
 def over_context(model_id: str, prompt_tokens: int, exact: bool, context_length: int | None,
@@ -205,7 +208,7 @@ class Intake:
         booking waits for), 422 when the template cannot render the messages; `InvalidBody` naming
         `tools` when tools are offered to a model whose family has no tool calling."""
         if not self.counter.knows(body.model):
-            raise Refusal(Failure.model_unavailable())
+            raise Refusal(Failure.model_unavailable(), model_id=body.model)
         self._precheck_bound(body.model, self.lower_bound(body.model, body.chars, len(body.messages)),
                              body.max_tokens, queued)
         context = self._context_of(body.model)
@@ -214,7 +217,7 @@ class Intake:
         except ToolsUnsupported:
             raise InvalidBody("tools", "is not supported by this model: its chat template has no tool calling") from None
         except UnknownModel:
-            raise Refusal(Failure.model_unavailable()) from None
+            raise Refusal(Failure.model_unavailable(), model_id=body.model) from None
         except PromptTooLong as too_long:
             raise over_context(body.model, too_long.tokens, too_long.exact, context, body.max_tokens) from None
         except PromptError:
@@ -234,7 +237,7 @@ class Intake:
         `model` (a vision model: its processor renders messages, there is no raw prompt to give it)."""
         model = body.model
         if not self.counter.knows(model):
-            raise Refusal(Failure.model_unavailable())
+            raise Refusal(Failure.model_unavailable(), model_id=model)
         if self.counter.is_vision(model):
             raise InvalidBody("model", "is a vision model, served on /v1/chat/completions only")
         context = self._context_of(model)
@@ -250,7 +253,7 @@ class Intake:
                 if context is not None and len(ids) >= context:
                     raise PromptTooLong(len(ids), exact=True)
         except UnknownModel:
-            raise Refusal(Failure.model_unavailable()) from None
+            raise Refusal(Failure.model_unavailable(), model_id=model) from None
         except PromptTooLong as too_long:
             raise over_context(model, too_long.tokens, too_long.exact, context, body.max_tokens) from None
         except PromptError:
