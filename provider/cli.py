@@ -47,8 +47,6 @@ import json
 import os
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterable, Mapping
 from enum import Enum
 from pathlib import Path
@@ -66,10 +64,10 @@ from provider.config import (
     load_settings,
     settings_reference,
 )
+from provider.units import human_bytes
 
 if TYPE_CHECKING:
     from provider.service import ServiceStatus
-    from provider.state_lock import AgentRecord
 
 EX_OK = 0
 EX_FAILED = 1
@@ -336,7 +334,7 @@ def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_models(args: argparse.Namespace, settings: Settings) -> int:
-    from provider.doctor import human_bytes, quantization_text, report_json, run_doctor
+    from provider.doctor import quantization_text, report_json, run_doctor
     from provider.models import DigestCache, weight_hash_sync
     from provider.models.hashing import CACHE_FILE
     from provider.models.searched import no_models_lines
@@ -369,28 +367,14 @@ def cmd_models(args: argparse.Namespace, settings: Settings) -> int:
     return EX_OK
 
 
-def fetch_status(base_url: str, timeout_s: float = 3.0) -> dict[str, Any]:
-    """GET a running agent's local /status (loopback only, so plain urllib is enough)."""
-    with urllib.request.urlopen(base_url + "/status", timeout=timeout_s) as resp:
-        return json.loads(resp.read())
-
-
-def status_urls(settings: Settings) -> tuple[AgentRecord | None, list[str]]:
-    """Where to ask: the local server of the agent running on this state directory (whatever port it
-    was started with), then the configured one."""
-    from provider.state_lock import running_agent
-
-    agent = running_agent(settings.state_dir)
-    urls = [agent.local_url] if agent is not None and agent.local_url else []
-    return agent, urls + [u for u in (settings.local_base_url,) if u not in urls]
-
-
 def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
-    agent, urls = status_urls(settings)
+    from provider import control
+
+    agent, urls = control.agent_urls(settings)
     for url in urls:
         try:
-            status = fetch_status(url)
-        except (urllib.error.URLError, OSError, ValueError):
+            status = control.fetch_status(url)
+        except (OSError, ValueError):
             continue
         if args.json:
             print(json.dumps(status, indent=2))
@@ -411,15 +395,14 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     return EX_FAILED
 
 
-def _agent_answering(settings: Settings) -> str | None:
-    """The base URL of the running agent's local server that answers /status, or None (said on stderr)."""
-    agent, urls = status_urls(settings)
-    for url in urls:
-        try:
-            fetch_status(url)
-        except (urllib.error.URLError, OSError, ValueError):
-            continue
-        return url
+def _agent_answering(settings: Settings) -> tuple[str, dict[str, Any]] | None:
+    """The running agent's local server that answers /status and its answer, or None (said on stderr)."""
+    from provider import control
+
+    found = control.find_status(settings)
+    if found is not None:
+        return found
+    agent, urls = control.agent_urls(settings)
     where = f" ({agent.describe()})" if agent is not None else ""
     print(f"{PROG}: no running agent answers on {' or '.join(urls)}{where} (is `serve` running? with another "
           "--state-dir?)", file=sys.stderr)
@@ -428,7 +411,6 @@ def _agent_answering(settings: Settings) -> str | None:
 
 def cmd_pull(args: argparse.Namespace, settings: Settings) -> int:
     """`ollama pull` for the hub: plan, check the disk, download (resumable) with a bar, hash."""
-    from provider.doctor import human_bytes
     from provider.models import default_hf_cache
     from provider.models.download import DownloadFailed, check_disk, download, failure_sentence, plan_download
     from provider.models.hashing import weight_hash_sync
@@ -452,10 +434,10 @@ def cmd_pull(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_ps(args: argparse.Namespace, settings: Settings) -> int:
     from provider import control
 
-    url = _agent_answering(settings)
-    if url is None:
+    found = _agent_answering(settings)
+    if found is None:
         return EX_FAILED
-    status = fetch_status(url)
+    _, status = found
     if args.json:
         print(json.dumps(control.loaded_rows(status), indent=2))
     else:
@@ -466,13 +448,14 @@ def cmd_ps(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_unload(args: argparse.Namespace, settings: Settings) -> int:
     from provider import control
 
-    url = _agent_answering(settings)
-    if url is None:
+    found = _agent_answering(settings)
+    if found is None:
         return EX_FAILED
+    url, _ = found
     try:
         code, answer = control.fetch_json(url + "/control/unload", body={"model": args.model},
                                           timeout_s=control.UNLOAD_TIMEOUT_S)
-    except (urllib.error.URLError, OSError, ValueError):
+    except (OSError, ValueError):
         print(f"{PROG}: the agent did not answer the unload", file=sys.stderr)
         return EX_FAILED
     outcome = answer.get("outcome") if isinstance(answer, dict) else None
@@ -482,8 +465,6 @@ def cmd_unload(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def render_status(status: dict[str, Any], now: float | None = None) -> str:
-    from provider.doctor import human_bytes
-
     lines = [f"mode {status.get('mode', '?')}, pressure {status.get('pressure', {}).get('level', '?')}, "
              f"in flight {status.get('in_flight', '?')}"]
     if isinstance(status.get("session"), dict):
@@ -509,8 +490,6 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
 
 def render_diagnostics(d: Any, now: float) -> list[str]:
     """The `diagnostics` section of /status: the restart verdict, the baseline, the last unloads."""
-    from provider.doctor import human_bytes
-
     if not isinstance(d, dict):
         return []
     restart, baseline = d.get("restart", {}), d.get("baseline", {})

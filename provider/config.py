@@ -47,6 +47,8 @@ from pydantic import (
     field_validator,
 )
 
+from provider.units import GiB
+
 if TYPE_CHECKING:
     from memory import PolicySettings
 
@@ -61,7 +63,6 @@ DEFAULT_LOCAL_PORT = 8484
 # Pages this machine serves itself (a dev server, a local chat UI): allowed to call the local server by
 # default, as Ollama allows them; `:*` is any port.
 LOOPBACK_ORIGINS = ("http://localhost:*", "http://127.0.0.1:*")
-GIB = 1 << 30
 
 
 class ConfigError(Exception):
@@ -484,15 +485,15 @@ class Settings(BaseModel):
     # --- derived figures, so callers do not each redo the unit arithmetic
     @property
     def memory_reserve_bytes(self) -> int:
-        return int(self.memory_reserve_gb * GIB)
+        return int(self.memory_reserve_gb * GiB)
 
     @property
     def memory_limit_bytes(self) -> int | None:
-        return None if self.memory_limit_gb is None else int(self.memory_limit_gb * GIB)
+        return None if self.memory_limit_gb is None else int(self.memory_limit_gb * GiB)
 
     @property
     def kv_ssd_budget_bytes(self) -> int:
-        return int(self.kv_ssd_budget_gb * GIB)
+        return int(self.kv_ssd_budget_gb * GiB)
 
     @property
     def crash_loop_window_s(self) -> float:

@@ -1,8 +1,13 @@
-"""`darkbloom-provider ps` and `unload MODEL`: what the running agent has loaded now, and unloading one.
+"""The one client of the running agent: its loopback server, found the same way by every command.
 
-Both ask the running agent's local server, found as `status` finds it (the lock record of the state
-directory names its URL, `provider/state_lock.py`, then the configured one): `ps` reads `GET /status`,
-`unload` posts `POST /control/unload` (loopback only; the server refuses a web page's request).
+Where it answers (`agent_urls`): the local server the lock record of the state directory names
+(`provider/state_lock.py`: whatever port that agent was started with), then the configured one.
+`fetch_status` reads `GET /status`, `find_status` the first of those that answers (`status`, `ps`,
+and `doctor`'s view of the running agent), `fetch_json` any other call (`unload` posts
+`POST /control/unload`: loopback only; the server refuses a web page's request). Plain urllib is
+enough: it is loopback.
+
+Also the words of `darkbloom-provider ps` (`render_ps`, a table like `ollama ps`) and of `unload MODEL`.
 """
 
 from __future__ import annotations
@@ -12,8 +17,20 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from provider.config import Settings
+from provider.state_lock import AgentRecord, running_agent
+from provider.units import human_bytes, table
+
 TIMEOUT_S = 3.0
 UNLOAD_TIMEOUT_S = 60.0  # an unload waits for the memory to settle
+
+
+def agent_urls(settings: Settings) -> tuple[AgentRecord | None, list[str]]:
+    """Where to ask: the local server of the agent running on this state directory (whatever port it
+    was started with), then the configured one; with that agent's record (None when none runs)."""
+    agent = running_agent(settings.state_dir)
+    urls = [agent.local_url] if agent is not None and agent.local_url else []
+    return agent, urls + [u for u in (settings.local_base_url,) if u not in urls]
 
 
 def fetch_json(url: str, *, body: dict[str, Any] | None = None, timeout_s: float = TIMEOUT_S) -> tuple[int, Any]:
@@ -29,6 +46,25 @@ def fetch_json(url: str, *, body: dict[str, Any] | None = None, timeout_s: float
             return err.code, json.loads(err.read() or b"null")
 
 
+def fetch_status(base_url: str, timeout_s: float = TIMEOUT_S) -> dict[str, Any]:
+    """The agent's `GET /status`. Raises `OSError` (nothing answers, a refusal) or `ValueError` (an
+    answer that is not a status)."""
+    code, status = fetch_json(base_url + "/status", timeout_s=timeout_s)
+    if code != 200 or not isinstance(status, dict):
+        raise ValueError(f"/status answered {code}")
+    return status
+
+
+def find_status(settings: Settings, timeout_s: float = TIMEOUT_S) -> tuple[str, dict[str, Any]] | None:
+    """The first of `agent_urls` whose /status answers, and its answer; None when none does."""
+    for url in agent_urls(settings)[1]:
+        try:
+            return url, fetch_status(url, timeout_s)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def loaded_rows(status: dict[str, Any]) -> list[dict[str, Any]]:
     """The models /status shows resident or on their way (loading, unloading)."""
     return [m for m in status.get("models", []) if m.get("state") in ("loaded", "loading", "unloading")]
@@ -36,18 +72,15 @@ def loaded_rows(status: dict[str, Any]) -> list[dict[str, Any]]:
 
 def render_ps(status: dict[str, Any]) -> str:
     """A table like `ollama ps`: model, state, memory, requests running, idle for."""
-    from provider.doctor import human_bytes
-
-    rows = loaded_rows(status)
-    if not rows:
+    models = loaded_rows(status)
+    if not models:
         return "no model is loaded"
-    table = [("MODEL", "STATE", "MEMORY", "REQUESTS", "IDLE")]
-    for m in rows:
+    rows = [("MODEL", "STATE", "MEMORY", "REQUESTS", "IDLE")]
+    for m in models:
         memory = human_bytes(m["resident_bytes"]) if m.get("resident_bytes") else "-"
         idle = _duration(m["idle_s"]) if m.get("idle_s") is not None else ("busy" if m.get("state") == "loaded" else "-")
-        table.append((str(m["id"]), str(m["state"]), memory, str(m.get("active_requests", 0)), idle))
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table)
+        rows.append((str(m["id"]), str(m["state"]), memory, str(m.get("active_requests", 0)), idle))
+    return "\n".join(table(rows))
 
 
 def _duration(seconds: float) -> str:
@@ -67,4 +100,5 @@ UNLOAD_WORDS = {
 }
 
 
-__all__ = ["TIMEOUT_S", "UNLOAD_TIMEOUT_S", "UNLOAD_WORDS", "fetch_json", "loaded_rows", "render_ps"]
+__all__ = ["TIMEOUT_S", "UNLOAD_TIMEOUT_S", "UNLOAD_WORDS", "agent_urls", "fetch_json", "fetch_status", "find_status",
+           "loaded_rows", "render_ps"]

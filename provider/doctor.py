@@ -80,24 +80,24 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 import platform
 import socket
 import ssl
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 import memory
+from kvcache.disk import KVCACHE_DIR, check_writable_dir, os_error_name
 from memory import (
+    ROOM_CAUSE_SETTING,
     CapFigures,
-    EnvAction,
     DeviceMemory,
+    EnvAction,
     EnvAdjustment,
     FitResult,
     MemorySnapshot,
@@ -107,23 +107,29 @@ from memory import (
     Probe,
     RoomCause,
 )
-from memory import ROOM_CAUSE_SETTING
-from kvcache.disk import KVCACHE_DIR, check_writable_dir, os_error_name
 from memory.probe import no_mlx_counters
 from provider.config import Settings, policy_settings, unrecognised_env
+from provider.control import find_status
 from provider.doctor_guest import GuestReport, gather_guest, guest_json, guest_lines
-from provider.doctor_routing import BLOCKING, RoutingReport, gather_routing, routing_json, routing_lines, untrusted_sentence
+from provider.doctor_routing import (
+    BLOCKING,
+    RoutingReport,
+    gather_routing,
+    routing_json,
+    routing_lines,
+    untrusted_sentence,
+)
 from provider.hardening import Hardening
-from provider.session.status import trust_line
-from provider.state_lock import running_agent
-from provider.supervision import AbnormalExits, guard_unwritable, read_abnormal_exits
 from provider.models import Inventory, ModelInfo, Quantization, discover_models
 from provider.models.searched import PULL_HINT, README_MODELS_HEADING, place_lines, places_text
 from provider.models.template import TemplateBound
 from provider.models.template_check import check_inventory, without_unservable
+from provider.session.status import trust_line
+from provider.supervision import AbnormalExits, guard_unwritable, read_abnormal_exits
+from provider.units import GiB, human_bytes, table
 
-GIB = 1 << 30
 DEFAULT_COORDINATOR_TIMEOUT_S = 5.0
+INDENT = "  "  # a section's lines under its heading
 
 class Severity(StrEnum):
     ERROR = "error"
@@ -284,7 +290,7 @@ def machine_snapshot(settings: Settings, *, machine_gb: float | None = None) -> 
     """This machine's snapshot (the agent's probe, without MLX), or an idle `machine_gb` machine."""
     if machine_gb is None:
         return Probe(settings.memory_limit_gb, mlx_counters=no_mlx_counters).snapshot(), False
-    machine = int(machine_gb * GIB)
+    machine = int(machine_gb * GiB)
     limit = settings.memory_limit_bytes
     physical = machine if limit is None else min(machine, limit)
     return MemorySnapshot(physical_bytes=physical, available_bytes=physical, machine_bytes=machine,
@@ -419,17 +425,8 @@ def _template_drops(status: dict[str, Any] | None) -> dict[str, TemplateBound]:
 
 def running_agent_status(settings: Settings, timeout_s: float = 2.0) -> dict[str, Any] | None:
     """The /status of an agent running with these settings (see `running_agent_diagnostics`)."""
-    running = running_agent(settings.state_dir)
-    urls = dict.fromkeys(u for u in (running and running.local_url, settings.local_base_url) if u)
-    status = None
-    for url in urls:
-        try:
-            with urllib.request.urlopen(url + "/status", timeout=timeout_s) as resp:
-                status = json.loads(resp.read())
-            break
-        except (OSError, ValueError):
-            continue
-    return status if isinstance(status, dict) else None
+    found = find_status(settings, timeout_s)
+    return found[1] if found is not None else None
 
 
 def _restart_problems(agent: dict[str, Any] | None) -> tuple[Problem, ...]:
@@ -556,7 +553,7 @@ def quantization_text(q: Quantization | None, dtype: str) -> str:
 def report_json(report: DoctorReport) -> dict[str, Any]:
     """The stable `doctor --json` document (see the module docstring)."""
     cap = dataclasses.asdict(report.cap)
-    cap.update({k.removesuffix("_bytes") + "_gib": round(v / GIB, 3)
+    cap.update({k.removesuffix("_bytes") + "_gib": round(v / GiB, 3)
                 for k, v in list(cap.items()) if k.endswith("_bytes") and isinstance(v, int)})
     snap = report.snapshot
     return {
@@ -619,22 +616,6 @@ def _model_json(r: ModelReport) -> dict[str, Any]:
     }
 
 
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    if n < 0:
-        return "-" + human_bytes(-n)
-    for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
-
-
-def _table(rows: list[tuple[str, ...]], indent: str = "  ") -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-
-
 def _looked_in(inventory: Inventory) -> list[str]:
     """Where discovery looked, each place and whether it is there."""
     lines = place_lines(inventory.searched, indent="    ")
@@ -657,14 +638,14 @@ def render_table(report: DoctorReport) -> str:
     """The human `doctor` output: aligned sections, human units."""
     snap, cap = report.snapshot, report.cap
     out = ["Machine" + (" (hypothetical, --machine-gb)" if report.hypothetical else "")]
-    out += _table([
+    out += table([
         ("platform", f"{sys.platform} {platform.machine()}, {os.cpu_count()} CPUs"),
         *_memory_rows(snap),
         ("memory_limit_gb", human_bytes(snap.memory_limit_bytes) if snap.memory_limit_bytes else "unset"),
         ("available now", human_bytes(snap.available_bytes)),
-    ])
+    ], INDENT)
     out += ["", "Memory cap (what the agent enforces)"]
-    out += _table([
+    out += table([
         ("physical", human_bytes(cap.physical_bytes)),
         ("hard cap", f"{human_bytes(cap.hard_cap_bytes)}  (min({cap.cap_fraction:g} x physical, physical - 2 GiB))"),
         ("effective cap", f"{human_bytes(cap.effective_cap_bytes)}  (min(hard cap, physical - memory_reserve))"),
@@ -672,7 +653,7 @@ def render_table(report: DoctorReport) -> str:
         ("activation reserve", human_bytes(cap.activation_reserve_bytes)),
         ("pressure", f"{report.pressure.level.name.lower()} ({report.pressure.utilization:.0%} of physical; "
                      "this process, nothing loaded)"),
-    ])
+    ], INDENT)
     out += ["", f"Runtime hash  {report.runtime_hash or 'unavailable'}", ""]
     out.append(f"Models ({len(report.models)}; fit with nothing loaded, so nothing evictable)")
     if report.models:
@@ -682,7 +663,7 @@ def render_table(report: DoctorReport) -> str:
             rows.append((m.id, human_bytes(m.weight_bytes), quantization_text(m.quantization, m.dtype.value),
                          str(m.context_length or "-"), human_bytes(r.fit.required_bytes), r.fit.verdict.value,
                          {True: "yes", False: "no", None: "-"}[m.tools]))
-        out += _table(rows)
+        out += table(rows, INDENT)
     for s in report.inventory.skipped:
         out.append(f"  skipped {s.id or s.path}: {s.reason.value}")
     out += _looked_in(report.inventory)
@@ -702,7 +683,7 @@ def render_table(report: DoctorReport) -> str:
         out += guest_lines(report.guest) + [""]
     if report.problems:
         out.append("Problems")
-        out += _table([(p.severity.value.upper(), p.code.value, p.subject or "-",
-                        p.explanation + (f": {p.detail}" if p.detail else "")) for p in report.problems])
+        out += table([(p.severity.value.upper(), p.code.value, p.subject or "-",
+                        p.explanation + (f": {p.detail}" if p.detail else "")) for p in report.problems], INDENT)
     out.append("OK" if report.ok else "NOT OK: fix the errors above")
     return "\n".join(out)

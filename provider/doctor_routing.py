@@ -49,8 +49,8 @@ from provider.session.gates import (
 )
 from provider.session.posture import HostPosture, Posture, is_loopback_url, read_host_posture
 from provider.session.register import advertised_models
+from provider.units import GiB, gib, human_bytes
 
-GiB = 1 << 30
 MAX_CATALOG_BYTES = 8 << 20
 
 
@@ -284,7 +284,7 @@ def routing_lines(report: RoutingReport) -> list[str]:
     out = ["Routing (what a coordinator sees from this agent)"]
     flags = ", ".join(f"{name} {str(getattr(p, name)).lower()}" for name in REQUIRED_PRIVACY_FLAGS)
     out.append(f"  backend {report.backend}, runtime hash {report.runtime_hash or 'unavailable'}, "
-               f"total memory {report.total_bytes / GiB:.1f} GiB" + (", dev_posture" if report.dev_posture else ""))
+               f"total memory {gib(report.total_bytes)}" + (", dev_posture" if report.dev_posture else ""))
     secure_boot = "unknown (not sent)" if s.secure_boot_enabled is None else str(s.secure_boot_enabled).lower()
     out.append(f"  posture: sip_enabled {str(s.sip_enabled).lower()}, secure_boot_enabled "
                f"{secure_boot}, rdma_disabled {str(s.rdma_disabled).lower()}, "
@@ -304,14 +304,10 @@ def routing_lines(report: RoutingReport) -> list[str]:
     out.append(f"  catalog {c.url}: {catalog.get(c.detail, c.detail + ' (weight sizes stand in)')}")
     for r in report.models:
         verdict = r.gate.verdict.value.replace("_", " ")
-        size = "-" if r.gate.size_bytes is None else f"{_size(r.gate.size_bytes)} ({r.size_source.value})"
-        out.append(f"  {r.model_id}: memory gate {verdict}; size {size}, needs + {r.gate.kv_estimate_bytes / GiB:.1f} "
-                   "GiB KV at the default max_tokens" + (f"; fix: {r.fix}" if r.fix else ""))
+        size = "-" if r.gate.size_bytes is None else f"{human_bytes(r.gate.size_bytes)} ({r.size_source.value})"
+        out.append(f"  {r.model_id}: memory gate {verdict}; size {size}, needs + {gib(r.gate.kv_estimate_bytes)} "
+                   "KV at the default max_tokens" + (f"; fix: {r.fix}" if r.fix else ""))
     return out
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB // 10 else f"{nbytes / (1 << 20):.1f} MiB"
 
 
 BLOCKING = frozenset({GateVerdict.BLOCKED, GateVerdict.BLOCKED_COLD})

@@ -57,6 +57,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from provider.units import human_bytes
+
 # Bump whenever the output of the builder changes, so cached folders are rebuilt.
 BUILDER_VERSION = 1
 MARKER_FILE = ".tinymodel.json"
@@ -435,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     path = build_tiny_model(args.out, preset=args.preset, dtype=args.dtype, q_bits=args.q_bits,
                             q_group_size=args.q_group_size, seed=args.seed, no_eos=args.no_eos,
                             tools=args.tools, force=args.force)
-    print(f"{path}: {weights_bytes(path) / 1e6:.1f} MB of weights"
+    print(f"{path}: {human_bytes(weights_bytes(path))} of weights"
           f"{' (EOS unreachable)' if args.no_eos else ''}")
     if args.check:
         print(repr(_check(path)))

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from provider.tinymodel import train_tokenizer
+from provider.units import human_bytes
 
 BUILDER_VERSION = 2
 MARKER_FILE = ".tinyvlm.json"
@@ -268,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     path = build_tiny_vlm(args.out, seed=args.seed, force=args.force)
     size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
-    print(f"{path}: {size / 1e6:.1f} MB of weights")
+    print(f"{path}: {human_bytes(size)} of weights")
     if args.check:
         print(repr(_check(path)))
     return 0

@@ -10,7 +10,6 @@ from pydantic import ValidationError
 from provider.config import (
     DEFAULT_COORDINATOR_URL,
     FIELDS,
-    GIB,
     LOOPBACK_ORIGINS,
     ConfigError,
     LogFormat,
@@ -20,6 +19,7 @@ from provider.config import (
     load_settings,
     unrecognised_env,
 )
+from provider.units import GiB
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "deploy" / "provider.example.toml"
@@ -48,7 +48,7 @@ def test_defaults_without_any_file(home: Path) -> None:
     assert s.local_base_url == "http://127.0.0.1:8484"
     assert s.backend == "inprocess-mlx"
     assert s.drain_timeout_s == 30
-    assert s.memory_reserve_gb == 4 and s.memory_reserve_bytes == 4 * GIB
+    assert s.memory_reserve_gb == 4 and s.memory_reserve_bytes == 4 * GiB
     assert s.memory_limit_gb is None and s.memory_limit_bytes is None
     assert s.auth_token is None and s.runtime_hash is None and s.dev_posture is False
     assert s.log_level is LogLevel.INFO and s.log_format is LogFormat.AUTO
@@ -108,7 +108,7 @@ def test_env_lists_aliases_bools_and_secrets(home: Path) -> None:
     assert s.dev_posture is True
     assert s.auth_token is not None and s.auth_token.get_secret_value() == "dbp_secret_token"
     assert "dbp_secret_token" not in repr(s) and "dbp_secret_token" not in str(s)
-    assert s.memory_limit_bytes == int(12.5 * GIB)
+    assert s.memory_limit_bytes == int(12.5 * GiB)
     assert s.memory_reserve_gb == 2
     assert s.log_format is LogFormat.AUTO
 

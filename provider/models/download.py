@@ -28,8 +28,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-DISK_MARGIN_BYTES = 1 << 30  # left free after a download: the cache is on the system disk
-GIB = 1 << 30
+from provider.units import GiB, gib
+
+DISK_MARGIN_BYTES = GiB  # left free after a download: the cache is on the system disk
 PROGRESS_INTERVAL_S = 0.25  # a few progress frames a second at most
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
@@ -74,8 +75,8 @@ def failure_sentence(failed: DownloadFailed, repo_id: str, env: Mapping[str, str
     env = os.environ if env is None else env
     endpoint = env.get("HF_ENDPOINT") or HUB_DEFAULT
     if isinstance(failed, DiskShort):
-        return (f"{repo_id} needs {failed.needed / GIB:.1f} GiB of disk (with a {DISK_MARGIN_BYTES / GIB:.0f} GiB "
-                f"margin) and {failed.free / GIB:.1f} GiB is free: make room, or set hf_cache_dir to a bigger disk")
+        return (f"{repo_id} needs {gib(failed.needed)} of disk (with a {gib(DISK_MARGIN_BYTES, 0)} "
+                f"margin) and {gib(failed.free)} is free: make room, or set hf_cache_dir to a bigger disk")
     offline = env.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     if failed.reason == "hub_unreachable" and offline:
         return f"{repo_id} was not asked for: HF_HUB_OFFLINE is set in the environment; unset it to download"

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import TextIO
 
 from provider.models.discovery import Inventory, SearchedPlace
+from provider.units import table
 
 README_MODELS_HEADING = "Pointing the provider at real MLX models"  # a heading of README.md (a test checks)
 # The project's own download first (the disk is checked, the weights hashed); the hub's CLI puts the
@@ -22,11 +23,7 @@ PULL_HINT = "`darkbloom-provider pull mlx-community/<model>` (or the hub's `hf d
 
 def place_lines(places: Iterable[SearchedPlace], indent: str = "  ") -> list[str]:
     """One aligned line per place: "Hugging Face cache  /path  (exists)"."""
-    rows = [(p.label, str(p.path), f"({p.state})") for p in places]
-    if not rows:
-        return []
-    widths = [max(len(r[i]) for r in rows) for i in range(2)]
-    return [f"{indent}{a.ljust(widths[0])}  {b.ljust(widths[1])}  {c}" for a, b, c in rows]
+    return table([(p.label, str(p.path), f"({p.state})") for p in places], indent)
 
 
 def places_text(places: Iterable[SearchedPlace]) -> str:

@@ -35,8 +35,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 from protocol import PrivacyCapabilities
 from protocol.attest import SecurityPosture
+from provider.units import GiB, gib
 
-GiB = 1 << 30
 ROUTABLE_BACKEND = "inprocess-mlx"  # [A]; [N] routes only "mlx-swift"
 REQUIRED_PRIVACY_FLAGS: tuple[str, ...] = (  # [A] providerSupportsPrivateTextLocked
     "text_backend_inprocess",
@@ -155,20 +155,16 @@ def gate_fix(model_id: str, gate: MemoryGate) -> str | None:
         case GateVerdict.BLOCKED_COLD:
             assert gate.size_bytes is not None
             return (f'preload it: preload_models = ["{model_id}"] (cold, the coordinator counts its size '
-                    f"{_gib(gate.size_bytes)} GiB + {_gib(gate.kv_estimate_bytes)} GiB KV against "
-                    f"{_gib(gate.total_bytes)} GiB; loaded and running, no weights)")
+                    f"{gib(gate.size_bytes)} + {gib(gate.kv_estimate_bytes)} KV against "
+                    f"{gib(gate.total_bytes)}; loaded and running, no weights)")
         case GateVerdict.BLOCKED:
-            return (f"the coordinator wants {_gib(gate.kv_estimate_bytes)} GiB free beside the weights for a request "
-                    f"with max_tokens {COORDINATOR_MAX_TOKENS}; this machine reports {_gib(gate.total_bytes)} GiB: "
+            return (f"the coordinator wants {gib(gate.kv_estimate_bytes)} free beside the weights for a request "
+                    f"with max_tokens {COORDINATOR_MAX_TOKENS}; this machine reports {gib(gate.total_bytes)}: "
                     "only requests with a small max_tokens get through, or serve a smaller model")
         case GateVerdict.NOT_IN_CATALOG:
             return ("the coordinator's catalog does not list this id, so register drops it: serve it under a "
                     "catalog id (model_aliases = {\"<catalog id>\" = \"<path>\"})")
     return None
-
-
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / GiB:.1f}"
 
 
 # --- the catalog ---------------------------------------------------------------------------------------------
