@@ -114,7 +114,8 @@ def test_under_launchd_the_limit_within_the_window_keeps_it_down(tmp_path):
 def test_stayed_down_is_reported_until_an_agent_starts_again(tmp_path):
     """launchd does not relaunch a stayed-down agent before the next login or boot: `doctor` says so
     even once the exits are older than the window, and no longer after a start that serves."""
-    from provider.doctor import ProblemCode, _crash_loop_problems
+    from provider.doctor import ProblemCode
+    from provider.doctor.report import _crash_loop_problems
 
     settings = Settings(state_dir=tmp_path, crash_loop_limit=3)
     for minute in range(3):

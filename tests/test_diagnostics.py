@@ -26,7 +26,8 @@ from provider.agent import EXIT_OK, EXIT_RESTART, Agent, self_restart_enabled
 from provider.cli import render_status
 from provider.config import Settings
 from provider.demo import free_port
-from provider.doctor import ProblemCode, _restart_problems, running_agent_diagnostics
+from provider.doctor import ProblemCode, running_agent_diagnostics
+from provider.doctor.report import _restart_problems
 from provider.local.server import StatusEndpoint
 from provider.engine import ChatRequest, SamplingParams
 from provider.runtime import Runtime

@@ -121,7 +121,8 @@ def test_a_model_too_big_for_the_room_left_is_still_blamed_on_the_model(tmp_path
 
 
 def test_doctor_points_at_a_readme_heading_that_exists():
-    from provider.doctor import README_MODELS_HEADING, Problem
+    from provider.doctor import Problem
+    from provider.models.searched import README_MODELS_HEADING
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
     assert f"### {README_MODELS_HEADING}\n" in readme

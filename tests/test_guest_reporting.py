@@ -14,7 +14,7 @@ from protocol import ThermalState
 from protocol.errors import ErrorReason, Failure
 from provider.config import ConfigError, Settings, load_settings
 from provider.doctor import ProblemCode, report_json, run_doctor
-from provider.doctor_guest import gather_guest, guest_lines
+from provider.doctor.guest import gather_guest, guest_lines
 from provider.guest import Paused, PauseReason
 from provider.guest.readers import Reading, Source
 from provider.jobs.stats import ServingStats

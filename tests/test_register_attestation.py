@@ -260,7 +260,7 @@ async def test_doctor_shows_the_trust_level_the_coordinator_will_assign_and_why(
 
 
 def test_doctor_on_an_apple_silicon_mac_says_self_signed_and_that_the_key_is_a_software_key():
-    from provider.doctor_routing import gather_routing, routing_json, trust_sentence
+    from provider.doctor.routing import gather_routing, routing_json, trust_sentence
 
     report = gather_routing(Settings(), total_bytes=16 * 2**30, models=(), runtime_hash=None, check_catalog=False,
                             timeout_s=1.0, host=MAC_FULL_SECURITY, hardening=HARDENED)

@@ -1,4 +1,4 @@
-"""`doctor`'s section on the owner's Mac (issue 16): the serving windows, whether one is open now and the
+"""`doctor`'s section on the owner's Mac: the serving windows, whether one is open now and the
 next change, and the current reading of every signal the pause rules can use — read even when its rule
 is off, so the owner can see what turning it on would do.
 
