@@ -1,0 +1,139 @@
+"""Quantized KV inside the running batch (provider/engine/quantized_kv.py), on the tiny model.
+
+The engine's generator runs prompts of different lengths (left-padded rows), a second wave joining
+while the first decodes and rows leaving at different steps, with every layer's KV quantized. Each
+row's quantized KV is the same whatever batch it is in, so a batch must give each sequence the
+tokens it gets decoding alone at the same setting (compared exactly, each choice checked to be no
+near-tie), every finished sequence's cache must be its own quantized KV, and the batch must hold the
+quantized bytes, not the model dtype's.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.models.cache import QuantizedKVCache
+
+from engine_arithmetic import StepLogits, assert_decisive
+from provider.engine.decode import EngineBatchGenerator
+from provider.engine.quantized_kv import (
+    BatchQuantizedKVCache,
+    PromptQuantizedKVCache,
+    bits_for,
+    make_quantized_cache,
+    quantizable,
+    quantized_bytes_per_element,
+)
+
+TEXTS = ("a river", "the mountain stream is quiet tonight", "seven", "batch of copper wire and salt stone",
+         "north wind", "paper boat on a green lamp garden")
+MAX_TOKENS = [12, 5, 9, 14, 3, 10]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_path):
+    model, tokenizer = mlx_lm.load(str(tiny_model_path))
+    return model, [tokenizer.encode(text) for text in TEXTS]
+
+
+def run(model, bits, first, second, max_tokens, seen=None, ended=None, logits=None):
+    """Every sequence's tokens; `seen` gets the decode batch's first layer cache at every step; with
+    `logits` (a list), each sequence's step logits (`StepLogits`) are kept in it."""
+    generator = EngineBatchGenerator(model, stop_tokens=None, completion_batch_size=8, prefill_batch_size=8)
+
+    def insert(prompts, limits):
+        caches = [make_quantized_cache(model, bits) for _ in prompts] if bits else None
+        processors = None
+        if logits is not None:
+            logits.extend(StepLogits() for _ in prompts)
+            processors = [[p] for p in logits[-len(prompts):]]
+        return generator.insert(prompts, max_tokens=limits, caches=caches, logits_processors=processors)
+
+    out: dict[int, list[int]] = {}
+    uids = insert(first, max_tokens[: len(first)])
+    steps = 0
+    while True:
+        _, responses = generator.next()
+        steps += 1
+        if seen is not None and generator._generation_batch.prompt_cache:
+            seen.append(generator._generation_batch.prompt_cache[0])
+        for r in responses:
+            out.setdefault(r.uid, []).append(r.token)
+            if r.finish_reason is not None and ended is not None:
+                ended[r.uid] = r.prompt_cache
+        if steps == 3 and second:
+            uids += insert(second, max_tokens[len(first):])
+        if steps > 3 and not responses and not generator._unprocessed_sequences \
+                and not len(generator._prompt_batch) and not len(generator._generation_batch):
+            break
+    generator.close()
+    return [out[u] for u in uids], uids
+
+
+@pytest.mark.parametrize("setting", ["q8", "q4"])
+def test_a_quantized_batch_gives_each_sequence_its_tokens_alone(loaded, setting):
+    model, prompts = loaded
+    bits = bits_for(setting)
+    seen, ended = [], {}
+    batched, uids = run(model, bits, prompts[:4], prompts[4:], MAX_TOKENS, seen=seen, ended=ended)
+    alone = []
+    for p, n in zip(prompts, MAX_TOKENS):
+        steps = []
+        (tokens,), _ = run(model, bits, [p], [], [n], logits=steps)
+        assert_decisive(steps[0].scores(), tokens, f"{setting} alone")  # the batch computes it another way
+        alone.append(tokens)
+    assert batched == alone
+    assert [len(t) for t in batched] == MAX_TOKENS
+    assert seen and all(type(c) is BatchQuantizedKVCache and c.bits == bits for c in seen)
+    # Each finished sequence hands back its own quantized KV: exactly prompt + completion - 1 tokens.
+    for uid, prompt, tokens in zip(uids, prompts, batched):
+        cache = ended[uid]
+        assert all(type(c) is PromptQuantizedKVCache and c.bits == bits for c in cache)
+        assert cache[0].offset == cache[0].keys[0].shape[2] == len(prompt) + len(tokens)
+
+
+def test_the_batch_holds_quantized_bytes(loaded):
+    model, prompts = loaded
+    sizes = {}
+    for setting in ("none", "q8", "q4"):
+        seen = []
+        run(model, bits_for(setting), prompts[:4], [], MAX_TOKENS[:4], seen=seen)
+        sizes[setting] = max(c.nbytes for c in seen)
+    dtype_bytes = 4  # the tiny model is float32
+    for setting in ("q8", "q4"):
+        expected = quantized_bytes_per_element(bits_for(setting), dtype_bytes) / dtype_bytes
+        assert sizes[setting] / sizes["none"] == pytest.approx(expected, rel=0.02)
+
+
+def test_a_sequences_cache_merges_into_a_batch_as_it_was(loaded):
+    """A prompt's quantized KV (as the prefix cache or a solo prefill hands it over) joins a batch
+    right-aligned, its values as they were, and comes back out unchanged."""
+    model, prompts = loaded
+    caches = []
+    for p in prompts[:3]:
+        cache = make_quantized_cache(model, 8)
+        model(mx.array([p]), cache=cache)
+        caches.append(cache)
+    layer = BatchQuantizedKVCache.merge([c[0] for c in caches])
+    lengths = [len(p) for p in prompts[:3]]
+    assert layer.left_padding.tolist() == [max(lengths) - n for n in lengths]
+    for i, c in enumerate(caches):
+        back = layer.extract(i)
+        assert back.offset == c[0].offset
+        for a, b in zip((*back.keys, *back.values), (*c[0].keys, *c[0].values)):
+            assert mx.array_equal(a, b[..., : c[0].offset, :]).item()
+
+
+def test_settings_and_figures():
+    assert [bits_for(s) for s in ("none", "q8", "q4")] == [None, 8, 4]
+    with pytest.raises(ValueError):
+        bits_for("q6")
+    assert quantized_bytes_per_element(8, 2) == pytest.approx(1 + 4 / 64)  # 68 bytes where 128 were
+    assert quantized_bytes_per_element(4, 2) == pytest.approx(0.5 + 4 / 64)
+    assert issubclass(PromptQuantizedKVCache, QuantizedKVCache)
+
+
+def test_only_plain_kv_models_are_quantizable(loaded):
+    model, _ = loaded
+    assert quantizable(model)
