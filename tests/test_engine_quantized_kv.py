@@ -16,6 +16,7 @@ import pytest
 from mlx_lm.models.cache import QuantizedKVCache
 
 from engine_arithmetic import StepLogits, assert_decisive
+from provider.engine import ChatRequest, Engine, EngineError, EngineFailure, Finished, SamplingParams, loading
 from provider.engine.decode import EngineBatchGenerator
 from provider.engine.quantized_kv import (
     BatchQuantizedKVCache,
@@ -25,6 +26,7 @@ from provider.engine.quantized_kv import (
     quantizable,
     quantized_bytes_per_element,
 )
+from test_engine import messages
 
 TEXTS = ("a river", "the mountain stream is quiet tonight", "seven", "batch of copper wire and salt stone",
          "north wind", "paper boat on a green lamp garden")
@@ -137,3 +139,38 @@ def test_settings_and_figures():
 def test_only_plain_kv_models_are_quantizable(loaded):
     model, _ = loaded
     assert quantizable(model)
+
+
+@pytest.mark.parametrize("solo", [0, 1], ids=["batched-prefill", "solo-prefill"])
+async def test_the_engine_serves_a_quantized_model(tiny_model_path, loaded, solo):
+    """`Engine.load(kv_bits=8)`: concurrent requests (prefilled in the batch's waves, or each alone and
+    joining the batch with its quantized KV) get the tokens the quantized generator gives them alone."""
+    model, _ = loaded
+    texts = TEXTS[1::2]
+    async with Engine(solo_min_tokens=solo) as engine:
+        info = await engine.load("m", tiny_model_path, eos_token_ids=frozenset(), kv_bits=8)
+        assert info.kv_bits == 8
+        streams = [engine.submit("m", ChatRequest(f"r{i}", messages(t), SamplingParams(max_tokens=8, temperature=0)))
+                   for i, t in enumerate(texts)]
+        done = [await s.collect() for s in streams]
+        assert all(isinstance(fin, Finished) for _, fin in done)
+        tokenizer = mlx_lm.load(str(tiny_model_path))[1]
+        for (_, fin), t in zip(done, texts):
+            prompt = tokenizer.apply_chat_template(messages(t), add_generation_prompt=True)
+            steps = []
+            (alone,), _ = run(model, 8, [prompt], [], [8], logits=steps)
+            assert_decisive(steps[0].scores(), alone, "q8 alone")
+            assert list(fin.completion_ids) == alone
+
+
+async def test_a_vision_model_or_a_cache_that_is_not_plain_kv_refuses_quantization(tiny_model_path, monkeypatch):
+    monkeypatch.setattr(loading, "quantizable", lambda model: False)
+    async with Engine() as engine:
+        with pytest.raises(EngineError) as refused:
+            await engine.load("m", tiny_model_path, kv_bits=4)
+        assert refused.value.code is EngineFailure.LOAD_FAILED
+        with pytest.raises(EngineError) as vision:
+            await engine.load("v", tiny_model_path, vision=True, kv_bits=8)
+        assert vision.value.code is EngineFailure.LOAD_FAILED
+        info = await engine.load("m", tiny_model_path)  # the refusal left nothing behind
+        assert info.kv_bits is None

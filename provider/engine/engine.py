@@ -184,15 +184,17 @@ class Engine:
 
     # -- model lifecycle (driven by the model manager) ---------------------------------------
 
-    async def load(self, model_id: str, path: str | Path, *,
-                   eos_token_ids: frozenset[int] | None = None, vision: bool = False) -> LoadedModelInfo:
+    async def load(self, model_id: str, path: str | Path, *, eos_token_ids: frozenset[int] | None = None,
+                   vision: bool = False, kv_bits: int | None = None) -> LoadedModelInfo:
         """Load and evaluate a model's weights on the worker thread.
 
         `eos_token_ids` replaces the tokenizer's EOS set (tests use it for deterministic stops).
         `vision`: a vision-language model, loaded with mlx-vlm (the `vision` extra).
-        Raises `EngineError` with LOAD_FAILED or MODEL_ALREADY_LOADED.
+        `kv_bits` (8 or 4): every sequence of the model keeps its KV quantized inside the batch; a model
+        whose cache is not plain KV, or a vision model, is refused (LOAD_FAILED): `LoadedModelInfo.kv_bits`
+        says what was loaded. Raises `EngineError` with LOAD_FAILED or MODEL_ALREADY_LOADED.
         """
-        return await self._call(lambda reply: Load(model_id, Path(path), eos_token_ids, reply, vision))
+        return await self._call(lambda reply: Load(model_id, Path(path), eos_token_ids, reply, vision, kv_bits))
 
     async def unload(self, model_id: str) -> None:
         """Fail the model's requests (MODEL_UNLOADED), drop every reference, gc, clear MLX's cache."""

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx_lm
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from memory.settle import clear_buffer_cache
 from provider.engine import attention
@@ -20,6 +20,7 @@ from provider.engine.calibration import Calibration, calibrate
 from provider.engine.commands import Load
 from provider.engine.layout import MAX_WEIGHT_BYTES, on_cpu, transpose_weights
 from provider.engine.prefill import pass_costs, solo_threshold, split_head
+from provider.engine.quantized_kv import quantizable
 from provider.engine.types import EngineError, EngineFailure, LoadedModelInfo
 from provider.models.kv import ALLOC_STEP
 from provider.models.metadata import context_length
@@ -69,6 +70,12 @@ def load_text(cmd: Load, generator: Callable[[object, frozenset[int]], BatchGene
     )
     weights_s = time.monotonic() - started
     slot = Slot(info, model, tokenizer, generator(model, eos))
+    if cmd.kv_bits is not None:
+        if not quantizable(model):  # a cache that is not plain KV (sliding windows, recurrent state)
+            log.warning("kv quantization refused: the model's cache is not plain KV", extra={"model_id": cmd.model_id})
+            slot.generator.close()
+            raise EngineError(EngineFailure.LOAD_FAILED)
+        slot.kv_bits = cmd.kv_bits
     _calibrate(slot, solo_min_tokens)
     rates = _timed_rates(slot)
     measured = time.monotonic()
@@ -76,7 +83,7 @@ def load_text(cmd: Load, generator: Callable[[object, frozenset[int]], BatchGene
     done = time.monotonic()
     slot.info = dataclasses.replace(
         info, solo_min_tokens=slot.solo_min_tokens if slot.split is not None else None,
-        prefill_tps=rates.prefill_tps, decode_tps=rates.decode_tps, load_seconds=done - started,
+        prefill_tps=rates.prefill_tps, decode_tps=rates.decode_tps, load_seconds=done - started, kv_bits=slot.kv_bits,
         weights_seconds=weights_s, measure_seconds=measured - started - weights_s, warm_seconds=done - measured)
     return slot
 
@@ -170,7 +177,7 @@ def load_vision(cmd: Load) -> tuple[LoadedModelInfo, object]:
 def kv_bytes_per_token(slot: Slot) -> int:
     """Bytes per token the model's own caches allocate: one token into a fresh prompt cache makes
     every growing layer allocate its first ALLOC_STEP-token block; that block's bytes / ALLOC_STEP."""
-    cache = make_prompt_cache(slot.model)
+    cache = slot.new_cache()
     logits = slot.model(mx.array([[0]]), cache=cache)
     mx.eval(logits, [c.state for c in cache if not c.empty()])
     nbytes = sum(c.nbytes for c in cache if isinstance(c, _GROWING_CACHES))

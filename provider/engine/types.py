@@ -200,6 +200,7 @@ class LoadedModelInfo:
     weights_seconds: float = 0.0
     measure_seconds: float = 0.0
     warm_seconds: float = 0.0
+    kv_bits: int | None = None  # its KV kept quantized to these bits inside the batch; None: the model's dtype
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,7 +42,6 @@ from concurrent.futures import Future
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import make_prompt_cache
 
 from memory.settle import clear_buffer_cache, reclaim
 from provider.engine import attention, guided
@@ -248,6 +247,8 @@ class Worker:
         if cmd.model_id in self._slots or cmd.model_id in self._vision:
             raise EngineError(EngineFailure.MODEL_ALREADY_LOADED)
         if cmd.vision:
+            if cmd.kv_bits is not None:  # mlx-vlm's own loop keeps its KV as the model's dtype
+                raise EngineError(EngineFailure.LOAD_FAILED)
             info, vlm = load_vision(cmd)
             self._vision[cmd.model_id] = VisionSlot(info, vlm, emit=self._delivery.emit, notify=self._notify_released,
                                                     prefill_step=self._options.vision_prefill_step, trace=self._trace)
@@ -373,7 +374,7 @@ class Worker:
         active.reused_key, active.reused = reuse.key, reuse.matched
         rest = reuse.rest(ids)
         if solo and rest:
-            cache = reuse.cache if reuse.cache is not None else make_prompt_cache(slot.model)
+            cache = reuse.cache if reuse.cache is not None else slot.new_cache()
             active.solo = SoloPrefill(slot.model, slot.split, cache, rest, chunk=PREFILL_STEP)
             slot.solo = active
             active.started = time.monotonic()
@@ -383,7 +384,7 @@ class Worker:
             (active.uid,) = slot.generator.insert(
                 [rest],
                 max_tokens=[active.max_tokens],
-                caches=None if reuse.cache is None else [reuse.cache],
+                caches=[slot.new_cache() if reuse.cache is None else reuse.cache],
                 all_tokens=None if reuse.cache is None else [ids[: reuse.matched]],
                 samplers=[active.sampler],
                 logits_processors=None if active.guide is None else [[active.guide]],
