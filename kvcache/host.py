@@ -13,8 +13,8 @@ from dataclasses import dataclass
 # thread runs beside the engine thread; a 1 MiB slice is ~0.1 ms of copying, ~0.5 ms of AES-GCM.
 SLICE_BYTES = 1 << 20
 
-# The dtype names the SSD tier accepts (MLX names), with their item sizes.
-DTYPE_ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+# The dtype names the SSD tier accepts (MLX names), with their item sizes (uint32: quantized KV's packed values).
+DTYPE_ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "uint32": 4}
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,14 +41,18 @@ class HostArray:
 
 @dataclass(frozen=True, slots=True)
 class HostCache:
-    """One cached prefix: `tokens` positions, a (keys, values) pair per layer."""
+    """One cached prefix: `tokens` positions, the arrays of each layer: (keys, values), or for KV kept
+    quantized to `kv_bits` in groups of `group_size`, keys then values as `mx.quantize`'s three arrays
+    each (packed values, scales, biases)."""
 
     tokens: int
-    layers: tuple[tuple[HostArray, HostArray], ...]
+    layers: tuple[tuple[HostArray, ...], ...]
+    kv_bits: int | None = None
+    group_size: int | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(len(k.data) + len(v.data) for k, v in self.layers)
+        return sum(len(a.data) for layer in self.layers for a in layer)
 
 
 def copy_sliced(src: memoryview, dst: memoryview) -> None:

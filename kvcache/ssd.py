@@ -221,8 +221,11 @@ class SsdStore:
 
     @staticmethod
     def _header(model_id: str, weight_hash: str, cache: HostCache) -> bytes:
-        layers = [[[k.dtype, list(k.shape)], [v.dtype, list(v.shape)]] for k, v in cache.layers]
-        return msgpack.packb({"model": model_id, "weights": weight_hash, "tokens": cache.tokens, "layers": layers})
+        layers = [[[a.dtype, list(a.shape)] for a in layer] for layer in cache.layers]
+        header = {"model": model_id, "weights": weight_hash, "tokens": cache.tokens, "layers": layers}
+        if cache.kv_bits is not None:  # quantized KV (kvcache/host.py)
+            header.update(kv_bits=cache.kv_bits, group_size=cache.group_size)
+        return msgpack.packb(header)
 
     def _seal(self, header: bytes, name: str, cache: HostCache) -> list[bytes]:
         """The file's bytes, in pieces: clear ‖ nonce ‖ AES-256-GCM(payload) ‖ tag, what `AESGCM.encrypt`
@@ -233,7 +236,7 @@ class SsdStore:
         encryptor = Cipher(self._aes, modes.GCM(nonce)).encryptor()
         encryptor.authenticate_additional_data(clear + name.encode())
         pieces = [clear + nonce]
-        for part in [_LEN.pack(len(header)), header, *(a.data for pair in cache.layers for a in pair),
+        for part in [_LEN.pack(len(header)), header, *(a.data for layer in cache.layers for a in layer),
                      bytes(_padme(size) - size)]:
             view = memoryview(part)
             pieces.extend(encryptor.update(view[at: at + SLICE_BYTES]) for at in range(0, len(view), SLICE_BYTES))
@@ -284,7 +287,7 @@ class SsdStore:
             layers.append(tuple(arrays))
         if len(plaintext) != _padme(at):
             raise ValueError("payload length does not match the header")
-        return HostCache(tokens, tuple(layers))
+        return HostCache(tokens, tuple(layers), kv_bits=header.get("kv_bits"), group_size=header.get("group_size"))
 
     def _forget(self, d: _ModelDir, key: Key, name: str) -> None:
         with self._lock:

@@ -18,9 +18,10 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from kvcache.host import HostArray, HostCache, copy_sliced
+from kvcache.quantized import PromptQuantizedKVCache
 
 # MLX dtype ↔ (name on disk, numpy dtype used to move the bytes). bfloat16 travels as uint16 bits.
 _DTYPES: dict[mx.Dtype, tuple[str, type]] = {
@@ -28,13 +29,30 @@ _DTYPES: dict[mx.Dtype, tuple[str, type]] = {
     mx.float16: ("float16", np.float16),
     mx.bfloat16: ("bfloat16", np.uint16),
 }
-_BY_NAME: dict[str, tuple[mx.Dtype, type]] = {name: (dt, npt) for dt, (name, npt) in _DTYPES.items()}
+# ... and quantized KV's packed values.
+_HOST_DTYPES: dict[mx.Dtype, tuple[str, type]] = {**_DTYPES, mx.uint32: ("uint32", np.uint32)}
+_BY_NAME: dict[str, tuple[mx.Dtype, type]] = {name: (dt, npt) for dt, (name, npt) in _HOST_DTYPES.items()}
 
 
 def reusable(cache: Sequence[object]) -> bool:
-    """True for a non-empty list of plain `KVCache` layers with KV in them (what the tiers keep)."""
-    return bool(cache) and all(type(c) is KVCache and not c.empty() and c.keys.dtype in _DTYPES
-                               for c in cache)
+    """True for a non-empty list of plain `KVCache` layers with KV in them, or of quantized ones (what
+    the tiers keep)."""
+    if not cache:
+        return False
+    if all(type(c) is KVCache and not c.empty() and c.keys.dtype in _DTYPES for c in cache):
+        return True
+    return all(isinstance(c, QuantizedKVCache) and not c.empty() and c.keys[1].dtype in _DTYPES for c in cache)
+
+
+def quantization(cache: Sequence[object]) -> tuple[int, int] | None:
+    """(bits, group size) of a quantized cache, None for a plain one."""
+    first = cache[0] if cache else None
+    return (first.bits, first.group_size) if isinstance(first, QuantizedKVCache) else None
+
+
+def _parts(c) -> tuple[mx.array, ...]:
+    """A layer's arrays: keys and values, or for quantized KV keys' then values' (packed, scales, biases)."""
+    return (*c.keys, *c.values) if isinstance(c, QuantizedKVCache) else (c.keys, c.values)
 
 
 def cache_tokens(cache: Sequence[KVCache]) -> int:
@@ -54,18 +72,23 @@ def prefix_copy(cache: Sequence[KVCache], n: int) -> list[KVCache]:
         raise ValueError("prefix length out of range")
     out = []
     for layer in cache:
-        c = KVCache()
-        c.keys = mx.contiguous(layer.keys[..., :n, :])
-        c.values = mx.contiguous(layer.values[..., :n, :])
+        if isinstance(layer, QuantizedKVCache):
+            c = PromptQuantizedKVCache(group_size=layer.group_size, bits=layer.bits)
+            c.keys = tuple(mx.contiguous(x[..., :n, :]) for x in layer.keys)
+            c.values = tuple(mx.contiguous(x[..., :n, :]) for x in layer.values)
+        else:
+            c = KVCache()
+            c.keys = mx.contiguous(layer.keys[..., :n, :])
+            c.values = mx.contiguous(layer.values[..., :n, :])
         c.offset = n
         out.append(c)
-    mx.async_eval([(c.keys, c.values) for c in out])
+    mx.async_eval([_parts(c) for c in out])
     return out
 
 
 def settle(cache: Sequence[KVCache]) -> None:
     """Wait for `cache`'s arrays (engine thread). Cheap once their copy has run: a later step has."""
-    mx.eval([(c.keys, c.values) for c in cache])
+    mx.eval([_parts(c) for c in cache])
 
 
 def host_copy(cache: Sequence[KVCache]) -> HostCache:
@@ -73,11 +96,13 @@ def host_copy(cache: Sequence[KVCache]) -> HostCache:
     (`settle`), contiguous and exactly `cache_tokens` long (what `prefix_copy` makes), so reading them
     is a plain buffer copy (the buffer protocol, no MLX operation; bfloat16 as its 16-bit pattern)."""
     n = cache_tokens(cache)
-    return HostCache(n, tuple((_host_bytes(c.keys, n), _host_bytes(c.values, n)) for c in cache))
+    bits = quantization(cache)
+    return HostCache(n, tuple(tuple(_host_bytes(a, n) for a in _parts(c)) for c in cache),
+                     kv_bits=None if bits is None else bits[0], group_size=None if bits is None else bits[1])
 
 
 def _host_bytes(a: mx.array, n: int) -> HostArray:
-    name, _ = _DTYPES[a.dtype]
+    name, _ = _HOST_DTYPES[a.dtype]
     if a.shape[-2] != n:
         raise ValueError("not an entry of exactly its tokens")
     src = memoryview(a).cast("B")
@@ -92,12 +117,18 @@ def _from_host(h: HostArray) -> mx.array:
     return a.view(dt) if dt == mx.bfloat16 else a
 
 
-def from_host(host: HostCache) -> list[KVCache]:
-    """Rebuild `KVCache` layers from host bytes, materialized."""
+def from_host(host: HostCache) -> list:
+    """Rebuild the cache's layers from host bytes (quantized ones as they were), materialized."""
     out = []
-    for k, v in host.layers:
-        c = KVCache()
-        c.keys, c.values, c.offset = _from_host(k), _from_host(v), host.tokens
+    for arrays in host.layers:
+        parts = tuple(_from_host(a) for a in arrays)
+        if host.kv_bits is None:
+            c = KVCache()
+            c.keys, c.values = parts
+        else:
+            c = PromptQuantizedKVCache(group_size=host.group_size, bits=host.kv_bits)
+            c.keys, c.values = parts[:3], parts[3:]
+        c.offset = host.tokens
         out.append(c)
-    mx.eval([(c.keys, c.values) for c in out])
+    mx.eval([_parts(c) for c in out])
     return out

@@ -1,4 +1,4 @@
-"""Quantized KV inside the running batch (provider/engine/quantized_kv.py), on the tiny model.
+"""Quantized KV inside the running batch (kvcache/quantized.py), on the tiny model.
 
 The engine's generator runs prompts of different lengths (left-padded rows), a second wave joining
 while the first decodes and rows leaving at different steps, with every layer's KV quantized. Each
@@ -18,7 +18,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 from engine_arithmetic import StepLogits, assert_decisive
 from provider.engine import ChatRequest, Engine, EngineError, EngineFailure, Finished, SamplingParams, loading
 from provider.engine.decode import EngineBatchGenerator
-from provider.engine.quantized_kv import (
+from kvcache.quantized import (
     BatchQuantizedKVCache,
     PromptQuantizedKVCache,
     bits_for,
@@ -174,3 +174,67 @@ async def test_a_vision_model_or_a_cache_that_is_not_plain_kv_refuses_quantizati
         assert vision.value.code is EngineFailure.LOAD_FAILED
         info = await engine.load("m", tiny_model_path)  # the refusal left nothing behind
         assert info.kv_bits is None
+
+
+async def test_the_prefix_cache_keeps_and_reuses_quantized_sequences(tiny_model_path, loaded):
+    """A quantized model's finished sequences go to the prefix cache quantized (the ledger holds their
+    quantized bytes), a repeated prompt reuses them with the tokens a run without the cache gives, and
+    an entry of another setting is never handed to the batch."""
+    from kvcache import state
+    from kvcache.manager import KvCacheManager
+    from memory.ledger import Ledger, ReservationKind
+    from memory.policy import GiB, figures
+    from memory.snapshot import MemorySnapshot
+    from provider.engine.reuse import PrefixReuse
+
+    idle = MemorySnapshot(physical_bytes=16 * GiB, available_bytes=15 * GiB)
+    chat = [{"role": "system", "content": " ".join(["the river model token batch stream is blue"] * 12)},
+            {"role": "user", "content": "hello there"}]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    async with Engine() as plain:
+        await plain.load("m", tiny_model_path, eos_token_ids=frozenset(), kv_bits=8)
+        _, expected = await plain.submit("m", ChatRequest("x", chat, params)).collect()
+    ledger = Ledger(figures(16 * GiB, env={}), sample=lambda: idle)
+    manager = KvCacheManager(ledger)
+    async with Engine(prefix_cache=manager.get) as engine:
+        await engine.load("m", tiny_model_path, eos_token_ids=frozenset(), kv_bits=8)
+        kv = manager.attach("m", "weights")
+        _, first = await engine.submit("m", ChatRequest("a", chat, params)).collect()
+        [key] = list(kv.ram._index.keys_lru())
+        entry = kv.ram.entry(key)
+        assert state.quantization(entry) == (8, 64) and state.cache_tokens(entry) == len(key)
+        held = ledger.snapshot().bytes_by_kind[ReservationKind.PREFIX_CACHE]
+        float32_bytes = len(key) * 2 * 2 * 2 * 64 * 4  # 2 layers x (K, V) x 2 KV heads x 64 x float32
+        assert held == state.cache_nbytes(entry) < 0.3 * float32_bytes
+        _, again = await engine.submit("m", ChatRequest("b", chat, params)).collect()
+        assert again.cached_tokens == first.usage.prompt_tokens - 1
+        assert PrefixReuse(manager.get).reuse("m", list(key) + [1], kv_bits=4).cache is None
+        assert PrefixReuse(manager.get).reuse("m", list(key) + [1], kv_bits=None).cache is None
+        await engine.unload("m")
+        manager.purge("m")
+    assert list(first.completion_ids) == list(again.completion_ids) == list(expected.completion_ids)
+    assert len(ledger) == 0
+
+
+def test_a_quantized_sequence_round_trips_through_the_ssd_tier(loaded, tmp_path):
+    """Host bytes and back (what the SSD tier's writer and a read do), sealed on disk and opened again:
+    the same quantized KV, the same type, the same bits."""
+    from kvcache import state
+    from kvcache.disk import DiskBudget
+    from kvcache.ssd import SsdStore
+    from memory.policy import GiB
+
+    model, prompts = loaded
+    cache = make_quantized_cache(model, 4)
+    model(mx.array([prompts[3]]), cache=cache)
+    entry = state.prefix_copy(cache, len(prompts[3]))
+    state.settle(entry)
+    store = SsdStore(tmp_path, budget=DiskBudget(tmp_path, GiB))
+    store.open("m", "w")
+    store.write("m", "w", prompts[3], state.host_copy(entry))
+    back = state.from_host(store.read("m", "w", prompts[3]))
+    assert state.quantization(back) == (4, 64) and all(type(c) is PromptQuantizedKVCache for c in back)
+    for a, b in zip(back, entry):
+        assert a.offset == b.offset
+        for x, y in zip((*a.keys, *a.values), (*b.keys, *b.values)):
+            assert x.dtype == y.dtype and mx.array_equal(x, y).item()

@@ -15,7 +15,7 @@ from kvcache.manager import ModelKvCache
 from provider.engine import guided
 from provider.engine.commands import EventSink, ReleaseHook
 from provider.engine.prefill import PREFILL_STEP, SoloPrefill, SplitHead
-from provider.engine.quantized_kv import make_quantized_cache
+from kvcache.quantized import make_quantized_cache
 from provider.engine.textstream import CompletionText
 from provider.engine.types import EngineError, EngineFailure, Event, LoadedModelInfo, TokenLogprob
 from provider.models.template import RendererUnavailable, TemplateExceeded, render_ids
@@ -85,7 +85,7 @@ class Slot:
     ready: list[Active] = field(default_factory=list)  # first token out, waiting to join the batch
     held_tokens: int = 0  # prompt tokens prefilled alone since the batch last stepped
     joining: bool = False  # the generator's last insert was ready requests joining (see `unmerged`)
-    kv_bits: int | None = None  # its sequences' KV quantized to these bits (quantized_kv.py); None: not
+    kv_bits: int | None = None  # its sequences' KV quantized to these bits (kvcache/quantized.py); None: not
 
     def new_cache(self) -> list:
         """A fresh prompt cache for one of its sequences."""

@@ -35,7 +35,7 @@ class Load:
     eos_token_ids: frozenset[int] | None
     reply: Future
     vision: bool = False  # a vision-language model: load it with mlx-vlm
-    kv_bits: int | None = None  # keep its KV quantized to these bits inside the batch (quantized_kv.py)
+    kv_bits: int | None = None  # keep its KV quantized to these bits inside the batch (kvcache/quantized.py)
 
 
 @dataclass(frozen=True, slots=True)

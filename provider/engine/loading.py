@@ -20,7 +20,7 @@ from provider.engine.calibration import Calibration, calibrate
 from provider.engine.commands import Load
 from provider.engine.layout import MAX_WEIGHT_BYTES, on_cpu, transpose_weights
 from provider.engine.prefill import pass_costs, solo_threshold, split_head
-from provider.engine.quantized_kv import quantizable
+from kvcache.quantized import quantizable
 from provider.engine.types import EngineError, EngineFailure, LoadedModelInfo
 from provider.models.kv import ALLOC_STEP
 from provider.models.metadata import context_length

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 
+from kvcache import state
 from kvcache.manager import MISS, REUSE_MIN_TOKENS, ModelKvCache, Reuse
 from provider.engine.active import Active, Keep, PrefixCacheLookup, Slot
 from provider.engine.commands import EventSink
@@ -56,16 +57,21 @@ class PrefixReuse:
             return 0
         return matched if matched >= min(REUSE_MIN_TOKENS, len(ids) - 1) else 0
 
-    def reuse(self, model_id: str, ids: list[int]) -> Reuse:
-        """The longest cached prefix of the prompt worth reusing (a private copy), or MISS."""
+    def reuse(self, model_id: str, ids: list[int], kv_bits: int | None = None) -> Reuse:
+        """The longest cached prefix of the prompt worth reusing (a private copy), or MISS; only KV
+        kept as the model keeps it now (`kv_bits`: quantized to these bits, None: its dtype)."""
         kv = self.kv(model_id)
         if kv is None:
             return MISS
         try:
-            return kv.fetch(ids, min_tokens=REUSE_MIN_TOKENS)
+            found = kv.fetch(ids, min_tokens=REUSE_MIN_TOKENS)
         except Exception:  # an edge: see the module docstring
             log.exception("prefix cache fetch failed")
             return MISS
+        held = state.quantization(found.cache) if found.cache is not None else None
+        if found.cache is not None and (held[0] if held else None) != kv_bits:
+            return MISS  # another setting's KV: never mixed into this batch
+        return found
 
     def keep(self, model_id: str, active: Active, cache: list | None) -> None:
         """Keep a finished request's whole sequence (prompt + completion) for the next turn."""

@@ -370,7 +370,7 @@ class Worker:
         solo = slot.split is not None and len(ids) - cached >= slot.solo_min_tokens
         if not solo and slot.joining and unmerged(slot.generator):
             return False  # see active.unmerged
-        reuse = self._reuse.reuse(slot.info.model_id, ids)
+        reuse = self._reuse.reuse(slot.info.model_id, ids, slot.kv_bits)
         active.reused_key, active.reused = reuse.key, reuse.matched
         rest = reuse.rest(ids)
         if solo and rest:
