@@ -1,0 +1,168 @@
+"""Quantized KV (`kv_quantization` q8, q4) against the model's dtype: how close the answers stay, and
+how fast a batch decodes.
+
+* ``logits``: teacher-forced closeness. The same token sequences (distinct ~--prompt-tokens chats
+  plus --continue-tokens of the model's own greedy continuation) go through the model twice in
+  --chunk-token passes: once with mlx-lm's plain KV cache, once with every layer's KV quantized as the
+  engine keeps it (`kvcache.quantized`), so each pass attends over quantized keys and values. At every
+  position the next-token logits of the two runs are compared: cosine similarity (the median over
+  positions) and top-1 agreement (the share of positions whose argmax is the same).
+* ``decode``: decode tok/s of the engine's generator (`EngineBatchGenerator`, the decode step the
+  engine runs) at batch 8 and 32 for none, q8 and q4, sides interleaved per repeat, median of
+  per-repeat ratios to none (steps --short-tokens..--long-tokens of every sequence, as decode_bench).
+
+Models: --model-dir, or --preset (built with `provider.tinymodel` under .cache/tiny-models; the `1b`
+preset is a random bfloat16 Llama at ~1B, `small` a random float32 one; --dtype float16 builds it in
+float16). Random weights give flat logits, so top-1 agreement there is a harder test than on a trained
+model, where the best token usually leads by far.
+
+    python benchmarks/kv_quant_bench.py [--preset 1b] [--parts logits,decode] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import mlx.core as mx  # noqa: E402
+import mlx_lm  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+from kvcache.quantized import bits_for, make_quantized_cache  # noqa: E402
+from provider.engine.decode import EngineBatchGenerator  # noqa: E402
+from provider.tinymodel import build_tiny_model  # noqa: E402
+
+SETTINGS = ("q8", "q4")
+WORDS = ("river mountain apple stream batch model token quiet room copper wire north wind paper boat window "
+         "salt stone memory cache late train green blue seven hundred small open garden lamp").split()
+
+
+def model_folder(args: argparse.Namespace) -> Path:
+    if args.model_dir is not None:
+        return args.model_dir
+    name = f"{args.preset}-{args.dtype or 'default'}-noeos"
+    return build_tiny_model(REPO / ".cache" / "tiny-models" / name, preset=args.preset, dtype=args.dtype,
+                            no_eos=True)
+
+
+def chats(tokenizer, n: int, tokens: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        words = [WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(tokens)]
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": " ".join(words)}], add_generation_prompt=True)
+        out.append(list(ids[: tokens]))
+    return out
+
+
+def teacher_forced(model, sequence: list[int], cache: list, chunk: int) -> mx.array:
+    """Next-token logits at every position of `sequence`, fed in `chunk`-token passes through `cache`."""
+    rows = []
+    for at in range(0, len(sequence), chunk):
+        logits = model(mx.array([sequence[at: at + chunk]]), cache=cache)[0].astype(mx.float32)
+        mx.eval(logits)
+        rows.append(logits)
+    return mx.concatenate(rows, axis=0)
+
+
+def continued(model, prompt: list[int], n: int) -> list[int]:
+    """`prompt` and the model's own greedy continuation of `n` tokens (plain KV)."""
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=cache)[0, -1]
+    out = list(prompt)
+    for _ in range(n):
+        token = int(mx.argmax(logits).item())
+        out.append(token)
+        logits = model(mx.array([[token]]), cache=cache)[0, -1]
+    return out
+
+
+def logits_part(model, tokenizer, args) -> list[str]:
+    sequences = [continued(model, p, args.continue_tokens) for p in chats(tokenizer, args.sequences, args.prompt_tokens)]
+    plain = [teacher_forced(model, s, make_prompt_cache(model), args.chunk_tokens) for s in sequences]
+    lines = ["| setting | positions | cosine p50 | cosine min | top-1 agreement |", "|---|---|---|---|---|"]
+    for setting in SETTINGS:
+        cosines, agree, total = [], 0, 0
+        for seq, base in zip(sequences, plain):
+            quant = teacher_forced(model, seq, make_quantized_cache(model, bits_for(setting)), args.chunk_tokens)
+            dots = (base * quant).sum(axis=-1)
+            norms = mx.sqrt((base * base).sum(axis=-1)) * mx.sqrt((quant * quant).sum(axis=-1))
+            cosines += (dots / norms).tolist()
+            agree += int((mx.argmax(base, axis=-1) == mx.argmax(quant, axis=-1)).sum().item())
+            total += base.shape[0]
+        lines.append(f"| {setting} | {total} | {statistics.median(cosines):.5f} | {min(cosines):.5f} | "
+                     f"{agree / total:.4f} |")
+    return lines
+
+
+def decode_rate(model, prompts: list[list[int]], bits: int | None, steps: int) -> float:
+    """tok/s of the batch's decode steps after every first token (steps 2..steps+1 of every sequence)."""
+    generator = EngineBatchGenerator(model, stop_tokens=None, completion_batch_size=len(prompts),
+                                     prefill_batch_size=len(prompts))
+    caches = [make_quantized_cache(model, bits) for _ in prompts] if bits else None
+    generator.insert(prompts, max_tokens=[steps + 2] * len(prompts), caches=caches)
+    seen: dict[int, int] = {}
+    started = None
+    while len(generator._unprocessed_sequences) or len(generator._prompt_batch) or len(generator._generation_batch):
+        _, responses = generator.next()
+        for r in responses:
+            seen[r.uid] = seen.get(r.uid, 0) + 1
+        if started is None and len(seen) == len(prompts) and min(seen.values()) >= 2:
+            started, tokens_then = time.perf_counter(), sum(seen.values())
+    generator.close()
+    return (sum(seen.values()) - tokens_then) / (time.perf_counter() - started)
+
+
+def decode_part(model, tokenizer, args) -> list[str]:
+    lines = ["| batch | setting | decode tok/s (median) | ÷ none (median of per-repeat ratios) |", "|---|---|---|---|"]
+    for batch in args.batch_sizes:
+        prompts = chats(tokenizer, batch, args.prompt_tokens)
+        decode_rate(model, prompts, None, 4)  # warm-up: kernels for these shapes
+        rates: dict[str, list[float]] = {"none": [], "q8": [], "q4": []}
+        for repeat in range(args.repeats):
+            order = ["none", *SETTINGS] if repeat % 2 == 0 else [*reversed(SETTINGS), "none"]
+            for setting in order:
+                rates[setting].append(decode_rate(model, prompts, bits_for(setting), args.decode_steps))
+        for setting in ("none", *SETTINGS):
+            ratio = statistics.median(r / n for r, n in zip(rates[setting], rates["none"]))
+            lines.append(f"| {batch} | {setting} | {statistics.median(rates[setting]):.1f} | {ratio:.3f} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--dtype", default=None, help="the preset's weights dtype (e.g. float16)")
+    parser.add_argument("--parts", default="logits,decode")
+    parser.add_argument("--sequences", type=int, default=6)
+    parser.add_argument("--prompt-tokens", type=int, default=96)
+    parser.add_argument("--continue-tokens", type=int, default=64)
+    parser.add_argument("--chunk-tokens", type=int, default=32)
+    parser.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[8, 32])
+    parser.add_argument("--decode-steps", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    path = model_folder(args)
+    model, tokenizer = mlx_lm.load(str(path))
+    dtype = next(iter(model.parameters()["model"]["layers"][0]["self_attn"]["q_proj"].values())).dtype
+    print(f"model {path.name} ({dtype}), device {mx.default_device()}, KV groups of 64\n")
+    parts = args.parts.split(",")
+    if "logits" in parts:
+        print(f"teacher-forced next-token logits, quantized KV against the model's dtype: {args.sequences} sequences "
+              f"of {args.prompt_tokens} prompt + {args.continue_tokens} greedy tokens, {args.chunk_tokens}-token passes\n")
+        print("\n".join(logits_part(model, tokenizer, args)) + "\n")
+    if "decode" in parts:
+        print(f"decode, the engine's generator, {args.prompt_tokens}-token prompts, {args.decode_steps} steps after "
+              f"every first token, {args.repeats} interleaved repeats\n")
+        print("\n".join(decode_part(model, tokenizer, args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
