@@ -34,8 +34,9 @@ import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from kvcache.quantized import bits_for, make_quantized_cache  # noqa: E402
+from kvcache.quantized import make_quantized_cache  # noqa: E402
 from provider.engine.decode import EngineBatchGenerator  # noqa: E402
+from provider.models.kv import kv_quantization_bits  # noqa: E402
 from provider.tinymodel import build_tiny_model  # noqa: E402
 
 SETTINGS = ("q8", "q4")
@@ -89,7 +90,7 @@ def logits_part(model, tokenizer, args) -> list[str]:
     for setting in SETTINGS:
         cosines, agree, total = [], 0, 0
         for seq, base in zip(sequences, plain):
-            quant = teacher_forced(model, seq, make_quantized_cache(model, bits_for(setting)), args.chunk_tokens)
+            quant = teacher_forced(model, seq, make_quantized_cache(model, kv_quantization_bits(setting)), args.chunk_tokens)
             dots = (base * quant).sum(axis=-1)
             norms = mx.sqrt((base * base).sum(axis=-1)) * mx.sqrt((quant * quant).sum(axis=-1))
             cosines += (dots / norms).tolist()
@@ -127,7 +128,7 @@ def decode_part(model, tokenizer, args) -> list[str]:
         for repeat in range(args.repeats):
             order = ["none", *SETTINGS] if repeat % 2 == 0 else [*reversed(SETTINGS), "none"]
             for setting in order:
-                rates[setting].append(decode_rate(model, prompts, bits_for(setting), args.decode_steps))
+                rates[setting].append(decode_rate(model, prompts, kv_quantization_bits(setting), args.decode_steps))
         for setting in ("none", *SETTINGS):
             ratio = statistics.median(r / n for r, n in zip(rates[setting], rates["none"]))
             lines.append(f"| {batch} | {setting} | {statistics.median(rates[setting]):.1f} | {ratio:.3f} |")

@@ -12,8 +12,9 @@ reads that form directly (`mlx_lm.models.base.quantized_scaled_dot_product_atten
   as the three arrays of `mx.quantize`. Rows are quantized one token at a time along the head
   dimension, so a row's quantized KV is the same whatever batch it is in.
 
-The bytes a token costs: `quantized_bytes_per_element` (the packed integers plus a scale and a bias per
-group, in the model's dtype): 8 bits in groups of 64 over bfloat16 is 68 bytes where 128 were.
+The bytes a token costs (provider/models/kv.py counts them for admission): the packed integers plus a
+scale and a bias per group, in the model's dtype: 8 bits in groups of 64 over bfloat16 is 68 bytes
+where 128 were.
 """
 
 from __future__ import annotations
@@ -25,20 +26,7 @@ from mlx.utils import tree_map
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, _BaseCache, dynamic_roll, make_prompt_cache
 
-GROUP_SIZE = 64  # mlx-lm's QuantizedKVCache default
-SETTINGS = {"none": None, "q8": 8, "q4": 4}  # kv_quantization -> bits a KV element is kept in
-
-
-def bits_for(setting: str) -> int | None:
-    """The bits of a `kv_quantization` setting (None: kept as the model's dtype)."""
-    if setting not in SETTINGS:
-        raise ValueError(f"kv_quantization must be one of {', '.join(SETTINGS)}")
-    return SETTINGS[setting]
-
-
-def quantized_bytes_per_element(bits: int, dtype_bytes: int, group_size: int = GROUP_SIZE) -> float:
-    """Bytes one KV element takes quantized: its bits, plus a scale and a bias (the dtype's size) per group."""
-    return bits / 8 + 2 * dtype_bytes / group_size
+GROUP_SIZE = 64  # mlx-lm's QuantizedKVCache default (provider/models/kv.py counts the bytes with it)
 
 
 class PromptQuantizedKVCache(QuantizedKVCache):
@@ -264,5 +252,4 @@ class BatchQuantizedKVCache(_BaseCache):
         return sum(x.nbytes for x in (*self.keys, *self.values))
 
 
-__all__ = ["GROUP_SIZE", "SETTINGS", "BatchQuantizedKVCache", "PromptQuantizedKVCache", "bits_for",
-           "make_quantized_cache", "quantizable", "quantized_bytes_per_element"]
+__all__ = ["GROUP_SIZE", "BatchQuantizedKVCache", "PromptQuantizedKVCache", "make_quantized_cache", "quantizable"]

@@ -4,9 +4,10 @@ One frozen, validated :class:`Settings` object with flat fields (``settings.coor
 Every field has exactly one name, used everywhere:
 
 * TOML key: the field name, at the top level of the file (``max_model_slots = 3``); the only table
-  is ``[model_aliases]`` (``"my-qwen" = "~/models/qwen"``).
+  are ``[model_aliases]`` (``"my-qwen" = "~/models/qwen"``) and ``[kv_quantization_models]``
+  (``"my-qwen" = "q8"``).
 * Environment variable: ``DARKBLOOM_`` + the field name upper-cased (``DARKBLOOM_MAX_MODEL_SLOTS``).
-  Lists are comma-separated (``DARKBLOOM_MODEL_DIRS=~/a,~/b``), aliases are
+  Lists are comma-separated (``DARKBLOOM_MODEL_DIRS=~/a,~/b``), aliases (and the other tables) are
   ``id=path,id2=path2``, booleans ``true/false/1/0/yes/no``. An empty variable counts as unset.
 * CLI flag: ``--`` + the field name with dashes (``--max-model-slots``); the CLI passes flags it was
   given as ``overrides`` (``None`` means "not given").
@@ -35,7 +36,7 @@ import tomllib
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -217,6 +218,19 @@ class Settings(BaseModel):
                     "is, the decode batch held meanwhile (bounded); which prompts are long enough is measured per "
                     "model at load. false: every prompt is prefilled in mlx-lm's batches.",
         **_allowed("true or false"),
+    )
+    kv_quantization: Literal["none", "q8", "q4"] = Field(
+        "none",
+        description="Keep every running request's KV quantized inside the batch (q8: 8 bits, q4: 4 bits, in "
+                    "groups of 64 with a scale and a bias each): about half (q8) or a quarter (q4) of the bytes a "
+                    "token, so more requests fit under the cap. Admission, the heartbeat and the prefix cache count "
+                    "the quantized bytes. Not for vision models or caches with sliding-window or recurrent layers "
+                    "(doctor says which).",
+        **_allowed("none, q8 or q4"),
+    )
+    kv_quantization_models: dict[str, Literal["none", "q8", "q4"]] = Field(
+        default_factory=dict, description="Per-model kv_quantization: `id = q8`.",
+        **_allowed("a table of model id = none, q8 or q4"),
     )
     stream_interval_ms: float = Field(
         20.0, ge=0, le=1000,
@@ -495,6 +509,10 @@ class Settings(BaseModel):
     def kv_ssd_budget_bytes(self) -> int:
         return int(self.kv_ssd_budget_gb * GiB)
 
+    def kv_quantization_for(self, model_id: str) -> str:
+        """The model's kv_quantization: its own entry in kv_quantization_models, else kv_quantization."""
+        return self.kv_quantization_models.get(model_id, self.kv_quantization)
+
     @property
     def crash_loop_window_s(self) -> float:
         return self.crash_loop_window_mins * 60.0
@@ -671,22 +689,27 @@ def _read_env(env: Mapping[str, str], home: Path) -> dict[str, Any]:
         value: Any = raw.strip()
         if field in LIST_FIELDS:
             value = [item.strip() for item in raw.split(",") if item.strip()]
-        elif field == "model_aliases":
-            value = _parse_aliases(raw, env_name(field))
+        elif field in _TABLE_EXAMPLES:
+            value = _parse_aliases(raw, env_name(field), _TABLE_EXAMPLES[field])
         out[field] = _normalise_paths(field, value, home, Path.cwd())
     return out
 
 
-def _parse_aliases(raw: str, source: str) -> dict[str, str]:
+# A table's environment form, `id=value,id2=value2`, and how to say it.
+_TABLE_EXAMPLES = {"model_aliases": "id=path pairs separated by commas (e.g. my-model=~/models/a,other=/srv/b)",
+                   "kv_quantization_models": "id=setting pairs separated by commas (e.g. my-model=q8,other=none)"}
+
+
+def _parse_aliases(raw: str, source: str, expected: str) -> dict[str, str]:
+    """``id=value,id2=value2`` (a table's environment form)."""
     aliases: dict[str, str] = {}
     for pair in filter(None, (p.strip() for p in raw.split(","))):
-        model_id, sep, path = pair.partition("=")
-        if not sep or not model_id.strip() or not path.strip():
+        model_id, sep, value = pair.partition("=")
+        if not sep or not model_id.strip() or not value.strip():
             raise ConfigError(
-                f"environment variable {source}: value {_show(pair)} is not allowed: "
-                "expected id=path pairs separated by commas (e.g. my-model=~/models/a,other=/srv/b)"
+                f"environment variable {source}: value {_show(pair)} is not allowed: expected {expected}"
             )
-        aliases[model_id.strip()] = path.strip()
+        aliases[model_id.strip()] = value.strip()
     return aliases
 
 

@@ -55,6 +55,7 @@ from provider.guest.monitor import GuestMonitor
 from provider.jobs import ServingStats
 from provider.metrics import EvictionCause, Metrics
 from provider.models import DigestCache, Inventory, ModelInfo, SkipReason, discover_models, weight_hash
+from provider.models.discovery import with_kv_quantization
 from provider.models.hashing import CACHE_FILE, weight_fingerprint_sync
 from provider.models.template import Lane, TemplateBound, renderer
 from provider.models.template_check import without_unservable
@@ -292,6 +293,7 @@ class Runtime:
         model already known or a vision model (its processor is checked at start only)."""
         if self.counter.knows(info.id) or self.manager.info(info.id) is not None or info.is_vision:
             return False
+        info = with_kv_quantization(info, self.settings.kv_quantization_for(info.id))
         self.counter.add(info.id, info.path)
         self.weight_hashes.add(info.id, info.path, digest)
         self.manager.adopt(info)

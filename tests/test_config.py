@@ -289,3 +289,16 @@ def test_bad_alias_env_and_secret_never_echoed(home: Path, tmp_path: Path) -> No
     with pytest.raises(ConfigError) as info:
         load_settings(config_path=cfg, env={"HOME": str(home)})
     assert "12345678" not in str(info.value) and "'***'" in str(info.value)
+
+
+def test_kv_quantization_and_its_per_model_table(home: Path, tmp_path: Path) -> None:
+    cfg = write(tmp_path / "q.toml", 'kv_quantization = "q8"\n[kv_quantization_models]\n"a/b" = "none"\n')
+    s = load_settings(config_path=cfg, env={"HOME": str(home)})
+    assert (s.kv_quantization_for("a/b"), s.kv_quantization_for("c/d")) == ("none", "q8")
+    s = load_settings(env={"HOME": str(home), "DARKBLOOM_KV_QUANTIZATION_MODELS": "x=q4, y=none"})
+    assert (s.kv_quantization_for("x"), s.kv_quantization_for("y"), s.kv_quantization_for("z")) == ("q4", "none", "none")
+    with pytest.raises(ConfigError, match=r"DARKBLOOM_KV_QUANTIZATION: value 'q6' .*none, q8 or q4"):
+        load_settings(env={"HOME": str(home), "DARKBLOOM_KV_QUANTIZATION": "q6"})
+    with pytest.raises(ConfigError, match=r"kv_quantization_models.*'q2'"):
+        load_settings(config_path=write(tmp_path / "bad.toml", '[kv_quantization_models]\n"a" = "q2"\n'),
+                      env={"HOME": str(home)})

@@ -18,14 +18,8 @@ from mlx_lm.models.cache import QuantizedKVCache
 from engine_arithmetic import StepLogits, assert_decisive
 from provider.engine import ChatRequest, Engine, EngineError, EngineFailure, Finished, SamplingParams, loading
 from provider.engine.decode import EngineBatchGenerator
-from kvcache.quantized import (
-    BatchQuantizedKVCache,
-    PromptQuantizedKVCache,
-    bits_for,
-    make_quantized_cache,
-    quantizable,
-    quantized_bytes_per_element,
-)
+from kvcache.quantized import BatchQuantizedKVCache, PromptQuantizedKVCache, make_quantized_cache, quantizable
+from provider.models.kv import kv_quantization_bits, quantized_bytes_per_element
 from test_engine import messages
 
 TEXTS = ("a river", "the mountain stream is quiet tonight", "seven", "batch of copper wire and salt stone",
@@ -76,7 +70,7 @@ def run(model, bits, first, second, max_tokens, seen=None, ended=None, logits=No
 @pytest.mark.parametrize("setting", ["q8", "q4"])
 def test_a_quantized_batch_gives_each_sequence_its_tokens_alone(loaded, setting):
     model, prompts = loaded
-    bits = bits_for(setting)
+    bits = kv_quantization_bits(setting)
     seen, ended = [], {}
     batched, uids = run(model, bits, prompts[:4], prompts[4:], MAX_TOKENS, seen=seen, ended=ended)
     alone = []
@@ -100,11 +94,11 @@ def test_the_batch_holds_quantized_bytes(loaded):
     sizes = {}
     for setting in ("none", "q8", "q4"):
         seen = []
-        run(model, bits_for(setting), prompts[:4], [], MAX_TOKENS[:4], seen=seen)
+        run(model, kv_quantization_bits(setting), prompts[:4], [], MAX_TOKENS[:4], seen=seen)
         sizes[setting] = max(c.nbytes for c in seen)
     dtype_bytes = 4  # the tiny model is float32
     for setting in ("q8", "q4"):
-        expected = quantized_bytes_per_element(bits_for(setting), dtype_bytes) / dtype_bytes
+        expected = quantized_bytes_per_element(kv_quantization_bits(setting), dtype_bytes) / dtype_bytes
         assert sizes[setting] / sizes["none"] == pytest.approx(expected, rel=0.02)
 
 
@@ -128,9 +122,9 @@ def test_a_sequences_cache_merges_into_a_batch_as_it_was(loaded):
 
 
 def test_settings_and_figures():
-    assert [bits_for(s) for s in ("none", "q8", "q4")] == [None, 8, 4]
+    assert [kv_quantization_bits(s) for s in ("none", "q8", "q4")] == [None, 8, 4]
     with pytest.raises(ValueError):
-        bits_for("q6")
+        kv_quantization_bits("q6")
     assert quantized_bytes_per_element(8, 2) == pytest.approx(1 + 4 / 64)  # 68 bytes where 128 were
     assert quantized_bytes_per_element(4, 2) == pytest.approx(0.5 + 4 / 64)
     assert issubclass(PromptQuantizedKVCache, QuantizedKVCache)

@@ -28,6 +28,7 @@ one model escapes `discover()`.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import os
@@ -39,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from provider.models import metadata
-from provider.models.kv import KvConfigError, KvLayout, kv_layout
+from provider.models.kv import (KvConfigError, KvLayout, kv_layout, kv_quantization_bits, quantization_refusal,
+                                quantized)
 from provider.models.metadata import DType, MetadataError, MetadataProblem, Quantization
 from provider.models.vision import VisionInfo, vision_info, vision_runtime_available
 
@@ -106,6 +108,8 @@ class ModelInfo:
     # Calls tools (mlx-lm has a tool parser for its family: models/tools.py); None: its tokenizer was
     # not read (discovery reads files only; `template_check.check_inventory` fills it in).
     tools: bool | None = None
+    # Why the kv_quantization setting asked for is not applied to it ("" when it is, or none was asked).
+    kv_quantization_refused: str = ""
 
     @property
     def is_vision(self) -> bool:
@@ -115,6 +119,11 @@ class ModelInfo:
     def kv_bytes_per_token(self) -> int:
         """Per-token KV growth of the full-attention layers (see KvLayout for windows)."""
         return self.kv.bytes_per_token
+
+    @property
+    def kv_bits(self) -> int | None:
+        """The bits its KV is kept in inside the batch (kv_quantization); None: its dtype."""
+        return self.kv.kv_bits
 
 
 def on_disk(info: ModelInfo) -> bool:
@@ -238,13 +247,30 @@ def discover(
 
 
 def discover_models(settings: Settings) -> Inventory:
-    """`discover` with the settings' sources (the Hugging Face cache default when unset)."""
-    return discover(
+    """`discover` with the settings' sources (the Hugging Face cache default when unset), each model's
+    KV kept as its kv_quantization asks (`with_kv_quantization`)."""
+    inventory = discover(
         hf_cache=settings.hf_cache_dir if settings.hf_cache_dir is not None else default_hf_cache(),
         model_dirs=settings.model_dirs,
         aliases=settings.model_aliases,
         enabled_ids=settings.enabled_models or None,
     )
+    models = tuple(with_kv_quantization(m, settings.kv_quantization_for(m.id)) for m in inventory.models)
+    return dataclasses.replace(inventory, models=models)
+
+
+def with_kv_quantization(info: ModelInfo, setting: str) -> ModelInfo:
+    """`info` with its KV layout kept quantized as `setting` asks (admission, the heartbeat and the
+    engine's load then count and keep the quantized bytes); where the model cannot (a vision model: mlx-vlm
+    keeps its own KV; a cache that is not plain KV), as it is, with the reason in `kv_quantization_refused`."""
+    bits = kv_quantization_bits(setting)
+    if bits is None:
+        return info
+    refused = ("a vision model: mlx-vlm keeps its KV as the model's dtype" if info.is_vision
+               else quantization_refusal(info.kv))
+    if refused is not None:
+        return dataclasses.replace(info, kv_quantization_refused=refused)
+    return dataclasses.replace(info, kv=quantized(info.kv, bits))
 
 
 def inspect_model(

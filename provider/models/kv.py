@@ -32,6 +32,7 @@ and one rope key per token and layer instead of per-head K and V.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Mapping
@@ -39,6 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 ALLOC_STEP = 256  # KVCache.step and RotatingKVCache.step in mlx_lm.models.cache
+QUANT_GROUP_SIZE = 64  # elements per scale and bias of quantized KV (mlx-lm's QuantizedKVCache default)
+KV_QUANTIZATION_BITS: dict[str, int | None] = {"none": None, "q8": 8, "q4": 4}  # the setting -> bits kept
 
 # Families whose mlx-lm implementation keeps recurrent state in some layers but whose configs do not
 # follow the rules above. We count every layer as full attention (an upper bound on the per-token
@@ -107,6 +110,8 @@ class KvLayout:
     recurrent_layers: int  # constant-size state, not counted in any byte figure here
     accuracy: KvAccuracy
     note: str = ""
+    head_dim: int = 0  # a full layer's key and value size per head (0: not plain attention heads)
+    kv_bits: int | None = None  # the KV kept quantized to these bits (`quantized`); None: the dtype
 
     @property
     def max_bytes_per_token(self) -> int:
@@ -209,7 +214,49 @@ def kv_layout(config: Mapping[str, Any], dtype_bytes: int) -> KvLayout:
         recurrent_layers=kinds.count(LayerKind.RECURRENT),
         accuracy=accuracy,
         note="; ".join(notes),
+        head_dim=_head_dim(cfg),
     )
+
+
+def _head_dim(cfg: Mapping[str, Any]) -> int:
+    """A full layer's head size when the model has plain attention heads, else 0."""
+    if cfg.get("kv_lora_rank") or not cfg.get("num_attention_heads"):
+        return 0
+    head_dim = cfg.get("global_head_dim") or cfg.get("head_dim") or _int(cfg, "hidden_size") // _int(
+        cfg, "num_attention_heads")
+    return head_dim if isinstance(head_dim, int) else 0
+
+
+def quantization_refusal(layout: KvLayout, group_size: int = QUANT_GROUP_SIZE) -> str | None:
+    """Why the model's KV cannot be kept quantized in the batch (`kvcache.quantized`), or None."""
+    if layout.sliding or layout.recurrent_layers:
+        return "its cache has sliding-window or recurrent layers, kept as the model's dtype"
+    if layout.accuracy is not KvAccuracy.EXACT or not layout.head_dim:
+        return "its cache is not plain per-head keys and values"
+    if layout.head_dim % group_size:
+        return f"its head size ({layout.head_dim}) is not a multiple of the quantization group ({group_size})"
+    return None
+
+
+def kv_quantization_bits(setting: str) -> int | None:
+    """The bits a `kv_quantization` setting keeps KV in (None: the model's dtype)."""
+    if setting not in KV_QUANTIZATION_BITS:
+        raise ValueError(f"kv_quantization must be one of {', '.join(KV_QUANTIZATION_BITS)}")
+    return KV_QUANTIZATION_BITS[setting]
+
+
+def quantized_bytes_per_element(bits: int, dtype_bytes: int, group_size: int = QUANT_GROUP_SIZE) -> float:
+    """Bytes one KV element takes quantized: its bits, plus a scale and a bias (the dtype's size) per group."""
+    return bits / 8 + 2 * dtype_bytes / group_size
+
+
+def quantized(layout: KvLayout, bits: int, group_size: int = QUANT_GROUP_SIZE) -> KvLayout:
+    """`layout` with its KV kept quantized: each group of `group_size` elements as `bits`-bit integers
+    plus a scale and a bias of the model's dtype (`mx.quantize`'s layout: `quantization_refusal` first)."""
+    per_element = quantized_bytes_per_element(bits, layout.dtype_bytes, group_size)
+    per_token = math.ceil(layout.bytes_per_token * per_element / layout.dtype_bytes)
+    note = "; ".join(filter(None, (layout.note, f"KV kept quantized to {bits} bits")))
+    return dataclasses.replace(layout, bytes_per_token=per_token, kv_bits=bits, note=note)
 
 
 def _layer_kinds(cfg: Mapping[str, Any], n_layers: int) -> list[LayerKind]:

@@ -93,7 +93,7 @@ class Loader:
             await self._step(LoadStep.CLAIMED, model_id)
             load_fut = asyncio.ensure_future(
                 self._s.engine.load(model_id, slot.info.path, eos_token_ids=self._eos.get(model_id),
-                                  vision=slot.info.is_vision))
+                                    vision=slot.info.is_vision, kv_bits=slot.info.kv_bits))
             await self._step(LoadStep.ENGINE_LOADING, model_id)
             loaded = await self._await_load(model_id, load_fut)
             if loaded.vision and slot.info.vision is not None:  # what the processor adds per image
