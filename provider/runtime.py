@@ -428,6 +428,7 @@ class Runtime:
                 "context_length": m.context_length,
                 "vision": m.is_vision,
                 "kv_bytes_per_token": info.kv.max_bytes_per_token,
+                "kv_bits": info.kv_bits,  # its KV kept quantized to these bits (kv_quantization); null: its dtype
                 # prompts with this many tokens left to prefill go solo (engine/prefill.py); null: none do
                 "solo_prefill_min_tokens": loaded.solo_min_tokens if (loaded := self.manager.loaded(m.id)) else None,
                 "preloaded": m.id in self.manager.kept_warm,
