@@ -10,11 +10,12 @@ import sys
 import time
 from typing import Any
 
-from memory import DeviceMemory, MemorySnapshot
+from memory import CapFigures, DeviceMemory, MemorySnapshot
 from provider.doctor.guest import guest_json, guest_lines
 from provider.doctor.report import DoctorReport, ModelReport
 from provider.doctor.routing import routing_json, routing_lines
 from provider.models import Inventory, Quantization
+from provider.models.kv import KV_QUANTIZATION_BITS, at_dtype, quantization_refusal, quantized
 from provider.models.searched import place_lines
 from provider.session.status import trust_line
 from provider.units import GiB, human_bytes, table
@@ -54,7 +55,7 @@ def report_json(report: DoctorReport) -> dict[str, Any]:
         "cap": cap,
         "pressure": {"level": report.pressure.level.name.lower(), "utilization": report.pressure.utilization},
         "runtime_hash": report.runtime_hash,
-        "models": [_model_json(r) for r in report.models],
+        "models": [_model_json(r, report.cap) for r in report.models],
         "skipped": [{"id": s.id, "path": str(s.path), "reason": s.reason.value} for s in report.inventory.skipped],
         "searched": [p.as_json() for p in report.inventory.searched],
         "coordinator": {"url": report.coordinator.url, "checked": report.coordinator.checked,
@@ -74,7 +75,18 @@ def report_json(report: DoctorReport) -> dict[str, Any]:
     }
 
 
-def _model_json(r: ModelReport) -> dict[str, Any]:
+def kv_room_tokens(cap: CapFigures, r: ModelReport) -> dict[str, int | None]:
+    """Tokens of KV the cap leaves beside the model alone (its weights and the activation reserve), for
+    each kv_quantization (None: the setting cannot apply to this model)."""
+    plain = at_dtype(r.model.kv)
+    refused = r.model.is_vision or quantization_refusal(plain) is not None
+    room = cap.kv_budget_bytes(r.fit.weights_bytes)
+    return {setting: None if bits is not None and refused
+            else room // max(1, (plain if bits is None else quantized(plain, bits)).max_bytes_per_token)
+            for setting, bits in KV_QUANTIZATION_BITS.items()}
+
+
+def _model_json(r: ModelReport, cap: CapFigures) -> dict[str, Any]:
     m = r.model
     q = m.quantization
     return {
@@ -86,6 +98,9 @@ def _model_json(r: ModelReport) -> dict[str, Any]:
         "dtype": m.dtype.value,
         "context_length": m.context_length,
         "kv_bytes_per_token": m.kv_bytes_per_token,
+        # its KV kept quantized to these bits (kv_quantization), or why the setting asked was not applied
+        "kv_quantization": {"bits": m.kv_bits, "refused": m.kv_quantization_refused or None},
+        "kv_room_tokens": kv_room_tokens(cap, r),  # beside this model alone, for each kv_quantization
         "verdict": r.fit.verdict.value,
         "required_bytes": r.fit.required_bytes,
         "ever_fits": r.fit.ever_fits,
@@ -135,13 +150,20 @@ def render_table(report: DoctorReport) -> str:
     out += ["", f"Runtime hash  {report.runtime_hash or 'unavailable'}", ""]
     out.append(f"Models ({len(report.models)}; fit with nothing loaded, so nothing evictable)")
     if report.models:
-        rows = [("id", "size", "quantization", "context", "needs", "verdict", "tools")]
+        rows = [("id", "size", "quantization", "context", "needs", "verdict", "kv",
+                 "KV room, tokens (none / q8 / q4)", "tools")]
         for r in report.models:
             m = r.model
+            room = kv_room_tokens(cap, r)
             rows.append((m.id, human_bytes(m.weight_bytes), quantization_text(m.quantization, m.dtype.value),
                          str(m.context_length or "-"), human_bytes(r.fit.required_bytes), r.fit.verdict.value,
+                         f"q{m.kv_bits}" if m.kv_bits else ("none (refused)" if m.kv_quantization_refused else "none"),
+                         " / ".join("-" if room[s] is None else f"{room[s]:,}" for s in KV_QUANTIZATION_BITS),
                          {True: "yes", False: "no", None: "-"}[m.tools]))
         out += table(rows, INDENT)
+        for r in report.models:
+            if r.model.kv_quantization_refused:
+                out.append(f"  {r.model.id}: kv_quantization not applied: {r.model.kv_quantization_refused}")
     for s in report.inventory.skipped:
         out.append(f"  skipped {s.id or s.path}: {s.reason.value}")
     out += _looked_in(report.inventory)

@@ -112,6 +112,7 @@ class KvLayout:
     note: str = ""
     head_dim: int = 0  # a full layer's key and value size per head (0: not plain attention heads)
     kv_bits: int | None = None  # the KV kept quantized to these bits (`quantized`); None: the dtype
+    dtype_bytes_per_token: int = 0  # quantized: `bytes_per_token` at the model's dtype (`at_dtype`)
 
     @property
     def max_bytes_per_token(self) -> int:
@@ -256,7 +257,17 @@ def quantized(layout: KvLayout, bits: int, group_size: int = QUANT_GROUP_SIZE) -
     per_element = quantized_bytes_per_element(bits, layout.dtype_bytes, group_size)
     per_token = math.ceil(layout.bytes_per_token * per_element / layout.dtype_bytes)
     note = "; ".join(filter(None, (layout.note, f"KV kept quantized to {bits} bits")))
-    return dataclasses.replace(layout, bytes_per_token=per_token, kv_bits=bits, note=note)
+    return dataclasses.replace(layout, bytes_per_token=per_token, kv_bits=bits, note=note,
+                               dtype_bytes_per_token=layout.bytes_per_token)
+
+
+def at_dtype(layout: KvLayout) -> KvLayout:
+    """`layout` with its KV at the model's dtype (undoes `quantized`)."""
+    if layout.kv_bits is None:
+        return layout
+    return dataclasses.replace(layout, bytes_per_token=layout.dtype_bytes_per_token, kv_bits=None,
+                               dtype_bytes_per_token=0, note=layout.note.removesuffix(
+                                   f"KV kept quantized to {layout.kv_bits} bits").rstrip("; "))
 
 
 def _layer_kinds(cfg: Mapping[str, Any], n_layers: int) -> list[LayerKind]:
