@@ -5,7 +5,7 @@ Callers describe *what* went wrong with a typed ``Failure`` (``Failure.capacity(
 pair and the ``error`` text all follow from it. The text is a fixed sentence per failure, so no prompt
 fragment or exception string can reach the wire: [A] shows it to consumers, [N] replaces it anyway.
 
-How the coordinator reacts (protocol.md §8) is summarised by ``Failure.failover``: every pre-first-chunk
+How the coordinator reacts is summarised by ``Failure.failover``: every pre-first-chunk
 error is rerouted on [A]; [N] fails over on capacity/drain/deadline/fault and stops on client errors.
 Send a capacity reject *without* a prior ``inference_accepted`` so the reroute is immediate.
 """
@@ -30,7 +30,7 @@ __all__ = [
 
 
 class Failover(Enum):
-    """What an [N] coordinator does with this failure before the first chunk (protocol.md §8.2)."""
+    """What an [N] coordinator does with this failure before the first chunk."""
 
     CAPACITY = "capacity"  # fail over, at most 3 times; no health penalty
     DRAIN = "drain"  # fail over without using the capacity allowance; provider skipped while draining
@@ -77,7 +77,7 @@ _REASON_TEXT: dict[ErrorReason, str] = {
     ErrorReason.REQUEST_EXCEEDS_NODE_BUDGET: "Request exceeds this provider's token budget.",
 }
 
-# error_reason values that keep a capacity failure in the transient class (protocol.md §8.2 first row).
+# error_reason values that keep a capacity failure in the transient class.
 _CAPACITY_REASONS = frozenset(
     {
         ErrorReason.CAPACITY_BUSY,

@@ -2,8 +2,8 @@
 
 A ``load_model`` goes through exactly the path a warm-up takes (``ModelManager.ensure_loaded``): the same
 room plan and load gate, the same pending-load claim in the ledger, the same post-load guard. Its answer
-is ``load_model_status`` ``started``, then ``succeeded`` or ``failed`` (docs/reference/protocol-messages.md
-upstream); the heartbeat that follows a load goes out at once (``on_capacity_change``) and shows the slot
+is ``load_model_status`` ``started``, then ``succeeded`` or ``failed``, as the coordinator's protocol
+says; the heartbeat that follows a load goes out at once (``on_capacity_change``) and shows the slot
 ``running``. The ``error`` of a failure is a word of our closed vocabularies (the failure's reason), never
 an exception's text; a refusal because we are draining says ``provider draining for update``, the string
 the coordinator matches as transient (coordinator/protocol/heartbeat.go ``ProviderDrainingForUpdate``).

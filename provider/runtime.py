@@ -384,7 +384,7 @@ class Runtime:
     # -- reporting ----------------------------------------------------------------------------
 
     def diagnostics(self) -> dict[str, Any]:
-        """The memory diagnostics of /status (issue 20): last unloads, pressure and its figures, the
+        """The memory diagnostics of /status: last unloads, pressure and its figures, the
         no-model baseline and its drift, and the restart recommendation with its reason."""
         snap = self.probe.snapshot()
         level = memory.pressure(snap)

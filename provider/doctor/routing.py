@@ -207,7 +207,7 @@ def trust_sentence(report: RoutingReport) -> str:
 
 
 def coordinator_requirements(report: RoutingReport) -> list[str]:
-    """What the coordinator's operator must configure for this provider (protocol.md §13)."""
+    """What the coordinator's operator must configure for this provider."""
     if report.trust_level is TrustLevel.SELF_SIGNED:
         needs = ["EIGENINFERENCE_MIN_TRUST=self_signed or none (register carries a self-signed attestation)"]
     else:

@@ -1,4 +1,4 @@
-"""A job's lifecycle as data (STYLE.md §2, after h11's ``_state.py``).
+"""A job's lifecycle as data (after h11's ``_state.py``).
 
 Rule 1: everything that decides which frame a request may send next lives in ``TRANSITIONS``.
 

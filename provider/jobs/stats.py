@@ -1,7 +1,7 @@
 """Serving counters shared by the jobs (which update them) and the heartbeat (which reports them).
 
 Cumulative for the life of the process, never reset on reconnect: the coordinator adds the delta
-between heartbeats and reads a decrease as a restart (protocol.md §3.2). Touched only on the event loop.
+between heartbeats and reads a decrease as a restart. Touched only on the event loop.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Messages: `role` is one of OpenAI's (system, developer, user, assistant, tool); 
 (null counts as missing) except on an assistant message that carries `tool_calls`. Anything else is a
 client error (400), never silently run as an empty message.
 
-Tools (issue 31): `tools` are OpenAI function tools (`{"type": "function", "function": {"name",
+Tools: `tools` are OpenAI function tools (`{"type": "function", "function": {"name",
 "description", "parameters"}}`), kept as sent for the chat template; `tool_choice` is `none`, `auto`
 (the default when tools are given), `required` or `{"type": "function", "function": {"name": ...}}`
 naming one of them; `parallel_tool_calls` a boolean (null: not sent). With `none` the tools are not
@@ -27,7 +27,7 @@ calls. An assistant turn's `tool_calls` reach the template with each call's `arg
 `tool_call_id` (required, as OpenAI requires it). Whether the model can call tools at all is the
 intake's question (`provider.request.intake`), not the parser's.
 
-Output (issue 31): `response_format` becomes the grammar the output must follow, checked here
+Output: `response_format` becomes the grammar the output must follow, checked here
 (`response_format.py`: a schema the grammar engine cannot handle is an `InvalidBody` naming
 `response_format`); `logprobs` / `top_logprobs` (0-20) become `ChatBody.top_logprobs`.
 
@@ -290,7 +290,7 @@ class _Body(_Sampled):
     tools: list[_Tool] | None = None
     tool_choice: Any = None  # read by _tool_choice, which knows the tools
     parallel_tool_calls: bool | None = None  # null: not sent (true, OpenAI's default)
-    # Issue 31 items 2-3: the output's grammar (read by response_format.py, whose errors name the part
+    # the output's grammar (read by response_format.py, whose errors name the part
     # at fault) and its log-probabilities (OpenAI: 0-20 alternatives).
     response_format: Any = None
     logprobs: bool | None = None
@@ -317,7 +317,7 @@ class ChatBody:
     tools: tuple[Mapping[str, Any], ...] = ()  # function tools, as sent (never logged)
     tool_choice: ToolChoice = ToolChoice("none")
     parallel_tool_calls: bool = True
-    # Issue 31 items 2-3: None = plain text; the log-probabilities asked for (`top_logprobs` None
+    # None = plain text; the log-probabilities asked for (`top_logprobs` None
     # unless `logprobs`: then the alternatives per token, 0-20).
     response_format: ResponseFormat | None = None
     logprobs: bool = False

@@ -1,4 +1,4 @@
-"""A lower bound on a prompt's tokens from its size alone, before any tokenization (issue 11).
+"""A lower bound on a prompt's tokens from its size alone, before any tokenization.
 
 Tokenizing is the one step of admission whose cost grows with what the consumer sends: 15 MiB of
 text takes a fast tokenizer 20 s and several GiB. But a prompt that cannot fit the context window

@@ -3,7 +3,7 @@
 A request body that is large (megabytes of prompt, thousands of messages) costs tens of
 milliseconds to seconds to decrypt, parse, render and tokenize. Run on the event loop it stalls
 every other request; run in asyncio's default pool it competes with file hashing and loads for a
-few threads, and every short prompt's `to_thread` hop waits behind it (issue 11 measured 19–26 ms
+few threads, and every short prompt's `to_thread` hop waits behind it (measured 19–26 ms
 per hop under a storm). So short work stays on the loop (see `tokens.INLINE_CHARS`,
 `intake.INLINE_BYTES`) and long work goes here: one thread, a short queue. When the queue is full
 `run` raises `LaneFull` at once, which the caller turns into a 503 the coordinator reroutes.

@@ -1,4 +1,4 @@
-"""The intake's last step (issue 31): what the request asks of its output besides text.
+"""The intake's last step: what the request asks of its output besides text.
 
 After the prompt is counted, before admission books anything, for a request with a
 `response_format` (a grammar) or `logprobs`:

@@ -21,7 +21,7 @@ is a 400 naming it and the parameter meant, as OpenAI answers an unrecognized ar
 that asked for ``max_token: 3`` would otherwise get a 200 of hundreds of tokens.
 
 Not here: ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``response_format``, ``logprobs`` and
-``top_logprobs`` on chat are parsed by the body validator (issue 31 items 1-3). On the legacy
+``top_logprobs`` on chat are parsed by the body validator. On the legacy
 completions endpoint, chat's output controls (tools, a forced call, a response format) are refused:
 a completion there is free text.
 """

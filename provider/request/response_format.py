@@ -1,4 +1,4 @@
-"""`response_format` -> the grammar the output must follow (issue 31 item 2), checked at parse time.
+"""`response_format` -> the grammar the output must follow, checked at parse time.
 
 OpenAI's three types: `text` (no constraint), `json_object` (any JSON object), `json_schema`
 (`{"name", "description"?, "schema"?, "strict"?}`: a value valid against `schema`; no schema means

@@ -1,7 +1,7 @@
 """Prompt tokens for admission, before the model is loaded, without blocking anyone else.
 
 Admission needs the prompt length before ``inference_accepted`` goes out, and the accept must not
-wait for a model load (protocol.md §7.2), so each model's tokenizer is loaded here with mlx-lm's own
+wait for a model load, so each model's tokenizer is loaded here with mlx-lm's own
 loader (``mlx_lm.utils.load_tokenizer``, the one ``mlx_lm.load`` uses: same chat template, same
 special tokens) and the ids it produces are handed to the engine (``ChatRequest.prompt_ids``), which
 then never tokenizes on its thread. The agent warms every advertised model's tokenizer at startup.
@@ -13,7 +13,7 @@ renders one and three short messages) or on a request — makes the model unserv
 (`unservable()`, `on_unservable`): that request fails with `TemplateTooCostly` (a `PromptError`),
 later ones as an unknown model.
 
-Where the work runs (issue 11: a 15 MiB prompt must not delay a 100-token one):
+Where the work runs (a 15 MiB prompt must not delay a 100-token one):
 
 * **inline**, for prompts up to ``INLINE_CHARS`` characters: the render is awaited on the event loop
   (the interactive renderer, ~0.2 ms there and back), and the rendered text (up to
@@ -28,7 +28,7 @@ Where the work runs (issue 11: a 15 MiB prompt must not delay a 100-token one):
 The count is exact: the ids of the same ``apply_chat_template(..., add_generation_prompt=True)`` the
 engine would run, so admission neither over-reserves KV nor refuses a prompt that fits.
 
-Tools (issue 31): a request's function tools are rendered with the messages (the template's
+Tools: a request's function tools are rendered with the messages (the template's
 ``tools`` variable, as ``apply_chat_template(..., tools=...)`` renders them) and counted with them.
 Only a model whose family mlx-lm has a tool parser for (`provider.models.tools.ToolFormat`, read
 when its tokenizer loads; `tool_format`) can be offered tools: for any other, `ToolsUnsupported`.
@@ -200,7 +200,7 @@ class PromptCounter:
         return model_id in self._vision
 
     async def tokenizer(self, model_id: str) -> Any:
-        """The model's tokenizer, loaded on first use (issue 31: its grammar vocabulary is built from
+        """The model's tokenizer, loaded on first use (its grammar vocabulary is built from
         it in a thread; nothing there encodes with it). Raises ``UnknownModel``."""
         return (await self._entry(model_id)).tokenizer
 

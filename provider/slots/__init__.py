@@ -1,5 +1,5 @@
 """provider/slots: the model manager — load gate, pending-load claim, post-load guard, LRU and idle
-eviction, settle, purge — and fast admission. memory-policy.md §4–§8 is the specification.
+eviction, settle, purge — and fast admission.
 
 Modules:
 * `state`     `ModelState` (NOT_LOADED → LOADING → LOADED → UNLOADING), `ModelSlot`, `SlotView`
@@ -60,7 +60,7 @@ API for the jobs / session code:
     manager.state(model_id) -> ModelState; manager.view() -> ManagerView
     manager.last_unload -> UnloadReport | None                    # freed bytes, settle time
 
-Refusals (memory-policy.md §7): unknown model → 404 model_unavailable; could never fit →
+Refusals: unknown model → 404 model_unavailable; could never fit →
 503 request_exceeds_node + memory_cap; cannot fit after evicting every idle model → 503 memory_cap;
 slot cap reached with nothing evictable → 503 slot_state; resident (or loading) but KV does not
 fit → 503 token_budget (in-flight requests hold it; `available_token_budget` says what fits now)

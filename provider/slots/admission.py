@@ -3,7 +3,7 @@
 Nothing here awaits, loads, allocates or reserves. The manager copies its state into a
 `ManagerView`, samples one `MemorySnapshot`, and calls:
 
-* `decide(...)` → `Admitted | Refused` (memory-policy.md §7), the answer before `inference_accepted`;
+* `decide(...)` → `Admitted | Refused`, the answer before `inference_accepted`;
 * `plan_room(...)` → `RoomPlan | Refused`: which idle models to evict, least recently used first, so a
   cold model can load (§5.2: if evicting every idle model cannot reach the target, refuse at once and
   evict nothing);
@@ -302,7 +302,7 @@ def kv_refusal(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot,
 def decide(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, *, model_id: str,
            info: ModelInfo | None, prompt_tokens: int, max_tokens: int | None, images: int = 0,
            media_bytes: int = 0) -> Admission:
-    """Accept or refuse one request, per memory-policy.md §7. Pure: same inputs, same answer.
+    """Accept or refuse one request. Pure: same inputs, same answer.
 
     What an `Admitted` says is exactly what `ModelManager.book` then reserves in the ledger, in the
     same step: the request's share of its model's batch KV (`share`) and, for a model that is not

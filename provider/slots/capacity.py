@@ -1,5 +1,5 @@
 """What the heartbeat reports about the models: per-slot state and token budgets, MLX counters,
-`free_for_load` (memory-policy.md §9, protocol.md `backend_capacity`). Plain values in bytes and
+`free_for_load`. Plain values in bytes and
 tokens; the session converts to the wire's `*_gb` floats. Built by `ModelManager.capacity()`.
 """
 

@@ -1,4 +1,4 @@
-"""What the model manager remembers for memory diagnostics (issue 20): the last unloads and the
+"""What the model manager remembers for memory diagnostics: the last unloads and the
 no-model baseline, and the restart verdict over them (the rule is `memory.diagnostics`).
 
 `ModelManager` owns one `MemoryDiagnostics`: it reports each unload (`unloaded`), and samples the

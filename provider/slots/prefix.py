@@ -5,7 +5,7 @@ is off) with what the manager needs:
 
 * `evictable_bytes()`: the RAM tier's ledger bytes. Fast admission counts them as available
   (read-only): a full prefix cache must not make admission refuse what `serve` could admit,
-  because `serve` evicts entries before it refuses (issue 8: entries give way to live requests
+  because `serve` evicts entries before it refuses (entries give way to live requests
   and loads, least recently used first);
 * `evict_for(nbytes)` when the ledger refused a request's KV or a load claim (then one retry);
 * `relieve(level)`: under RED pressure or worse the whole RAM tier goes;
@@ -15,7 +15,7 @@ is off) with what the manager needs:
 Eviction and relief only drop references and return leases, so they run on the loop; the purge
 deletes the model's SSD files and runs in a worker thread.
 
-`with_measured_kv(info, measured)` is memory-policy.md §4 "after load, verify against the
+`with_measured_kv(info, measured)` is the check "after load, verify against the
 engine's real cache and keep the larger".
 """
 

@@ -1,4 +1,4 @@
-"""``capacity_probe`` → ``capacity_quote`` (issue 32 item 2; upstream coordinator/protocol/capacity.go).
+"""``capacity_probe`` → ``capacity_quote``.
 
 The quote is the admission decision a real request of the probed shape would get now —
 `ModelManager.admit`, the read-only form of the booking the job makes (same `decide`, same

@@ -1,4 +1,4 @@
-"""Routing evidence: what each model's requests really ran at (issue 32 item 1).
+"""Routing evidence: what each model's requests really ran at.
 
 The coordinator forecasts time to first content from a slot's ``observed_prefill_tps`` (isolated
 prefill) and ``observed_decode_tps`` and trusts them only while fresh (first-content-routing.md:
