@@ -297,9 +297,6 @@ class PromptCounter:
         """How many token ids the model's tokenizer knows (ids from 0 to this less one)."""
         return len((await self._entry(model_id)).tokenizer)
 
-    def is_vision(self, model_id: str) -> bool:
-        return model_id in self._vision
-
     def _mark_unservable(self, model_id: str, bound: TemplateBound) -> None:
         if model_id in self._unservable:
             return
