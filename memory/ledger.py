@@ -118,7 +118,7 @@ class Ledger:
         self._count_by_kind = dict.fromkeys(ReservationKind, 0)
         self._bytes_by_kind = dict.fromkeys(ReservationKind, 0)
         self._total = 0
-        self._peak = 0  # high-water mark of Σ outstanding since construction or `reset_peak`
+        self._peak = 0  # high-water mark of Σ outstanding since construction
 
     @property
     def figures(self) -> CapFigures:
@@ -248,13 +248,9 @@ class Ledger:
 
     @property
     def peak_bytes(self) -> int:
-        """The most ever outstanding at once (since construction or `reset_peak`)."""
+        """The most ever outstanding at once (since construction)."""
         with self._lock:
             return self._peak
-
-    def reset_peak(self) -> None:
-        with self._lock:
-            self._peak = self._total
 
     def bytes_of(self, rid: str) -> int | None:
         """Current bytes reserved under `rid`, None when it is not outstanding."""

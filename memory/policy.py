@@ -45,7 +45,6 @@ DEFAULT_ACTIVATION_RESERVE_BYTES = 3 * GiB
 DEFAULT_MEMORY_RESERVE_GB = 4.0
 MIN_OS_BYTES = 2 * GiB  # absolute OS floor under the hard cap
 MIN_KV_BYTES = 1 * GiB  # a freshly loaded model must be able to serve at least this much KV
-WEIGHT_PADDING = 1.2  # on-disk weight bytes × 1.2 = weights estimate before load
 DEFAULT_MAX_TOKENS_CEILING = 8192  # max_tokens default: min(context_length, 8192)
 
 ENV_CAP_FRACTION = "DARKBLOOM_MEM_CAP_FRACTION"

@@ -31,7 +31,7 @@ from memory.policy import GiB
 
 
 TOLERANCE_FLOOR_BYTES = 2 * GiB
-TOLERANCE_FRACTION = 0.05
+TOLERANCE_PERCENT = 5
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_INTERVAL_S = 0.5
 DEFAULT_ROUNDS = 3
@@ -51,7 +51,7 @@ def settle_target_bytes(resident_bytes: int, tolerance_bytes: int | None = None)
     """Bytes that must be freed: `resident − max(2 GiB, 5 %)` (or `resident − tolerance_bytes`), ≥ 0."""
     resident = max(0, resident_bytes)
     if tolerance_bytes is None:
-        tolerance_bytes = max(TOLERANCE_FLOOR_BYTES, -(-resident * 5 // 100))
+        tolerance_bytes = max(TOLERANCE_FLOOR_BYTES, -(-resident * TOLERANCE_PERCENT // 100))
     return max(0, resident - max(0, tolerance_bytes))
 
 

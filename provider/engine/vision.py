@@ -157,10 +157,6 @@ class VisionSlot:
     def has_pretoken(self) -> bool:
         return any(a.run.phase not in (Phase.DECODE, Phase.DONE) for a in self.runs.values())
 
-    @property
-    def has_decoding(self) -> bool:
-        return any(a.run.phase is Phase.DECODE for a in self.runs.values())
-
     def stats(self) -> ModelStats:
         running = sum(1 for a in self.runs.values() if a.run.phase is Phase.DECODE)
         tokens = sum(len(a.run.prompt_ids) + len(a.completion_ids) for a in self.runs.values())

@@ -157,11 +157,6 @@ class RateBook:
             return 0.0
         return rates.prefill.tps if rates.prefill.count else rates.calibrated_prefill_tps
 
-    def calibration(self, model_id: str) -> tuple[float, float]:
-        """(prefill_tps, decode_tps) of the timed pass at load; zeros when there was none."""
-        rates = self._models.get(model_id)
-        return (0.0, 0.0) if rates is None else (rates.calibrated_prefill_tps, rates.calibrated_decode_tps)
-
     def observed(self, model_id: str) -> tuple[float, float]:
         """(observed_prefill_tps, observed_decode_tps) from served requests; zeros when unmeasured."""
         rates = self._models.get(model_id)
