@@ -16,6 +16,11 @@ peak of (ledger + MLX active) as a fraction of the effective cap (the ledger's o
 MLX's own peak counter, and /status polled every 50 ms); and the share of the KV room the admitted
 requests' reservations used. Baseline in the same run: a single request alone on the idle server.
 Goals: 503 p50 ≤ ½ × 200 p50; single 503 p99 ≤ 10 ms; peaks ≤ 1.00.
+
+`--kv-quantization none,q8,q4` runs the storm once per setting (the server started with it; the same
+cap), then a table of how many max-context requests each admitted at once, as a ratio to `none`, and
+each run's peak (ledger + MLX active) ÷ cap. Give the storm and the batch size room for them (q4 holds
+about 6x as many as `none` on this float32 model): e.g. `--storm 400 --max-batch-size 512`.
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))] if ordered else float("nan")
 
 
-def start(model_dir: Path, workdir: Path, max_batch_size: int) -> tuple[subprocess.Popen[bytes], str]:
+def start(model_dir: Path, workdir: Path, max_batch_size: int,
+          kv_quantization: str = "none") -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     (workdir / "hub").mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DARKBLOOM_")}
@@ -56,7 +62,8 @@ def start(model_dir: Path, workdir: Path, max_batch_size: int) -> tuple[subproce
     proc = subprocess.Popen(
         [sys.executable, "-m", "provider.cli", "serve", "--local", "--local-port", str(port),
          "--model-aliases", f"{MODEL}={model_dir}", "--memory-limit-gb", "8.5",
-         "--max-batch-size", str(max_batch_size), "--idle-timeout-mins", "0", "--kv-ssd-budget-gb", "0"],
+         "--max-batch-size", str(max_batch_size), "--idle-timeout-mins", "0", "--kv-ssd-budget-gb", "0",
+         "--kv-quantization", kv_quantization, "--local-queue-s", "0"],  # a full server refuses at once
         env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     wait_ready(base, proc, timeout_s=120)
@@ -111,10 +118,10 @@ async def timed(client: httpx.AsyncClient, payload: dict) -> tuple[int, float]:
     return answered.result()
 
 
-async def run(args: argparse.Namespace) -> None:
+async def run(args: argparse.Namespace, setting: str = "none") -> dict:
     model_dir = Path(args.model_dir).resolve() if args.model_dir else build_tiny_model(CACHE / "small-f32", preset="small")
     with tempfile.TemporaryDirectory(prefix="storm-bench-") as tmp:
-        proc, base = start(model_dir, Path(tmp), args.max_batch_size)
+        proc, base = start(model_dir, Path(tmp), args.max_batch_size, setting)
         sampler = Sampler(base)
         try:
             limits = httpx.Limits(max_connections=args.storm + 16, max_keepalive_connections=args.storm + 16)
@@ -155,7 +162,7 @@ async def run(args: argparse.Namespace) -> None:
     peak_sum = sampler.peak_sum / cap
     print(f"storm through serve --local: {args.storm} concurrent max-context streams, small tiny model, "
           f"memory_limit_gb 8.5 (effective cap {cap / 2**30:.2f} GiB, KV room {room / 2**30:.2f} GiB), "
-          f"max_batch_size {args.max_batch_size}")
+          f"max_batch_size {args.max_batch_size}, kv_quantization {setting}")
     print(f"admitted {len(ok)}, refused {len(refused)} (503), other {len(others)}; "
           f"single requests on the full server: {len(singles)} of {args.singles} refused")
     print()
@@ -175,6 +182,22 @@ async def run(args: argparse.Namespace) -> None:
     print(f"peak ÷ effective cap: ledger {peak_ledger:.3f}, MLX active {peak_mlx:.3f}, "
           f"ledger + MLX active (sampled every 50 ms) {peak_sum:.3f} (goal ≤ 1.00)")
     print(f"KV room used by the admitted requests' reservations: {sampler.peak_request_kv / room:.1%}")
+    print()
+    return {"admitted": len(ok), "refused": len(refused), "peak_sum": peak_sum, "peak_ledger": peak_ledger,
+            "peak_mlx": peak_mlx}
+
+
+async def run_settings(args: argparse.Namespace) -> None:
+    settings = args.kv_quantization.split(",")
+    results = {s: await run(args, s) for s in settings}
+    if len(settings) < 2:
+        return
+    base = results.get("none", {}).get("admitted")
+    print("| kv_quantization | max-context requests admitted at once | ÷ none | peak (ledger + MLX active) ÷ cap |")
+    print("|---|---|---|---|")
+    for s, r in results.items():
+        ratio = f"{r['admitted'] / base:.2f}" if base else "—"
+        print(f"| {s} | {r['admitted']} (refused {r['refused']}) | {ratio} | {r['peak_sum']:.3f} |")
 
 
 def main() -> None:
@@ -183,7 +206,8 @@ def main() -> None:
     parser.add_argument("--singles", type=int, default=200)
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--model-dir", default=None)
-    asyncio.run(run(parser.parse_args()))
+    parser.add_argument("--kv-quantization", default="none", help="none, q8, q4, or several: none,q8,q4")
+    asyncio.run(run_settings(parser.parse_args()))
 
 
 if __name__ == "__main__":
