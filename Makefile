@@ -9,6 +9,9 @@ STAMP := $(VENV)/.installed-stamp
 WITH_BLAS := sh tools/with-blas.sh
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# The suite runs on every core (pytest-xdist); tests/conftest.py says how the workers share the tiny
+# models and how a test that measures latency runs alone. PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= auto
 
 .PHONY: test demo venv clean bench
 
@@ -21,7 +24,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(WITH_BLAS) $(PY) -m pytest $(PYTEST_ARGS)
+	$(WITH_BLAS) $(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(WITH_BLAS) $(PY) -m provider.demo

@@ -27,13 +27,23 @@ All tiny models use ChatML with `<|endoftext|>` = 0, `<|im_start|>` = 1 and `<|i
 
 `HF_HUB_OFFLINE=1` is set here so a model name that is not a local path fails at once instead
 of trying the network.
+
+Parallel runs (`pytest -n 2`, pytest-xdist; `make test` runs the suite so): the workers share one models
+folder, which the first worker to need a model builds under a lock while the others wait for it. A test
+marked ``serial`` runs alone: while it runs (setup to teardown), no other worker runs a test. Mark a test
+so when it measures something another process on the machine would disturb, such as a latency bound.
+
+The shared fixtures of the helper modules listed in ``pytest_plugins`` (the coordinator double, the hub
+double, the agents, the model manager's rigs, plain mlx-lm's reference) are available to every module.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -44,46 +54,126 @@ import pytest  # noqa: E402
 from provider.tinymodel import build_tiny_model  # noqa: E402
 from provider.tinyvlm import build_tiny_vlm  # noqa: E402
 
-KEEP_MODELS_ENV = "DARKBLOOM_TINY_MODELS_DIR"
+pytest_plugins = ["double_fixtures", "engine_reference", "hub_double", "manager_rigs", "running_agent"]
 
+KEEP_MODELS_ENV = "DARKBLOOM_TINY_MODELS_DIR"
+# The folder the controller of a parallel run shares with its workers: the models, and the serial lock.
+SHARED_DIR_KEY = "darkbloom_shared_dir"
+
+
+@contextmanager
+def locked(path: Path, mode: int = fcntl.LOCK_EX) -> Iterator[None]:
+    """Hold an advisory lock on the file at `path` (created if missing) for the block."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+# -- one folder for the workers of a parallel run ---------------------------------------------------
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """Controller side (pytest-xdist): each worker is handed the run's shared folder."""
+    config = node.config
+    shared = getattr(config, "_darkbloom_shared", None)
+    if shared is None:
+        shared = config._darkbloom_shared = tempfile.TemporaryDirectory(prefix="darkbloom-tests-")
+    node.workerinput[SHARED_DIR_KEY] = shared.name
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shared = getattr(config, "_darkbloom_shared", None)
+    if shared is not None:
+        shared.cleanup()
+
+
+def shared_dir(config: pytest.Config) -> Path | None:
+    """The run's shared folder in a worker of a parallel run, None in a run of one process."""
+    workerinput = getattr(config, "workerinput", None)
+    return Path(workerinput[SHARED_DIR_KEY]) if workerinput else None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The controller of a parallel run gives each worker (and what it starts) a BLAS of one thread:
+    the workers already keep the cores busy, and OpenBLAS's threads spin while they wait for work."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
+# -- tests that run alone ---------------------------------------------------------------------------
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """In a parallel run, every test holds the shared lock and a ``serial`` test the exclusive one,
+    from its setup to its teardown. A test takes its lock through the turnstile, which a ``serial``
+    test holds while it waits: the other workers queue behind it instead of taking turns ahead of it.
+    The wait comes before pytest-timeout's clock starts."""
+    shared = shared_dir(item.config)
+    if shared is None:
+        return (yield)
+    with open(shared / "running.lock", "a") as running:
+        with locked(shared / "turnstile.lock"):
+            fcntl.flock(running, fcntl.LOCK_EX if item.get_closest_marker("serial") else fcntl.LOCK_SH)
+        try:
+            return (yield)
+        finally:
+            fcntl.flock(running, fcntl.LOCK_UN)
+
+
+# -- the tiny models --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="session")
-def tiny_models_dir() -> Iterator[Path]:
+def tiny_models_dir(request: pytest.FixtureRequest) -> Iterator[Path]:
     kept = os.environ.get(KEEP_MODELS_ENV)
     if kept:
         path = Path(kept).expanduser()
         path.mkdir(parents=True, exist_ok=True)
         yield path
         return
+    shared = shared_dir(request.config)
+    if shared is not None:
+        path = shared / "tiny-models"
+        path.mkdir(exist_ok=True)
+        yield path
+        return
     with tempfile.TemporaryDirectory(prefix="darkbloom-tiny-models-") as tmp:
         yield Path(tmp)
 
 
+def build_once(models_dir: Path, name: str, build, **kwargs) -> Path:
+    """Build the model `name` in `models_dir`, or reuse it: a worker that finds another building it waits."""
+    with locked(models_dir / f".{name}.lock"):
+        return build(models_dir / name, **kwargs)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tiny_models_dir: Path) -> Path:
-    return build_tiny_model(tiny_models_dir / "tiny-f32", preset="tiny")
+    return build_once(tiny_models_dir, "tiny-f32", build_tiny_model, preset="tiny")
 
 
 @pytest.fixture(scope="session")
 def tiny_tools_model_path(tiny_models_dir: Path) -> Path:
-    return build_tiny_model(tiny_models_dir / "tiny-tools-f32", preset="tiny", tools=True)
+    return build_once(tiny_models_dir, "tiny-tools-f32", build_tiny_model, preset="tiny", tools=True)
 
 
 @pytest.fixture(scope="session")
 def small_model_path(tiny_models_dir: Path) -> Path:
-    return build_tiny_model(tiny_models_dir / "small-f32", preset="small")
+    return build_once(tiny_models_dir, "small-f32", build_tiny_model, preset="small")
 
 
 @pytest.fixture(scope="session")
 def quantized_model_path(tiny_models_dir: Path) -> Path:
-    return build_tiny_model(tiny_models_dir / "tiny-q4", preset="tiny", q_bits=4)
+    return build_once(tiny_models_dir, "tiny-q4", build_tiny_model, preset="tiny", q_bits=4)
 
 
 @pytest.fixture(scope="session")
 def medium_model_path(tiny_models_dir: Path) -> Path:
-    return build_tiny_model(tiny_models_dir / "medium-f32", preset="medium")
+    return build_once(tiny_models_dir, "medium-f32", build_tiny_model, preset="medium")
 
 
 @pytest.fixture(scope="session")
 def tiny_vlm_path(tiny_models_dir: Path) -> Path:
-    return build_tiny_vlm(tiny_models_dir / "tiny-vlm-f32")
+    return build_once(tiny_models_dir, "tiny-vlm-f32", build_tiny_vlm)

@@ -1,6 +1,5 @@
-"""Fixtures for tests that drive the coordinator double. Import the ones you use into your test module::
-
-    from double_fixtures import coordinator_double, double_config, openai_consumer  # noqa: F401
+"""Fixtures for tests that drive the coordinator double: ``coordinator_double``, ``double_config`` and
+``openai_consumer`` (conftest.py shares them with every test module), and the helpers beside them.
 
 Override ``double_config`` in a module to shrink timers (``DoubleConfig(first_response_timeout=1, …)``).
 ``coordinator_double`` fails the test at teardown if the double itself raised (``double.errors``).

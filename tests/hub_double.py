@@ -11,8 +11,8 @@
 
 `gets` counts the file GETs per path, `starts` the byte each began at (a resumed download asks a Range).
 A file in `withheld` is answered 404, once another file's bytes have been sent.
-The `hub` fixture serves the tiny model as `org/tiny` with HF_ENDPOINT pointed at it (import it into a
-test module to use it).
+The `hub` fixture serves the tiny model as `org/tiny` with HF_ENDPOINT pointed at it (conftest.py shares
+it with every test module).
 """
 
 from __future__ import annotations

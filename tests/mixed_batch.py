@@ -1,4 +1,4 @@
-"""Issue 31's "done when" through `serve --local`: a hundred constrained requests at concurrency 8, in
+"""Mixed batches through `serve --local`: a hundred constrained requests at concurrency 8, in
 the same batch as plain greedy ones, each plain answer the same as that prompt's answer alone."""
 
 from __future__ import annotations

@@ -1,15 +1,24 @@
 """The whole agent against a coordinator double: in the test's process (its settings for a small
 machine, and the agents a test started, each stopped at the test's end with exit code 0), or as a
-process of its own (`agent_process`)."""
+process of its own (`agent_process`).
+
+``start_agent`` (a fixture) starts agents on the tiny model in the test's process:
+``await start_agent(double.ws_url, name="p1", models=None, **settings)``; they stop at the test's end
+with no reservation left.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import sys
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
+from memory import Ledger, ReservationKind
 from provider.agent import Agent
 from provider.config import Settings
 
@@ -74,3 +83,25 @@ async def agent_process(ws_url: str, model: Path, tmp_path: Path, *, stderr: int
              "DARKBLOOM_HF_CACHE_DIR": str(tmp_path / "hf"), "DARKBLOOM_MODEL_ALIASES": f"tiny={model}",
              "DARKBLOOM_MEMORY_LIMIT_GB": "8", "DARKBLOOM_MEMORY_RESERVE_GB": "0.5",
              "DARKBLOOM_LOG_FORMAT": "json", "DARKBLOOM_HEARTBEAT_INTERVAL_S": "0.5", **env})
+
+
+@pytest.fixture
+async def start_agent(tiny_model_path: Path, tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
+    agents = Agents()
+
+    async def start(url: str, name: str = "p1", models: dict[str, Path] | None = None, **overrides) -> RunningAgent:
+        return await agents.start(agent_settings(url, tmp_path / name, models or {"tiny": tiny_model_path}, **overrides))
+
+    yield start
+    await agents.stop_all()
+
+
+def no_request_reservations(ledger: Ledger) -> bool:
+    """No request KV, media or load claim outstanding (the RAM prefix cache may keep entries: it is a cache)."""
+    counts = ledger.snapshot().count_by_kind
+    return all(counts[kind] == 0 for kind in (ReservationKind.REQUEST_KV, ReservationKind.MEDIA,
+                                              ReservationKind.PENDING_LOAD))
+
+
+def chat_messages(content: str = "hello") -> list[dict[str, str]]:
+    return [{"role": "user", "content": content}]

@@ -1,4 +1,4 @@
-"""capacity_quote at the admission layer (issue 32 item 2): a real engine with the tiny model, the real
+"""capacity_quote at the admission layer: a real engine with the tiny model, the real
 ledger and model manager. The quote is the read-only admission decision: it must agree with the booking
 a real request of the same shape gets, and it must never book, reserve or load anything itself."""
 

@@ -3,30 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 import plistlib
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cli_runner import closed_port, run_cli
 
 import memory
 from memory import Probe
 from memory.probe import no_mlx_counters
 
 GIB = 1 << 30
-
-
-def run_cli(*args: str, env: dict[str, str] | None = None, home: Path | None = None,
-            timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("DARKBLOOM_")}
-    if home is not None:
-        base.update(HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"), XDG_DATA_HOME=str(home / ".local/share"))
-    base.update(env or {})
-    return subprocess.run([sys.executable, "-m", "provider.cli", *args], env=base, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 @pytest.fixture
@@ -38,12 +26,6 @@ def home(tmp_path: Path) -> Path:
 def model_env(home: Path, tiny_model_path: Path, **extra: str) -> dict[str, str]:
     return {"DARKBLOOM_MODEL_ALIASES": f"demo/tiny={tiny_model_path}", "DARKBLOOM_HF_CACHE_DIR": str(home / "hub"),
             **extra}
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_doctor_json_for_a_64_gib_limit_on_a_larger_machine_has_effective_cap_57_6_gib(home, tiny_model_path):
@@ -175,7 +157,7 @@ def test_status_rendering_shows_models_ledger_and_prefix_cache():
 
 
 def test_the_local_host_message_says_what_is_really_accepted(home):
-    """Issue 29: 127.0.0.2 was accepted while the message listed only 127.0.0.1, ::1 and localhost."""
+    """127.0.0.2 was accepted while the message listed only 127.0.0.1, ::1 and localhost."""
     from provider.config import load_settings
 
     for host in ("127.0.0.2", "127.255.0.9", "::1", "localhost"):

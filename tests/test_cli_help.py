@@ -1,4 +1,4 @@
-"""Short help per command, and one place that lists every setting (issue 29 item 9).
+"""Short help per command, and one place that lists every setting.
 
 Every subcommand's `--help` was ~180 lines: all the settings, repeated, even for `service status`,
 which refuses them. Each command's help now shows the flags that command uses and points at

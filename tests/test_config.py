@@ -164,7 +164,7 @@ def test_coordinator_url_rules(home: Path) -> None:
 
 
 def test_a_remote_ws_url_is_refused_with_the_way_out_not_a_dead_end(home: Path) -> None:
-    """Issue 13: the error for a remote ws:// URL says to use wss://; dev_posture does not relax it (it used
+    """The error for a remote ws:// URL says to use wss://; dev_posture does not relax it (it used
     to be suggested, and then the agent refused dev_posture for a remote coordinator)."""
     for env in ({"DARKBLOOM_COORDINATOR_URL": "ws://coord.lan/ws/provider"},
                 {"DARKBLOOM_COORDINATOR_URL": "ws://coord.lan/ws/provider", "DARKBLOOM_DEV_POSTURE": "1"}):

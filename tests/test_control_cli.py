@@ -1,4 +1,4 @@
-"""`darkbloom-provider ps` and `unload MODEL` (issue 32 item 3) against a real `serve --local` subprocess,
+"""`darkbloom-provider ps` and `unload MODEL` against a real `serve --local` subprocess,
 found as `status` finds it: through the state directory's lock record (HOME is the test's folder)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_local_server import MODEL, start_server
+from local_server import MODEL, start_server
 
 
 def cli(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:

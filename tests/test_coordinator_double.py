@@ -46,7 +46,7 @@ from coordinator_double import (
 from coordinator_double.attestation import verify_registration
 from coordinator_double.events import AfterTerminal, Disconnected
 from coordinator_double.fake_provider import MODEL, FakeProvider, Job
-from double_fixtures import consumer_for, coordinator_double, double_config, openai_consumer, quick_config  # noqa: F401
+from double_fixtures import consumer_for, quick_config
 from websockets.asyncio.client import connect
 
 from protocol import (
@@ -66,12 +66,12 @@ FAST = {"first_response_timeout": 2.0, "accepted_timeout": 3.0, "stream_idle_tim
 
 
 @pytest.fixture
-def double_config() -> DoubleConfig:  # noqa: F811 - this module's shrunk timers
+def double_config() -> DoubleConfig:  # this module's shrunk timers
     return quick_config(**FAST)
 
 
 @pytest.fixture
-async def providers(coordinator_double: CoordinatorDouble) -> AsyncIterator[list[FakeProvider]]:  # noqa: F811
+async def providers(coordinator_double: CoordinatorDouble) -> AsyncIterator[list[FakeProvider]]:
     made: list[FakeProvider] = []
     yield made
     for provider in made:
@@ -94,7 +94,7 @@ def chat(**extra: Any) -> dict[str, Any]:
 
 
 async def test_streaming_consumer_gets_events_verbatim_with_usage_and_job_id(
-    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]  # noqa: F811
+    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]
 ) -> None:
     double = coordinator_double
     provider = await routable_provider(double, providers)
@@ -127,7 +127,7 @@ async def test_streaming_consumer_gets_events_verbatim_with_usage_and_job_id(
 
 
 async def test_non_streaming_consumer_gets_reassembled_completion_with_usage_from_complete(
-    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]  # noqa: F811
+    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]
 ) -> None:
     double = coordinator_double
     provider = await routable_provider(double, providers)
@@ -145,7 +145,7 @@ async def test_non_streaming_consumer_gets_reassembled_completion_with_usage_fro
 
 
 async def test_single_chat_completion_chunk_is_passed_through(
-    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]  # noqa: F811
+    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]
 ) -> None:
     provider = await routable_provider(coordinator_double, providers)
     consumer = asyncio.create_task(openai_consumer.chat.completions.create(**chat()))
@@ -166,7 +166,7 @@ async def test_single_chat_completion_chunk_is_passed_through(
 
 
 async def test_models_endpoint_lists_registered_models(
-    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]  # noqa: F811
+    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]
 ) -> None:
     await routable_provider(coordinator_double, providers)
     models = await openai_consumer.models.list()
@@ -196,7 +196,7 @@ def _answer_with(**update: Any) -> Callable[[FakeProvider, AttestationChallenge]
     ids=["wrong-key", "empty-signature", "no-sip", "sip-off", "no-secure-boot", "rdma-on"],
 )
 async def test_failed_challenge_leaves_provider_unroutable(
-    coordinator_double: CoordinatorDouble,  # noqa: F811
+    coordinator_double: CoordinatorDouble,
     providers: list[FakeProvider],
     answer: Callable[..., Any],
     failure: ChallengeFailure,
@@ -225,7 +225,7 @@ async def test_unanswered_challenge_times_out(providers: list[FakeProvider]) -> 
 
 
 async def test_signatures_verified_only_for_attested_providers(
-    coordinator_double: CoordinatorDouble, providers: list[FakeProvider]  # noqa: F811
+    coordinator_double: CoordinatorDouble, providers: list[FakeProvider]
 ) -> None:
     double = coordinator_double
     plain = FakeProvider(double.ws_url)
@@ -251,7 +251,7 @@ async def test_signatures_verified_only_for_attested_providers(
     assert again.ok and again.signature is SignatureCheck.VERIFIED
 
 
-# --- registration attestation, as [A] verifies it (issue 19) ---------------------------------------------------
+# --- registration attestation, as [A] verifies it ------------------------------------------------------------
 
 
 def _attestation(provider: FakeProvider, text_edit: Callable[[str], str] | None = None, **blob: Any):
@@ -368,7 +368,7 @@ async def test_min_trust_self_signed_routes_only_a_valid_attestation(providers: 
     ids=["backend", "urlsafe-key", "plaintext", "no-privacy"],
 )
 async def test_registration_requirements(
-    coordinator_double: CoordinatorDouble,  # noqa: F811
+    coordinator_double: CoordinatorDouble,
     providers: list[FakeProvider],
     register: dict[str, Any],
     reason: Unroutable,
@@ -384,7 +384,7 @@ async def test_registration_requirements(
 
 
 async def test_pre_chunk_error_reroutes_with_new_request_id_and_session_key(
-    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]  # noqa: F811
+    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]
 ) -> None:
     double = coordinator_double
     full = await routable_provider(double, providers)  # registered first: tried first
@@ -409,7 +409,7 @@ async def test_pre_chunk_error_reroutes_with_new_request_id_and_session_key(
 
 
 async def test_single_provider_reject_exhausts_with_provider_status(
-    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]  # noqa: F811
+    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]
 ) -> None:
     provider = await routable_provider(coordinator_double, providers)
     consumer = asyncio.create_task(openai_consumer.chat.completions.create(**chat()))
@@ -499,8 +499,8 @@ CHUNK_FAULTS: dict[ChunkFault, Callable[[FakeProvider, Job, bytes], str]] = {
 
 @pytest.mark.parametrize("fault", list(CHUNK_FAULTS), ids=lambda f: f.value)
 async def test_unverifiable_chunk_marks_provider_untrusted_and_fails_502(
-    coordinator_double: CoordinatorDouble,  # noqa: F811
-    openai_consumer: openai.AsyncOpenAI,  # noqa: F811
+    coordinator_double: CoordinatorDouble,
+    openai_consumer: openai.AsyncOpenAI,
     providers: list[FakeProvider],
     fault: ChunkFault,
 ) -> None:
@@ -520,7 +520,7 @@ async def test_unverifiable_chunk_marks_provider_untrusted_and_fails_502(
 
 
 async def test_mid_stream_error_is_surfaced_not_rerouted(
-    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]  # noqa: F811
+    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]
 ) -> None:
     double = coordinator_double
     first = await routable_provider(double, providers)
@@ -544,7 +544,7 @@ async def test_mid_stream_error_is_surfaced_not_rerouted(
 
 
 async def test_consumer_disconnect_mid_stream_sends_cancel(
-    coordinator_double: CoordinatorDouble, providers: list[FakeProvider]  # noqa: F811
+    coordinator_double: CoordinatorDouble, providers: list[FakeProvider]
 ) -> None:
     double = coordinator_double
     provider = await routable_provider(double, providers)
@@ -635,7 +635,7 @@ async def test_eviction_after_heartbeat_silence_fails_pending_and_keeps_socket(p
 
 
 async def test_invalid_frames_are_dropped_and_recorded(
-    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]  # noqa: F811
+    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]
 ) -> None:
     double = coordinator_double
     provider = await routable_provider(double, providers)
@@ -664,7 +664,7 @@ async def test_invalid_frames_are_dropped_and_recorded(
 
 
 async def test_float_in_register_means_never_registered(
-    coordinator_double: CoordinatorDouble, providers: list[FakeProvider]  # noqa: F811
+    coordinator_double: CoordinatorDouble, providers: list[FakeProvider]
 ) -> None:
     double = coordinator_double
     provider = FakeProvider(double.ws_url)
@@ -682,7 +682,7 @@ async def test_float_in_register_means_never_registered(
 
 
 async def test_frames_after_terminal_and_sse_violations_are_recorded(
-    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]  # noqa: F811
+    coordinator_double: CoordinatorDouble, openai_consumer: openai.AsyncOpenAI, providers: list[FakeProvider]
 ) -> None:
     double = coordinator_double
     provider = await routable_provider(double, providers)
@@ -703,7 +703,7 @@ async def test_frames_after_terminal_and_sse_violations_are_recorded(
 
 
 async def test_a_streaming_consumer_gets_each_chunk_plus_a_blank_line_then_the_doubles_done(
-    coordinator_double: CoordinatorDouble, providers: list[FakeProvider]  # noqa: F811
+    coordinator_double: CoordinatorDouble, providers: list[FakeProvider]
 ) -> None:
     """[A] writes ``chunk + "\\n\\n"`` per chunk and its own ``data: [DONE]\\n\\n`` after inference_complete:
     a provider sending one ``data:`` line per chunk gives the consumer exactly OpenAI's stream; one that adds
@@ -736,7 +736,7 @@ async def test_a_streaming_consumer_gets_each_chunk_plus_a_blank_line_then_the_d
 
 
 async def test_send_raw_injects_text_binary_and_33_mib_frames(
-    coordinator_double: CoordinatorDouble, providers: list[FakeProvider]  # noqa: F811
+    coordinator_double: CoordinatorDouble, providers: list[FakeProvider]
 ) -> None:
     double = coordinator_double
     provider = await routable_provider(double, providers)
@@ -808,7 +808,7 @@ async def test_no_provider_for_model_waits_in_queue_then_503(providers: list[Fak
 
 
 async def test_consumer_leaving_before_commit_sends_cancel(
-    coordinator_double: CoordinatorDouble, providers: list[FakeProvider]  # noqa: F811
+    coordinator_double: CoordinatorDouble, providers: list[FakeProvider]
 ) -> None:
     double = coordinator_double
     provider = await routable_provider(double, providers)
@@ -836,7 +836,7 @@ def test_forwarded_body_is_go_marshalled_only_when_modified() -> None:
 
 
 async def test_records_carry_the_loop_clock(
-    coordinator_double: CoordinatorDouble, providers: list[FakeProvider]  # noqa: F811
+    coordinator_double: CoordinatorDouble, providers: list[FakeProvider]
 ) -> None:
     before = asyncio.get_running_loop().time()
     await routable_provider(coordinator_double, providers)

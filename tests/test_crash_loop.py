@@ -1,4 +1,4 @@
-"""Crash loops (issue 18.8): the agent counts its own abnormal exits in the state directory; under
+"""Crash loops: the agent counts its own abnormal exits in the state directory; under
 launchd, `crash_loop_limit` of them within `crash_loop_window_mins` keep it down (exit 0, which
 `KeepAlive {SuccessfulExit: false}` does not relaunch), and `service status` and `doctor` say so.
 
@@ -17,6 +17,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from cli_runner import closed_port, run_cli
+from service_recorder import Recorder
 
 from provider import cli
 from provider.agent import EXIT_RESTART
@@ -31,12 +33,10 @@ from provider.supervision import (
     ExitReason,
     on_exit,
     on_start,
-    read_exit_record,
     read_abnormal_exits,
+    read_exit_record,
     reset_abnormal_exits,
 )
-from test_cli import closed_port, run_cli
-from test_service import Recorder
 
 LAUNCHD = {"DARKBLOOM_SERVICE_MANAGER": "launchd"}
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
@@ -294,7 +294,7 @@ def test_service_status_on_the_command_line_counts_the_abnormal_exits(tmp_path):
                                           (1, ExitKind.ERROR_EXIT)],
                          ids=["drained", "config-refused", "memory-restart", "failed"])
 def test_which_exits_of_serve_count(tmp_path, monkeypatch, code, kind):
-    """0 (a drain) and 78 (a refused configuration) are clean; a memory self-restart (75, issue 20)
+    """0 (a drain) and 78 (a refused configuration) are clean; a memory self-restart (75)
     counts, so a restart that does not help cannot loop either. An exit code is known at the exit:
     it is recorded then, with what it was (a kill is only found at the next start)."""
     monkeypatch.setattr(cli, "_serve", lambda args, settings: code)
@@ -307,7 +307,7 @@ def test_which_exits_of_serve_count(tmp_path, monkeypatch, code, kind):
 
 
 def test_memory_self_restarts_that_do_not_help_stay_down_and_say_why(tmp_path, monkeypatch):
-    """Issue 20's self-restart and the guard together: launchd starts the agent again after each exit
+    """The memory self-restart and the guard together: launchd starts the agent again after each exit
     75; each is counted as a memory self-restart; at crash_loop_limit the agent stays down (exit 0)
     and the record, `service status` and `doctor` name the memory self-restarts as the reason."""
     home, state = tmp_path / "home", tmp_path / "state"

@@ -1,4 +1,4 @@
-"""Which memory the agent reports (issue 30 item 4): the heartbeat, doctor and /status say whether the
+"""Which memory the agent reports: the heartbeat, doctor and /status say whether the
 capacity figures are the machine's RAM (unified: Apple silicon, MLX's CPU device) or a GPU's own
 memory (discrete: MLX's CUDA backend), with the host's RAM beside it in the discrete case. The probe's
 arithmetic for a discrete GPU is in test_memory_probe."""

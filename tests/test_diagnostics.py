@@ -1,4 +1,4 @@
-"""Memory diagnostics and the safe self-restart (issue 20), on real MLX and the tiny models.
+"""Memory diagnostics and the safe self-restart, on real MLX and the tiny models.
 
 * a 20-switch soak (tiny and small, alternating): every unload returns MLX's active memory to where
   it started (within 1 % of the model's size) with an empty cache and no reservation; the restart
@@ -18,7 +18,7 @@ import httpx
 import mlx.core as mx
 import pytest
 from coordinator_double import JOB_HEADER, Completed, Registered, Rejected
-from double_fixtures import consumer_for, coordinator_double, double_config, quick_config  # noqa: F401
+from double_fixtures import consumer_for, quick_config
 
 from memory import GiB, padded_weight_bytes
 from memory.diagnostics import Recommendation
@@ -28,8 +28,8 @@ from provider.config import Settings
 from provider.demo import free_port
 from provider.doctor import ProblemCode, running_agent_diagnostics
 from provider.doctor.report import _restart_problems
-from provider.local.server import StatusEndpoint
 from provider.engine import ChatRequest, SamplingParams
+from provider.local.server import StatusEndpoint
 from provider.runtime import Runtime
 from provider.tinymodel import weights_bytes
 

@@ -1,4 +1,4 @@
-"""Models the coordinator asks for (issue 32 item 3): the agent (real engine on the tiny MLX models, real
+"""Models the coordinator asks for: the agent (real engine on the tiny MLX models, real
 model manager and ledger) against the coordinator double over a real WebSocket; the double sends the [N]
 frames (coordinator_double/directed.py) and records the answers."""
 
@@ -8,12 +8,11 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 from coordinator_double import CoordinatorDouble, FrameReceived, ModelStatus, ModelsUpdated
 from coordinator_double.directed import desired_models, load_model, prefetch_model
-from double_fixtures import consumer_for, coordinator_double, quick_config  # noqa: F401
-from hub_double import hub  # noqa: F401  (the fixture)
+from double_fixtures import consumer_for, quick_config
+from hypothesis import given
+from hypothesis import strategies as st
 from running_agent import Agents, agent_settings
 
 from protocol import DesiredModels
@@ -22,6 +21,7 @@ from provider.agent import Agent
 from provider.directed import DesiredBuilds
 from provider.models.hashing import weight_hash_sync
 from provider.slots import ModelState
+
 
 @pytest.fixture
 async def start_agent(tmp_path: Path) -> AsyncIterator[Callable[..., object]]:

@@ -1,4 +1,4 @@
-"""The operator docs say what the code does (issue 14.9): the memory table in deploy/README.md is what
+"""The operator docs say what the code does: the memory table in deploy/README.md is what
 memory.policy computes, and the example configuration names only commands that exist."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def test_the_example_configuration_names_only_real_commands():
 
 
 def test_the_self_hosted_coordinator_section_names_what_exists():
-    """Issue 13: the section names real commands, settings, gate verdicts and status words."""
+    """The self-hosted coordinator section names real commands, settings, gate verdicts and status words."""
     from provider.config import FIELDS
     from provider.session.gates import GateVerdict
 

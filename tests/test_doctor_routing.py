@@ -1,4 +1,4 @@
-"""Issue 13: `doctor` explains routing from the code the agent runs — what a coordinator sees (posture,
+"""`doctor` explains routing from the code the agent runs — what a coordinator sees (posture,
 privacy capabilities, backend, runtime hash), whether it trusts the machine, and per advertised model
 whether the coordinator's free-memory gate lets a cold request through, with the fix in one line.
 

@@ -1,4 +1,4 @@
-"""Settings that say what they did (issue 14.2): every rejected or clamped memory variable is named in
+"""Settings that say what they did: every rejected or clamped memory variable is named in
 the log with the value given and the value used, doctor lists it, and reserves that leave no room
 are named instead of blaming every model."""
 

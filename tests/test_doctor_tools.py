@@ -1,4 +1,4 @@
-"""`doctor` (and `models`) say which model calls tools, as `/v1/models` does (issue 31 item 1): mlx-lm
+"""`doctor` (and `models`) say which model calls tools, as `/v1/models` does: mlx-lm
 has a tool parser for its family, read from the tokenizer the start-up check loads anyway."""
 
 from __future__ import annotations

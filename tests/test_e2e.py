@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -33,43 +33,18 @@ from coordinator_double import (
     Rerouted,
 )
 from coordinator_double.events import Disconnected, DrainAckSent, DrainBarrier
-from double_fixtures import (  # noqa: F401
-    consumer_for,
-    coordinator_double,
-    double_config,
-    openai_consumer,
-    quick_config,
-    sealed_request,
-)
+from double_fixtures import consumer_for, quick_config, sealed_request
 from engine_arithmetic import assert_decisive_reply
 from openai_shape import assert_openai_stream
-from running_agent import NO_EOS, Agents, RunningAgent, agent_process, agent_settings
+from running_agent import (
+    NO_EOS,
+    agent_process,
+    chat_messages,
+    no_request_reservations,
+)
 
-from memory import Ledger, ReservationKind
 from provider.engine import ChatRequest, Engine, SamplingParams
 from provider.telemetry import capture_redacted_logs
-
-
-@pytest.fixture
-async def start_agent(tiny_model_path: Path, tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
-    agents = Agents()
-
-    async def start(url: str, name: str = "p1", models: dict[str, Path] | None = None, **overrides) -> RunningAgent:
-        return await agents.start(agent_settings(url, tmp_path / name, models or {"tiny": tiny_model_path}, **overrides))
-
-    yield start
-    await agents.stop_all()
-
-
-def no_request_reservations(ledger: Ledger) -> bool:
-    """No request KV, media or load claim outstanding (the RAM prefix cache may keep entries: it is a cache)."""
-    counts = ledger.snapshot().count_by_kind
-    return all(counts[kind] == 0 for kind in (ReservationKind.REQUEST_KV, ReservationKind.MEDIA,
-                                              ReservationKind.PENDING_LOAD))
-
-
-def chat_messages(content: str = "hello") -> list[dict[str, str]]:
-    return [{"role": "user", "content": content}]
 
 
 async def engine_alone(model_path: Path, content: str, max_tokens: int) -> tuple[str, int, int]:
@@ -186,7 +161,7 @@ async def test_two_providers_one_full_the_request_is_rerouted(coordinator_double
 
 async def test_a_model_folder_deleted_after_discovery_is_refused_before_the_accept_and_dropped(
         coordinator_double, openai_consumer, start_agent, tiny_model_path, tmp_path):
-    """Issue 29 item 5: a folder deleted after discovery was accepted, then failed 503 ``model_load`` 0.04 s
+    """A folder deleted after discovery was accepted, then failed 503 ``model_load`` 0.04 s
     later. It is refused before ``inference_accepted`` with a permanent 404, dropped from the inventory
     (the next register does not list it), and the other model is still served."""
     import shutil
@@ -328,7 +303,7 @@ async def test_malformed_oversized_tampered_and_unknown_frames_never_crash_the_s
 
 
 async def test_a_replayed_request_is_answered_400_and_not_run_again(coordinator_double, start_agent):
-    """Issue 12 item 9."""
+    """A finished request's frame sent again is answered with one 400 and not run again."""
     double = coordinator_double
     provider = await start_agent(double.ws_url)
     (view,) = await double.wait_routable(model="tiny", timeout=15)
@@ -393,7 +368,7 @@ async def test_sigterm_drains_the_job_in_flight_then_exits_0(coordinator_double,
     assert len(completed) == 1 and completed[0].usage.completion_tokens == 1200 and "".join(parts)
     disconnected = await double.wait_for(lambda e: isinstance(e, Disconnected), timeout=10)
     assert disconnected.close_code == 1000
-    # Issue 32: the barrier goes out behind the terminal frame, and is acknowledged before the close.
+    # The barrier goes out behind the terminal frame, and is acknowledged before the close.
     (barrier,), (ack,) = double.events.of(DrainBarrier), double.events.of(DrainAckSent)
     assert completed[0].at <= barrier.at <= ack.at <= disconnected.at and ack.request_id == barrier.request_id
     assert ack.delivered
@@ -402,7 +377,7 @@ async def test_sigterm_drains_the_job_in_flight_then_exits_0(coordinator_double,
 
 async def test_a_drain_that_runs_out_ends_every_accepted_request_with_its_terminal(coordinator_double,
                                                                                    tiny_model_path, tmp_path):
-    """Issue 29 item 1: SIGTERM with two long streams (the double's [A] concurrency for an 8 GB machine)
+    """SIGTERM with two long streams (the double's [A] concurrency for an 8 GB machine)
     and ``drain_timeout_s = 2``. When the drain runs
     out, each accepted request still gets exactly one terminal frame (503 ``draining``: nothing more
     will come) before the socket closes with 1000; the consumers see their streams fail, not hang."""
@@ -454,7 +429,7 @@ async def test_a_drain_that_runs_out_ends_every_accepted_request_with_its_termin
 
 
 async def test_an_agent_stopped_past_the_eviction_window_registers_afresh(tiny_model_path, tmp_path):
-    """Issue 12 item 2: ``kill -STOP`` until the coordinator has evicted the provider, then ``kill -CONT``:
+    """``kill -STOP`` until the coordinator has evicted the provider, then ``kill -CONT``:
     the socket is still open and heartbeats would be ignored for good, so the agent must notice the gap
     between its heartbeats and come back with a fresh ``register``. The window is shortened to 2 s on both
     sides (the [A] coordinator and the agent's default: 90 s)."""

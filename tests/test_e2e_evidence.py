@@ -1,5 +1,5 @@
-"""Issue 32 items 1, 2 and 5 end to end: the agent (real engine, tiny model) against the coordinator double
-over a real WebSocket, consumers on the `openai` SDK.
+"""Routing evidence and capacity quotes end to end: the agent (real engine, tiny model) against the coordinator
+double over a real WebSocket, consumers on the `openai` SDK.
 
 * routing evidence: register carries the calibrated ``prefill_tps`` / ``decode_tps``; after 20 served
   requests the heartbeat's ``observed_*_tps`` are within 20 % of what the client measured, with their
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from coordinator_double import CoordinatorDouble, FrameReceived
 from coordinator_double.capacity import QuoteReceived
-from double_fixtures import consumer_for, coordinator_double, double_config, sealed_request  # noqa: F401
+from double_fixtures import consumer_for, sealed_request
 from running_agent import Agents, RunningAgent, agent_process, agent_settings
 
 from protocol import Cancel, Heartbeat, InferenceComplete, InferenceError, InferenceResponseChunk, Register, encode
@@ -135,6 +135,7 @@ def heartbeat_event(e) -> bool:
     return isinstance(e, FrameReceived) and isinstance(e.message, Heartbeat)
 
 
+@pytest.mark.serial  # a 10 ms latency bound: no other test's load beside it
 async def test_quotes_while_eight_requests_stream(coordinator_double: CoordinatorDouble, tiny_model_path: Path,
                                                   tmp_path: Path) -> None:
     """The requests go to the agent directly (sealed frames on its socket): the double's [A] routing caps

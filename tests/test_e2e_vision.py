@@ -7,10 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from coordinator_double import JOB_HEADER, Completed, FrameReceived
-from double_fixtures import coordinator_double, double_config, openai_consumer  # noqa: F401
-
-from test_e2e import no_request_reservations, start_agent  # noqa: F401
 from engine_arithmetic import mlx_vlm_greedy
+from running_agent import no_request_reservations
 from vision_images import data_uri, detokenized, image_part, jpeg_bytes, png_bytes
 
 PNG = data_uri(png_bytes(40, 30, (220, 30, 30)))

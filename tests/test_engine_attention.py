@@ -16,18 +16,17 @@ import sys
 import threading
 
 import mlx.core as mx
-import mlx_lm
 import numpy as np
 import psutil
 import pytest
+from engine_arithmetic import engine_attention
+from engine_reference import NO_EOS, PROMPTS, greedy, messages, reference_greedy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_arithmetic import engine_attention
 from provider.engine import ChatRequest, Engine, attention
 from provider.engine.attention import exp2, mlx_attention, scaled_dot_product_attention
 from provider.engine.layout import on_cpu
-from test_engine import NO_EOS, PROMPTS, greedy, messages, reference_greedy
 
 RTOL = 2e-6  # of the output's largest magnitude: float32 rounding through two matmuls and a softmax
 
@@ -213,11 +212,6 @@ def test_enable_changes_the_calling_thread_only():
 
 
 # -- in the engine ------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_path):
-    return mlx_lm.load(str(tiny_model_path))
-
 
 @pytest.mark.parametrize("setting", [None, True, False])
 async def test_the_engine_thread_uses_it_on_the_cpu_and_keeps_mlx_lm_greedy_tokens(tiny_model_path, reference,

@@ -17,7 +17,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 
 from provider.engine.decode import DecodeBatch, EngineBatchGenerator, PrefillBatch
-from tests.engine_arithmetic import assert_decisive_continuation
+from engine_arithmetic import assert_decisive_continuation
 
 TEXTS = ("a river", "the mountain stream is quiet tonight", "seven", "batch of copper wire and salt stone",
          "north wind", "paper boat on a green lamp garden")

@@ -1,4 +1,4 @@
-"""MLX's memory settings on the engine (issue 18.3, 18.4): the wired limit follows resident models, not
+"""MLX's memory settings on the engine: the wired limit follows resident models, not
 per-model generators; the memory and buffer-cache limits come from the cap figures.
 
 On this CPU machine `mx.set_wired_limit` does nothing and `device_info()` has no working-set figure,

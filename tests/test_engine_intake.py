@@ -7,16 +7,10 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import mlx_lm
 import pytest
+from engine_reference import NO_EOS, PROMPTS, greedy, messages, reference_greedy
 
 from provider.engine import ChatRequest, Engine, Finished, worker
-from test_engine import NO_EOS, PROMPTS, greedy, messages, reference_greedy
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_path):
-    return mlx_lm.load(str(tiny_model_path))
 
 
 class DuringStep:

@@ -14,10 +14,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 import pytest
+from engine_reference import NO_EOS, PROMPTS, greedy, messages, reference_greedy
 
 from provider.engine import ChatRequest, Engine
 from provider.engine.layout import on_cpu, transpose_weights
-from test_engine import NO_EOS, PROMPTS, greedy, messages, reference_greedy
 
 
 def dense_linears(model: nn.Module) -> list[nn.Linear]:
@@ -26,11 +26,6 @@ def dense_linears(model: nn.Module) -> list[nn.Linear]:
 
 def row_major(a: mx.array) -> bool:
     return memoryview(a).c_contiguous
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_path):
-    return mlx_lm.load(str(tiny_model_path))
 
 
 def test_every_dense_weight_is_stored_transposed_with_its_values(tiny_model_path):

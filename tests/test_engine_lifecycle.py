@@ -55,7 +55,7 @@ async def test_unload_fails_running_requests_releases_and_frees_mlx_memory(engin
     assert isinstance(rest[-1], Failed) and rest[-1].code is EngineFailure.MODEL_UNLOADED
     assert released == ["r"]
     assert engine.stats("tiny") is None
-    # MLX counters are exact after clear_cache (reference/mlx-notes.md §4).
+    # MLX counters are exact after clear_cache.
     assert mx.get_active_memory() - baseline < 256 * 1024
     assert mx.get_cache_memory() == 0
 

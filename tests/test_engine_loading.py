@@ -4,9 +4,9 @@ does (`warm`), leaves nothing behind in the batch, and says where its seconds we
 from __future__ import annotations
 
 import pytest
+from engine_reference import NO_EOS, PROMPTS, greedy, messages
 
 from provider.engine import ChatRequest, Engine, Finished, loading
-from test_engine import NO_EOS, PROMPTS, greedy, messages
 
 
 async def test_a_load_serves_once_and_leaves_the_batch_empty(tiny_model_path, monkeypatch):

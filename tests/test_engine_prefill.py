@@ -15,23 +15,18 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 import pytest
-
 from engine_arithmetic import assert_decisive_reply
+from engine_reference import NO_EOS, PROMPTS, greedy, messages, reference_greedy
+
 from kvcache.manager import KvCacheManager
 from memory.ledger import Ledger, ReservationKind
 from memory.policy import GiB, figures
 from memory.snapshot import MemorySnapshot
 from provider.engine import ChatRequest, Engine, Finished, SamplingParams, TextDelta, worker
 from provider.engine.prefill import PREFILL_STEP, PassCosts, solo_threshold, split_head
-from test_engine import NO_EOS, PROMPTS, greedy, messages, reference_greedy
 
 IDLE = MemorySnapshot(physical_bytes=16 * GiB, available_bytes=15 * GiB)
 SYSTEM = {"role": "system", "content": " ".join(["the river model token batch stream is blue"] * 12)}
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_path):
-    return mlx_lm.load(str(tiny_model_path))
 
 
 class Gate:

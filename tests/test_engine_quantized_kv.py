@@ -20,7 +20,7 @@ from provider.engine import ChatRequest, Engine, EngineError, EngineFailure, Fin
 from provider.engine.decode import EngineBatchGenerator
 from kvcache.quantized import BatchQuantizedKVCache, PromptQuantizedKVCache, make_quantized_cache, quantizable
 from provider.models.kv import kv_quantization_bits, quantized_bytes_per_element
-from test_engine import messages
+from engine_reference import messages
 
 TEXTS = ("a river", "the mountain stream is quiet tonight", "seven", "batch of copper wire and salt stone",
          "north wind", "paper boat on a green lamp garden")

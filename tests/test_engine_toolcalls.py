@@ -237,7 +237,7 @@ def test_however_the_text_is_cut_the_stream_gives_the_whole_answer(fmt, cuts):
 
 
 def test_log_probabilities_of_text_held_inside_a_call_go_out_with_the_next_chunk(fmt):
-    """Issue 31 item 3 beside tools: every token's entry reaches the client once, in order, whether
+    """Log-probabilities beside tools: every token's entry reaches the client once, in order, whether
     its text went out as content, inside a call, or not at all (the finish chunk carries the rest)."""
     pieces = ["Let me look.\n", *CALL_1, "\n", *CALL_2]
     entries = [TokenLogprob(i, -0.5, ()) for i in range(len(pieces))]

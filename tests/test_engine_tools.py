@@ -1,4 +1,4 @@
-"""Tools on the engine's side (issue 31 item 1), on the real engine and the tiny tool-calling model:
+"""Tools on the engine's side, on the real engine and the tiny tool-calling model:
 wherever the worker renders a prompt itself (no `prompt_ids`, and the next turn it prepares while
 idle), the request's tools are rendered with the messages as the chat template renders them."""
 
@@ -8,13 +8,15 @@ import asyncio
 from pathlib import Path
 
 from mlx_lm.utils import load_tokenizer
+from next_turn import NextTurnTrace
 
 from kvcache.manager import KvCacheManager
 from memory.ledger import Ledger
 from memory.policy import GiB, figures
+from memory.snapshot import MemorySnapshot
 from provider.engine import ChatRequest, Engine, Finished, SamplingParams
-from test_kvcache_multiturn import IDLE, NextTurnTrace
 
+IDLE = MemorySnapshot(physical_bytes=16 * GiB, available_bytes=15 * GiB)
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0)
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}

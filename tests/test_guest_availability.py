@@ -1,4 +1,4 @@
-"""provider/guest (issue 16): the one pure decision, `availability(now, signals, rules)`, and the serving
+"""provider/guest: the one pure decision, `availability(now, signals, rules)`, and the serving
 windows it reads — across midnight, weekdays, DST changes (zoneinfo), empty and overlapping windows,
 owner activity, battery and heat — with the property that `retry_after_s` points at the next moment the
 function says Available."""

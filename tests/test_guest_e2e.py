@@ -1,4 +1,4 @@
-"""Issue 16 end to end: a serving window, with the agent (real engine on the tiny model, real manager and
+"""provider/guest end to end: a serving window, with the agent (real engine on the tiny model, real manager and
 ledger) against the coordinator double over a real WebSocket, consumers on the `openai` SDK, and an
 injected clock that the test moves.
 
@@ -23,8 +23,9 @@ from pathlib import Path
 import mlx.core as mx
 import openai
 import pytest
+from clock import Clock
 from coordinator_double import ChunkReceived, FrameReceived, Rejected
-from double_fixtures import consumer_for, coordinator_double, double_config  # noqa: F401
+from double_fixtures import consumer_for
 
 from memory import ReservationKind
 from provider.agent import Agent
@@ -38,15 +39,8 @@ NO_EOS = frozenset({10**9})  # the tiny model never stops early: a stream has ex
 DAY = (2025, 1, 8)
 
 
-class Clock:
-    def __init__(self, now: datetime) -> None:
-        self.now = now
-
-    def __call__(self) -> datetime:
-        return self.now
-
-    def set(self, hour: int, minute: int, second: int = 0) -> None:
-        self.now = datetime(*DAY, hour, minute, second, tzinfo=UTC)
+def at(hour: int, minute: int, second: int = 0) -> datetime:
+    return datetime(*DAY, hour, minute, second, tzinfo=UTC)
 
 
 def heartbeat_says(status: str):
@@ -74,7 +68,7 @@ def active_bytes_now() -> int:
 
 async def test_a_serving_window_end_to_end(coordinator_double, tiny_model_path: Path, tmp_path: Path):
     double = coordinator_double
-    clock = Clock(datetime(*DAY, 7, 20, tzinfo=UTC))
+    clock = Clock(at(7, 20))
     settings = Settings(
         coordinator_url=double.ws_url, dev_posture=True, state_dir=tmp_path / "state",
         hf_cache_dir=tmp_path / "empty-hf-cache", model_aliases={"tiny": tiny_model_path}, memory_limit_gb=8.0,
@@ -99,7 +93,7 @@ async def test_a_serving_window_end_to_end(coordinator_double, tiny_model_path: 
             streaming = asyncio.create_task(stream_all(consumer, 400))
             await double.wait_for(lambda e: isinstance(e, ChunkReceived), since=mark, timeout=10)
             mark = double.mark()
-            clock.set(7, 30)
+            clock.now = at(7, 30)
             with capture_redacted_logs() as logs:
                 assert await guest.step() == Paused(PauseReason.OUTSIDE_WINDOW, 900)
             assert agent.stats.serving, "the premise: the stream is still running when the window ends"
@@ -129,10 +123,10 @@ async def test_a_serving_window_end_to_end(coordinator_double, tiny_model_path: 
         assert 'darkbloom_pauses_total{reason="outside_window"} 1.0' in metrics
 
         # 07:35: the grace period is over; the model goes, and its memory with it.
-        clock.set(7, 34, 59)
+        clock.now = at(7, 34, 59)
         await guest.step()
         assert agent.manager.warm_models() == ["tiny"]
-        clock.set(7, 35)
+        clock.now = at(7, 35)
         await guest.step()
         assert agent.manager.warm_models() == [] and guest.released
         assert agent.manager.last_unload.cause is EvictionCause.PAUSED
@@ -142,7 +136,7 @@ async def test_a_serving_window_end_to_end(coordinator_double, tiny_model_path: 
 
         # 07:45: the next window; the preload comes back and requests are served again.
         mark = double.mark()
-        clock.set(7, 45)
+        clock.now = at(7, 45)
         assert await guest.step() == Available()
         assert agent.manager.warm_models() == ["tiny"] and agent.manager.kept_warm == {"tiny"}
         await double.wait_for(heartbeat_says("idle"), since=mark, timeout=10)
@@ -161,7 +155,7 @@ async def test_an_agent_started_outside_its_windows_waits_to_preload(coordinator
     """Started at 12:00 with a 22:00-07:30 window: connected, heartbeat ``draining``, nothing loaded;
     every request refused with the hint capped at an hour."""
     double = coordinator_double
-    clock = Clock(datetime(*DAY, 12, 0, tzinfo=UTC))
+    clock = Clock(at(12, 0))
     settings = Settings(
         coordinator_url=double.ws_url, dev_posture=True, state_dir=tmp_path / "state",
         hf_cache_dir=tmp_path / "empty-hf-cache", model_aliases={"tiny": tiny_model_path}, memory_limit_gb=8.0,

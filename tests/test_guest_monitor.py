@@ -1,4 +1,4 @@
-"""provider/guest GuestMonitor (issue 16): the shell around `availability` — readings, one log event and
+"""provider/guest GuestMonitor: the shell around `availability` — readings, one log event and
 one metric change per change of state, the grace period before the memory goes back, the preloads
 restored when the agent may serve again, and a loop that acts at a window's edge. An injected clock;
 the readers are stand-ins returning what the recorded-output tests prove the real ones return."""
@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime, timedelta
+
+from clock import Clock
 
 from protocol import ThermalState
 from provider.config import Settings
@@ -17,17 +19,6 @@ from provider.metrics import Metrics
 from provider.telemetry import capture_redacted_logs
 
 START = datetime(2025, 1, 8, 21, 0, tzinfo=UTC)  # a Wednesday
-
-
-class Clock:
-    def __init__(self, now: datetime = START) -> None:
-        self.now = now
-
-    def __call__(self) -> datetime:
-        return self.now
-
-    def advance(self, **delta: float) -> None:
-        self.now += timedelta(**delta)
 
 
 class Hooks:
@@ -53,7 +44,7 @@ def monitor(*windows: str, clock: Clock, grace_s: float = 300, **kw) -> tuple[Gu
 
 
 async def test_each_change_is_logged_once_with_its_reason_and_counted():
-    clock, metrics = Clock(), Metrics()
+    clock, metrics = Clock(START), Metrics()
     m, _ = monitor("22:00-07:30", clock=clock, metrics=metrics)
     seen: list = []
     m.on_change(seen.append)
@@ -85,7 +76,7 @@ async def test_admission_sees_the_edge_before_the_next_step():
 
 
 async def test_memory_goes_back_after_the_grace_period_and_the_preloads_come_back():
-    clock = Clock()
+    clock = Clock(START)
     m, hooks = monitor("22:00-07:30", clock=clock, grace_s=300)
     await m.step()
     clock.advance(seconds=299)
@@ -108,7 +99,7 @@ async def test_memory_goes_back_after_the_grace_period_and_the_preloads_come_bac
 
 
 async def test_heat_and_battery_pause_without_giving_the_memory_back():
-    clock, thermal = Clock(), {"state": ThermalState.SERIOUS}
+    clock, thermal = Clock(START), {"state": ThermalState.SERIOUS}
     power = Reading(True, Source.PMSET)
     m, hooks = monitor(clock=clock, grace_s=0, pause_on_battery=True, thermal=lambda: thermal["state"],
                        read_power=lambda: power)
@@ -124,7 +115,7 @@ async def test_heat_and_battery_pause_without_giving_the_memory_back():
 
 
 async def test_the_owner_at_the_keyboard():
-    clock = Clock()
+    clock = Clock(START)
     idle = {"s": 5.0}
     m, hooks = monitor(clock=clock, grace_s=60, pause_when_active_s=600,
                        read_idle=lambda: Reading(idle["s"], Source.IOREG))
@@ -142,7 +133,7 @@ async def test_the_owner_at_the_keyboard():
 
 
 async def test_a_start_inside_a_pause_restores_the_deferred_preloads():
-    clock = Clock()
+    clock = Clock(START)
     m, hooks = monitor("22:00-07:30", clock=clock)
     await m.step()
     m.defer_restore()
@@ -192,7 +183,7 @@ def test_from_settings_turns_on_only_the_readers_the_rules_use():
 async def test_an_unload_waiting_for_a_request_is_retried_at_the_poll_not_in_a_spin():
     """Past the grace period with a request still running, the release is retried at each poll (10 s),
     not every 50 ms: each step runs the readers (ioreg, pmset: a process each)."""
-    clock = Clock()
+    clock = Clock(START)
     m, hooks = monitor("22:00-07:30", clock=clock, grace_s=300)
     await m.step()
     assert m.next_step_s() == m.poll_s
@@ -209,7 +200,7 @@ async def test_an_unload_waiting_for_a_request_is_retried_at_the_poll_not_in_a_s
 async def test_the_loop_survives_a_failing_hook():
     """A hook that raises (an unload's error) is logged by its type and the loop goes on: a dead loop
     would leave the heartbeat and the metrics in the last state for the life of the process."""
-    clock = Clock()
+    clock = Clock(START)
     m = GuestMonitor(Rules(windows=parse_windows(["22:00-07:30"]), zone=UTC), grace_s=0, clock=clock)
     first, second = asyncio.Event(), asyncio.Event()
 
@@ -235,9 +226,9 @@ async def test_the_loop_survives_a_failing_hook():
 
 
 async def test_follow_hears_each_flip_between_available_and_paused():
-    """The hook a power assertion uses (issue 18's KeepAwake.set_available): the state at once, then a
+    """The hook a power assertion uses (KeepAwake.set_available): the state at once, then a
     call at each flip, none when only the reason of a pause changes."""
-    clock, thermal = Clock(), {"state": ThermalState.NOMINAL}
+    clock, thermal = Clock(START), {"state": ThermalState.NOMINAL}
     m, _ = monitor("22:00-07:30", clock=clock, thermal=lambda: thermal["state"])
     await m.step()
     heard: list[bool] = []

@@ -1,4 +1,4 @@
-"""provider/guest readers (issue 16) on recorded output: ``ioreg`` HIDIdleTime, ``pmset -g batt``,
+"""provider/guest readers on recorded output: ``ioreg`` HIDIdleTime, ``pmset -g batt``,
 /sys/class/power_supply, xprintidle and GNOME's idle monitor. Each sample (tests/macos_samples,
 tests/linux_samples) names its command, its source and its provenance: ``verbatim`` (a real output pasted
 in a public issue), ``derived`` (a real one with parts constructed, said which) or ``constructed`` (from
@@ -32,7 +32,7 @@ LINUX_SAMPLES = Path(__file__).parent / "linux_samples"
 
 
 def sample(name: str) -> str:
-    """A recorded output: macOS ones from tests/macos_samples (issue 18's collection and its header
+    """A recorded output: macOS ones from tests/macos_samples (its __init__ states the header
     rules), Linux ones from tests/linux_samples (the same ``#`` header: command, source, provenance)."""
     if not name.startswith(("sysfs_", "xprintidle", "gdbus_")):
         return macos_sample(name)

@@ -1,4 +1,4 @@
-"""Issue 16: a pause reaches every place it must — admission (the single decision point), the heartbeat's
+"""A pause reaches every place it must — admission (the single decision point), the heartbeat's
 status, the local server's Retry-After, `doctor` (each signal's reading, the next window change), the
 `status` command — and the settings read windows from the file, the environment and flags."""
 

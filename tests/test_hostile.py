@@ -1,4 +1,4 @@
-"""A hostile coordinator (issue 12): the real agent (tiny model) against the coordinator double's hostile mode,
+"""A hostile coordinator: the real agent (tiny model) against the coordinator double's hostile mode,
 over a real WebSocket on 127.0.0.1, while an OpenAI consumer keeps sending valid requests through the double.
 
 More than 10,000 seeded mutations of every coordinator → provider frame type: zero crashes, zero disconnects
@@ -15,8 +15,8 @@ import os
 
 from coordinator_double import Disconnected, FrameReceived
 from coordinator_double.hostile import TERMINAL_TYPES, HostileReport, hostile_cases
-from double_fixtures import consumer_for, coordinator_double, double_config  # noqa: F401
-from test_e2e import chat_messages, no_request_reservations, start_agent  # noqa: F401
+from double_fixtures import consumer_for
+from running_agent import chat_messages, no_request_reservations
 
 from protocol import MAX_INBOUND_FRAME_BYTES
 from provider.telemetry import capture_redacted_logs
@@ -27,7 +27,7 @@ VALID_MIN = 20  # valid requests served while the hostile frames arrive (more if
 
 
 async def test_a_hostile_coordinator_gets_one_answer_per_readable_request_and_never_a_crash(
-        coordinator_double, start_agent, capsys):  # noqa: F811
+        coordinator_double, start_agent, capsys):
     double = coordinator_double
     provider = await start_agent(double.ws_url)
     (view,) = await double.wait_routable(model="tiny", timeout=15)

@@ -1,111 +1,38 @@
 """One inference_request end to end through a real engine and model manager (no socket).
 
 The coordinator side is played by a session key pair: it seals the request and opens each chunk, as
-the Go coordinator does (protocol.md §11).
+the Go coordinator does.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 import base64
 import json
-from pathlib import Path
+import time
 
 import pytest
-from nacl.public import Box, PrivateKey, PublicKey
-
-from memory import Ledger, Probe, ReservationKind
-from protocol import EncryptedPayload, InferenceRequest
-from protocol.crypto import ProviderIdentity
-from provider.config import Settings
-from provider.doctor import cap_figures
-from provider.engine import ChatRequest, Engine, SamplingParams
-from provider.session.connection import DRAIN_EXPIRED
-from provider.jobs import JobContext, JobOutcome, JobState, PromptCounter, ServingStats, run_job
-from provider.jobs.job import Job
-from provider.models import discover
-from provider.slots import ModelManager
-from provider.telemetry import capture_redacted_logs
+from job_harness import Harness, chat, sse_json
+from settings_for import settings_for
 from vectors import load as load_vector
 from vision_images import data_uri, png_bytes
 
-NO_EOS = frozenset({10**9})  # the tiny model never stops early: completions have exactly max_tokens
-
-
-class Coordinator:
-    """The coordinator's half of the crypto for one provider identity."""
-
-    def __init__(self, provider_key_b64: str) -> None:
-        self.provider_key = provider_key_b64
-        self.session = PrivateKey.generate()
-        self.box = Box(self.session, PublicKey(base64.b64decode(provider_key_b64)))
-
-    def request(self, rid: str, body: dict | bytes) -> InferenceRequest:
-        plaintext = body if isinstance(body, bytes) else json.dumps(body).encode()
-        sealed = base64.b64encode(self.box.encrypt(plaintext)).decode()
-        return InferenceRequest(request_id=rid, encrypted_body=EncryptedPayload(
-            ephemeral_public_key=base64.b64encode(bytes(self.session.public_key)).decode(), ciphertext=sealed))
-
-    def open_chunk(self, frame: dict) -> bytes:
-        assert "data" not in frame  # never plaintext
-        assert frame["encrypted_data"]["ephemeral_public_key"] == self.provider_key
-        return self.box.decrypt(base64.b64decode(frame["encrypted_data"]["ciphertext"]))
-
-
-class Harness:
-    def __init__(self, settings: Settings, engine: Engine, eos: frozenset[int] | None = NO_EOS) -> None:
-        self.identity = ProviderIdentity.generate()
-        self.coordinator = Coordinator(self.identity.public_key_b64)
-        inventory = discover(hf_cache=None, aliases=settings.model_aliases)
-        self.probe = Probe(settings.memory_limit_gb)
-        self.ledger = Ledger(cap_figures(settings, self.probe.snapshot()), sample=self.probe.snapshot)
-        self.engine = engine
-        self.manager = ModelManager.from_settings(settings, engine, inventory, self.ledger, self.probe,
-                                                  eos_token_ids=None if eos is None else {"tiny": eos})
-        self.stats = ServingStats()
-        self.ctx = JobContext(identity=self.identity, manager=self.manager,
-                              counter=PromptCounter({m.id: m.path for m in inventory.models}), stats=self.stats)
-        self.frames: list[dict] = []
-
-    def send(self, text: str) -> None:
-        self.frames.append(json.loads(text))
-
-    async def run(self, request: InferenceRequest) -> JobOutcome:
-        return await run_job(request, self.ctx, self.send)
-
-    def of(self, rid: str) -> list[dict]:
-        return [f for f in self.frames if f.get("request_id") == rid]
-
-    def events(self, rid: str) -> list[bytes]:
-        return [self.coordinator.open_chunk(f) for f in self.of(rid) if f["type"] == "inference_response_chunk"]
-
-
-def settings_for(tiny_model_path: Path, tmp_path: Path, **kw) -> Settings:
-    base = dict(coordinator_url="ws://127.0.0.1:1/ws/provider", state_dir=tmp_path, hf_cache_dir=tmp_path / "hf",
-                model_aliases={"tiny": tiny_model_path}, memory_limit_gb=8.0, memory_reserve_gb=0.5)
-    return Settings(**{**base, **kw})
+from memory import ReservationKind
+from provider.engine import ChatRequest, Engine, SamplingParams
+from provider.jobs import JobOutcome, JobState, run_job
+from provider.jobs.job import Job
+from provider.session.connection import DRAIN_EXPIRED
+from provider.telemetry import capture_redacted_logs
 
 
 @pytest.fixture
 async def harness(tiny_model_path, tmp_path):
     engine = Engine()
-    h = Harness(settings_for(tiny_model_path, tmp_path), engine)
+    h = Harness(settings_for(tmp_path, {"tiny": tiny_model_path}), engine)
     yield h
     await h.manager.unload_all()
     await engine.aclose()
     assert len(h.ledger) == 0  # every reservation released, on every path
-
-
-def chat(content: str = "hello there", max_tokens: int = 6, **extra) -> dict:
-    return {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0, **extra}
-
-
-def sse_json(event: bytes) -> dict:
-    """One chunk's plaintext: exactly one ``data: {json}`` line, no blank line after it (§1.8, §7.3)."""
-    assert event.startswith(b"data: ") and b"\n" not in event and event.count(b"data: ") == 1
-    return json.loads(event[len(b"data: "):])
 
 
 async def test_stream_matches_the_engine_and_usage_is_exact(harness):
@@ -176,7 +103,7 @@ async def test_fast_rejects_have_no_accept(harness, mutate, status, code):
 
 
 async def test_an_unexpected_failure_before_the_accept_still_gets_exactly_one_answer(harness, monkeypatch):
-    """Issue 12 item 3: whatever goes wrong, a request whose id is known is answered once (500, no accept)."""
+    """Whatever goes wrong, a request whose id is known is answered once (500, no accept)."""
     async def broken_count(*args, **kwargs):
         raise RuntimeError("a bug somewhere below the job")
 
@@ -203,7 +130,7 @@ async def test_endpoint_chat_completions_and_unknown_keys_are_fine(harness):
 async def test_a_model_that_can_never_fit_is_refused_with_503_and_no_accept(tiny_model_path, tmp_path):
     engine = Engine()
     try:
-        h = Harness(settings_for(tiny_model_path, tmp_path, memory_limit_gb=3.0), engine)
+        h = Harness(settings_for(tmp_path, {"tiny": tiny_model_path}, memory_limit_gb=3.0), engine)
         assert await h.run(h.coordinator.request("full", chat())) is JobOutcome.REJECTED
         (frame,) = h.of("full")
         assert frame["status_code"] == 503 and frame["failure_code"] == "capacity"
@@ -262,7 +189,7 @@ async def test_cancel_while_waiting_for_the_load(harness):
 
 @pytest.mark.parametrize("phase", ["waiting_for_the_load", "streaming"])
 async def test_a_drain_that_runs_out_ends_the_job_with_503_draining(harness, phase):
-    """Issue 29 item 1: the connection cancels a job the drain ran out on with ``DRAIN_EXPIRED``; unlike a
+    """The connection cancels a job the drain ran out on with ``DRAIN_EXPIRED``; unlike a
     coordinator's cancel, the request then gets its one terminal frame (and the reservation goes back)."""
     reached = asyncio.Event()
     wanted = 1 if phase == "waiting_for_the_load" else 3  # the accept alone, or accept + chunks
@@ -298,7 +225,7 @@ async def test_concurrent_jobs_each_get_their_own_box_and_stream(harness):
 
 
 async def test_a_completed_job_leaves_one_served_line_with_its_numbers(harness):
-    """Issue 29 item 8: one info line per request: model, tokens, TTFT, tok/s, outcome (never text)."""
+    """One info line per request: model, tokens, TTFT, tok/s, outcome (never text)."""
     with capture_redacted_logs() as logs:
         assert await harness.run(harness.coordinator.request("n1", chat(max_tokens=6))) is JobOutcome.COMPLETED
     (line,) = [e for e in logs if e["event"] == "request_completed"]
@@ -306,7 +233,7 @@ async def test_a_completed_job_leaves_one_served_line_with_its_numbers(harness):
     assert line["log_level"] == "info" and line["model"] == "tiny" and line["outcome"] == "completed"
     assert (line["prompt_tokens"], line["completion_tokens"]) == (usage["prompt_tokens"], usage["completion_tokens"])
     assert 0 < line["ttft_ms"] <= line["duration_s"] * 1000 and line["tokens_per_s"] >= 0
-    # Issue 30: the time to first output split where it went (from the frame's receipt).
+    # The time to first output split where it went (from the frame's receipt).
     parts = [line[k] for k in ("to_engine_ms", "engine_queue_ms", "prefill_ms", "to_client_ms")]
     assert min(parts) >= 0 and line["prefill_ms"] > 0 and sum(parts) == pytest.approx(line["ttft_ms"], abs=0.05)
 
@@ -323,9 +250,9 @@ async def test_no_prompt_text_or_consumer_strings_in_logs(harness):
 
 
 async def test_the_coordinator_path_refuses_what_it_cannot_honour_and_logs_only_the_name(harness):
-    """Issue 31 item 4 on the coordinator's front door: the same validator (strict JSON types, the
-    parameters table): a terminal 400 before any accept (the coordinator stops at once, protocol.md
-    §8.2), the parameter's name in the log, never its value."""
+    """Strict types and unsupported parameters on the coordinator's front door: the same validator (strict
+    JSON types, the parameters table): a terminal 400 before any accept (the coordinator stops at once),
+    the parameter's name in the log, never its value."""
     canary = "CANARY-7f3a9-SECRET"
     bad = {"p1": {"temperature": canary}, "p2": {"top_k": canary}, "p3": {"n": 2},
            "p4": {"presence_penalty": 0.7}, "p5": {"response_format": {"type": canary}}, "p6": {"stream": canary}}
@@ -385,7 +312,7 @@ async def test_register_advertises_only_models_that_can_ever_load(harness, tiny_
     assert type(model.size_bytes) is int and model.size_bytes > 0 and model.required_memory_gb > 0
     engine = Engine()
     try:
-        small = Harness(settings_for(tiny_model_path, tmp_path / "small", memory_limit_gb=3.0), engine)
+        small = Harness(settings_for(tmp_path / "small", {"tiny": tiny_model_path}, memory_limit_gb=3.0), engine)
         assert advertised_models(small.manager.verdicts()) == ()
     finally:
         await engine.aclose()
@@ -397,7 +324,7 @@ async def test_register_advertises_only_models_that_can_ever_load(harness, tiny_
 
 
 async def test_every_official_coordinator_fixture_is_survived(harness):
-    """protocol.md §15.5/§15.13: each [N] fixture plus an invented type goes through a session core; the
+    """Each [N] fixture plus an invented type goes through a session core; the
     requests it starts (plaintext fixture, placeholder keys) are answered with one 400 and no accept."""
     from protocol import CpuCores, Hardware, Register
     from provider.session.core import CancelJob, Log, ModelDirective, Note, Send, SessionCore, StartJob
@@ -462,7 +389,7 @@ async def test_no_content_within_the_budget_fails_before_output(harness):
 
 async def test_an_error_after_the_first_chunk_ends_the_stream_with_one_error(tiny_model_path, tmp_path):
     engine = Engine()
-    h = Harness(settings_for(tiny_model_path, tmp_path), engine)
+    h = Harness(settings_for(tmp_path, {"tiny": tiny_model_path}), engine)
     streaming = asyncio.Event()
 
     def send(text: str) -> None:

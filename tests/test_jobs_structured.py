@@ -1,4 +1,4 @@
-"""Structured output and log-probabilities through the coordinator's front door (provider/jobs, issue 31):
+"""Structured output and log-probabilities through the coordinator's front door (provider/jobs):
 the same parser, intake and engine as `serve --local`, the chunks sealed to the consumer."""
 
 from __future__ import annotations
@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 
 import jsonschema
+from job_harness import Harness, chat, sse_json
+from settings_for import settings_for
 
 from provider.engine import Engine
 from provider.jobs import JobOutcome
-from test_jobs import Harness, chat, settings_for, sse_json
 
 SCHEMA = {"type": "object", "properties": {
     "kind": {"enum": ["cat", "dog"]},
@@ -21,7 +22,7 @@ SCHEMA = {"type": "object", "properties": {
 
 async def test_a_job_with_a_json_schema_streams_valid_json_with_log_probabilities(tiny_model_path, tmp_path):
     engine = Engine()
-    h = Harness(settings_for(tiny_model_path, tmp_path), engine, eos=None)  # the model's own EOS: a grammar ends there
+    h = Harness(settings_for(tmp_path, {"tiny": tiny_model_path}), engine, eos=None)  # the model's own EOS: a grammar ends there
     try:
         body = chat("describe a pet", max_tokens=200, logprobs=True, top_logprobs=2,
                     response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}})

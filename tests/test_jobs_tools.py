@@ -1,4 +1,4 @@
-"""Tools through the coordinator's front door (issue 31 item 1): a decrypted job body's `tools` reach
+"""Tools through the coordinator's front door: a decrypted job body's `tools` reach
 the chat template (counted for admission, rendered for the engine), a tool turn round-trips, and a
 model without tool calling refuses them before any accept. No tool text in the logs."""
 
@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from job_harness import Harness, sse_json
 from mlx_lm.utils import load_tokenizer
+from settings_for import settings_for
 
 from provider.engine import Engine
 from provider.jobs import JobOutcome
 from provider.models.template import render_ids
 from provider.telemetry import capture_redacted_logs
-from test_jobs import Harness, settings_for, sse_json
 
 CANARY = "CANARY-tools-51ac-SECRET"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": f"The weather {CANARY}",
@@ -28,8 +29,7 @@ TURNS = [{"role": "user", "content": "the weather in Oslo?"},
 @pytest.fixture
 async def harness(tiny_model_path, tiny_tools_model_path, tmp_path):
     engine = Engine()
-    h = Harness(settings_for(tiny_model_path, tmp_path, model_aliases={"tiny": tiny_model_path,
-                                                                       "tools": tiny_tools_model_path}), engine)
+    h = Harness(settings_for(tmp_path, {"tiny": tiny_model_path, "tools": tiny_tools_model_path}), engine)
     yield h
     await h.manager.unload_all()
     await engine.aclose()
@@ -74,7 +74,7 @@ async def test_tools_to_a_model_without_tool_calling_are_refused_before_the_acce
 
 async def test_a_forced_call_reaches_the_engine_as_its_hook(harness):
     """`required` / a named function: the engine request names the call it must be (constrained
-    decoding enforces it, issue 31 item 2); the tools are offered as for `auto`."""
+    decoding enforces it); the tools are offered as for `auto`."""
     submitted = []
     submit = harness.engine.submit
     harness.engine.submit = lambda model_id, request, **kw: submitted.append(request) or submit(model_id, request, **kw)

@@ -1,4 +1,4 @@
-"""Multi-turn reuse of the whole conversation (issue 15), on the real engine and tiny model.
+"""Multi-turn reuse of the whole conversation, on the real engine and tiny model.
 
 When a request finishes, the engine keeps the KV of its whole sequence (prompt + generated tokens,
 as mlx-lm's batch cache holds them) in the RAM tier and the SSD tier. The next turn's templated
@@ -26,9 +26,10 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
-
 from engine_arithmetic import assert_decisive_continuation
+from mlx_lm.models.cache import make_prompt_cache
+from next_turn import NextTurnTrace
+
 from kvcache.disk import DiskBudget
 from kvcache.manager import REUSE_MIN_TOKENS, KvCacheManager, Tier
 from kvcache.ssd import SsdStore
@@ -299,26 +300,6 @@ async def test_a_live_conversation_is_written_to_ssd_when_it_goes_quiet(tiny_mod
 
 
 # -- next turn: the answer as the template renders it back, prefilled while the engine is idle ------
-
-class NextTurnTrace:
-    """The engine's trace hook: counts preparation steps and signals each stored preparation."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.stored: asyncio.Queue[str] = asyncio.Queue()
-        self.steps = 0
-        self.hold: tuple[threading.Event, threading.Event] | None = None  # (reached, release)
-
-    def __call__(self, model_id: str, request_id: str | None, phase: str) -> None:
-        if phase == "next_turn":
-            self.steps += 1
-            if self.hold is not None:
-                reached, release = self.hold
-                reached.set()
-                release.wait(30)
-        elif phase.startswith("next_turn_"):
-            self.loop.call_soon_threadsafe(self.stored.put_nowait, phase.removeprefix("next_turn_"))
-
 
 def rendered_back(model_path: Path, conv: Conversation) -> list[int]:
     """The finished conversation with its last answer, as the template renders it back."""

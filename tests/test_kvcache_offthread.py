@@ -1,4 +1,4 @@
-"""The prefix cache's stores stay off the engine thread's critical path (issue 30 item 1).
+"""The prefix cache's stores stay off the engine thread's critical path.
 
 On a GPU a device→host copy between two decode steps stalls the step in flight (the SSD tier's
 host copy on the engine thread took 22 % of it at 1B, c=32). Here, on the real engine with the SSD

@@ -206,7 +206,7 @@ def test_ssd_hit_after_ram_eviction_and_purge_removes_files(tiny, ledger: Ledger
 
 def test_a_line_nothing_builds_on_is_never_copied_off_the_device(tiny, ledger: Ledger, tmp_path: Path,
                                                                   monkeypatch) -> None:
-    """Issue 30 item 1: a sequence that reused nothing, or no more than a template's first tokens, stays
+    """A sequence that reused nothing, or no more than a template's first tokens, stays
     in RAM only: no host copy, no file (most of a provider's requests are never continued)."""
     from kvcache import state
 

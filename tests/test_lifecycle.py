@@ -1,4 +1,4 @@
-"""Issue 32 item 4: the coordinator lifecycle, against the coordinator double over a real WebSocket.
+"""The coordinator lifecycle, against the coordinator double over a real WebSocket.
 
 * ``trust_status`` ([N], diagnostics only) is kept and shown in ``/status``, `darkbloom-provider status`
   and `doctor`;

@@ -16,7 +16,7 @@ import time
 
 import httpx
 import pytest
-from test_local_server import MODEL, start_server
+from local_server import MODEL, start_server
 
 from protocol.errors import Failure
 from provider.local.backend import Refused
@@ -114,7 +114,7 @@ async def _until_draining(client: httpx.AsyncClient, url: str) -> httpx.Response
 
 
 def test_every_served_request_leaves_one_info_line_with_its_numbers_and_never_its_text(tmp_path, tiny_model_path):
-    """Issue 29 item 8: as `mlx_lm.server` and Ollama give: one info line per request with the model, the
+    """As `mlx_lm.server` and Ollama give: one info line per request with the model, the
     prompt and completion tokens, TTFT, tok/s and the outcome; never text."""
     canary = "CANARY-served-line-4c1d"
     srv = start_server(tmp_path, tiny_model_path)
@@ -123,7 +123,7 @@ def test_every_served_request_leaves_one_info_line_with_its_numbers_and_never_it
         ask = {"model": MODEL, "messages": [{"role": "user", "content": canary}], "max_tokens": 12, "temperature": 0}
         whole = client.chat.completions.create(**ask)
         chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
-        memory = httpx.get(srv.base_url + "/status").json()["memory"]  # issue 30 item 4: which memory it is
+        memory = httpx.get(srv.base_url + "/status").json()["memory"]  # which memory it is
         assert memory["device_memory"] == "unified" and memory["host_physical_bytes"] is None
     finally:
         code, log = srv.stop()
@@ -134,7 +134,7 @@ def test_every_served_request_leaves_one_info_line_with_its_numbers_and_never_it
         assert line["level"] == "info" and line["model"] == MODEL and line["outcome"] == "completed"
         assert (line["prompt_tokens"], line["completion_tokens"]) == (usage.prompt_tokens, usage.completion_tokens)
         assert 0 < line["ttft_ms"] <= line["duration_s"] * 1000
-        # Issue 30: the time to first output split where it went; the four parts add up to it.
+        # The time to first output split where it went; the four parts add up to it.
         parts = [line[k] for k in ("to_engine_ms", "engine_queue_ms", "prefill_ms", "to_client_ms")]
         assert min(parts) >= 0 and line["prefill_ms"] > 0
         assert sum(parts) == pytest.approx(line["ttft_ms"], abs=0.05)
@@ -143,7 +143,7 @@ def test_every_served_request_leaves_one_info_line_with_its_numbers_and_never_it
 
 async def test_the_owners_server_queues_a_request_for_a_full_batch_then_refuses_when_the_wait_runs_out(
         tmp_path, tiny_model_path):
-    """Issue 30 item 3: with the batch full (max_batch_size 1), a second request waits for the first to end
+    """With the batch full (max_batch_size 1), a second request waits for the first to end
     and is served, as `mlx_lm.server` queues (a chat's next turn must not get a 503); the wait is bounded
     (`local_queue_s`), after which the 503 stands."""
     srv = start_server(tmp_path, tiny_model_path, "--max-batch-size", "1", "--local-queue-s", "60")

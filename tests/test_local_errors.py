@@ -1,4 +1,4 @@
-"""The local server's error answers are JSON, always (issue 14.3): a model folder that cannot serve is
+"""The local server's error answers are JSON, always: a model folder that cannot serve is
 never advertised, and a template that raises is a JSON 422 `template_render`, not a plain-text 500.
 Driven with the openai SDK against `serve --local` in a subprocess."""
 
@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from local_server import CANARY, Server, start_server
 
 from provider.models import SkipReason, discover
-from test_local_server import CANARY, Server, start_server
 
 GOOD, BROKEN_TEMPLATE = "demo/tiny", "demo/bad-template"
 
@@ -73,7 +73,7 @@ def test_a_folder_that_cannot_serve_is_not_advertised_and_a_request_to_it_is_a_j
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_template_that_raises_is_a_json_422_never_plain_text(server, stream):
     """A template's own error, whatever it raises (here a division by zero), is the template's failure:
-    it renders in the bounded template process (provider/models/template.py, issue 29), so it no longer
+    it renders in the bounded template process (provider/models/template.py), so it no longer
     reaches the request's edge as an unexpected error (that edge's JSON 500 is test_jobs')."""
     body = {"model": BROKEN_TEMPLATE, "messages": [{"role": "user", "content": CANARY}], "max_tokens": 2,
             "stream": stream}
@@ -93,7 +93,7 @@ def test_a_template_that_raises_is_a_json_422_never_plain_text(server, stream):
     assert "request_unexpected_error" not in log and "Exception in ASGI application" not in log
 
 
-# --- 400s name the parameter and the rule, in OpenAI's shape (issue 14.8)
+# --- 400s name the parameter and the rule, in OpenAI's shape
 
 BAD_BODIES = [  # (what the client sends on top of a valid body, param, words of the rule)
     ({"max_tokens": 0}, "max_tokens", "must be an integer >= 1"),
@@ -104,12 +104,12 @@ BAD_BODIES = [  # (what the client sends on top of a valid body, param, words of
     ({"n": 2}, "n", "must be 1"),
     ({"messages": []}, "messages", "non-empty array of messages"),
     ({"messages": [{"content": CANARY}]}, "messages.0.role", "is required"),
-    ({"messages": [{"role": "wizard", "content": CANARY}]}, "messages.0.role", "must be one of"),  # issue 12.5
+    ({"messages": [{"role": "wizard", "content": CANARY}]}, "messages.0.role", "must be one of"),
     ({"messages": [{"role": "user"}]}, "messages.0.content", "is required"),
     ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": CANARY}]}]}, "messages.0.content",
      "text and image_url parts"),
     ({"stop": [""]}, "stop", "non-empty"),
-    # issue 31 item 4: JSON types as OpenAI checks them, and what this provider cannot honour
+    # JSON types as OpenAI checks them, and what this provider cannot honour
     ({"temperature": "0.5"}, "temperature", "must be a number between 0 and 2"),
     ({"max_tokens": "5"}, "max_tokens", "must be an integer >= 1"),
     ({"max_tokens": True}, "max_tokens", "must be an integer >= 1"),
@@ -200,7 +200,7 @@ def test_nan_temperature_and_malformed_json_are_named_too(server):
 
 
 def test_what_this_machine_can_never_serve_is_explained_in_numbers():
-    """Issue 29 item 6, the three kinds of "never here" the local server answers with a 400 (the first is
+    """The three kinds of "never here" the local server answers with a 400 (the first is
     also driven end to end in test_local_server): the model alone, one request's KV over what a request
     may take, and the model with this request's KV over the cap."""
     from memory import compute_figures

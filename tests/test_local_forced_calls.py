@@ -1,4 +1,4 @@
-"""Forced tool calls through `serve --local` with the openai SDK (issue 31 item 2).
+"""Forced tool calls through `serve --local` with the openai SDK.
 
 `tool_choice: "required"` or a named function is a grammar in the continuous batch: the tiny tools
 model's weights are random, yet every forced answer is a call to an offered function whose arguments
@@ -16,9 +16,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-
+from local_server import CANARY, Server, start_server
 from mixed_batch import beside_plain
-from test_local_server import CANARY, Server, start_server
 
 MODEL = "demo/tools"
 ROOM = 400  # tokens: more than one call to any function below takes at its longest

@@ -7,63 +7,18 @@ its refusals are the manager's: a model that can never fit is refused at admissi
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import mlx_lm
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
+from engine_reference import reference_greedy
+from local_server import CANARY, MODEL, Server, start_server
 from openai_shape import assert_openai_stream
-from test_engine import reference_greedy
-
-from protocol.errors import Failure, RejectionReason
-from provider.demo import free_port, wait_ready
+from prometheus_client.parser import text_string_to_metric_families
 from vision_images import data_uri, png_bytes
-
-CANARY = "CANARY-7f3a9c-do-not-log"
-MODEL = "demo/tiny"
-
-
-@dataclass
-class Server:
-    base_url: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base_url + "/v1", api_key="local", max_retries=0, timeout=60)
-
-    def stop(self) -> tuple[int, str]:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        code = self.proc.wait(timeout=30)
-        return code, self.log_path.read_text()
-
-
-def start_server(tmp: Path, model: Path, *flags: str, env_extra: dict[str, str] | None = None) -> Server:
-    port = free_port()
-    (tmp / "hub").mkdir(exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DARKBLOOM_")}
-    env.update(env_extra or {})
-    env.update(HOME=str(tmp), DARKBLOOM_LOG_FORMAT="json", DARKBLOOM_HF_CACHE_DIR=str(tmp / "hub"))
-    log_path = tmp / f"server-{port}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "provider.cli", "serve", "--local", "--local-port", str(port),
-             "--model-aliases", f"{MODEL}={model}", *flags],
-            env=env, stdout=log, stderr=subprocess.STDOUT)
-    server = Server(f"http://127.0.0.1:{port}", proc, log_path)
-    wait_ready(server.base_url, proc, timeout_s=60)
-    return server
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +142,7 @@ def test_unknown_routes_and_methods_are_in_the_request_log(server):
 
 
 def test_a_model_name_the_client_chose_never_reaches_the_log(server):
-    """Issue 12 item 7: as in coordinator mode, a requested model is logged only when it is one of ours."""
+    """As in coordinator mode, a requested model is logged only when it is one of ours."""
     canary_model = f"no/such-model-{CANARY}"
     with pytest.raises(openai.NotFoundError):
         server.client().chat.completions.create(model=canary_model, messages=[{"role": "user", "content": "x"}])
@@ -221,7 +176,7 @@ def test_metrics_parse_with_prometheus_client(server):
 
 
 def test_a_model_too_large_for_this_machine_is_a_400_naming_it_its_need_and_the_cap(tmp_path, tiny_model_path):
-    """Issue 29 item 6. A 6 GiB machine: effective cap 2 GiB, but a load needs weights + 3 GiB activation
+    """A 6 GiB machine: effective cap 2 GiB, but a load needs weights + 3 GiB activation
     + 1 GiB KV. On the owner's own server there is no other node to reroute to, so this is permanent: a
     400 (no Retry-After, which an SDK would take as "try again") whose message names the model, what it
     needs and the cap, and nothing loads. The coordinator's front keeps its rerouted 503."""

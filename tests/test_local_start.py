@@ -1,4 +1,4 @@
-"""`serve --local` listens without reading a weight byte (issue 30 item 5).
+"""`serve --local` listens without reading a weight byte.
 
 The agent advertises each model's weight hash in `register`, so it hashes before it connects (14 s
 for an 8B model's first hash). The owner's server advertises nothing: it binds its prefix cache to
@@ -9,9 +9,9 @@ while requests are answered and the prefix cache reuses what it stored."""
 from __future__ import annotations
 
 import httpx
+from local_server import MODEL, start_server
 
 from provider.models.hashing import CACHE_FILE, weight_fingerprint_sync, weight_hash_sync
-from test_local_server import MODEL, start_server
 
 
 def test_serve_local_never_hashes_weights_and_its_prefix_cache_still_works(tmp_path, tiny_model_path):

@@ -1,4 +1,4 @@
-"""Structured output and log-probabilities through `serve --local`, driven with the openai SDK (issue 31).
+"""Structured output and log-probabilities through `serve --local`, driven with the openai SDK.
 
 The tiny model's weights are random: every JSON answer below validates because the grammar forces
 it, in the same continuous batch as plain requests, which get exactly the tokens they get alone.
@@ -13,10 +13,9 @@ import jsonschema
 import mlx_lm
 import openai
 import pytest
-
-from test_engine import reference_greedy
+from engine_reference import reference_greedy
+from local_server import CANARY, MODEL, start_server
 from mixed_batch import PLAIN, beside_plain
-from test_local_server import CANARY, MODEL, start_server
 
 ROOM = 300  # tokens: more than any schema below needs at its longest
 

@@ -1,4 +1,4 @@
-"""The rest of the OpenAI surface a client meets on `serve --local` (issue 31 item 4): the legacy
+"""The rest of the OpenAI surface a client meets on `serve --local`: the legacy
 `/v1/completions`, `GET /v1/models/{id}`, OpenAI-shaped errors for unknown routes and methods, the
 CORS setting, the unknown-model and context errors with their ids and numbers. Driven with the openai
 SDK (and httpx where the bytes matter) against a real server in a subprocess."""
@@ -12,10 +12,10 @@ import httpx
 import openai
 import pytest
 from fastapi import FastAPI
+from local_server import CANARY, MODEL, Server, start_server
 from starlette.testclient import TestClient
 
 from provider.local.errors import Cors
-from test_local_server import CANARY, MODEL, Server, start_server
 
 ORIGIN = "https://chat.example:8443"  # the owner's list replaces the default (the pages of this machine)
 
@@ -185,9 +185,8 @@ PROMPT = "the river model token batch stream is"
 def reference(tiny_model_path):
     """mlx-lm's own greedy continuation of the raw prompt (no template), and its prompt ids."""
     import mlx_lm
-    from mlx_lm.generate import stream_generate
-
     from engine_arithmetic import StepLogits, assert_decisive
+    from mlx_lm.generate import stream_generate
 
     model, tok = mlx_lm.load(str(tiny_model_path))
     ids = tok.encode(PROMPT)  # with the tokenizer's special tokens, as the server encodes a prompt

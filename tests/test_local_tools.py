@@ -1,4 +1,4 @@
-"""Tools through `serve --local` with the `openai` SDK (issue 31 item 1): `/v1/models` says which
+"""Tools through `serve --local` with the `openai` SDK: `/v1/models` says which
 model calls tools, a request's tools reach the chat template (its prompt is what the renderer makes
 of the messages with the tools: counted, and containing the schema), a conversation with tool
 results round-trips through the template, malformed tools and tools to a model without tool
@@ -13,10 +13,10 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+from local_server import CANARY, Server, start_server
 from mlx_lm.utils import load_tokenizer
 
 from provider.models.template import render_ids
-from test_local_server import CANARY, Server, start_server
 
 TOOLS_MODEL, PLAIN_MODEL = "demo/tools", "demo/tiny"
 WEATHER = {"type": "function", "function": {

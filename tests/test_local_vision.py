@@ -17,9 +17,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
-from test_local_server import MODEL, Server, start_server
 from engine_arithmetic import mlx_vlm_greedy
+from local_server import MODEL, Server, start_server
 from vision_images import bomb_png, data_uri, detokenized, image_part, jpeg_bytes, png_bytes
 
 PNG = data_uri(png_bytes(40, 30, (220, 30, 30)))
@@ -138,7 +137,7 @@ def test_a_disconnect_mid_stream_releases_media_and_kv(server, reference):
 
 
 def test_a_legacy_completion_for_a_vision_model_is_a_400_naming_the_model(server):
-    """Issue 31 item 4: its processor renders messages with their images; there is no raw prompt to give it."""
+    """A vision model's processor renders messages with their images; there is no raw prompt to give it."""
     with pytest.raises(openai.BadRequestError) as caught:
         server.client().completions.create(model=MODEL, prompt="what is in", max_tokens=2)
     assert caught.value.body["param"] == "model" and "/v1/chat/completions" in caught.value.body["message"]

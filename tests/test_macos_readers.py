@@ -1,4 +1,4 @@
-"""The macOS readers against real command output published by others (issue 18.1, 18.2, 18.5, 18.6).
+"""The macOS readers against real command output published by others.
 
 Every sample is a file in tests/macos_samples/ whose header names its source. A fake runner plays the
 Mac: it answers exactly the commands the readers run, with a sample's text, and None (the command
@@ -146,7 +146,7 @@ def test_vm_flag_readings():
     assert parse_vmm_present({}) is None  # before macOS 11.3 the name does not exist
 
 
-# --- issue 19: the sealed system volume and the Secure Enclave (the registration attestation) -------------
+# --- the sealed system volume and the Secure Enclave (the registration attestation) -----------------------
 
 
 @pytest.mark.parametrize(("name", "enabled"), [

@@ -103,7 +103,7 @@ def test_watermarks(u: float, level: PressureLevel) -> None:
 
 
 def test_projected_pressure_counts_the_cache_like_the_cap_math_and_adds_the_load() -> None:
-    """Issue 18.4: one rule for MLX's buffer cache. It counts as used in pressure exactly as in the cap
+    """One rule for MLX's buffer cache. It counts as used in pressure exactly as in the cap
     math (both read `mlx_used_bytes`), and `after_reclaim()` is what a clear would make of it."""
     snap = MemorySnapshot(physical_bytes=100 * GiB, available_bytes=50 * GiB,
                           mlx_active_bytes=40 * GiB, mlx_cache_bytes=20 * GiB)

@@ -1,4 +1,4 @@
-"""memory.policy: the worked numbers of memory-policy.md §3, env edge cases, derived budgets."""
+"""memory.policy: worked numbers of the memory policy, env edge cases, derived budgets."""
 
 from __future__ import annotations
 

@@ -315,7 +315,7 @@ def test_probe_ignores_unusable_limits(bad: float | None) -> None:
 
 
 def test_on_a_discrete_gpu_the_cap_is_taken_of_the_gpus_memory_and_host_ram_is_counted_apart(tmp_path: Path) -> None:
-    """Issue 30 item 4, as measured on an H200 host: MLX CUDA allocates from the GPU's 140 GiB, the host has
+    """As measured on an H200 host: MLX CUDA allocates from the GPU's 140 GiB, the host has
     126 GiB under a 113 GiB cgroup. The device budget is the GPU's (a cgroup bounds host RAM only), what
     MLX holds is set against it, pressure is GPU bytes over GPU memory, and the host's RAM is read apart."""
     from memory import DeviceMemory, compute_figures, pressure

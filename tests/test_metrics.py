@@ -163,7 +163,7 @@ def test_prefix_cache_stats_feed_counters_by_delta_and_gauges_by_value() -> None
 
 
 def test_session_figures_are_read_at_each_scrape_with_closed_labels():
-    """Issue 13: darkbloom_session_* come from the session status when scraped; a reason or component
+    """darkbloom_session_* come from the session status when scraped; a reason or component
     name that is not a short identifier becomes ``other``."""
     from protocol.errors import Failure, RejectionReason
     from provider.session.status import RuntimeVerdict, SessionStatus

@@ -9,10 +9,9 @@ import pty
 import subprocess
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
-from hub_double import COMMIT, HubDouble, hub  # noqa: F401  (hub: the fixture)
+from hub_double import COMMIT, HubDouble
 
 from provider.models.download import (
     DiskShort,

@@ -1,4 +1,4 @@
-"""Where the provider looked for models (issue 29 item 10).
+"""Where the provider looked for models.
 
 `models` and `doctor` with no model said nothing about where they had looked, and `serve --local`
 with no model started silently and answered 404 to everything. They now name every place searched
@@ -15,11 +15,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cli_runner import run_cli
+
 from provider.config import Settings
 from provider.demo import free_port, wait_ready
 from provider.runtime import Runtime
 from provider.telemetry import capture_redacted_logs
-from test_cli import run_cli
 
 
 def places(home: Path) -> tuple[list[str], dict[str, str]]:

@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from model_folders import REV_NEW, model_files, write_dir, write_hf_repo
 
 from provider.models import DigestCache, weight_hash, weight_hash_sync
 from provider.models.hashing import hashed_files
-
-from test_models_discovery import REV_NEW, model_files, write_dir, write_hf_repo
 
 HASHED = {
     "model.safetensors": b"weights" * 1000,
@@ -156,7 +155,7 @@ def test_hash_is_a_function_of_names_and_contents(tmp_path_factory, files: dict[
     assert weight_hash_sync(a, cache=DigestCache()) == weight_hash_sync(b, cache=DigestCache())
 
 
-# --- the cache persists across processes (issue 14.7)
+# --- the cache persists across processes
 
 _SECOND_PROCESS = """
 import sys

@@ -16,8 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from cli_runner import closed_port, run_cli
 from hub_double import HubDouble
-from test_cli import closed_port, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 

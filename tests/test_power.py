@@ -1,4 +1,4 @@
-"""Keeping the Mac awake while the agent is available (issue 18.7): `caffeinate -i -w <pid>`.
+"""Keeping the Mac awake while the agent is available: `caffeinate -i -w <pid>`.
 
 There is no caffeinate on Linux, so a stand-in executable plays it: a real process that lives until it
 is told to stop, as caffeinate does. The argv the agent would give the real one is recorded.
@@ -98,7 +98,7 @@ async def test_the_agent_holds_it_from_start_until_it_has_drained(fake_caffeinat
 
 
 async def test_the_assertion_follows_the_serving_windows(fake_caffeinate, tmp_path):
-    """Issue 16's guest monitor decides when the agent may serve: the Mac is kept awake only then.
+    """The guest monitor decides when the agent may serve: the Mac is kept awake only then.
     Started at noon with a 22:00-07:30 window: paused, nothing held; the window opens: held; it
     closes: released (the Mac may sleep until the next one); the drain: released for good."""
     from datetime import UTC, datetime

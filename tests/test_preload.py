@@ -1,4 +1,4 @@
-"""Issue 13, warm models: ``preload_models`` are loaded at start through the normal load gate (never past
+"""Warm models: ``preload_models`` are loaded at start through the normal load gate (never past
 the cap; a refusal is logged with its reason and the start goes on), reported ``running`` from the first
 heartbeat, served without a load, and not unloaded by ``idle_timeout_mins``.
 
@@ -10,28 +10,22 @@ A small machine is emulated with ``memory_limit_gb`` (6.25 GiB, reserve 0.5 GiB)
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 from coordinator_double import Completed, FrameReceived, Registered
-from double_fixtures import consumer_for, coordinator_double, double_config  # noqa: F401
+from double_fixtures import consumer_for
+from settings_for import settings_for
 
 from provider.agent import Agent
-from provider.config import Settings
 from provider.metrics import LoadResult
 from provider.runtime import Runtime
 from provider.slots import ModelState
 from provider.telemetry import capture_redacted_logs
 
 NO_EOS = frozenset({10**9})
-SMALL_MACHINE = {"memory_limit_gb": 6.25, "memory_reserve_gb": 0.5}
-
-
-def settings_for(tmp_path: Path, models: dict[str, Path], **overrides) -> Settings:
-    return Settings(**{
-        "coordinator_url": "ws://127.0.0.1:9/ws/provider", "dev_posture": True, "state_dir": tmp_path / "state",
-        "hf_cache_dir": tmp_path / "empty-hf-cache", "model_aliases": models, "heartbeat_interval_s": 0.5,
-        "local_enabled": False, "idle_timeout_mins": 0, "kv_ssd_budget_gb": 0, **SMALL_MACHINE, **overrides})
+# An agent of its own on a 6.25 GB machine: dev posture, quick heartbeats, no local server, no SSD tier.
+AGENT = {"dev_posture": True, "heartbeat_interval_s": 0.5, "local_enabled": False, "kv_ssd_budget_gb": 0,
+         "memory_limit_gb": 6.25}
 
 
 def loads(metrics) -> float:
@@ -41,7 +35,7 @@ def loads(metrics) -> float:
 async def test_preloads_that_cannot_load_are_refused_with_their_reason_and_the_rest_load(
         tmp_path, tiny_model_path, small_model_path, medium_model_path):
     models = {"tiny": tiny_model_path, "small": small_model_path, "medium": medium_model_path}
-    settings = settings_for(tmp_path, models, max_model_slots=1,
+    settings = settings_for(tmp_path, models, **AGENT, max_model_slots=1,
                             preload_models=("medium", "ghost", "tiny", "small"))
     with capture_redacted_logs() as logs:
         runtime = await Runtime.start(settings)
@@ -66,7 +60,7 @@ async def test_preloads_that_cannot_load_are_refused_with_their_reason_and_the_r
 
 
 async def test_solo_prefill_off_is_said_in_status(tmp_path, tiny_model_path):
-    runtime = await Runtime.start(settings_for(tmp_path, {"tiny": tiny_model_path}, preload_models=("tiny",),
+    runtime = await Runtime.start(settings_for(tmp_path, {"tiny": tiny_model_path}, **AGENT, preload_models=("tiny",),
                                                solo_prefill=False))
     try:
         assert [m["solo_prefill_min_tokens"] for m in runtime.status()["models"]] == [None]
@@ -83,7 +77,7 @@ async def test_a_preload_that_fits_only_by_evicting_an_earlier_one_is_refused(
     from provider.models import discover_models
 
     settings = settings_for(tmp_path, {"small": small_model_path, "medium": medium_model_path},
-                            memory_limit_gb=7.25, preload_models=("small", "medium"))
+                            **{**AGENT, "memory_limit_gb": 7.25}, preload_models=("small", "medium"))
     weights = {m.id: m.weight_bytes for m in discover_models(settings).models}
     policy = memory.resolve_settings({}, memory_reserve_gb=0.5, memory_limit_gb=7.25)
     effective = memory.compute_figures(settings.memory_limit_bytes, policy).effective_cap_bytes
@@ -100,7 +94,7 @@ async def test_a_preload_that_fits_only_by_evicting_an_earlier_one_is_refused(
 
 async def test_idle_timeout_unloads_other_models_but_not_a_preloaded_one(tmp_path, tiny_model_path,
                                                                           small_model_path):
-    settings = settings_for(tmp_path, {"tiny": tiny_model_path, "small": small_model_path},
+    settings = settings_for(tmp_path, {"tiny": tiny_model_path, "small": small_model_path}, **AGENT,
                             idle_timeout_mins=1e-6, preload_models=("tiny",))
     runtime = await Runtime.start(settings)
     try:
@@ -117,7 +111,7 @@ async def test_idle_timeout_unloads_other_models_but_not_a_preloaded_one(tmp_pat
 async def test_a_preloaded_model_is_running_from_the_first_heartbeat_and_serves_without_a_load(
         coordinator_double, tmp_path, tiny_model_path, medium_model_path):
     double = coordinator_double
-    settings = settings_for(tmp_path, {"tiny": tiny_model_path, "medium": medium_model_path},
+    settings = settings_for(tmp_path, {"tiny": tiny_model_path, "medium": medium_model_path}, **AGENT,
                             coordinator_url=double.ws_url, preload_models=("tiny", "medium"))
     with capture_redacted_logs() as logs:
         agent = await Agent.start(settings, harden=False, eos_token_ids={"tiny": NO_EOS, "medium": NO_EOS})
@@ -151,4 +145,4 @@ def test_preload_ids_are_validated(tmp_path, value):
     from pydantic import ValidationError
 
     with pytest.raises(ValidationError):
-        settings_for(tmp_path, {}, preload_models=(value,))
+        settings_for(tmp_path, {}, **AGENT, preload_models=(value,))

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import io
 
+from clock import Clock
+from manager_rigs import serve_once
+
 from provider.models import weight_hash_sync
 from provider.progress import Progress, terminal_progress
 from provider.runtime import WeightHashes
-from test_slots_manager import serve_once  # noqa: F401  (re-exported fixture helpers below)
-from test_slots_manager import rigs  # noqa: F401
 
 
 class FakeTerminal(io.StringIO):
@@ -41,7 +42,7 @@ async def test_weight_hashing_reports_progress_and_gives_the_same_hash(tiny_mode
     assert "hashing tiny [" in tty.getvalue() and "100%" in tty.getvalue()
 
 
-async def test_a_model_load_reports_progress_on_a_terminal(rigs, tiny_model_path):  # noqa: F811
+async def test_a_model_load_reports_progress_on_a_terminal(rigs, tiny_model_path):
     make, _ = rigs
     tty = FakeTerminal()
     rig = make({"tiny": tiny_model_path}, 100 * 10**6, progress=lambda label: Progress(label, tty, 0.0))
@@ -50,7 +51,7 @@ async def test_a_model_load_reports_progress_on_a_terminal(rigs, tiny_model_path
     assert "loading tiny [" in out and out.rstrip().endswith("100%")
 
 
-# --- not on a terminal: log events (issue 14.7)
+# --- not on a terminal: log events
 
 
 class Events:
@@ -63,14 +64,6 @@ class Events:
         self.seen.append((event, fields))
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_default_progress_is_a_line_on_a_terminal_and_log_events_elsewhere():
     from provider.progress import LogProgress, default_progress
 
@@ -81,7 +74,7 @@ def test_default_progress_is_a_line_on_a_terminal_and_log_events_elsewhere():
 def test_log_progress_reports_every_interval_and_once_at_the_end():
     from provider.progress import LogProgress
 
-    clock, events = Clock(), Events()
+    clock, events = Clock(100.0), Events()
     with LogProgress("hashing org/model", interval_s=5.0, clock=clock, logger=events) as bar:
         bar.update(10, 100)  # 0 s in: too soon
         clock.now += 5.0

@@ -98,7 +98,7 @@ def test_response_type_is_the_wire_message(signer):
     assert isinstance(response, AttestationResponse) and response.signature
 
 
-# --- registration attestation (issue 19) ------------------------------------------------------------------
+# --- registration attestation ---------------------------------------------------------------------------
 
 GOLDEN_SCALAR = 0x1F2E3D4C5B6A79880123456789ABCDEFFEDCBA98765432100F1E2D3C4B5A6978
 GOLDEN_PUBLIC_KEY = "BF4kdhO6jtAcpH/+A2BG7fpZZRfbZ9BOeInivTs5eH3akIfWJq9/BxNTp/tyGWiNOyWbAWk/Mi6H3+WA3ug/ACc="

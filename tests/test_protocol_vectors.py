@@ -6,7 +6,6 @@ import base64
 import hashlib
 import json
 from enum import Enum
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -117,14 +116,14 @@ def test_selected_golden_values():
     assert decode(C2P_CASES["prefetch_model_default_priority"]["wire"]).priority == 0
 
 
-# --- protocol.md §5.1/§5.2 frames (verified against the Go coordinator) -------------------------------------
+# --- the protocol's example frames, both directions (verified against the Go coordinator) -------------------
 
 
 MD_FRAMES = _load("protocol_md_frames.json")["frames"]
 
 
 def test_protocol_md_section_5_has_its_frames():
-    assert len(MD_FRAMES) == 18  # 9 provider frames in §5.1, 9 in §5.2
+    assert len(MD_FRAMES) == 18  # 9 provider frames, 9 coordinator frames
 
 
 @pytest.mark.parametrize("wire", MD_FRAMES, ids=lambda w: json.loads(w)["type"])
@@ -217,7 +216,7 @@ def test_status_canonical_rust_golden_from_protocol_md():
     assert built == golden
 
 
-# --- protocol.md §11.4 vectors R and C ----------------------------------------------------------------------
+# --- encryption vectors R (a sealed request) and C (a sealed chunk) ------------------------------------------
 
 SK_P = base64.b64decode("/AzRHq2voWuzyK2Bw8OL8oVbheD/UKR1aG7TTIIIoy8=")
 PK_P = "tHFZkLURE4Ne6qGImKWQ5P0vHEfBq17lkLkV/Wm2rSU="

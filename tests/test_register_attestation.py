@@ -1,4 +1,4 @@
-"""Issue 19: ``register.attestation`` — the self-signed trust a coordinator at ``EIGENINFERENCE_MIN_TRUST=
+"""``register.attestation`` — the self-signed trust a coordinator at ``EIGENINFERENCE_MIN_TRUST=
 self_signed`` routes, only where every value is the machine's (or the loopback dev posture's), and
 ``doctor`` saying which trust level the coordinator will assign and why.
 

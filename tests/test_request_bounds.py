@@ -1,4 +1,4 @@
-"""provider.request.bounds: a prompt's tokens from its size, before tokenizing (issue 11).
+"""provider.request.bounds: a prompt's tokens from its size, before tokenizing.
 
 The bound must never claim more tokens than the real tokenizer produces (a false 400 would refuse a
 prompt that fits), and it must be tight enough to refuse a 15 MiB prompt to a 2k-context model.

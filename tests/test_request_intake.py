@@ -1,5 +1,5 @@
 """provider.request.intake and lanes: large bodies in their own lane, with their working memory in the
-ledger until the thread is really done with them (issue 11)."""
+ledger until the thread is really done with them."""
 
 from __future__ import annotations
 
@@ -10,35 +10,12 @@ import weakref
 from pathlib import Path
 
 import pytest
+from intake_fakes import Manager, ledger_of
 
-from memory import GiB, Ledger, ReservationKind, compute_figures
-from memory.snapshot import MemorySnapshot
 from protocol.errors import ErrorReason, FailureCode, RejectionReason
 from provider.request import PromptCounter
 from provider.request.intake import INLINE_BYTES, Intake, Refusal, working_bytes
 from provider.request.lanes import BulkLane, LaneFull
-
-
-def snapshot(physical: int) -> MemorySnapshot:
-    return MemorySnapshot(physical_bytes=physical, available_bytes=physical)
-
-
-class Manager:
-    """The two questions the intake asks of the model manager."""
-
-    def __init__(self, context: int = 2048) -> None:
-        self.context = context
-
-    def precheck(self, model_id, prompt_tokens, max_tokens=None, *, queued=False):
-        return None
-
-    def context_length(self, model_id):
-        return self.context
-
-
-def ledger_of(physical_gib: float) -> Ledger:
-    physical = int(physical_gib * GiB)
-    return Ledger(compute_figures(physical), sample=lambda: snapshot(physical))
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """The chat messages rules of the one body validator (provider/request/body.py), shared by the coordinator's
-jobs and the local server (issue 12 item 5): a known role, and content wherever OpenAI requires it."""
+jobs and the local server: a known role, and content wherever OpenAI requires it."""
 
 from __future__ import annotations
 

@@ -78,7 +78,7 @@ from protocol.errors import RejectionReason  # noqa: E402
 from provider.request import PromptCounter  # noqa: E402
 from provider.request.intake import Intake, Refusal  # noqa: E402
 from provider.request.lanes import BulkLane  # noqa: E402
-from test_request_intake import Manager, ledger_of  # noqa: E402
+from intake_fakes import Manager, ledger_of  # noqa: E402
 
 
 @pytest.fixture

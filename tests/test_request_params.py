@@ -1,4 +1,4 @@
-"""Strict types and the parameters this provider cannot honour (issue 31 item 4), in the one body
+"""Strict types and the parameters this provider cannot honour, in the one body
 validator both front doors use (provider/request/body.py, provider/request/params.py): a wrong JSON
 type or an unsupported parameter is an `InvalidBody` naming it, never coerced, never ignored."""
 
@@ -132,7 +132,7 @@ def test_an_ignored_parameter_changes_nothing_at_any_value(endpoint, ignored):
 
 
 def test_keys_outside_openais_api_are_ignored_as_the_coordinator_needs():
-    """protocol.md §7.1: the coordinator adds `endpoint` and metadata keys of its own."""
+    """The coordinator adds `endpoint` and metadata keys of its own."""
     assert parse_chat_body({**CHAT, "endpoint": "/v1/chat/completions", "tool_schema_metadata_protocol": 1,
                             "stream_options": {"include_usage": True, "include_obfuscation": False}}).include_usage
 

@@ -1,10 +1,11 @@
-"""`tools`, `tool_choice` and tool turns in the one body validator (provider/request/body.py, issue 31
-item 1), shared by the coordinator's jobs and the local server: a malformed one is a 400 naming it, a
+"""`tools`, `tool_choice` and tool turns in the one body validator (provider/request/body.py),
+shared by the coordinator's jobs and the local server: a malformed one is a 400 naming it, a
 valid one reaches the chat template as the template expects it (arguments as an object)."""
 
 from __future__ import annotations
 
 import pytest
+from intake_fakes import Manager, ledger_of
 from mlx_lm.utils import load_tokenizer
 
 from provider.engine import ToolCallConstraint
@@ -12,7 +13,6 @@ from provider.models.tools import ToolFormat
 from provider.request import PromptCounter
 from provider.request.body import InvalidBody, ToolChoice, parse_chat_body
 from provider.request.tokens import INLINE_CHARS, ToolsUnsupported
-from test_request_intake import Manager, ledger_of
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",

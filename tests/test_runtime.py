@@ -8,12 +8,12 @@ by the status-only app) shows the hits and misses; shutdown leaves no reservatio
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import httpx
 import mlx_lm
-
 from engine_arithmetic import assert_decisive_reply
+from settings_for import settings_for
+
 from provider.config import Settings
 from provider.demo import free_port
 from provider.engine import ChatRequest, Finished, SamplingParams
@@ -21,13 +21,6 @@ from provider.local.server import StatusEndpoint
 from provider.runtime import KVCACHE_DIR, Runtime
 
 MESSAGES = [{"role": "user", "content": "a prompt we send twice, word for word"}]
-
-
-def settings_for(tmp_path: Path, tiny_model_path: Path, **kw) -> Settings:
-    (tmp_path / "hub").mkdir(exist_ok=True)
-    return Settings(**{"state_dir": tmp_path / "state", "hf_cache_dir": tmp_path / "hub",
-                       "model_aliases": {"tiny": tiny_model_path}, "memory_limit_gb": 8.0, "memory_reserve_gb": 0.5,
-                       "idle_timeout_mins": 0, "local_port": free_port(), **kw})
 
 
 async def ask(runtime: Runtime, rid: str) -> Finished:
@@ -39,7 +32,7 @@ async def ask(runtime: Runtime, rid: str) -> Finished:
 
 
 async def test_startup_sweep_prefix_reuse_status_and_clean_shutdown(tmp_path, tiny_model_path):
-    settings = settings_for(tmp_path, tiny_model_path)
+    settings = settings_for(tmp_path, {"tiny": tiny_model_path}, local_port=free_port())
     root = settings.state_dir / KVCACHE_DIR
     leftover = root / ("ab" * 16 + "." + "cd" * 8)  # a per-model dir a killed process left behind
     leftover.mkdir(parents=True)
@@ -83,7 +76,8 @@ async def test_startup_sweep_prefix_reuse_status_and_clean_shutdown(tmp_path, ti
 
 
 async def test_ssd_tier_off_keeps_the_ram_tier(tmp_path, tiny_model_path):
-    runtime = await Runtime.start(settings_for(tmp_path, tiny_model_path, kv_ssd_budget_gb=0))
+    runtime = await Runtime.start(settings_for(tmp_path, {"tiny": tiny_model_path}, local_port=free_port(),
+                                               kv_ssd_budget_gb=0))
     try:
         await ask(runtime, "r1")
         await ask(runtime, "r2")
@@ -100,7 +94,7 @@ async def test_a_busy_port_leaves_the_status_endpoint_off(tmp_path, tiny_model_p
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        settings = settings_for(tmp_path, tiny_model_path, local_port=taken.getsockname()[1])
+        settings = settings_for(tmp_path, {"tiny": tiny_model_path}, local_port=taken.getsockname()[1])
         runtime = await Runtime.start(settings)
         try:
             endpoint = StatusEndpoint.start(runtime, settings)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import plistlib
 import stat
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cli_runner import run_cli
+from service_recorder import Recorder
 
 from provider.service import (
     LABEL,
@@ -24,21 +25,6 @@ from provider.service import (
 )
 
 PROGRAM = ["/opt/darkbloom/venv/bin/darkbloom-provider", "serve"]
-
-
-class Recorder:
-    """A ``subprocess.run`` stand-in: records argv, answers from a script keyed by the subcommand."""
-
-    def __init__(self, answers: dict[str, tuple[int, str, str]] | None = None) -> None:
-        self.calls: list[list[str]] = []
-        self.answers = answers or {}
-
-    def __call__(self, argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
-        assert kwargs.get("check") is False and kwargs.get("capture_output") is True
-        self.calls.append(argv)
-        verb = next((a for a in argv[1:] if not a.startswith("-")), "")
-        code, out, err = self.answers.get(verb, (0, "", ""))
-        return subprocess.CompletedProcess(argv, code, out, err)
 
 
 @pytest.fixture
@@ -303,7 +289,7 @@ def test_default_program_is_this_installations_console_script() -> None:
     assert Path(argv[0]).name in {"darkbloom-provider", "python", "python3"} or argv[1:3] == ["-m", "provider.cli"]
 
 
-# --- a failed install leaves nothing behind (issue 14.6)
+# --- a failed install leaves nothing behind
 
 
 def test_a_failed_launchd_bootstrap_leaves_no_plist(home: Path, bin_dir: Path) -> None:
@@ -323,7 +309,7 @@ def test_a_failed_systemd_start_leaves_no_unit_and_systemd_forgets_it(home: Path
     assert runner.calls[-1] == [systemctl, "--user", "daemon-reload"]  # after the removal
 
 
-# --- what `service status` says about the last exit (issue 14.6)
+# --- what `service status` says about the last exit
 
 
 def test_launchd_status_shows_a_recorded_configuration_error(home: Path, bin_dir: Path) -> None:
@@ -347,7 +333,7 @@ def test_systemd_status_shows_a_configuration_exit(home: Path, bin_dir: Path) ->
     assert st.last_error is not None and "journalctl --user -u darkbloom-provider" in st.last_error
 
 
-# --- the operator's first hour on Linux (issue 29 item 11)
+# --- the operator's first hour on Linux
 
 NO_BUS = (1, "", "Failed to connect to bus: No medium found")  # systemctl --user without a user session
 
@@ -411,8 +397,6 @@ def fake_manager(tmp_path: Path, script: str) -> str:
 
 
 def test_cli_install_local_status_and_uninstall(tmp_path: Path) -> None:
-    from test_cli import run_cli
-
     home = tmp_path / "home"
     home.mkdir()
     out = run_cli("service", "install", "--local", "--no-load", "--local-port", "9100", home=home)
@@ -427,8 +411,6 @@ def test_cli_install_local_status_and_uninstall(tmp_path: Path) -> None:
 
 
 def test_cli_uninstall_without_a_user_session_says_it_removed_the_unit(tmp_path: Path) -> None:
-    from test_cli import run_cli
-
     home = tmp_path / "home"
     home.mkdir()
     assert run_cli("service", "install", "--no-load", home=home).returncode == 0

@@ -1,5 +1,5 @@
 """The boot-time LaunchDaemon (`service install --system`), ProcessType as a setting, and the systemd
-start limit (issue 18.7, 18.8). The daemon needs root to load: these tests write the plist into a
+start limit. The daemon needs root to load: these tests write the plist into a
 temporary root and check it, and check the launchctl commands against a recorder."""
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from cli_runner import run_cli
+from service_recorder import Recorder
 
 from provider.config import ProcessType
 from provider.service import LABEL, ServiceError, daemon_path, install, status, uninstall
 from provider.supervision import ABNORMAL_EXITS_FILE
-from test_service import Recorder
 
 PROGRAM = ["/opt/darkbloom/venv/bin/darkbloom-provider", "serve"]
 
@@ -139,8 +140,6 @@ def test_systemd_install_flushes_the_start_limit(user_home, bin_dir):
 
 
 def test_cli_system_needs_a_user_who_is_not_root(tmp_path):
-    from test_cli import run_cli
-
     out = run_cli("service", "install", "--system", "--no-load", home=tmp_path, env={"SUDO_USER": "root"})
     assert out.returncode == 78 and "the agent never runs as root" in out.stderr
     out = run_cli("service", "install", "--system", "--no-load", "--user", "no-such-user-here", home=tmp_path)
@@ -148,8 +147,6 @@ def test_cli_system_needs_a_user_who_is_not_root(tmp_path):
 
 
 def test_install_starts_the_crash_count_afresh(tmp_path):
-    from test_cli import run_cli
-
     state = tmp_path / "state"
     state.mkdir()
     (state / ABNORMAL_EXITS_FILE).write_text('{"abnormal_exits": [{"at": "2026-01-01T00:00:00+00:00", "kind": "crash"}], '

@@ -268,7 +268,7 @@ async def test_bad_frames_do_not_end_the_connection(frame):
 
 
 async def test_over_long_echoed_fields_are_not_answered_and_the_session_stays_up():
-    """Issue 12 items 3 and 4: an 11 MiB nonce or request id cannot be echoed (the answer would exceed the
+    """An 11 MiB nonce or request id cannot be echoed (the answer would exceed the
     coordinator's 10 MiB frame limit); the frame is refused, nothing is sent, the connection stays."""
     h = Harness()
     stop = asyncio.Event()
@@ -288,7 +288,7 @@ async def test_over_long_echoed_fields_are_not_answered_and_the_session_stays_up
 
 
 async def test_a_stall_longer_than_the_eviction_window_reconnects_with_a_fresh_register():
-    """Issue 12 item 2: a process stalled past the coordinator's eviction window has been forgotten by it
+    """A process stalled past the coordinator's eviction window has been forgotten by it
     although its socket is open; the gap between two heartbeats (monotonic) shows it."""
     h = Harness(heartbeat_interval_s=0.05, eviction_window_s=0.3)
     stop = asyncio.Event()
@@ -323,7 +323,7 @@ async def test_a_stall_right_after_register_before_any_heartbeat_also_reconnects
 
 @pytest.mark.parametrize("where", ["other_port", "any_address", "same_origin"])
 async def test_a_redirect_on_the_upgrade_is_never_followed(where):
-    """Issue 12 item 1: a coordinator URL answering the upgrade with 302 is not followed (register carries
+    """A coordinator URL answering the upgrade with 302 is not followed (register carries
     the auth token and posture claims); the agent retries the configured URL with backoff instead."""
     target_frames: list[str] = []
     attempts = asyncio.Queue()

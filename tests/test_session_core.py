@@ -42,7 +42,7 @@ from provider.session.core import (
     SessionState,
     StartJob,
 )
-from provider.session.status import BarrierAcked, ChallengeSeen, RequestRefused, RuntimeVerdict, TrustReport
+from provider.session.status import BarrierAcked, ChallengeSeen, RuntimeVerdict, TrustReport
 
 KEY = "tHFZkLURE4Ne6qGImKWQ5P0vHEfBq17lkLkV/Wm2rSU="
 SESSION_KEY = "X6IvWt6JfUs/rZfjNb0jxCJZa33vVeIwJZnkd3fyskg="
@@ -166,7 +166,7 @@ def error_frames(actions) -> list[dict]:
     {"cache_scope": "\ud800"},  # a lone surrogate: not valid JSON text for the strict parser
 ])
 def test_an_undecodable_request_with_a_readable_id_gets_exactly_one_400(fields):
-    """Issue 12 item 3: a request whose id can be read is answered, even when the frame does not decode."""
+    """A request whose id can be read is answered, even when the frame does not decode."""
     core = open_core()
     frame = {"type": "inference_request", "request_id": "r-typed",
              "encrypted_body": {"ephemeral_public_key": SESSION_KEY, "ciphertext": "AAAA"}, **fields}
@@ -187,7 +187,7 @@ def test_an_undecodable_duplicate_of_a_running_request_is_left_to_the_running_jo
 @pytest.mark.parametrize("rid", ["x" * (MAX_REQUEST_ID_CHARS + 1), "y" * (11 * 1024 * 1024)])
 @pytest.mark.parametrize("decodable", [True, False])
 def test_a_request_id_beyond_the_size_rule_is_refused_before_any_work(rid, decodable):
-    """Issue 12 item 3: an id whose answer could not be encoded is refused by a size rule, unanswered."""
+    """An id whose answer could not be encoded is refused by a size rule, unanswered."""
     core = open_core()
     frame = {"type": "inference_request", "request_id": rid,
              "encrypted_body": {"ephemeral_public_key": SESSION_KEY, "ciphertext": "AAAA" if decodable else 7}}
@@ -204,7 +204,7 @@ def test_a_request_id_at_the_size_limit_is_served():
 
 
 def test_a_replayed_request_id_gets_one_400_without_running():
-    """Issue 12 item 9: a finished request's frame, replayed, is not run again."""
+    """A finished request's frame, replayed, is not run again."""
     core = open_core()
     (start,) = core.receive_text(request_frame("done-1"))
     core.job_finished("done-1")
@@ -244,7 +244,7 @@ def test_challenge_is_answered_with_the_nonce():
 
 @pytest.mark.parametrize("nonce", ["", "n" * (MAX_NONCE_CHARS + 1), "n" * (11 * 1024 * 1024)])
 def test_an_empty_or_over_long_challenge_is_logged_and_not_answered(nonce):
-    """Issue 12 item 4: every echoed field is bounded; the session stays up."""
+    """Every echoed field is bounded; the session stays up."""
     core = open_core()
     actions = core.receive_text(json.dumps({"type": "attestation_challenge", "nonce": nonce,
                                             "timestamp": "2026-04-30T10:41:07Z"}))
@@ -381,7 +381,7 @@ def test_retryable_errors():
     assert not is_retryable(asyncio.CancelledError())
 
 
-# --- lifecycle: trust_status, the drain barrier (issue 32 item 4) ------------------------------------------
+# --- lifecycle: trust_status, the drain barrier ---------------------------------------------------------
 
 
 def test_trust_status_is_noted_for_the_status_page_and_changes_nothing_else():

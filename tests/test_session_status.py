@@ -1,4 +1,4 @@
-"""Issue 13: the coordinator session as the operator sees it — the ``session`` section of the agent's
+"""The coordinator session as the operator sees it — the ``session`` section of the agent's
 local ``/status``, ``darkbloom-provider status`` and ``darkbloom_session_*`` in ``/metrics`` — through a
 real agent (tiny MLX model) on a real WebSocket to the coordinator double: before the first connect,
 registered, after a challenge, after ``runtime_status{verified:false}``, after a dropped socket, draining.
@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from coordinator_double import ChunkReceived, CoordinatorDouble, FrameReceived
-from double_fixtures import consumer_for, coordinator_double, double_config, sealed_request  # noqa: F401
+from double_fixtures import consumer_for, sealed_request
 
 from provider.agent import Agent
 from provider.cli import render_status

@@ -1,54 +1,27 @@
-"""provider/slots pure decisions (memory-policy.md §5.2, §7) on hand-built snapshots: no MLX.
+"""provider/slots pure decisions on hand-built snapshots: no MLX.
 
-The machine: P = 16 GiB, f = 0.9, R_cfg = 4 GiB, A = 3 GiB →
-hard_cap = min(14.4, 14) = 14 GiB, eff_cap = min(14, 12) = 12 GiB, load_headroom = A + MIN_KV = 4 GiB,
-a single request may claim at most hard_cap / 2 = 7 GiB of KV. MLX active = Σ resident weights.
+The machine (P = 16 GiB, eff_cap = 12 GiB) and the snapshots' builders are in admission_figures.py.
 """
 
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
+from admission_figures import FIG, MiB, model, slot, snap, view
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memory import GiB, Ledger, MemorySnapshot, ReservationKind, figures, fit, padded_weight_bytes
+from memory import GiB, Ledger, MemorySnapshot, ReservationKind, fit, padded_weight_bytes
 from protocol.errors import ErrorReason, FailureCode, RejectionReason
-from provider.models import DType, KvAccuracy, KvLayout, ModelInfo, ModelSource
+from provider.models import ModelInfo
 from provider.slots import Admitted, BatchKv, ManagerView, ModelState, Refused, RoomPlan, SlotView, decide, plan_room
 from provider.slots.leases import KvReservation
 from provider.slots.state import InvalidTransition, ModelSlot
-
-MiB = 2**20
-FIG = figures(16 * GiB, env={}, memory_reserve_gb=4.0, activation_reserve_gb=3.0, cap_fraction=0.9)
 
 
 def test_worked_figures():
     assert FIG.hard_cap_bytes == 14 * GiB and FIG.effective_cap_bytes == 12 * GiB
     assert FIG.load_headroom_bytes == 4 * GiB and FIG.single_request_limit_bytes == 7 * GiB
-
-
-def model(model_id: str, on_disk: int, *, per_token: int = MiB, context: int | None = 8192) -> ModelInfo:
-    layout = KvLayout(dtype_bytes=2, full_layers=1, bytes_per_token=per_token, sliding=(), recurrent_layers=0,
-                      accuracy=KvAccuracy.EXACT)
-    return ModelInfo(model_id, Path("/models") / model_id, ModelSource.MODEL_DIR, None, (), on_disk, "llama",
-                     None, DType.FLOAT16, context, layout)
-
-
-def slot(model_id: str, state: ModelState = ModelState.LOADED, *, busy: bool = False, last_used: float = 0.0,
-         resident: int = 0) -> SlotView:
-    return SlotView(model_id, state, busy, last_used, resident)
-
-
-def view(*slots: SlotView, max_slots: int = 3, draining: bool = False, outstanding: int = 0,
-         request_kv: int = 0) -> ManagerView:
-    return ManagerView({s.model_id: s for s in slots}, max_slots, draining, outstanding, request_kv)
-
-
-def snap(*slots: SlotView, extra_active: int = 0) -> MemorySnapshot:
-    active = sum(s.resident_bytes for s in slots) + extra_active
-    return MemorySnapshot(physical_bytes=16 * GiB, available_bytes=16 * GiB - active, mlx_active_bytes=active)
 
 
 def admit(v: ManagerView, s: MemorySnapshot, info: ModelInfo | None, prompt: int = 100, max_tokens: int | None = 100):
@@ -105,7 +78,7 @@ def test_slot_cap_with_nothing_evictable_is_slot_state():
 def test_a_loading_model_admits_what_its_claim_and_the_room_can_hold():
     """m loads: its claim (padded 6 GiB + 1 GiB of KV) and 1.5 GiB of requests booked with it are
     outstanding: available = 12 − 3 − 8.5 = 0.5 GiB. A request waiting for the load counts like one
-    on a resident model (issue 11: before, every request for a loading model was accepted)."""
+    on a resident model (before, every request for a loading model was accepted)."""
     info = model("m", 5 * GiB)
     loading = SlotView("m", ModelState.LOADING, True, 0.0, 0, BatchKv(3, 512, int(1.5 * GiB)))
     r = admit(view(loading, outstanding=int(8.5 * GiB)), snap(), info, prompt=100, max_tokens=100)

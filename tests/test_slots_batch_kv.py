@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from manager_rigs import MESSAGES, NEVER_STOP
 
 from memory import ReservationKind
 from provider.engine import ChatRequest, SamplingParams, TextDelta
-from test_slots_manager import MESSAGES, NEVER_STOP, rigs  # noqa: F401  (fixture)
 
 SHORT = 3  # short requests beside the long one
 SHORT_MAX = 400  # output tokens: they stay in the batch for the whole measurement

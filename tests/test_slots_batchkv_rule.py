@@ -9,6 +9,7 @@ n × kv(T_buffer), and an empty batch must leave the ledger empty.
 
 from __future__ import annotations
 
+from admission_figures import FIG, model, snap, view
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,7 +17,6 @@ from memory import GiB, Ledger, MemorySnapshot, ReservationKind
 from provider.models import kv_bytes_for_tokens
 from provider.slots import Admitted, ModelState, Refused, SlotView, decide, join_share
 from provider.slots.batchkv import BatchKv, KvBook
-from test_slots_admission import FIG, model, snap, view
 
 MiB = 2**20
 INFO = model("m", GiB, per_token=4096, context=8192)  # 1 MiB per 256-token block

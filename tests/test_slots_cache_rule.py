@@ -1,4 +1,4 @@
-"""The buffer-cache rule on the model manager (issue 18.4): a refusal or an eviction that one
+"""The buffer-cache rule on the model manager: a refusal or an eviction that one
 `mx.clear_cache()` would have avoided does not happen.
 
 Real engine, real tiny models, a 4 GiB machine emulated with `memory_limit_gb`. The one stub is MLX's

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
+from clock import Clock
 from hypothesis import given
 from hypothesis import strategies as st
 
 from protocol import Heartbeat, decode, encode
 from provider.slots.rates import FRESHNESS_S, MAX_PREFILL_TPS, PROMPT_BUCKET_TOKENS, RateBook, prompt_bucket
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def serve(book: RateBook, *, prompt: int = 512, prefill_s: float = 0.5, tokens: int = 33, decode_s: float = 0.32,
@@ -25,7 +18,7 @@ def serve(book: RateBook, *, prompt: int = 512, prefill_s: float = 0.5, tokens: 
 
 @given(st.lists(st.tuples(st.floats(0.03, 5.0), st.floats(0.01, 5.0)), min_size=1, max_size=30))
 def test_the_ewma_stays_within_what_was_measured(windows: list[tuple[float, float]]) -> None:
-    book = RateBook(Clock())
+    book = RateBook(Clock(1000.0))
     prefill, decode = [], []
     for prefill_s, decode_s in windows:
         serve(book, prefill_s=prefill_s, decode_s=decode_s)
@@ -38,7 +31,7 @@ def test_the_ewma_stays_within_what_was_measured(windows: list[tuple[float, floa
 
 
 def test_contended_and_implausible_samples_are_not_prefill_evidence() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     book = RateBook(clock)
     serve(book, isolated=False)
     assert book.observed("m")[0] == 0.0 and book.observed("m")[1] == 100.0  # decode still counts
@@ -51,7 +44,7 @@ def test_contended_and_implausible_samples_are_not_prefill_evidence() -> None:
 
 
 def test_ages_grow_and_a_gap_reseeds() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     book = RateBook(clock)
     serve(book, decode_s=0.32)  # 100 tok/s
     clock.now += 3.0
@@ -68,7 +61,7 @@ def test_ages_grow_and_a_gap_reseeds() -> None:
 def test_heartbeat_slot_carries_rates_and_ages_on_the_wire() -> None:
     from protocol import BackendCapacity, BackendSlotCapacity, HeartbeatStats, SystemMetrics
 
-    book = RateBook(Clock())
+    book = RateBook(Clock(1000.0))
     serve(book)
     slot = BackendSlotCapacity(model="m", state="running", num_running=0, num_waiting=0, active_tokens=0,
                                max_tokens_potential=0, observed_prefill_tps=book.observed("m")[0],
@@ -92,7 +85,7 @@ def test_prompt_buckets_round_up_to_512(tokens: int) -> None:
 
 
 def test_a_request_that_waited_for_the_load_is_no_warm_ttft_sample() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     book = RateBook(clock)
     clock.now = 10.2
     book.loaded("m")  # the load ended at 10.2; the request below arrived at 10.0
@@ -105,7 +98,7 @@ def test_a_request_that_waited_for_the_load_is_no_warm_ttft_sample() -> None:
 
 
 def test_prefill_counts_computed_tokens_and_not_a_cache_hit() -> None:
-    book = RateBook(Clock())
+    book = RateBook(Clock(1000.0))
     book.served("m", prompt_tokens=1030, completion_tokens=2, submitted=0.0, first_token=1.0, ended=1.1,
                 isolated=True, cached_tokens=6)  # a template start from the cache: 1,024 computed in 1 s
     assert book.observed("m")[0] == 1024.0

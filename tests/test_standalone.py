@@ -1,4 +1,4 @@
-"""The repository stands alone: a plain clone tests itself with nothing beside it (issue 14.1)."""
+"""The repository stands alone: a plain clone tests itself with nothing beside it."""
 
 from __future__ import annotations
 

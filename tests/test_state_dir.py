@@ -1,4 +1,4 @@
-"""An unusable state directory (issue 12 item 8): the agent starts without the SSD tier and says why, once;
+"""An unusable state directory: the agent starts without the SSD tier and says why, once;
 `doctor` says it too. Before, an OSError in the startup sweep stopped the agent (exit 1), and a service
 manager restarted it forever, even with `kv_ssd_budget_gb = 0`.
 

@@ -1,4 +1,4 @@
-"""One agent per state directory (issue 29 item 3), and finding the running one from there (item 12).
+"""One agent per state directory, and finding the running one from there.
 
 Two agents on one state directory registered with the same identity key, and the second's start-up
 sweep deleted the first's live SSD cache files. The state directory is locked now: real processes
@@ -18,11 +18,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_runner import closed_port, run_cli
 
 from kvcache.disk import KVCACHE_DIR
 from provider.demo import free_port, wait_ready
 from provider.state_lock import LOCK_FILE, AgentMode, AlreadyRunning, StateLock, running_agent
-from test_cli import closed_port, run_cli
 
 HOLD = """
 import sys

@@ -1,4 +1,4 @@
-"""Extreme requests and request storms (issue 11): admission before any big allocation.
+"""Extreme requests and request storms: admission before any big allocation.
 
 Two rigs, both on real MLX with the suite's tiny models and a small machine emulated with
 `memory_limit_gb`:
@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from local_server import start_server
 from nacl.public import Box, PrivateKey, PublicKey
 
 from memory import GiB, ReservationKind
@@ -34,7 +35,6 @@ from protocol.crypto import ProviderIdentity
 from provider.config import Settings
 from provider.jobs import JobContext, JobOutcome, run_job
 from provider.runtime import Runtime
-from test_local_server import start_server
 
 SMALL_MACHINE = {"memory_limit_gb": 3.5, "memory_reserve_gb": 0.5}
 SMALL_ENV = {"DARKBLOOM_ACTIVATION_RESERVE_GB": "0.25"}
@@ -248,6 +248,7 @@ def _time_small(client: httpx.Client, n: int) -> list[float]:
     return times
 
 
+@pytest.mark.serial  # latencies alone and beside the flood, compared: no other test's load beside either
 def test_small_requests_are_not_delayed_by_a_big_prompt_in_flight(tmp_path, small_model_path):
     """30 small requests alone, then 30 while 15 MiB prompts are sent back to back: each small one is
     answered (headers) about as fast as alone. Before: up to 14 s behind the tokenizer."""

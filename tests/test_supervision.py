@@ -1,4 +1,4 @@
-"""A service that behaves (issue 14.4 and 14.6), through the real CLI in a subprocess with a temporary
+"""A service that behaves, through the real CLI in a subprocess with a temporary
 home: `service install` carries every setting it was given, a configuration error under launchd ends
 the agent without a relaunch loop and `service status` shows it, the agent's log file rotates by size."""
 
@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import structlog
+from cli_runner import run_cli
 
 from provider.cli import build_parser, overrides_from, setting_args, settings_from
 from provider.service import install
 from provider.supervision import ExitReason, exit_record_path, read_exit_record
 from provider.telemetry import configure_logging, get_logger
-from test_cli import run_cli
 
 INSTALL_FLAGS = ("--memory-reserve-gb", "8", "--local-port", "9000", "--model-dirs", "/srv/models",
                  "--model-dirs", "models-here", "--model-aliases", "org/m=~/m", "--dev-posture", "true",

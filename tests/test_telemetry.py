@@ -273,7 +273,7 @@ def test_formatter_plumbing_keys_cannot_carry_text() -> None:
     assert redact(event="e", _record=CANARY, _from_structlog=CANARY) == {"event": "e", "redacted": 2}
 
 
-# --- foreign records whose arguments are known to be safe (issue 14.5)
+# --- foreign records whose arguments are known to be safe
 
 
 @pytest.fixture

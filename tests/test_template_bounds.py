@@ -27,7 +27,7 @@ import openai
 import psutil
 import pytest
 from coordinator_double import CoordinatorDouble, Rejected
-from double_fixtures import consumer_for, coordinator_double, double_config  # noqa: F401
+from double_fixtures import consumer_for
 
 from provider.agent import Agent
 from provider.config import Settings

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import pytest
+from engine_arithmetic import mlx_vlm_greedy
+from job_harness import Coordinator, sse_json
+from settings_for import settings_for
+from vision_images import data_uri, detokenized, image_part, jpeg_bytes, png_bytes
 
 from memory import Ledger, Probe, ReservationKind
 from memory.media import projected_decode_bytes
@@ -26,9 +29,6 @@ from provider.jobs import JobContext, JobOutcome, PromptCounter, ServingStats, r
 from provider.models import discover, kv_bytes_for_tokens
 from provider.request.body import parse_chat_body
 from provider.slots import ModelManager
-from test_jobs import Coordinator, sse_json
-from engine_arithmetic import mlx_vlm_greedy
-from vision_images import data_uri, detokenized, image_part, jpeg_bytes, png_bytes
 
 NO_EOS = frozenset({10**9})
 
@@ -85,12 +85,6 @@ class VisionHarness:
         return dict(self.ledger.snapshot().count_by_kind)
 
 
-def settings_for(vlm_path: Path, tmp_path: Path, **kw) -> Settings:
-    base = dict(coordinator_url="ws://127.0.0.1:1/ws/provider", state_dir=tmp_path, hf_cache_dir=tmp_path / "hf",
-                model_aliases={"vlm": vlm_path}, memory_limit_gb=8.0, memory_reserve_gb=0.5)
-    return Settings(**{**base, **kw})
-
-
 PNG = data_uri(png_bytes(40, 30, (220, 30, 30)))
 JPEG = data_uri(jpeg_bytes(96, 64, (20, 40, 200)), "image/jpeg")
 
@@ -111,7 +105,7 @@ def first_error(h: VisionHarness, rid: str) -> dict:
 async def harness(tiny_vlm_path, tmp_path):
     trace: list = []
     engine = Engine(trace=lambda *step: trace.append(step))
-    h = VisionHarness(settings_for(tiny_vlm_path, tmp_path), engine)
+    h = VisionHarness(settings_for(tmp_path, {"vlm": tiny_vlm_path}), engine)
     h.trace = trace
     yield h
     await h.manager.unload_all()
@@ -146,7 +140,7 @@ async def test_media_and_the_whole_span_are_reserved_while_the_image_is_encoded(
             seen["encode"] = holder["h"].ledger.snapshot()
 
     engine = Engine(trace=trace)
-    h = VisionHarness(settings_for(tiny_vlm_path, tmp_path), engine, eos=NO_EOS)
+    h = VisionHarness(settings_for(tmp_path, {"vlm": tiny_vlm_path}), engine, eos=NO_EOS)
     holder["h"] = h
     try:
         assert await h.run("r", vision_body(max_tokens=12)) is JobOutcome.COMPLETED
@@ -173,7 +167,7 @@ async def test_media_and_the_whole_span_are_reserved_while_the_image_is_encoded(
 
 async def test_cancel_and_disconnect_release_media_and_kv(tiny_vlm_path, tmp_path):
     engine = Engine(vision_prefill_step=4)
-    h = VisionHarness(settings_for(tiny_vlm_path, tmp_path), engine, eos=NO_EOS)
+    h = VisionHarness(settings_for(tmp_path, {"vlm": tiny_vlm_path}), engine, eos=NO_EOS)
     try:
         # Cancel mid-stream (the coordinator's cancel, or a lost connection: the job's task is cancelled).
         task = asyncio.create_task(h.run("c1", vision_body(max_tokens=2000)))
@@ -231,7 +225,7 @@ async def test_bounds_are_refused_before_the_accept(harness, url, status, code):
 async def test_ten_concurrent_vision_requests_admitted_ones_served_the_rest_fast_503(tiny_vlm_path, tmp_path):
     engine = Engine()
     # A small emulated machine; at most 2 requests with images per model (the default).
-    h = VisionHarness(settings_for(tiny_vlm_path, tmp_path, memory_limit_gb=7.5), engine, eos=NO_EOS)
+    h = VisionHarness(settings_for(tmp_path, {"vlm": tiny_vlm_path}, memory_limit_gb=7.5), engine, eos=NO_EOS)
     try:
         outcomes = await asyncio.gather(*(h.run(f"r{i}", vision_body(max_tokens=8)) for i in range(10)))
         served = [f"r{i}" for i, o in enumerate(outcomes) if o is JobOutcome.COMPLETED]
@@ -257,8 +251,8 @@ async def test_ten_concurrent_large_image_requests_are_admitted_as_memory_allows
     The place limit is raised to 10, so memory alone decides: as many as fit are served, the others
     get a 503 before any accept, and nothing stays reserved."""
     engine = Engine()
-    h = VisionHarness(settings_for(tiny_vlm_path, tmp_path, memory_limit_gb=7.0, max_vision_requests=10), engine,
-                      eos=NO_EOS)
+    h = VisionHarness(settings_for(tmp_path, {"vlm": tiny_vlm_path}, memory_limit_gb=7.0, max_vision_requests=10),
+                      engine, eos=NO_EOS)
     big = data_uri(png_bytes(4096, 4096, (90, 90, 200)))
     body = vision_body(max_tokens=4)
     body["messages"][1]["content"] = [{"type": "text", "text": "three"}, image_part(big), image_part(big),

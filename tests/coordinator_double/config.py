@@ -1,4 +1,4 @@
-"""Settings of the coordinator double. Defaults are the [A] coordinator's (protocol.md §6.2); tests shrink them."""
+"""Settings of the coordinator double. Defaults are the [A] coordinator's; tests shrink them."""
 
 from __future__ import annotations
 
@@ -55,9 +55,9 @@ class DoubleConfig:
     # routing
     backend: str = "inprocess-mlx"
     # EIGENINFERENCE_MIN_TRUST. [A]'s default is hardware, which no test provider reaches; self-hosted
-    # coordinators under test set none (protocol.md §13), or self_signed to require a registration attestation.
+    # coordinators under test set none, or self_signed to require a registration attestation.
     min_trust: TrustLevel = TrustLevel.NONE
-    require_secure_boot_present: bool = True  # §13: sip/rdma/secure_boot must be present in the answer
+    require_secure_boot_present: bool = True  # sip/rdma/secure_boot must be present in the answer
     # [N] lifecycle (docs/reference/protocol-messages.md "Provider lifecycle drain", `register`):
     # provider_drain fences the socket and is acknowledged once its pending requests are settled; False: never
     # acknowledged (an older coordinator, or an ack lost), for the provider's bounded wait.

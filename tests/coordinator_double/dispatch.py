@@ -1,4 +1,4 @@
-"""The dispatch/retry loop of one consumer request ([A] consumer.go handleChatCompletions, protocol.md §8.1).
+"""The dispatch/retry loop of one consumer request ([A] consumer.go handleChatCompletions).
 
 Per attempt: a new request id, a fresh X25519 session key pair, the body sealed to the provider's key,
 then up to ``first_response_timeout`` for accept | first chunk | error; after an accept, up to

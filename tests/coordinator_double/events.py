@@ -42,7 +42,7 @@ class DropReason(Enum):
 
 
 class Violation(Enum):
-    """Contract breaches that do not drop the frame (protocol.md §15)."""
+    """Contract breaches that do not drop the frame."""
 
     BINARY_FRAME = "binary_frame"
     DUPLICATE_REGISTER = "duplicate_register"

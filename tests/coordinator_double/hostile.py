@@ -11,8 +11,8 @@ type by one to three mutation operators: wrong types, missing and extra fields, 
 bytes and lone surrogates, binary frames, duplicate keys, numbers as strings, unknown and altered types,
 deep nesting, truncation. Every string value the generator writes is unique, so every id names one case.
 
-What a correct provider does with a case (``Expect``) follows from the frame alone, by the rules of
-issue 12 and protocol.md §4, never from the provider's code:
+What a correct provider does with a case (``Expect``) follows from the frame alone, by these rules,
+never from the provider's code:
 
 * an ``inference_request`` whose ``request_id`` can be read (the frame is UTF-8 JSON, its last ``type`` is
   ``inference_request``, its last ``request_id`` a string of 1 to ``MAX_REQUEST_ID_CHARS`` characters that
@@ -349,7 +349,8 @@ TEXT_OPS: dict[str, TextOp] = {
 
 
 def _fixed_cases(m: _Maker) -> Iterator[tuple[str, tuple[str, ...], str | bytes]]:
-    """The frames issue 12 reproduced, always among the cases."""
+    """Frames that once broke the provider (a zero key, wrong types, huge or unencodable ids and nonces,
+    binary and non-UTF-8 frames), always among the cases."""
     def request(*changes: tuple[str, Any]) -> str:
         frame = m.inference_request()
         for key, value in changes:
@@ -373,7 +374,7 @@ def _fixed_cases(m: _Maker) -> Iterator[tuple[str, tuple[str, ...], str | bytes]
 
 
 def hostile_cases(seed: int, *, count: int, provider_key: str, valid_every: int = 50) -> Iterator[HostileCase]:
-    """``count`` mutated frames (the fixed cases of issue 12 first), with an unmutated frame of a random type
+    """``count`` mutated frames (the fixed cases first), with an unmutated frame of a random type
     every ``valid_every`` cases besides. Deterministic for a seed."""
     rng = random.Random(seed)
     m = _Maker(rng, provider_key)

@@ -1,9 +1,9 @@
-"""Real macOS command output published by other people, for the host readers' tests (issue 18).
+"""Real macOS command output published by other people, for the host readers' tests.
 
 Each file starts with ``#`` header lines: the command, the machine and macOS version when the source
 says them, the source (a public issue, page or repository file), and the provenance (``verbatim``,
 ``excerpt``: lines the source cut, or ``derived``: a real sample with one value replaced by a value the
-named source documents, said which; issue 16's ``constructed``: no public recording was found, the
+named source documents, said which; or ``constructed``: no public recording was found, the
 output is built from the documented format named in the header). Everything after the header is the
 output.
 """
