@@ -24,6 +24,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
+	$(PY) -m ruff check .
 	$(WITH_BLAS) $(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 demo: $(STAMP)

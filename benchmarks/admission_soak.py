@@ -36,7 +36,6 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
-from timing import measure
 
 from kvcache.manager import KvCacheManager
 from kvcache.ram import StoreOutcome
@@ -45,6 +44,7 @@ from provider.engine import Engine
 from provider.models import discover
 from provider.slots import ModelManager, Refused
 from provider.tinymodel import build_tiny_model
+from timing import measure
 
 CACHE = Path(__file__).resolve().parent.parent / ".cache" / "tiny-models"
 MODEL = "tiny"

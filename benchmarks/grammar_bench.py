@@ -18,7 +18,7 @@ prefill, so (T_long - T_short) is (long - short) decode steps of the whole batch
 
 Each tok/s cell is the median of --repeats repeats (the ways interleaved, alternating which goes
 first), after one warm-up of each; `÷ plain` is the median of the per-repeat ratios (a neighbour's
-load on a shared machine then hits both sides of a ratio alike). It is the issue's figure (goal >= 0.90).
+load on a shared machine then hits both sides of a ratio alike). It is the figure to watch (goal >= 0.90).
 `CPU ms / token` is the process's CPU time (every thread) per decoded token, the same difference of
 the two runs: the work a way does, whatever a neighbour takes of the cores.
 

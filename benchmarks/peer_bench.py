@@ -99,7 +99,6 @@ from openai import AsyncOpenAI  # noqa: E402
 
 from gil_sample import GilCounts, GilSampler  # noqa: E402
 from peer_report import BARE, OURS, PEER, TURNS, pct, print_tables, write_json  # noqa: E402
-
 from provider.tinymodel import PRESETS, build_tiny_model, weights_bytes  # noqa: E402
 
 STARTED = time.monotonic()  # --deadline-s counts from here

@@ -46,8 +46,9 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import peer_bench
 import psutil
+
+import peer_bench
 from peer_bench import WORDS, Request, Server, ask, model_folder, start_ours
 
 MiB = 2**20

@@ -32,10 +32,9 @@ import sys
 import time
 from pathlib import Path
 
-from timing import measure
-
 from provider.models.template import ChatTemplate, Lane, encode, renderer
 from provider.tinymodel import build_tiny_model
+from timing import measure
 
 CACHE = Path(__file__).resolve().parent.parent / ".cache" / "tiny-models"
 CHATS = {

@@ -24,6 +24,7 @@ No other package does cap arithmetic; it calls these.
 """
 
 from memory.fit import FitResult, FitVerdict, after_eviction, fit, free_for_load_bytes
+from memory.ledger import Lease, Ledger, LedgerSnapshot, Rejection, RejectionReason, ReservationKind
 from memory.media import (
     DEFAULT_SOFT_TOKENS_PER_IMAGE,
     MediaLimits,
@@ -33,9 +34,8 @@ from memory.media import (
     vision_reservation,
     vision_span,
 )
-from memory.ledger import Lease, Ledger, LedgerSnapshot, Rejection, RejectionReason, ReservationKind
+from memory.mlx_limits import MlxLimits, mlx_limits
 from memory.policy import (
-    GiB,
     MAX_BYTES,
     MIN_KV_BYTES,
     MIN_OS_BYTES,
@@ -43,6 +43,7 @@ from memory.policy import (
     CapFigures,
     EnvAction,
     EnvAdjustment,
+    GiB,
     PolicySettings,
     RequestKv,
     RoomCause,
@@ -56,7 +57,6 @@ from memory.policy import (
     resolve_settings,
     room_for_weights,
 )
-from memory.mlx_limits import MlxLimits, mlx_limits
 from memory.pressure import Pressure, PressureLevel, pressure, pressure_thresholds
 from memory.probe import Probe
 from memory.settle import SettleResult, settle

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from memory.policy import GiB, CapFigures
+from memory.policy import CapFigures, GiB
 
 
 class Recommendation(StrEnum):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memory.policy import GiB, CapFigures
+from memory.policy import CapFigures, GiB
 
 CACHE_LIMIT_FRACTION = 0.75
 CACHE_LIMIT_CEILING_BYTES = 8 * GiB

@@ -36,7 +36,6 @@ import structlog
 
 from memory.snapshot import MemorySnapshot
 
-
 GiB = 2**30
 MAX_BYTES = 2**63 - 1  # saturation ceiling: the largest int64, what JSON peers and counters can carry
 
@@ -298,8 +297,8 @@ class CapFigures:
 
     def load_is_serveable(self, snapshot: MemorySnapshot, outstanding_bytes: int = 0, *,
                           kv_floor_bytes: int | None = None) -> bool:
-        """Post-load guard (§5.5): measured live headroom ≥ MIN_KV + outstanding reservations.
-        `kv_floor_bytes` replaces MIN_KV when requests booked with the load already reserve part of
+        """Post-load guard, checked once a load has finished: measured live headroom ≥ MIN_KV + outstanding
+        reservations. `kv_floor_bytes` replaces MIN_KV when requests booked with the load already reserve part of
         it (they are in `outstanding_bytes`): the floor is then what is left of MIN_KV."""
         floor = self.min_kv_bytes if kv_floor_bytes is None else max(0, min(self.min_kv_bytes, kv_floor_bytes))
         return self.live_headroom_bytes(snapshot) >= floor + saturate(outstanding_bytes)
@@ -321,7 +320,8 @@ class CapFigures:
 
 
 def compute_figures(physical_bytes: int, settings: PolicySettings | None = None) -> CapFigures:
-    """The §3 formulas for physical size `physical_bytes` under resolved `settings` (no env read)."""
+    """The cap figures (hard cap, effective cap, load reserve and headroom) for physical size
+    `physical_bytes` under resolved `settings` (no env read)."""
     s = settings or PolicySettings()
     p = saturate(physical_bytes)
     if s.memory_limit_bytes is not None:

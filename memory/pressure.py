@@ -3,8 +3,8 @@
     u = (mlx_used + incoming + overhead) / P
 
 `mlx_used` counts MLX's buffer cache, as every other figure does (the one rule in
-`memory/snapshot.py`; §8 discounted the cache here while the cap math counted it, so the heartbeat's
-pressure disagreed with admission). The cache is reclaimable all the same: the model manager clears
+`memory/snapshot.py`; an earlier version discounted the cache here while the cap math counted it, so the
+heartbeat's pressure disagreed with admission). The cache is reclaimable all the same: the model manager clears
 it before it evicts for pressure, and decides again.
 GREEN < 65 % ≤ YELLOW < 80 % ≤ RED < 90 % ≤ FATAL. YELLOW or worse before a load means: evict idle
 models one at a time, re-checking after each. Heartbeats report `utilization` clamped to [0, 1]

@@ -29,7 +29,6 @@ import structlog
 
 from memory.policy import GiB
 
-
 TOLERANCE_FLOOR_BYTES = 2 * GiB
 TOLERANCE_PERCENT = 5
 DEFAULT_TIMEOUT_S = 5.0

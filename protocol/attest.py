@@ -1,6 +1,6 @@
 """Signing for the coordinator: the registration attestation and challenge answers.
 
-Registration attestation (``register.attestation``, §10.1; [A] attestation.go ``AttestationBlob`` /
+Registration attestation (``register.attestation``; [A] attestation.go ``AttestationBlob`` /
 ``Verify``, Swift ``AttestationService.createAttestation``):
 
 * ``{"attestation": <blob>, "signature": <base64 DER ECDSA P-256>}``. The signature covers SHA-256 of

@@ -46,11 +46,11 @@ from provider.engine import Engine
 from provider.guest.monitor import GuestMonitor
 from provider.hardware import available_gb, detect_machine, hardware_of, measure_memory_bandwidth_gbs, os_version
 from provider.jobs import JobContext, ServingStats, run_job
-from provider.request import PromptCounter
-from provider.metrics import Metrics
 from provider.local.server import StatusEndpoint
+from provider.metrics import Metrics
 from provider.models import Inventory, default_hf_cache
 from provider.power import KeepAwake
+from provider.request import PromptCounter
 from provider.runtime import Runtime
 from provider.runtime_hash import runtime_hash
 from provider.session.attestation import plan_attestation, signed_attestation

@@ -250,9 +250,9 @@ def build_tiny_vlm(out_dir: str | Path, *, seed: int = 0, shape: VlmShape = VlmS
 
 
 def _check(path: Path) -> str:
-    from PIL import Image
     from mlx_vlm import generate, load
     from mlx_vlm.prompt_utils import apply_chat_template
+    from PIL import Image
 
     model, processor = load(str(path))
     prompt = apply_chat_template(processor, model.config, "describe this", num_images=1)

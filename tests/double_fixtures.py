@@ -11,8 +11,9 @@ import json
 from collections.abc import AsyncIterator
 
 import pytest
-from coordinator_double import CoordinatorDouble, DoubleConfig
 from openai import AsyncOpenAI
+
+from coordinator_double import CoordinatorDouble, DoubleConfig
 
 
 def quick_config(**overrides: float | int | str | bool) -> DoubleConfig:
@@ -29,9 +30,9 @@ def consumer_for(double: CoordinatorDouble, *, timeout: float = 60.0) -> AsyncOp
 
 def sealed_request(provider_key: str, request_id: str, body: dict) -> str:
     """An [A]-shaped inference_request frame sealed to ``provider_key`` with a fresh session key."""
-    from coordinator_double.dispatch import inference_request_frame
     from nacl.public import Box, PrivateKey
 
+    from coordinator_double.dispatch import inference_request_frame
     from protocol.crypto import RequestBox, b64encode, parse_public_key
 
     session = PrivateKey.generate()

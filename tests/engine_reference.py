@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import mlx_lm
 import pytest
-from engine_arithmetic import StepLogits, assert_decisive
 from mlx_lm.generate import stream_generate
 
+from engine_arithmetic import StepLogits, assert_decisive
 from provider.engine import SamplingParams
 
 PROMPTS = [

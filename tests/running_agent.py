@@ -21,15 +21,17 @@ import pytest
 from memory import Ledger, ReservationKind
 from provider.agent import Agent
 from provider.config import Settings
+from provider.demo import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 NO_EOS = frozenset({10**9})  # the tiny models never stop early: completions have exactly max_tokens
 
 
 def agent_settings(url: str, state_dir: Path, models: dict[str, Path], **overrides: object) -> Settings:
-    """Dev posture, no hub (an empty cache beside `state_dir`), an 8 GB machine, quick heartbeats."""
+    """Dev posture, no hub (an empty cache beside `state_dir`), an 8 GB machine, quick heartbeats, the
+    status endpoint on a free port (not the default one, which another test's agent or command may use)."""
     return Settings(**{
-        "coordinator_url": url, "dev_posture": True, "state_dir": state_dir,
+        "coordinator_url": url, "dev_posture": True, "state_dir": state_dir, "local_port": free_port(),
         "hf_cache_dir": state_dir.parent / "empty-hf-cache", "model_aliases": models, "memory_limit_gb": 8.0,
         "memory_reserve_gb": 0.5, "heartbeat_interval_s": 0.5, "drain_timeout_s": 5.0, "idle_timeout_mins": 0,
         **overrides})
@@ -82,7 +84,8 @@ async def agent_process(ws_url: str, model: Path, tmp_path: Path, *, stderr: int
              "DARKBLOOM_DEV_POSTURE": "true", "DARKBLOOM_STATE_DIR": str(tmp_path / "state"),
              "DARKBLOOM_HF_CACHE_DIR": str(tmp_path / "hf"), "DARKBLOOM_MODEL_ALIASES": f"tiny={model}",
              "DARKBLOOM_MEMORY_LIMIT_GB": "8", "DARKBLOOM_MEMORY_RESERVE_GB": "0.5",
-             "DARKBLOOM_LOG_FORMAT": "json", "DARKBLOOM_HEARTBEAT_INTERVAL_S": "0.5", **env})
+             "DARKBLOOM_LOG_FORMAT": "json", "DARKBLOOM_HEARTBEAT_INTERVAL_S": "0.5",
+             "DARKBLOOM_LOCAL_PORT": str(free_port()), **env})
 
 
 @pytest.fixture

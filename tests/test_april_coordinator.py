@@ -16,13 +16,13 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
+
 from coordinator_double import CoordinatorDouble, Disconnected, FrameReceived, Registered, TrustStatusSent
 from double_fixtures import consumer_for, quick_config
-from running_agent import Agents, RunningAgent, agent_settings
-
 from protocol import Register
 from provider.metrics import EvictionCause
 from provider.slots import ModelState
+from running_agent import Agents, RunningAgent, agent_settings
 
 HOUR_S = 3600.0
 

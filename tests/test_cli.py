@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_runner import closed_port, run_cli
 
 import memory
+from cli_runner import closed_port, run_cli
 from memory import Probe
 from memory.probe import no_mlx_counters
 

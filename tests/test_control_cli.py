@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from local_server import MODEL, start_server
 
 

@@ -12,6 +12,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from websockets.asyncio.client import connect
+
 from coordinator_double import (
     ATTESTED_HEADER,
     JOB_HEADER,
@@ -47,8 +49,6 @@ from coordinator_double.attestation import verify_registration
 from coordinator_double.events import AfterTerminal, Disconnected
 from coordinator_double.fake_provider import MODEL, FakeProvider, Job
 from double_fixtures import consumer_for, quick_config
-from websockets.asyncio.client import connect
-
 from protocol import (
     AttestationChallenge,
     BackendCapacity,
@@ -109,7 +109,7 @@ async def test_streaming_consumer_gets_events_verbatim_with_usage_and_job_id(
 
     consumer = asyncio.create_task(consume())
     job = await provider.next_job()
-    # §7.1: the body is forwarded with max_tokens injected, re-marshalled like a Go map.
+    # The coordinator forwards the body with max_tokens injected, re-marshalled like a Go map.
     assert job.body["max_tokens"] == 8192 and job.body["stream"] is True
     assert job.body["messages"][0]["content"] == "hi <there> & you"
     await provider.accept(job)
@@ -866,7 +866,6 @@ def test_hostile_cases_are_seeded_and_cover_every_frame_type_and_operator() -> N
 
 def test_hostile_expectations_follow_the_rules_not_the_provider() -> None:
     from coordinator_double.hostile import Expect, expect
-
     from protocol.to_provider import MAX_NONCE_CHARS, MAX_REQUEST_ID_CHARS
 
     req = '{"type":"inference_request","request_id":%s,"encrypted_body":"sealed"}'

@@ -17,9 +17,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from cli_runner import closed_port, run_cli
-from service_recorder import Recorder
 
+from cli_runner import closed_port, run_cli
 from provider import cli
 from provider.agent import EXIT_RESTART
 from provider.config import Settings
@@ -37,6 +36,7 @@ from provider.supervision import (
     read_exit_record,
     reset_abnormal_exits,
 )
+from service_recorder import Recorder
 
 LAUNCHD = {"DARKBLOOM_SERVICE_MANAGER": "launchd"}
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)

@@ -17,9 +17,9 @@ import asyncio
 import httpx
 import mlx.core as mx
 import pytest
+
 from coordinator_double import JOB_HEADER, Completed, Registered, Rejected
 from double_fixtures import consumer_for, quick_config
-
 from memory import GiB, padded_weight_bytes
 from memory.diagnostics import Recommendation
 from provider.agent import EXIT_OK, EXIT_RESTART, Agent, self_restart_enabled

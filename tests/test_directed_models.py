@@ -8,19 +8,19 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from coordinator_double import CoordinatorDouble, FrameReceived, ModelStatus, ModelsUpdated
 from coordinator_double.directed import desired_models, load_model, prefetch_model
 from double_fixtures import consumer_for, quick_config
-from hypothesis import given
-from hypothesis import strategies as st
-from running_agent import Agents, agent_settings
-
 from protocol import DesiredModels
 from protocol.to_provider import DesiredModel
 from provider.agent import Agent
 from provider.directed import DesiredBuilds
 from provider.models.hashing import weight_hash_sync
 from provider.slots import ModelState
+from running_agent import Agents, agent_settings
 
 
 @pytest.fixture

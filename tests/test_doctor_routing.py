@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from coordinator_double import CoordinatorDouble, DoubleConfig
 
+from coordinator_double import CoordinatorDouble, DoubleConfig
 from protocol import PrivacyCapabilities
 from protocol.attest import SecurityPosture
 from provider.config import Settings

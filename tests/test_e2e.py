@@ -19,6 +19,7 @@ import httpx
 import mlx_lm
 import openai
 import pytest
+
 from coordinator_double import (
     JOB_HEADER,
     Accepted,
@@ -36,15 +37,14 @@ from coordinator_double.events import Disconnected, DrainAckSent, DrainBarrier
 from double_fixtures import consumer_for, quick_config, sealed_request
 from engine_arithmetic import assert_decisive_reply
 from openai_shape import assert_openai_stream
+from provider.engine import ChatRequest, Engine, SamplingParams
+from provider.telemetry import capture_redacted_logs
 from running_agent import (
     NO_EOS,
     agent_process,
     chat_messages,
     no_request_reservations,
 )
-
-from provider.engine import ChatRequest, Engine, SamplingParams
-from provider.telemetry import capture_redacted_logs
 
 
 async def engine_alone(model_path: Path, content: str, max_tokens: int) -> tuple[str, int, int]:
@@ -102,7 +102,7 @@ async def test_openai_stream_and_non_stream_equal_the_engine(coordinator_double,
 
 
 async def test_a_streaming_consumer_receives_openais_stream_byte_for_byte(coordinator_double, start_agent):
-    """§1.8: one ``data:`` line per chunk, no [DONE] chunk; the coordinator adds a blank line per chunk and
+    """The provider sends one ``data:`` line per chunk, no [DONE] chunk; the coordinator adds a blank line per chunk and
     its own [DONE], so the consumer sees exactly one [DONE] and one blank line per event."""
     double = coordinator_double
     await start_agent(double.ws_url)

@@ -19,14 +19,14 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
+
 from coordinator_double import CoordinatorDouble, FrameReceived
 from coordinator_double.capacity import QuoteReceived
 from double_fixtures import consumer_for, sealed_request
-from running_agent import Agents, RunningAgent, agent_process, agent_settings
-
 from protocol import Cancel, Heartbeat, InferenceComplete, InferenceError, InferenceResponseChunk, Register, encode
 from protocol.vocab import RejectionReason
 from provider.slots.rates import EWMA_ALPHA
+from running_agent import Agents, RunningAgent, agent_process, agent_settings
 
 
 @pytest.fixture

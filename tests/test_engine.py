@@ -6,10 +6,10 @@ import asyncio
 import threading
 
 import pytest
-from engine_arithmetic import assert_decisive_reply
-from engine_reference import NO_EOS, PROMPTS, greedy, messages, reference_greedy
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from engine_arithmetic import assert_decisive_reply
+from engine_reference import NO_EOS, PROMPTS, greedy, messages, reference_greedy
 from protocol import sse
 from provider.engine import (
     ChatRequest,

@@ -19,11 +19,11 @@ import mlx.core as mx
 import numpy as np
 import psutil
 import pytest
-from engine_arithmetic import engine_attention
-from engine_reference import NO_EOS, PROMPTS, greedy, messages, reference_greedy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine_arithmetic import engine_attention
+from engine_reference import NO_EOS, PROMPTS, greedy, messages, reference_greedy
 from provider.engine import ChatRequest, Engine, attention
 from provider.engine.attention import exp2, mlx_attention, scaled_dot_product_attention
 from provider.engine.layout import on_cpu

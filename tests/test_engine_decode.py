@@ -16,8 +16,8 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 
-from provider.engine.decode import DecodeBatch, EngineBatchGenerator, PrefillBatch
 from engine_arithmetic import assert_decisive_continuation
+from provider.engine.decode import DecodeBatch, EngineBatchGenerator, PrefillBatch
 
 TEXTS = ("a river", "the mountain stream is quiet tonight", "seven", "batch of copper wire and salt stone",
          "north wind", "paper boat on a green lamp garden")

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import memory
 from memory.mlx_limits import CACHE_LIMIT_CEILING_BYTES, MlxLimits, mlx_limits, wired_limit
-from memory.policy import GiB, compute_figures, PolicySettings
+from memory.policy import GiB, PolicySettings, compute_figures
 from provider.engine import ChatRequest, Engine, Finished, SamplingParams
 from provider.engine.device import DeviceLimits
 

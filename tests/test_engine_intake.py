@@ -8,8 +8,8 @@ import asyncio
 import threading
 
 import pytest
-from engine_reference import NO_EOS, PROMPTS, greedy, messages, reference_greedy
 
+from engine_reference import NO_EOS, PROMPTS, greedy, messages, reference_greedy
 from provider.engine import ChatRequest, Engine, Finished, worker
 
 

@@ -14,8 +14,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 import pytest
-from engine_reference import NO_EOS, PROMPTS, greedy, messages, reference_greedy
 
+from engine_reference import NO_EOS, PROMPTS, greedy, messages, reference_greedy
 from provider.engine import ChatRequest, Engine
 from provider.engine.layout import on_cpu, transpose_weights
 

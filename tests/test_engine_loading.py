@@ -4,8 +4,8 @@ does (`warm`), leaves nothing behind in the batch, and says where its seconds we
 from __future__ import annotations
 
 import pytest
-from engine_reference import NO_EOS, PROMPTS, greedy, messages
 
+from engine_reference import NO_EOS, PROMPTS, greedy, messages
 from provider.engine import ChatRequest, Engine, Finished, loading
 
 

@@ -15,9 +15,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 import pytest
+
 from engine_arithmetic import assert_decisive_reply
 from engine_reference import NO_EOS, PROMPTS, greedy, messages, reference_greedy
-
 from kvcache.manager import KvCacheManager
 from memory.ledger import Ledger, ReservationKind
 from memory.policy import GiB, figures

@@ -16,11 +16,11 @@ import pytest
 from mlx_lm.models.cache import QuantizedKVCache
 
 from engine_arithmetic import StepLogits, assert_decisive
+from engine_reference import messages
+from kvcache.quantized import BatchQuantizedKVCache, PromptQuantizedKVCache, make_quantized_cache, quantizable
 from provider.engine import ChatRequest, Engine, EngineError, EngineFailure, Finished, SamplingParams, loading
 from provider.engine.decode import EngineBatchGenerator
-from kvcache.quantized import BatchQuantizedKVCache, PromptQuantizedKVCache, make_quantized_cache, quantizable
 from provider.models.kv import kv_quantization_bits, quantized_bytes_per_element
-from engine_reference import messages
 
 TEXTS = ("a river", "the mountain stream is quiet tonight", "seven", "batch of copper wire and salt stone",
          "north wind", "paper boat on a green lamp garden")

@@ -8,12 +8,12 @@ import asyncio
 from pathlib import Path
 
 from mlx_lm.utils import load_tokenizer
-from next_turn import NextTurnTrace
 
 from kvcache.manager import KvCacheManager
 from memory.ledger import Ledger
 from memory.policy import GiB, figures
 from memory.snapshot import MemorySnapshot
+from next_turn import NextTurnTrace
 from provider.engine import ChatRequest, Engine, Finished, SamplingParams
 
 IDLE = MemorySnapshot(physical_bytes=16 * GiB, available_bytes=15 * GiB)

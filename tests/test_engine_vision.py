@@ -14,11 +14,11 @@ import threading
 
 import pytest
 
+from engine_arithmetic import mlx_vlm_greedy
 from provider.engine import ChatRequest, Engine, EngineFailure, Failed, Finished, SamplingParams, TextDelta
 from provider.engine.vision import DutyCycle
 from provider.request.body import IMAGE_MARKER
 from provider.request.media import decode_images, inspect_images
-from engine_arithmetic import mlx_vlm_greedy
 from vision_images import data_uri, jpeg_bytes, png_bytes
 
 NO_EOS = frozenset({10**9})

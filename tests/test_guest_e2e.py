@@ -23,10 +23,10 @@ from pathlib import Path
 import mlx.core as mx
 import openai
 import pytest
+
 from clock import Clock
 from coordinator_double import ChunkReceived, FrameReceived, Rejected
 from double_fixtures import consumer_for
-
 from memory import ReservationKind
 from provider.agent import Agent
 from provider.config import Settings

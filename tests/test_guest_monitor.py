@@ -9,7 +9,6 @@ import asyncio
 from datetime import UTC, datetime, timedelta
 
 from clock import Clock
-
 from protocol import ThermalState
 from provider.config import Settings
 from provider.guest import Available, Paused, PauseReason, Rules, parse_windows

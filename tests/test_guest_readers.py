@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from macos_samples import sample as macos_sample
 
+from macos_samples import sample as macos_sample
 from provider.guest.readers import (
     IOREG,
     MUTTER_IDLE,

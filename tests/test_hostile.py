@@ -16,10 +16,9 @@ import os
 from coordinator_double import Disconnected, FrameReceived
 from coordinator_double.hostile import TERMINAL_TYPES, HostileReport, hostile_cases
 from double_fixtures import consumer_for
-from running_agent import chat_messages, no_request_reservations
-
 from protocol import MAX_INBOUND_FRAME_BYTES
 from provider.telemetry import capture_redacted_logs
+from running_agent import chat_messages, no_request_reservations
 
 SEED = int(os.environ.get("DARKBLOOM_HOSTILE_SEED", "12"))
 MUTATIONS = 10_000

@@ -12,17 +12,17 @@ import json
 import time
 
 import pytest
-from job_harness import Harness, chat, sse_json
-from settings_for import settings_for
-from vectors import load as load_vector
-from vision_images import data_uri, png_bytes
 
+from job_harness import Harness, chat, sse_json
 from memory import ReservationKind
 from provider.engine import ChatRequest, Engine, SamplingParams
 from provider.jobs import JobOutcome, JobState, run_job
 from provider.jobs.job import Job
 from provider.session.connection import DRAIN_EXPIRED
 from provider.telemetry import capture_redacted_logs
+from settings_for import settings_for
+from vectors import load as load_vector
+from vision_images import data_uri, png_bytes
 
 
 @pytest.fixture

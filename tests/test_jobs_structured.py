@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import jsonschema
-from job_harness import Harness, chat, sse_json
-from settings_for import settings_for
 
+from job_harness import Harness, chat, sse_json
 from provider.engine import Engine
 from provider.jobs import JobOutcome
+from settings_for import settings_for
 
 SCHEMA = {"type": "object", "properties": {
     "kind": {"enum": ["cat", "dog"]},

@@ -7,14 +7,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from job_harness import Harness, sse_json
 from mlx_lm.utils import load_tokenizer
-from settings_for import settings_for
 
+from job_harness import Harness, sse_json
 from provider.engine import Engine
 from provider.jobs import JobOutcome
 from provider.models.template import render_ids
 from provider.telemetry import capture_redacted_logs
+from settings_for import settings_for
 
 CANARY = "CANARY-tools-51ac-SECRET"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": f"The weather {CANARY}",

@@ -4,8 +4,9 @@ its KV kept at 8 bits, and what it reports and reserves per token is the quantiz
 from __future__ import annotations
 
 import httpx
-from local_server import MODEL, start_server
 from openai import OpenAI
+
+from local_server import MODEL, start_server
 
 
 def test_a_q8_agent_serves_and_counts_quantized_bytes(tmp_path, tiny_model_path):

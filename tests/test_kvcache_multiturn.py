@@ -26,16 +26,16 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 import pytest
-from engine_arithmetic import assert_decisive_continuation
 from mlx_lm.models.cache import make_prompt_cache
-from next_turn import NextTurnTrace
 
+from engine_arithmetic import assert_decisive_continuation
 from kvcache.disk import DiskBudget
 from kvcache.manager import REUSE_MIN_TOKENS, KvCacheManager, Tier
 from kvcache.ssd import SsdStore
 from memory.ledger import Ledger, ReservationKind
 from memory.policy import GiB, figures
 from memory.snapshot import MemorySnapshot
+from next_turn import NextTurnTrace
 from provider.engine import ChatRequest, Engine, Finished, SamplingParams
 
 IDLE = MemorySnapshot(physical_bytes=16 * GiB, available_bytes=15 * GiB)

@@ -262,8 +262,9 @@ def test_a_conversation_turn_goes_to_ssd_once_it_is_quiet(tiny, ledger: Ledger, 
 
 
 def test_bfloat16_round_trips_through_host_bytes() -> None:
-    from kvcache.state import from_host, host_copy, prefix_copy, settle
     from mlx_lm.models.cache import KVCache
+
+    from kvcache.state import from_host, host_copy, prefix_copy, settle
 
     c = KVCache()
     k = mx.random.normal((1, 2, 9, 8)).astype(mx.bfloat16)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from coordinator_double import (
     Accepted,
     ClosedByDouble,
@@ -34,11 +35,10 @@ from coordinator_double import (
     TrustStatusSent,
 )
 from double_fixtures import consumer_for, quick_config
-from running_agent import Agents, RunningAgent, agent_settings
-
 from provider.cli import render_status
 from provider.doctor import render_table, report_json, run_doctor
 from provider.session.status import LinkState, SessionStatus
+from running_agent import Agents, RunningAgent, agent_settings
 
 
 def free_port() -> int:

@@ -16,8 +16,8 @@ import time
 
 import httpx
 import pytest
-from local_server import MODEL, start_server
 
+from local_server import MODEL, start_server
 from protocol.errors import Failure
 from provider.local.backend import Refused
 from provider.local.drain import InFlight

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from local_server import CANARY, Server, start_server
 
+from local_server import CANARY, Server, start_server
 from provider.models import SkipReason, discover
 
 GOOD, BROKEN_TEMPLATE = "demo/tiny", "demo/bad-template"

@@ -16,6 +16,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+
 from local_server import CANARY, Server, start_server
 from mixed_batch import beside_plain
 

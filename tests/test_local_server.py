@@ -14,10 +14,11 @@ import httpx
 import mlx_lm
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
 from engine_reference import reference_greedy
 from local_server import CANARY, MODEL, Server, start_server
 from openai_shape import assert_openai_stream
-from prometheus_client.parser import text_string_to_metric_families
 from vision_images import data_uri, png_bytes
 
 

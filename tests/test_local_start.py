@@ -9,8 +9,8 @@ while requests are answered and the prefix cache reuses what it stored."""
 from __future__ import annotations
 
 import httpx
-from local_server import MODEL, start_server
 
+from local_server import MODEL, start_server
 from provider.models.hashing import CACHE_FILE, weight_fingerprint_sync, weight_hash_sync
 
 

@@ -13,6 +13,7 @@ import jsonschema
 import mlx_lm
 import openai
 import pytest
+
 from engine_reference import reference_greedy
 from local_server import CANARY, MODEL, start_server
 from mixed_batch import PLAIN, beside_plain

@@ -12,9 +12,9 @@ import httpx
 import openai
 import pytest
 from fastapi import FastAPI
-from local_server import CANARY, MODEL, Server, start_server
 from starlette.testclient import TestClient
 
+from local_server import CANARY, MODEL, Server, start_server
 from provider.local.errors import Cors
 
 ORIGIN = "https://chat.example:8443"  # the owner's list replaces the default (the pages of this machine)
@@ -185,8 +185,9 @@ PROMPT = "the river model token batch stream is"
 def reference(tiny_model_path):
     """mlx-lm's own greedy continuation of the raw prompt (no template), and its prompt ids."""
     import mlx_lm
-    from engine_arithmetic import StepLogits, assert_decisive
     from mlx_lm.generate import stream_generate
+
+    from engine_arithmetic import StepLogits, assert_decisive
 
     model, tok = mlx_lm.load(str(tiny_model_path))
     ids = tok.encode(PROMPT)  # with the tokenizer's special tokens, as the server encodes a prompt

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from local_server import CANARY, Server, start_server
 from mlx_lm.utils import load_tokenizer
 
+from local_server import CANARY, Server, start_server
 from provider.models.template import render_ids
 
 TOOLS_MODEL, PLAIN_MODEL = "demo/tools", "demo/tiny"

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
 from engine_arithmetic import mlx_vlm_greedy
 from local_server import MODEL, Server, start_server
 from vision_images import bomb_png, data_uri, detokenized, image_part, jpeg_bytes, png_bytes

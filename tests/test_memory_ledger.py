@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from memory.ledger import Lease, Ledger, Rejection, RejectionReason, ReservationKind
-from memory.policy import GiB, MIN_KV_BYTES, compute_figures, figures
+from memory.policy import MIN_KV_BYTES, GiB, compute_figures, figures
 from memory.snapshot import MemorySnapshot
 
 MiB = 2**20

@@ -13,8 +13,8 @@ from memory.policy import (
     DEFAULT_ACTIVATION_RESERVE_BYTES,
     MAX_BYTES,
     MIN_KV_BYTES,
-    GiB,
     EnvAction,
+    GiB,
     PolicySettings,
     RoomCause,
     compute_figures,
@@ -38,7 +38,7 @@ def close_to(nbytes: int, gib_value: float) -> bool:
     return abs(nbytes - gib_value * GiB) <= 1  # f·P is floored to whole bytes
 
 
-# -- §3 worked numbers (default f = 0.9, R_cfg = 4 GiB, idle box) -------------------------------
+# -- Cap figures, worked numbers (default f = 0.9, R_cfg = 4 GiB, idle box) ------------------------
 
 @pytest.mark.parametrize(
     ("physical_gib", "hard_cap_gib", "eff_cap_gib", "load_reserve_gib"),

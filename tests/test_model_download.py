@@ -11,8 +11,8 @@ import sys
 from collections import Counter
 
 import pytest
-from hub_double import COMMIT, HubDouble
 
+from hub_double import COMMIT, HubDouble
 from provider.models.download import (
     DiskShort,
     DownloadFailed,

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 from cli_runner import run_cli
-
 from provider.config import Settings
 from provider.demo import free_port, wait_ready
 from provider.runtime import Runtime

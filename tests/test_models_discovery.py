@@ -8,8 +8,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from model_folders import REV_NEW, REV_OLD, model_files, write_dir, write_hf_repo
 
+from model_folders import REV_NEW, REV_OLD, model_files, write_dir, write_hf_repo
 from provider.models import (
     DType,
     ModelInfo,

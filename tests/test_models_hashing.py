@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from model_folders import REV_NEW, model_files, write_dir, write_hf_repo
 
+from model_folders import REV_NEW, model_files, write_dir, write_hf_repo
 from provider.models import DigestCache, weight_hash, weight_hash_sync
 from provider.models.hashing import hashed_files
 

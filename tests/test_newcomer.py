@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
 from cli_runner import closed_port, run_cli
 from hub_double import HubDouble
 

@@ -12,15 +12,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from coordinator_double import Completed, FrameReceived, Registered
 from double_fixtures import consumer_for
-from settings_for import settings_for
-
 from provider.agent import Agent
 from provider.metrics import LoadResult
 from provider.runtime import Runtime
 from provider.slots import ModelState
 from provider.telemetry import capture_redacted_logs
+from settings_for import settings_for
 
 NO_EOS = frozenset({10**9})
 # An agent of its own on a 6.25 GB machine: dev posture, quick heartbeats, no local server, no SSD tier.

@@ -6,7 +6,6 @@ import io
 
 from clock import Clock
 from manager_rigs import serve_once
-
 from provider.models import weight_hash_sync
 from provider.progress import Progress, terminal_progress
 from provider.runtime import WeightHashes

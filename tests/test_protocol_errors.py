@@ -17,7 +17,6 @@ from protocol.errors import (
     TerminalCause,
     inference_error_frame,
 )
-
 from vectors import load
 
 

@@ -39,7 +39,7 @@ def _payload(data: bytes) -> dict:
 
 
 def test_protocol_md_7_3_chunk_plaintexts_byte_for_byte():
-    """§1.8/§7.3: each chunk is one ``data: {json}`` line, no trailing blank line, no [DONE] chunk: the [A]
+    """Each chunk is one ``data: {json}`` line, no trailing blank line, no [DONE] chunk: the [A]
     coordinator appends ``\\n\\n`` to every chunk and its own ``data: [DONE]\\n\\n`` after inference_complete."""
     usage = CompletionUsage(prompt_tokens=21, completion_tokens=2)
     produced = [data_line(STREAM.role()), data_line(STREAM.content("4")),

@@ -16,9 +16,7 @@ from protocol._wire import WireModel
 from protocol.attest import build_status_canonical, status_canonical
 from protocol.crypto import DecryptError, ProviderIdentity
 from protocol.sse import ChunkFactory, event
-
 from vectors import load as _load
-
 
 P2C = _load("provider_to_coordinator.json")
 C2P = _load("coordinator_to_provider.json")

@@ -21,6 +21,7 @@ from typing import Any
 
 import openai
 import pytest
+
 from coordinator_double import (
     ATTESTED_HEADER,
     TRUST_LEVEL_HEADER,
@@ -34,7 +35,6 @@ from coordinator_double import (
     Unroutable,
 )
 from double_fixtures import consumer_for, quick_config
-
 from protocol import AttestationResponse, Register
 from protocol.attest import ChallengeSigner
 from provider.agent import Agent

@@ -10,8 +10,8 @@ import weakref
 from pathlib import Path
 
 import pytest
-from intake_fakes import Manager, ledger_of
 
+from intake_fakes import Manager, ledger_of
 from protocol.errors import ErrorReason, FailureCode, RejectionReason
 from provider.request import PromptCounter
 from provider.request.intake import INLINE_BYTES, Intake, Refusal, working_bytes

@@ -72,13 +72,13 @@ def test_logprobs_and_top_logprobs():
 
 # -- the intake's output step (provider/request/output.py) ----------------------------------------
 
+from intake_fakes import Manager, ledger_of  # noqa: E402
 from memory import ReservationKind  # noqa: E402
 from memory.grammar import grammar_bytes  # noqa: E402
 from protocol.errors import RejectionReason  # noqa: E402
 from provider.request import PromptCounter  # noqa: E402
 from provider.request.intake import Intake, Refusal  # noqa: E402
 from provider.request.lanes import BulkLane  # noqa: E402
-from intake_fakes import Manager, ledger_of  # noqa: E402
 
 
 @pytest.fixture

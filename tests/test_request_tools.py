@@ -5,9 +5,9 @@ valid one reaches the chat template as the template expects it (arguments as an 
 from __future__ import annotations
 
 import pytest
-from intake_fakes import Manager, ledger_of
 from mlx_lm.utils import load_tokenizer
 
+from intake_fakes import Manager, ledger_of
 from provider.engine import ToolCallConstraint
 from provider.models.tools import ToolFormat
 from provider.request import PromptCounter

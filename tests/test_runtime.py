@@ -11,14 +11,14 @@ import os
 
 import httpx
 import mlx_lm
-from engine_arithmetic import assert_decisive_reply
-from settings_for import settings_for
 
+from engine_arithmetic import assert_decisive_reply
 from provider.config import Settings
 from provider.demo import free_port
 from provider.engine import ChatRequest, Finished, SamplingParams
 from provider.local.server import StatusEndpoint
 from provider.runtime import KVCACHE_DIR, Runtime
+from settings_for import settings_for
 
 MESSAGES = [{"role": "user", "content": "a prompt we send twice, word for word"}]
 

@@ -8,9 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_runner import run_cli
-from service_recorder import Recorder
 
+from cli_runner import run_cli
 from provider.service import (
     LABEL,
     PLIST_TEMPLATE,
@@ -23,6 +22,7 @@ from provider.service import (
     status,
     uninstall,
 )
+from service_recorder import Recorder
 
 PROGRAM = ["/opt/darkbloom/venv/bin/darkbloom-provider", "serve"]
 

@@ -11,12 +11,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cli_runner import run_cli
-from service_recorder import Recorder
 
+from cli_runner import run_cli
 from provider.config import ProcessType
 from provider.service import LABEL, ServiceError, daemon_path, install, status, uninstall
 from provider.supervision import ABNORMAL_EXITS_FILE
+from service_recorder import Recorder
 
 PROGRAM = ["/opt/darkbloom/venv/bin/darkbloom-provider", "serve"]
 

@@ -19,6 +19,7 @@ from protocol import (
     decode,
     encode,
 )
+from protocol.to_provider import MAX_NONCE_CHARS, MAX_REQUEST_ID_CHARS
 from provider.config import LogLevel
 from provider.session.backoff import (
     INITIAL_DELAY_S,
@@ -29,7 +30,6 @@ from provider.session.backoff import (
     is_retryable,
     should_reset_backoff,
 )
-from protocol.to_provider import MAX_NONCE_CHARS, MAX_REQUEST_ID_CHARS
 from provider.session.core import (
     CancelJob,
     InvalidState,

@@ -16,7 +16,6 @@ from protocol.attest import challenge_message, verify_signature
 from protocol.crypto import KeyFileError
 from provider.hardware import detect_hardware, memory_bandwidth_gbs, parse_chip
 from provider.runtime_hash import compute_runtime_hash, runtime_hash
-from provider.session.thermal import parse_pmset_therm
 from provider.session.identity import SIGNING_FILE, X25519_FILE, identity_dir, load_or_create_keys
 from provider.session.posture import (
     DevPostureRefused,
@@ -29,6 +28,7 @@ from provider.session.posture import (
     read_host_posture,
     scrub_environment,
 )
+from provider.session.thermal import parse_pmset_therm
 
 # --- identity ------------------------------------------------------------------------------------------
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from coordinator_double import ChunkReceived, CoordinatorDouble, FrameReceived
 from double_fixtures import consumer_for, sealed_request
-
 from provider.agent import Agent
 from provider.cli import render_status
 from provider.config import Settings
@@ -132,7 +132,7 @@ async def test_session_fields_from_first_connect_through_a_dropped_socket(coordi
     unverified = await provider.session()
     assert unverified["runtime_status"]["verified"] is False
     assert unverified["runtime_status"]["mismatches"] == ["runtime", "template:chatml"]
-    assert unverified["state"] == "registered"  # we stay connected (§15.12)
+    assert unverified["state"] == "registered"  # a mismatch is only reported: we stay connected
     metrics = await provider.metrics()
     assert "darkbloom_session_runtime_verified 0.0" in metrics
     assert 'darkbloom_session_runtime_mismatch{component="runtime"} 1.0' in metrics

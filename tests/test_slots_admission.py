@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import threading
 
-from admission_figures import FIG, MiB, model, slot, snap, view
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from admission_figures import FIG, MiB, model, slot, snap, view
 from memory import GiB, Ledger, MemorySnapshot, ReservationKind, fit, padded_weight_bytes
 from protocol.errors import ErrorReason, FailureCode, RejectionReason
 from provider.models import ModelInfo
@@ -30,7 +30,7 @@ def admit(v: ManagerView, s: MemorySnapshot, info: ModelInfo | None, prompt: int
 
 
 # --------------------------------------------------------------------------------------------
-# §7, one rule at a time
+# The admission rules of `decide`, one at a time
 
 
 def test_unknown_model_is_404_and_draining_comes_first():

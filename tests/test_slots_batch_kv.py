@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from manager_rigs import MESSAGES, NEVER_STOP
 
+from manager_rigs import MESSAGES, NEVER_STOP
 from memory import ReservationKind
 from provider.engine import ChatRequest, SamplingParams, TextDelta
 

@@ -9,10 +9,10 @@ n × kv(T_buffer), and an empty batch must leave the ledger empty.
 
 from __future__ import annotations
 
-from admission_figures import FIG, model, snap, view
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from admission_figures import FIG, model, snap, view
 from memory import GiB, Ledger, MemorySnapshot, ReservationKind
 from provider.models import kv_bytes_for_tokens
 from provider.slots import Admitted, ModelState, Refused, SlotView, decide, join_share

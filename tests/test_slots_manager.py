@@ -23,8 +23,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from manager_rigs import LIMIT_GB, MESSAGES, NEVER_STOP, PROMPT, Rig, params, serve_once
 
+from manager_rigs import LIMIT_GB, MESSAGES, NEVER_STOP, PROMPT, Rig, params, serve_once
 from memory import GiB, Probe, ReservationKind, padded_weight_bytes
 from memory.probe import read_mlx_counters
 from protocol.errors import ErrorReason, FailureCode, RejectionReason

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from clock import Clock
 from hypothesis import given
 from hypothesis import strategies as st
 
+from clock import Clock
 from protocol import Heartbeat, decode, encode
 from provider.slots.rates import FRESHNESS_S, MAX_PREFILL_TPS, PROMPT_BUCKET_TOKENS, RateBook, prompt_bucket
 

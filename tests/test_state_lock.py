@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_runner import closed_port, run_cli
 
+from cli_runner import closed_port, run_cli
 from kvcache.disk import KVCACHE_DIR
 from provider.demo import free_port, wait_ready
 from provider.state_lock import LOCK_FILE, AgentMode, AlreadyRunning, StateLock, running_agent
@@ -127,5 +127,5 @@ def test_a_second_agent_refuses_to_start_and_the_readers_find_the_first(tmp_path
     finally:
         first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=30) == 0
-    gone = run_cli("status", env=env, home=home)
+    gone = run_cli("status", "--local-port", elsewhere, env=env, home=home)  # not a neighbour's default port
     assert gone.returncode == 1 and "no agent is running" in gone.stderr and str(state) in gone.stderr

@@ -7,7 +7,7 @@ Two rigs, both on real MLX with the suite's tiny models and a small machine emul
   the shared `Runtime`, frames captured as the coordinator would receive them;
 * `serve --local` in a subprocess, so the process's own peak RSS (`VmHWM`) can be read.
 
-The machine of the issue: `memory_limit_gb = 3.5`, `memory_reserve_gb = 0.5`,
+The emulated small machine: `memory_limit_gb = 3.5`, `memory_reserve_gb = 0.5`,
 `DARKBLOOM_ACTIVATION_RESERVE_GB = 0.25` → hard cap = effective cap = 1.5 GiB.
 """
 
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from local_server import start_server
 from nacl.public import Box, PrivateKey, PublicKey
 
+from local_server import start_server
 from memory import GiB, ReservationKind
 from protocol import EncryptedPayload, InferenceRequest
 from protocol.crypto import ProviderIdentity
@@ -204,7 +204,7 @@ def _reset_hwm(pid: int) -> None:
 
 
 def test_big_prompts_keep_the_process_under_the_cap_and_answer_at_once(tmp_path, small_model_path):
-    """The issue's case through `serve --local`: three 15 MiB prompts in a row, each refused fast with
+    """Huge prompts through `serve --local`: three 15 MiB prompts in a row, each refused fast with
     400 request_exceeds_context, the process's peak RSS never above the effective cap (1.5 GiB), the
     ledger empty afterwards."""
     server = start_server(tmp_path, small_model_path, "--memory-limit-gb", "3.5", "--memory-reserve-gb", "0.5",

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import structlog
-from cli_runner import run_cli
 
+from cli_runner import run_cli
 from provider.cli import build_parser, overrides_from, setting_args, settings_from
 from provider.service import install
 from provider.supervision import ExitReason, exit_record_path, read_exit_record

@@ -26,9 +26,9 @@ import httpx
 import openai
 import psutil
 import pytest
+
 from coordinator_double import CoordinatorDouble, Rejected
 from double_fixtures import consumer_for
-
 from provider.agent import Agent
 from provider.config import Settings
 from provider.demo import free_port
@@ -222,7 +222,8 @@ async def test_a_request_whose_render_loops_fails_alone_while_the_agent_serves_o
     aliases = {"tiny": folders["tiny"], "trap": folders["short_trap"]}
     settings = Settings(coordinator_url=coordinator_double.ws_url, dev_posture=True, state_dir=tmp_path / "state",
                         hf_cache_dir=tmp_path / "hub", model_aliases=aliases, memory_limit_gb=8.0,
-                        memory_reserve_gb=0.5, heartbeat_interval_s=0.25, idle_timeout_mins=0, template_timeout_s=5.0)
+                        memory_reserve_gb=0.5, heartbeat_interval_s=0.25, idle_timeout_mins=0, template_timeout_s=5.0,
+                        local_port=free_port())
     agent = await Agent.start(settings, harden=False, eos_token_ids=dict.fromkeys(aliases, NO_EOS))
     stop = asyncio.Event()
     task = asyncio.create_task(agent.run(stop))

@@ -15,11 +15,9 @@ import asyncio
 import json
 
 import pytest
+
 from engine_arithmetic import mlx_vlm_greedy
 from job_harness import Coordinator, sse_json
-from settings_for import settings_for
-from vision_images import data_uri, detokenized, image_part, jpeg_bytes, png_bytes
-
 from memory import Ledger, Probe, ReservationKind
 from memory.media import projected_decode_bytes
 from provider.config import Settings
@@ -29,6 +27,8 @@ from provider.jobs import JobContext, JobOutcome, PromptCounter, ServingStats, r
 from provider.models import discover, kv_bytes_for_tokens
 from provider.request.body import parse_chat_body
 from provider.slots import ModelManager
+from settings_for import settings_for
+from vision_images import data_uri, detokenized, image_part, jpeg_bytes, png_bytes
 
 NO_EOS = frozenset({10**9})
 

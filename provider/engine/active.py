@@ -12,10 +12,10 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from kvcache.manager import ModelKvCache
+from kvcache.quantized import make_quantized_cache
 from provider.engine import guided
 from provider.engine.commands import EventSink, ReleaseHook
 from provider.engine.prefill import PREFILL_STEP, SoloPrefill, SplitHead
-from kvcache.quantized import make_quantized_cache
 from provider.engine.textstream import CompletionText
 from provider.engine.types import EngineError, EngineFailure, Event, LoadedModelInfo, TokenLogprob
 from provider.models.template import RendererUnavailable, TemplateExceeded, render_ids

@@ -32,20 +32,23 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from provider.engine.active import PrefixCacheLookup
 from provider.engine.commands import (
     Cancel,
     Command,
     CountPromptTokens,
     KvBytesPerToken,
     KvCacheBytes,
-    MemoryReading,
     Load,
+    MemoryReading,
     Reclaim,
     ReleaseHook,
     Stop,
     Submit,
     Unload,
 )
+from provider.engine.cuda_graphs import without_cuda_graphs
+from provider.engine.options import EngineOptions
 from provider.engine.types import (
     ChatRequest,
     EngineError,
@@ -57,10 +60,7 @@ from provider.engine.types import (
     ModelStats,
     TextDelta,
 )
-from provider.engine.cuda_graphs import without_cuda_graphs
 from provider.engine.vision import Trace
-from provider.engine.active import PrefixCacheLookup
-from provider.engine.options import EngineOptions
 from provider.engine.worker import Worker
 
 

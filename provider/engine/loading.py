@@ -13,6 +13,7 @@ import mlx_lm
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
+from kvcache.quantized import quantizable
 from memory.settle import clear_buffer_cache
 from provider.engine import attention
 from provider.engine.active import Slot
@@ -20,7 +21,6 @@ from provider.engine.calibration import Calibration, calibrate
 from provider.engine.commands import Load
 from provider.engine.layout import MAX_WEIGHT_BYTES, on_cpu, transpose_weights
 from provider.engine.prefill import pass_costs, solo_threshold, split_head
-from kvcache.quantized import quantizable
 from provider.engine.types import EngineError, EngineFailure, LoadedModelInfo
 from provider.models.kv import ALLOC_STEP
 from provider.models.metadata import context_length

@@ -48,7 +48,8 @@ from provider.engine.vlm import DEFAULT_PREFILL_STEP, LoadedVlm, Phase, VisionRu
 log = logging.getLogger("provider.engine")
 
 # Of the worker's time, what image prefill may take while text decodes: text keeps ≥ 87.5 % of its
-# rate (the bound is 80 %; the rest is margin for cache effects between the two models).
+# rate (benchmarks/vision_bench.py asks for ≥ 80 %; the rest is margin for cache effects between the
+# two models).
 VISION_SHARE = 1 / 8
 Emit = Callable[[EventSink, Event], None]
 Trace = Callable[[str, str | None, str], None]  # (model id, request id or None for the text batch, phase)

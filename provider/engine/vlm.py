@@ -171,8 +171,8 @@ def image_text_tokens(vlm: LoadedVlm) -> int:
     """Text tokens the processor puts around each image, beyond the image's marker in the template
     and its soft tokens (Gemma 3: blank lines and the begin/end-of-image tokens). Measured once at
     load with an 8×8 image; admission counts them as prompt text."""
-    from PIL import Image
     from mlx_vlm.utils import prepare_inputs
+    from PIL import Image
 
     messages = [{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image_url"}]}]
     text = prompt_text_ids(vlm.processor, vlm.config, messages)

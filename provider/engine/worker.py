@@ -46,8 +46,20 @@ from mlx_lm.generate import BatchGenerator
 from memory.settle import clear_buffer_cache, reclaim
 from provider.engine import attention, guided
 from provider.engine.active import Active, PrefixCacheLookup, Slot, unmerged
-from provider.engine.commands import (Cancel, Command, CountPromptTokens, KvBytesPerToken, KvCacheBytes, Load,
-                                      MemoryReading, Reclaim, ReleaseHook, Stop, Submit, Unload)
+from provider.engine.commands import (
+    Cancel,
+    Command,
+    CountPromptTokens,
+    KvBytesPerToken,
+    KvCacheBytes,
+    Load,
+    MemoryReading,
+    Reclaim,
+    ReleaseHook,
+    Stop,
+    Submit,
+    Unload,
+)
 from provider.engine.decode import DEFAULT_PREFILL_TOKENS, EngineBatchGenerator
 from provider.engine.delivery import Delivery
 from provider.engine.device import DeviceLimits
@@ -59,8 +71,18 @@ from provider.engine.prefill import PREFILL_STEP, SoloPrefill, for_batch
 from provider.engine.reuse import PrefixReuse
 from provider.engine.sampling import sampler_for
 from provider.engine.textstream import CompletionText
-from provider.engine.types import (EngineError, EngineFailure, EngineTimes, Failed, Finished, FinishReason,
-                                   LoadedModelInfo, ModelStats, TokenLogprob, Usage)
+from provider.engine.types import (
+    EngineError,
+    EngineFailure,
+    EngineTimes,
+    Failed,
+    Finished,
+    FinishReason,
+    LoadedModelInfo,
+    ModelStats,
+    TokenLogprob,
+    Usage,
+)
 from provider.engine.vision import DutyCycle, Trace, VisionSlot, step_vision_slots
 
 log = logging.getLogger("provider.engine")

@@ -40,8 +40,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from provider.models import metadata
-from provider.models.kv import (KvConfigError, KvLayout, kv_layout, kv_quantization_bits, quantization_refusal,
-                                quantized)
+from provider.models.kv import KvConfigError, KvLayout, kv_layout, kv_quantization_bits, quantization_refusal, quantized
 from provider.models.metadata import DType, MetadataError, MetadataProblem, Quantization
 from provider.models.vision import VisionInfo, vision_info, vision_runtime_available
 

@@ -37,9 +37,9 @@ from typing import Any, Protocol, TypeVar
 
 from memory import Ledger, Rejection, ReservationKind
 from protocol.errors import ErrorReason, Failure, RejectionReason
-from provider.request.lanes import LaneFull
 from provider.request.body import ChatBody, CompletionBody, InvalidBody
 from provider.request.bounds import countable_chars
+from provider.request.lanes import LaneFull
 from provider.request.output import Grammars, OutputPlan
 from provider.request.tokens import (
     CHUNK_CHARS,

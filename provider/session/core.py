@@ -24,8 +24,9 @@ What the core decides:
   session) → 400 ``invalid_request``, not run again; a duplicate of a running id → nothing (the running
   job answers it). An id beyond the size rule (``protocol.to_provider.MAX_REQUEST_ID_CHARS``) cannot be
   echoed: refused before any work, logged, unanswered.
-* ``cancel`` for a running job → ``CancelJob`` and nothing is sent for it (§7.4); for an unknown or
-  finished id → nothing at all (the [A] coordinator cancels every request after it completes).
+* ``cancel`` for a running job → ``CancelJob`` and nothing is sent for it (the coordinator has closed
+  the request on its side and expects no more frames for it); for an unknown or finished id → nothing
+  at all (the [A] coordinator cancels every request after it completes).
 * ``attestation_challenge`` → ``Send(attestation_response)`` built by the injected answerer; an empty
   or over-long nonce (the size rule again) is logged and not answered.
 * ``runtime_status`` → logged, naming each mismatched component; we stay connected.
@@ -64,17 +65,17 @@ from protocol import (
     AttestationChallenge,
     AttestationResponse,
     Cancel,
-    DesiredModels,
     CapacityProbe,
     CapacityQuote,
+    DesiredModels,
     InferenceRequest,
     LoadModel,
     Message,
+    PrefetchModel,
     ProtocolError,
     ProviderDrain,
     ProviderDrainAck,
     ProviderMessage,
-    PrefetchModel,
     Register,
     RuntimeStatus,
     TrustStatus,

@@ -28,9 +28,9 @@ import psutil
 from memory.policy import GiB
 from protocol import BackendCapacity, BackendSlotCapacity, Heartbeat, HeartbeatStatus, SystemMetrics
 from provider.jobs.stats import ServingStats
+from provider.session.thermal import THERMAL_TTL_S, ThermalSampler
 from provider.slots import CapacityReport
 from provider.slots.rates import RateBook
-from provider.session.thermal import THERMAL_TTL_S, ThermalSampler
 
 MAX_TOKENS_POTENTIAL = 1_000_000  # the coordinator clamps to this; we never send more
 

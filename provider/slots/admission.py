@@ -5,11 +5,11 @@ Nothing here awaits, loads, allocates or reserves. The manager copies its state 
 
 * `decide(...)` → `Admitted | Refused`, the answer before `inference_accepted`;
 * `plan_room(...)` → `RoomPlan | Refused`: which idle models to evict, least recently used first, so a
-  cold model can load (§5.2: if evicting every idle model cannot reach the target, refuse at once and
-  evict nothing);
+  cold model can load (if evicting every idle model cannot make room, refuse at once and evict
+  nothing);
 * `plan_kv(...)` → the same for a resident model whose request KV does not fit;
-* `pressure_victim(...)` → the §8 watermark: an idle model to evict before a load that would run
-  at YELLOW or worse, even though the cap allows it.
+* `pressure_victim(...)` → the pressure watermark (memory/pressure.py): an idle model to evict before
+  a load that would run at YELLOW or worse, even though the cap allows it.
 
 Every memory figure comes from `memory/` (`fit`, `CapFigures`); this module only chooses victims and
 maps outcomes to `protocol.errors.Failure`, the one vocabulary that becomes a frame.
@@ -214,7 +214,7 @@ def _occupied(view: ManagerView, target: str) -> int:
 
 def plan_room(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, *, target: str,
               weight_bytes_on_disk: int, extra_kv_bytes: int = 0) -> RoomPlan | Refused:
-    """The shortest LRU prefix of idle models whose eviction lets `target` load (§5.2).
+    """The shortest LRU prefix of idle models whose eviction lets `target` load.
 
     Needs `padded weights + A + MIN_KV (+ extra_kv_bytes)` of room under the cap and a free slot.
     Refuses without evicting anything when even evicting every idle model would not do:
@@ -245,9 +245,10 @@ def plan_room(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, 
 
 
 def pressure_victim(view: ManagerView, snapshot: MemorySnapshot, *, target: str, incoming_bytes: int) -> str | None:
-    """The second signal (§8): when the load would put projected utilization at YELLOW or worse,
-    the least recently used idle model to evict first (one at a time, re-checking after each);
-    None when pressure is GREEN or nothing is idle. The cap plan alone decides refusals."""
+    """Eviction's second signal, after the cap: projected memory pressure (memory/pressure.py). When the
+    load would put projected utilization at YELLOW or worse, the least recently used idle model to evict
+    first (one at a time, re-checking after each); None when pressure is GREEN or nothing is idle. The
+    cap plan alone decides refusals."""
     if not pressure(snapshot, incoming_bytes=incoming_bytes).evict_before_load:
         return None
     idle = _idle_lru(view, target)
@@ -278,7 +279,7 @@ def plan_kv(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, *,
 
 def kv_refusal(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, info: ModelInfo,
                kv: KvNeed) -> Refused:
-    """Why a resident model cannot take this request's KV now (§7 third bullet).
+    """Why a resident model cannot take this request's KV now.
 
     `token_budget` when the in-flight requests' reservations are what stands in the way (it frees
     as they finish); `kv_headroom` when memory itself is short even with none of them.

@@ -133,9 +133,9 @@ class KvBook:
 
     def top_up(self, ledger: Ledger, layout: KvLayout, ledger_id: str, *,
                snapshot: MemorySnapshot | None = None) -> bool:
-        """After a model's KV bytes per token were measured higher than estimated (memory-policy §4),
-        reserve what its booked requests now lack, held as residue until the batch drains. False
-        when the ledger cannot give it (nothing is reserved then)."""
+        """After a model's KV bytes per token were measured higher than estimated (its requests'
+        KV was reserved at the estimate), reserve what its booked requests now lack, held as residue
+        until the batch drains. False when the ledger cannot give it (nothing is reserved then)."""
         with self._lock:
             deficit = batch_bytes(layout, len(self._holds), self._high) - self._reserved
             if deficit <= 0 or not self._holds:

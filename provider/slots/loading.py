@@ -6,11 +6,12 @@ causes it (`ModelManager.book` / `_book_load`), or the warm-up path plans room a
 (`_plan_and_book_load`). The task then, in this order:
 
   1. waits until the models the booking counted as leaving have settled, and while the load would
-     run at pressure YELLOW or worse (§8) evicts idle models one at a time (RED: the RAM prefix
-     tier first);
+     run at pressure YELLOW or worse (memory/pressure.py) evicts idle models one at a time (RED: the
+     RAM prefix tier first);
   2. loads on the engine thread (`mx.clear_cache()` after), every await followed by a re-check;
   3. checks the config's KV bytes per token against the engine's real cache and keeps the larger
-     (§4), topping up what the requests booked with it reserved;
+     (each request's KV is reserved as its tokens × that figure), topping up what the requests booked
+     with it reserved;
   4. post-load guard: measured headroom ≥ the KV floor (MIN_KV less what its own requests reserved)
      + every other reservation, else unload, release, refuse; only then publishes the model as
      LOADED and attaches its prefix cache.
@@ -159,7 +160,7 @@ class Loader:
 
     async def _settle_leaving_and_pressure(self, slot: ModelSlot) -> None:
         """Before the engine allocates: wait until the models the booking counted as leaving have
-        settled, and (§8) while the load would run at pressure YELLOW or worse, evict idle models
+        settled, and while the load would run at pressure YELLOW or worse, evict idle models
         one at a time; under RED the RAM prefix tier goes first."""
         estimate = padded_weight_bytes(slot.info.weight_bytes)
         while True:

@@ -1,5 +1,5 @@
-"""The consumer-facing OpenAI shapes: request body forwarding (§7.1), per-chunk SSE checks (§7.3),
-non-streaming reassembly ([A] handleNonStreamingResponseWithFirstChunk / extractMessage)."""
+"""The consumer-facing OpenAI shapes: request body forwarding (output bound injected), per-chunk SSE
+checks, non-streaming reassembly ([A] handleNonStreamingResponseWithFirstChunk / extractMessage)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def event_payload(event: bytes) -> bytes | None:
 
 
 def check_event(event: bytes) -> Violation | None:
-    """One chunk's plaintext must be exactly one ``data: `` line holding one JSON object (§1.8, §7.3): [A]
+    """One chunk's plaintext must be exactly one ``data: `` line holding one JSON object: [A]
     writes it followed by ``\\n\\n`` and ends the stream with its own ``[DONE]``, so a trailing blank line or a
     ``[DONE]`` chunk reaches the consumer doubled."""
     payload = event_payload(event)

@@ -28,7 +28,7 @@ class DoubleConfig:
     accepted_timeout: float = 600.0  # after inference_accepted, for the first chunk
     stream_idle_timeout: float = 600.0  # between chunks once committed, and non-streaming total
     dispatch_attempts: int = 3
-    default_max_tokens: int = 8192  # injected when the consumer names no output bound (§7.1)
+    default_max_tokens: int = 8192  # injected when the consumer names no output bound
     queue_timeout: float = 120.0  # attempt 0 waits this long for a free routable provider
     queue_limit_per_model: int = 10
     # provider liveness ([A] main.go StartEvictionLoop, registry.go evictStale)

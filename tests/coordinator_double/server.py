@@ -71,7 +71,15 @@ from .consumer_api import CATALOG_PATH, build_app, catalog_document
 from .directed import MODEL_REPLY_TYPES, desired_models, on_model_reply
 from .dispatch import ConsumerGone, FailedRequest
 from .hostile import HostileCase
-from .pending import PROVIDER_DISCONNECTED, AcceptedItem, ChunkItem, CompleteItem, ErrorItem, PendingRequest, RequestState
+from .pending import (
+    PROVIDER_DISCONNECTED,
+    AcceptedItem,
+    ChunkItem,
+    CompleteItem,
+    ErrorItem,
+    PendingRequest,
+    RequestState,
+)
 from .routing import ProviderSession, ProviderView, Registry, valid_public_key
 
 WS_PATH = "/ws/provider"
