@@ -266,3 +266,43 @@ def test_blocks_inside_mx_compile_go_to_mlx_s(monkeypatch):
     monkeypatch.setattr(attention, "BLOCK_BYTES", 4 * 30 * 4 * 3)  # 4 blocks: each would be evaluated early
     compiled = mx.compile(lambda q, k, v: scaled_dot_product_attention(q, k, v, scale=0.5, mask="causal"))
     assert mx.array_equal(compiled(q, k, v), mlx_attention(q, k, v, scale=0.5, mask="causal")).item()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("mask", ["causal", "array", None])
+def test_a_prompts_rows_over_quantized_kv_match_mlx_lms_quantized_attention(bits, mask):
+    """Quantized KV on the CPU: a prompt's rows attend over the dequantized copy (attention.quantized_attention)
+    and get what mlx-lm's quantized attention gives, padded rows and grouped heads included."""
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention as mlx_lm_quantized
+
+    mx.random.seed(3)
+    b, heads, kv, length, keys, d = 2, 8, 2, 12, 40, 64
+    q = mx.random.normal((b, heads, length, d))
+    k, v = mx.random.normal((b, kv, keys, d)), mx.random.normal((b, kv, keys, d))
+    qk, qv = mx.quantize(k, 64, bits), mx.quantize(v, 64, bits)
+    if mask == "array":  # the batch cache's mask: row 1 left-padded by 5 positions, causal
+        positions = mx.arange(keys)[None, None, None, :]
+        rows = mx.arange(keys - length, keys)[None, None, :, None]
+        mask = (positions <= rows) & (positions >= mx.array([0, 5])[:, None, None, None])
+    got = attention.quantized_attention(q, qk, qv, 0.125, mask, group_size=64, bits=bits)
+    # mlx-lm scales its queries in place (`queries *= scale`): it gets a copy
+    want = mlx_lm_quantized(mx.array(q), qk, qv, scale=0.125, mask=mask, group_size=64, bits=bits)
+    assert got.shape == want.shape
+    assert mx.allclose(got, want, atol=2e-4, rtol=2e-4).item()
+
+
+def test_the_engine_thread_routes_a_prompt_not_a_decode_step_through_the_dequantized_copy(monkeypatch):
+    calls: list[int] = []
+    monkeypatch.setattr(attention, "quantized_attention", lambda q, *a: calls.append(q.shape[-2]) or q)
+    from mlx_lm.models import base
+
+    k = mx.quantize(mx.zeros((1, 1, 64, 64)), 64, 8)
+    try:
+        attention.enable()
+        base.quantized_scaled_dot_product_attention(mx.zeros((1, 1, 3, 64)), k, k, scale=1.0, mask=None)
+        out = base.quantized_scaled_dot_product_attention(mx.zeros((1, 1, 1, 64)), k, k, scale=1.0, mask=None)
+    finally:
+        attention.disable()
+    assert calls == [3] and out.shape == (1, 1, 1, 64)  # the decode step went to mlx-lm's own
+    base.quantized_scaled_dot_product_attention(mx.zeros((1, 1, 3, 64)), k, k, scale=1.0, mask=None)
+    assert calls == [3]  # another thread's (here: disabled) calls keep mlx-lm's
