@@ -14,6 +14,9 @@ templated tokens, greedy, EOS off, three ways on the same model folder in this p
   batch cache and its mask cost;
 * ``engine``: `provider.engine.Engine(batch_size=max B)` (no prefix cache), B requests submitted
   at once, every stream read to its `Finished`: the agent's engine with its delivery.
+  ``--kv-quantization none,q8,q4`` runs it once per setting (``engine``, ``engine-q8``, ``engine-q4``:
+  the same folder loaded once per setting, its KV kept quantized as `kv_quantization` asks); the table's
+  ``÷ engine`` column is each setting's tok/s over ``engine``'s in the same repeat.
 
 Each way runs the batch twice, to --short-tokens and to --long-tokens tokens a sequence. Both runs
 do the same prefill, so the difference of their wall times is (long - short) decode steps of the
@@ -30,7 +33,8 @@ after that many seconds and reports what ran; so does a SIGTERM.
 
     python benchmarks/decode_bench.py [--model-dir PATH | --preset tiny] [--batch-sizes 1,8,32,64]
         [--prompt-tokens 128] [--short-tokens 16] [--long-tokens 80] [--repeats 3]
-        [--bandwidth 4.8e12] [--ways bare,ours,plain,plainkv,engine] [--deadline-s S] [--json-out PATH]
+        [--bandwidth 4.8e12] [--ways bare,ours,plain,plainkv,engine] [--kv-quantization none,q8,q4]
+        [--deadline-s S] [--json-out PATH]
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache  # noqa: E402
 
 from provider.engine import ChatRequest, Engine, Finished, SamplingParams  # noqa: E402
 from provider.engine.decode import EngineBatchGenerator  # noqa: E402
+from provider.models.kv import KV_QUANTIZATION_BITS, kv_quantization_bits, quantized_bytes_per_element  # noqa: E402
 from provider.tinymodel import PRESETS, build_tiny_model, weights_bytes  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -162,11 +167,11 @@ def run_plain(model, prompts: list[list[int]], max_tokens: int) -> float:
     return time.perf_counter() - t0
 
 
-async def run_engine(engine: Engine, messages: list[list[dict[str, str]]], prompt_lengths: list[int],
-                     max_tokens: int, tag: str) -> float:
+async def run_engine(engine: Engine, model_id: str, messages: list[list[dict[str, str]]],
+                     prompt_lengths: list[int], max_tokens: int, tag: str) -> float:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     t0 = time.perf_counter()
-    streams = [engine.submit("m", ChatRequest(f"{tag}-{i}", m, params)) for i, m in enumerate(messages)]
+    streams = [engine.submit(model_id, ChatRequest(f"{tag}-{i}", m, params)) for i, m in enumerate(messages)]
     finals = [final for _, final in await asyncio.gather(*(s.collect() for s in streams))]
     wall = time.perf_counter() - t0
     for final, length in zip(finals, prompt_lengths, strict=True):
@@ -207,6 +212,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ways", default=",".join(WAYS))
     ap.add_argument("--deadline-s", type=float, default=None, help="start no run after this many seconds")
     ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--kv-quantization", default="none",
+                    help="the engine way once per setting (none,q8,q4): engine, engine-q8, engine-q4")
     ap.add_argument("--stream-interval-ms", type=float, default=0.0,
                     help="the engine way's stream_interval_s in ms (provider/engine/delivery.py); 0: every token")
     args = ap.parse_args(argv)
@@ -214,7 +221,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("need 0 < --short-tokens < --long-tokens")
     if set(args.ways.split(",")) - set(WAYS):
         ap.error(f"--ways: choose from {','.join(WAYS)}")
+    if not args.kv_quantization or set(args.kv_quantization.split(",")) - set(KV_QUANTIZATION_BITS):
+        ap.error(f"--kv-quantization: choose from {','.join(KV_QUANTIZATION_BITS)}")
     return args
+
+
+def engine_way(setting: str) -> str:
+    return "engine" if setting == "none" else f"engine-{setting}"
 
 
 def model_folder(args: argparse.Namespace) -> Path:
@@ -231,14 +244,20 @@ async def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     ways = args.ways.split(",")
+    settings = args.kv_quantization.split(",") if "engine" in ways else []
+    if settings:  # the engine way once per setting, in its place
+        at = ways.index("engine")
+        ways[at:at + 1] = [engine_way(s) for s in settings]
     deadline = None if args.deadline_s is None else STARTED + args.deadline_s
     path = model_folder(args)
     config = json.loads((path / "config.json").read_text())
     model, tok = mlx_lm.load(str(path))
     engine = None
-    if "engine" in ways:
+    if settings:
         engine = Engine(batch_size=max(sizes), stream_interval_s=args.stream_interval_ms / 1000)
-        await engine.load("m", path, eos_token_ids=frozenset())
+        for setting in settings:
+            await engine.load(engine_way(setting), path, eos_token_ids=frozenset(),
+                              kv_bits=kv_quantization_bits(setting))
     weights, kv_token = weights_bytes(path), kv_bytes_per_token(config)
     meta = {"model": str(path), "weights_bytes": weights, "kv_bytes_per_token": kv_token,
             "device": str(mx.default_device()), "device_info": {k: v for k, v in mx.device_info().items()
@@ -260,7 +279,7 @@ async def main(argv: list[str] | None = None) -> int:
             return run_plain(model, b.prompts, n_tokens)
         if way == "plainkv":
             return run_plain_kv(model, b.prompts, n_tokens)
-        return await run_engine(engine, b.messages, [len(p) for p in b.prompts], n_tokens, tag)
+        return await run_engine(engine, way, b.messages, [len(p) for p in b.prompts], n_tokens, tag)
 
     failed: dict[str, str] = {}  # way -> why it is left out of later runs
     terminated: list[int] = []  # a SIGTERM (e.g. from `timeout`) ends it like the deadline, at the next run
@@ -294,7 +313,8 @@ async def main(argv: list[str] | None = None) -> int:
     finally:
         if engine is not None:
             await engine.aclose()
-    rows = summarize(args, runs, sizes, ways, weights, kv_token)
+    dtype_bytes = DTYPE_BYTES.get(config.get("torch_dtype", "float32"), 4)
+    rows = summarize(args, runs, sizes, ways, weights, kv_token, dtype_bytes)
     print_table(args, path, meta, rows, stopped, failed)
     if args.json_out is not None:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -304,7 +324,14 @@ async def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def summarize(args, runs: list[dict], sizes: list[int], ways: list[str], weights: int, kv_token: int) -> list[dict]:
+def way_kv_bytes(way: str, kv_token: int, dtype_bytes: int) -> float:
+    """KV bytes a token as `way` keeps it: the quantized ways' bits plus a scale and a bias a group."""
+    bits = kv_quantization_bits(way.removeprefix("engine-")) if way.startswith("engine-") else None
+    return kv_token if bits is None else kv_token * quantized_bytes_per_element(bits, dtype_bytes) / dtype_bytes
+
+
+def summarize(args, runs: list[dict], sizes: list[int], ways: list[str], weights: int, kv_token: int,
+              dtype_bytes: int) -> list[dict]:
     steps = args.long_tokens - args.short_tokens
     context = args.prompt_tokens + (args.short_tokens + args.long_tokens) / 2
     rows = []
@@ -316,17 +343,21 @@ def summarize(args, runs: list[dict], sizes: list[int], ways: list[str], weights
 
     for batch in sizes:
         bare = {r["repeat"]: rate(r) for r in runs if r["batch"] == batch and r["way"] == "bare"}
+        engine = {r["repeat"]: rate(r) for r in runs if r["batch"] == batch and r["way"] == "engine"}
         for way in ways:
             mine = {r["repeat"]: rate(r) for r in runs if r["batch"] == batch and r["way"] == way}
             tps = [t for t in mine.values() if t is not None]
             if not tps:
                 continue
             ratios = [t / bare[rep] for rep, t in mine.items() if t is not None and bare.get(rep)]
+            over_engine = [t / engine[rep] for rep, t in mine.items() if t is not None and engine.get(rep)]
             decode = statistics.median(tps)
-            roof = roofline_tps(batch, weights, kv_token, context, args.bandwidth)
+            roof = roofline_tps(batch, weights, way_kv_bytes(way, kv_token, dtype_bytes), context, args.bandwidth)
             rows.append({"batch": batch, "way": way, "repeats": len(tps), "noisy_repeats": len(mine) - len(tps),
                          "decode_tok_s": decode, "ms_per_step": 1000 * batch / decode, "roofline_tok_s": roof,
-                         "share": decode / roof, "over_bare": statistics.median(ratios) if ratios else None})
+                         "share": decode / roof, "over_bare": statistics.median(ratios) if ratios else None,
+                         "over_engine": (statistics.median(over_engine) if over_engine and way.startswith("engine-")
+                                         else None)})
     return rows
 
 
@@ -335,13 +366,17 @@ def print_table(args, path: Path, meta: dict, rows: list[dict], stopped: str | N
           f"a token; device {meta['device']} ({meta['device_info'].get('device_name', '?')}); prompts ~"
           f"{args.prompt_tokens} tokens; decode = steps {args.short_tokens + 1}..{args.long_tokens} of every "
           f"sequence; roofline at {args.bandwidth:.3g} B/s; median of {args.repeats}\n")
-    print("| batch | way | decode tok/s | ms/step | roofline tok/s | share of roofline | ÷ bare | repeats |")
-    print("|---|---|---|---|---|---|---|---|")
+    quantized = any(r["over_engine"] is not None for r in rows)
+    extra = (" ÷ engine |", "---|") if quantized else ("", "")
+    print(f"| batch | way | decode tok/s | ms/step | roofline tok/s | share of roofline | ÷ bare |{extra[0]} repeats |")
+    print(f"|---|---|---|---|---|---|---|{extra[1]}---|")
     for r in rows:
         over = "—" if r["over_bare"] is None else f"{r['over_bare']:.3f}"
+        over_engine = ("" if not quantized else
+                       " — |" if r["over_engine"] is None else f" {r['over_engine']:.3f} |")
         noisy = f" ({r['noisy_repeats']} left out)" if r["noisy_repeats"] else ""
         print(f"| {r['batch']} | {r['way']} | {r['decode_tok_s']:.1f} | {r['ms_per_step']:.2f} | "
-              f"{r['roofline_tok_s']:.0f} | {100 * r['share']:.1f} % | {over} | {r['repeats']}{noisy} |")
+              f"{r['roofline_tok_s']:.0f} | {100 * r['share']:.1f} % | {over} |{over_engine} {r['repeats']}{noisy} |")
     for way, why in failed.items():
         print(f"\nFAILED: {way} at {why} (traceback on stderr); its later runs were skipped")
     if stopped:

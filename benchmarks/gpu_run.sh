@@ -13,7 +13,10 @@
 # Environment: OUT (required), PYTHON (python3), MODELS (/root/models), BUDGET_S (540),
 # DECODE_UNTIL_S (script second after which the decode benchmark starts no run; 170), PARTS
 # ("decode peer peer64": leave some out to run the others alone), PEER64_S (seconds kept for peer64:
-# 150), QUICK=1 (small sizes, for the CPU).
+# 150), QUICK=1 (small sizes, for the CPU), KV_QUANTIZATION (the decode benchmark's engine way once per
+# setting, e.g. none,q8,q4; none). PARTS may add "kvq" (quantized KV: benchmarks/kv_quant_bench.py's
+# logits closeness and decode for none/q8/q4, then peer_bench's chat at c = 8 with q8 against none on
+# this checkout: $P-kvq.md, $P-kvq-chat.md/.json).
 # Files: $P-run.log (every step's stderr, timings, versions), $P-decode.md/.json,
 # $P-peer.md/.json, $P-peer64.md/.json, $P-servers.log (the end of both servers' logs), $P-ours.log.gz
 # (our server's whole log) and $P-ttft.md (`benchmarks/ttft_split.py` on it), with P the preset.
@@ -27,6 +30,7 @@ DECODE_UNTIL=${DECODE_UNTIL_S:-170}
 PARTS=${PARTS:-decode peer peer64}
 PEER64=${PEER64_S:-150}
 QUICK=${QUICK:-0}
+KVQ=${KV_QUANTIZATION:-none}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
 START=$(date +%s)
@@ -72,7 +76,8 @@ if has decode; then
   D=$(( DECODE_UNTIL - $(elapsed) )); [ "$D" -lt 30 ] && D=30
   note "decode_bench (starts no run after $D s)"
   # shellcheck disable=SC2086
-  timeout -k 10 $(( D + 90 )) "$PY" benchmarks/decode_bench.py --model-dir "$MODEL" $DECODE_ARGS --deadline-s "$D" \
+  timeout -k 10 $(( D + 90 )) "$PY" benchmarks/decode_bench.py --model-dir "$MODEL" $DECODE_ARGS --kv-quantization "$KVQ" \
+    --deadline-s "$D" \
     --json-out "$OUT/$PRESET-decode.json" >"$OUT/$PRESET-decode.md" 2>>"$LOG"
   rc=$?; [ $rc -ne 0 ] && RC=$rc
   note "decode_bench exit $rc"
@@ -118,8 +123,33 @@ if has peer64; then
   fi
 fi
 
+if has kvq; then
+  L=$(left)
+  if [ "$L" -lt 120 ]; then
+    note "SKIPPED kvq: only $L s left"; RC=1
+  else
+    note "kv_quant_bench (logits, decode)"
+    if [ "$QUICK" = 1 ]; then KVQ_ARGS="--sequences 2 --batch-sizes 8 --repeats 1 --decode-steps 8"; else KVQ_ARGS=""; fi
+    # shellcheck disable=SC2086
+    timeout -k 10 $(( L / 2 )) "$PY" benchmarks/kv_quant_bench.py --model-dir "$MODEL" $KVQ_ARGS \
+      >"$OUT/$PRESET-kvq.md" 2>>"$LOG"
+    rc=$?; [ $rc -ne 0 ] && RC=$rc
+    note "kv_quant_bench exit $rc"
+    L=$(left); P=$(( L - 60 )); S=$(( L - 30 ))
+    note "peer_bench chat, q8 ('ours') against none ('server', this checkout) (starts no cell after $P s)"
+    timeout -k 10 $(( L - 10 )) "$PY" benchmarks/peer_bench.py --model-dir "$MODEL" --workloads chat --concurrency 8 \
+      --repeats 2 --turn-tokens 64 --warmup cells --peer-root . --ours-toml 'kv_quantization = "q8"' \
+      --peer-toml 'kv_quantization = "none"' --deadline-s "$P" --stop-s "$S" --work-dir "$WORK-kvq" \
+      --json-out "$OUT/$PRESET-kvq-chat.json" >"$OUT/$PRESET-kvq-chat.md" 2>>"$LOG"
+    rc=$?; [ $rc -ne 0 ] && RC=$rc
+    note "peer_bench chat q8 exit $rc"
+  fi
+fi
+
 note "done, exit $RC"
 [ -f "$OUT/$PRESET-decode.md" ] && cat "$OUT/$PRESET-decode.md"
 [ -f "$OUT/$PRESET-peer.md" ] && sed '/^per run (noise)/,$d' "$OUT/$PRESET-peer.md"
 [ -f "$OUT/$PRESET-peer64.md" ] && sed '/^per run (noise)/,/^our server/d' "$OUT/$PRESET-peer64.md"
+[ -f "$OUT/$PRESET-kvq.md" ] && cat "$OUT/$PRESET-kvq.md"
+[ -f "$OUT/$PRESET-kvq-chat.md" ] && sed '/^per run (noise)/,$d' "$OUT/$PRESET-kvq-chat.md"
 exit $RC

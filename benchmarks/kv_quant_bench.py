@@ -1,7 +1,9 @@
 """Quantized KV (`kv_quantization` q8, q4) against the model's dtype: how close the answers stay, and
 how fast a batch decodes.
 
-* ``logits``: teacher-forced closeness. The same token sequences (distinct ~--prompt-tokens chats
+* ``logits``: teacher-forced closeness, with the median lead of the top token over the runner-up and
+  the median change of a logit beside it (random weights give flat logits: where the lead is smaller
+  than the change, top-1 agreement measures near-ties more than closeness). The same token sequences (distinct ~--prompt-tokens chats
   plus --continue-tokens of the model's own greedy continuation) go through the model twice in
   --chunk-token passes: once with mlx-lm's plain KV cache, once with every layer's KV quantized as the
   engine keeps it (`kvcache.quantized`), so each pass attends over quantized keys and values. At every
@@ -86,18 +88,22 @@ def continued(model, prompt: list[int], n: int) -> list[int]:
 def logits_part(model, tokenizer, args) -> list[str]:
     sequences = [continued(model, p, args.continue_tokens) for p in chats(tokenizer, args.sequences, args.prompt_tokens)]
     plain = [teacher_forced(model, s, make_prompt_cache(model), args.chunk_tokens) for s in sequences]
-    lines = ["| setting | positions | cosine p50 | cosine min | top-1 agreement |", "|---|---|---|---|---|"]
+    lines = ["| setting | positions | cosine p50 | cosine min | top-1 agreement | top-1 lead p50 | |Δ logit| p50 |",
+             "|---|---|---|---|---|---|---|"]
     for setting in SETTINGS:
-        cosines, agree, total = [], 0, 0
+        cosines, leads, changes, agree, total = [], [], [], 0, 0
         for seq, base in zip(sequences, plain):
             quant = teacher_forced(model, seq, make_quantized_cache(model, kv_quantization_bits(setting)), args.chunk_tokens)
             dots = (base * quant).sum(axis=-1)
             norms = mx.sqrt((base * base).sum(axis=-1)) * mx.sqrt((quant * quant).sum(axis=-1))
             cosines += (dots / norms).tolist()
+            top2 = mx.sort(base, axis=-1)[:, -2:]
+            leads += (top2[:, 1] - top2[:, 0]).tolist()
+            changes += mx.abs(quant - base).mean(axis=-1).tolist()
             agree += int((mx.argmax(base, axis=-1) == mx.argmax(quant, axis=-1)).sum().item())
             total += base.shape[0]
         lines.append(f"| {setting} | {total} | {statistics.median(cosines):.5f} | {min(cosines):.5f} | "
-                     f"{agree / total:.4f} |")
+                     f"{agree / total:.4f} | {statistics.median(leads):.4g} | {statistics.median(changes):.4g} |")
     return lines
 
 

@@ -529,10 +529,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peer-root", type=Path, default=None, metavar="DIR",
                         help="the other side is our own server run from another checkout (e.g. a git worktree of an "
                              "earlier commit) instead of mlx_lm.server: an A/B of two versions, 'server' columns the other")
+    parser.add_argument("--peer-toml", action="append", default=None, metavar="LINE",
+                        help="with --peer-root: the other side's config lines instead of --ours-toml's, e.g. "
+                             "--peer-root . --ours-toml 'kv_quantization = \"q8\"' --peer-toml 'kv_quantization = \"none\"': "
+                             "one setting against another on the same checkout")
     parser.add_argument("--gil-cells", default="", metavar="W:C,...",
                         help="sample our server's GIL holders with py-spy while these cells run on our side, e.g. "
                              "w1:32,w1:64 (benchmarks/gil_sample.py); the shares are printed and saved")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.peer_toml is not None and args.peer_root is None:
+        parser.error("--peer-toml needs --peer-root (the other side is mlx_lm.server otherwise)")
+    return args
 
 
 def model_folder(args: argparse.Namespace) -> Path:
@@ -689,7 +696,9 @@ async def main(argv: list[str] | None = None) -> int:
     bench = Bench(args, prompts, bare, servers, cells, Deadline(args.deadline_s), save)
     try:
         servers[PEER] = (start_peer(model_path, work, batch_size) if args.peer_root is None
-                         else start_ours(model_path, work, batch_size, args.ours_toml, root=args.peer_root, side=PEER))
+                         else start_ours(model_path, work, batch_size,
+                                         args.ours_toml if args.peer_toml is None else args.peer_toml,
+                                         root=args.peer_root, side=PEER))
         servers[OURS] = start_ours(model_path, work, batch_size, args.ours_toml)
         stopped = await measure_until_stopped(bench)
     except Exception as exc:  # the edge of the run: report what was measured, then fail
