@@ -17,7 +17,7 @@ from provider.engine import guided
 from provider.engine.commands import EventSink, ReleaseHook
 from provider.engine.prefill import PREFILL_STEP, SoloPrefill, SplitHead
 from provider.engine.textstream import CompletionText
-from provider.engine.types import EngineError, EngineFailure, Event, LoadedModelInfo, TokenLogprob
+from provider.engine.types import EngineError, EngineFailure, Event, LoadedModelInfo, ModelStats, TokenLogprob
 from provider.models.template import RendererUnavailable, TemplateExceeded, render_ids
 
 _TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, TemplateExceeded, RendererUnavailable)
@@ -56,6 +56,17 @@ class Active:
     received: float = field(default_factory=time.monotonic)
     started: float = 0.0
     first_token: float = 0.0
+
+    def solo_step(self) -> tuple[int, int | None, TokenLogprob | None]:
+        """One chunk of the prompt prefilled alone: the tokens it took, and after the last chunk the first
+        token (sampled, or through its grammar's first mask with its log-probabilities)."""
+        done, logprobs = self.solo.step()
+        if logprobs is None:
+            return done, None, None
+        if self.guide is None:
+            return done, int(self.sampler(logprobs).item()), None
+        token, record = guided.first_token(self.guide, self.sampler, logprobs)
+        return done, token, record
 
 
 @dataclass(slots=True)
@@ -99,6 +110,12 @@ class Slot:
 
     def busy(self) -> bool:
         return bool(self.requests or self.queue or self.ready or self.solo is not None)
+
+    def model_stats(self) -> ModelStats:
+        actives = self.actives()
+        running = sum(1 for a in actives if a.completion_ids)
+        tokens = sum(a.prompt_tokens + len(a.completion_ids) for a in actives)
+        return ModelStats(running, len(actives) - running, tokens)
 
     def render(self, messages: Sequence[Mapping[str, object]], tools: Sequence[Mapping[str, object]] = (), *,
                add_generation_prompt: bool = True) -> list[int]:

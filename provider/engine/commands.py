@@ -7,13 +7,16 @@ request events travel through the request's `EventSink`.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from provider.engine.types import ChatRequest, Event
+from provider.engine.types import ChatRequest, EngineError, EngineFailure, Event
+
+log = logging.getLogger("provider.engine")
 
 # Called on the engine thread, exactly once per submitted request, after the request's KV cache
 # has left the batch (or the request was refused before it joined one).
@@ -103,3 +106,27 @@ class Stop:
 
 
 Command = Load | Unload | Submit | Cancel | CountPromptTokens | KvCacheBytes | KvBytesPerToken | Reclaim | Stop
+
+
+def answer(reply: Future, fn: Callable[[], object]) -> None:
+    """Run a command's work on the engine thread and settle its future: the result, its EngineError, or
+    INTERNAL_ERROR for anything else (logged; the worker stays alive)."""
+    if not reply.set_running_or_notify_cancel():
+        return
+    try:
+        reply.set_result(fn())
+    except EngineError as exc:
+        reply.set_exception(exc)
+    except Exception:  # an edge: report a fixed code, keep the worker alive
+        log.exception("engine command failed")
+        reply.set_exception(EngineError(EngineFailure.INTERNAL_ERROR))
+
+
+def notify_released(hook: ReleaseHook | None, request_id: str) -> None:
+    """Tell a request's owner its memory is free; a broken hook must not kill the worker."""
+    if hook is None:
+        return
+    try:
+        hook(request_id)
+    except Exception:  # an edge
+        log.exception("on_released hook failed")

@@ -67,6 +67,7 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBat
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from provider.engine import guided
+from provider.engine.layout import on_cpu
 
 DEFAULT_PREFILL_TOKENS = 2048  # mlx-lm's prefill_step_size: one prompt's pass at most, there
 
@@ -307,4 +308,23 @@ def _chunk(segments: list[list[int]], step: int) -> int:
     return min(len(segments[0]), step)
 
 
-__all__ = ["DecodeBatch", "EngineBatchGenerator", "PrefillBatch"]
+GPU_PREFILL_TOKENS = 8192  # a GPU's pass: a burst of short prompts at once, half what mlx-lm's 8 x 2048 may take
+
+
+def prefill_tokens_for_device(setting: int | None) -> int:
+    """A prefill pass's token budget ("Prefill waves"): the setting, else by device."""
+    if setting is not None:
+        return setting
+    return DEFAULT_PREFILL_TOKENS if on_cpu() else GPU_PREFILL_TOKENS
+
+
+def new_generator(model, eos_token_ids: frozenset[int], batch_size: int, prefill_tokens: int) -> BatchGenerator:
+    """A model's generator. completion_batch_size is how many sequences decode at once; admission never
+    admits more concurrent requests per model than this, so no admitted request waits without tokens."""
+    return EngineBatchGenerator(model, stop_tokens=[[t] for t in sorted(eos_token_ids)] or None,
+                                completion_batch_size=batch_size, prefill_batch_size=batch_size,
+                                prefill_tokens=prefill_tokens)
+
+
+__all__ = ["GPU_PREFILL_TOKENS", "DecodeBatch", "EngineBatchGenerator", "PrefillBatch", "new_generator",
+           "prefill_tokens_for_device"]

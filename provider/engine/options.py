@@ -23,7 +23,7 @@ class EngineOptions:
     `solo_min_tokens`: prompts with at least this many tokens left to prefill are prefilled alone, their
     first token out at once (prefill.py); None: measured per model at load; 0: never.
     `prefill_tokens`: the most prompt tokens one batched prefill pass takes (decode.py, "Prefill
-    waves"); None: by device (`worker.prefill_tokens_for_device`).
+    waves"); None: by device (`decode.prefill_tokens_for_device`).
     `weight_layout`: dense linear weights stored transposed for the BLAS (layout.py); None: on the CPU
     device only. `cpu_attention`: the engine thread's attention with a vectorised softmax
     (attention.py); None: on the CPU device only.

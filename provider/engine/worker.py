@@ -38,7 +38,6 @@ import logging
 import queue
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
@@ -55,16 +54,16 @@ from provider.engine.commands import (
     Load,
     MemoryReading,
     Reclaim,
-    ReleaseHook,
     Stop,
     Submit,
     Unload,
+    answer,
+    notify_released,
 )
-from provider.engine.decode import DEFAULT_PREFILL_TOKENS, EngineBatchGenerator
+from provider.engine.decode import new_generator, prefill_tokens_for_device
 from provider.engine.delivery import Delivery
 from provider.engine.device import DeviceLimits
 from provider.engine.heap import HeapTrim
-from provider.engine.layout import on_cpu
 from provider.engine.loading import kv_bytes_per_token, load_text, load_vision, on_cpu_unless
 from provider.engine.next_turn import NextTurns
 from provider.engine.options import EngineOptions
@@ -87,24 +86,6 @@ from provider.engine.types import (
 from provider.engine.vision import DutyCycle, Trace, VisionSlot, step_vision_slots
 
 log = logging.getLogger("provider.engine")
-
-GPU_PREFILL_TOKENS = 8192  # a GPU's pass: a burst of short prompts at once, half what mlx-lm's 8 x 2048 may take
-
-
-def _new_generator(model, eos_token_ids: frozenset[int], batch_size: int, prefill_tokens: int) -> BatchGenerator:
-    # completion_batch_size is how many sequences decode at once; admission never admits more
-    # concurrent requests per model than this, so no admitted request waits without tokens.
-    return EngineBatchGenerator(model, stop_tokens=[[t] for t in sorted(eos_token_ids)] or None,
-                                completion_batch_size=batch_size, prefill_batch_size=batch_size,
-                                prefill_tokens=prefill_tokens)
-
-
-def prefill_tokens_for_device(setting: int | None) -> int:
-    """A prefill pass's token budget (decode.py, "Prefill waves"): the setting, else by device."""
-    if setting is not None:
-        return setting
-    return DEFAULT_PREFILL_TOKENS if on_cpu() else GPU_PREFILL_TOKENS
-
 
 class Worker:
     def __init__(self, commands: queue.SimpleQueue[Command], options: EngineOptions, *,
@@ -218,33 +199,21 @@ class Worker:
             case Cancel(request_id):
                 self._cancel(request_id)
             case CountPromptTokens(model_id, messages, reply):
-                self._reply(reply, lambda: self._count_prompt(model_id, messages))
+                answer(reply, lambda: self._count_prompt(model_id, messages))
             case KvCacheBytes(model_id, reply):
-                self._reply(reply, lambda: self._kv_cache_bytes(model_id))
+                answer(reply, lambda: self._kv_cache_bytes(model_id))
             case MemoryReading(reply):
-                self._reply(reply, self._memory_reading)
+                answer(reply, self._memory_reading)
             case KvBytesPerToken(model_id, reply):
-                self._reply(reply, lambda: self._kv_bytes_per_token(model_id))
+                answer(reply, lambda: self._kv_bytes_per_token(model_id))
             case Load():
-                self._reply(command.reply, lambda: self._load(command))
+                answer(command.reply, lambda: self._load(command))
             case Unload(model_id, reply):
-                self._reply(reply, lambda: self._unload(model_id))
+                answer(reply, lambda: self._unload(model_id))
             case Reclaim(reply, collect):
-                self._reply(reply, reclaim if collect else clear_buffer_cache)
+                answer(reply, reclaim if collect else clear_buffer_cache)
             case Stop(reply):
-                self._reply(reply, self._stop)
-
-    @staticmethod
-    def _reply(reply: Future, fn) -> None:
-        if not reply.set_running_or_notify_cancel():
-            return
-        try:
-            reply.set_result(fn())
-        except EngineError as exc:
-            reply.set_exception(exc)
-        except Exception:  # an edge: report a fixed code, keep the worker alive
-            log.exception("engine command failed")
-            reply.set_exception(EngineError(EngineFailure.INTERNAL_ERROR))
+                answer(reply, self._stop)
 
     def _slot(self, model_id: str) -> Slot:
         slot = self._slots.get(model_id)
@@ -278,7 +247,7 @@ class Worker:
             if cmd.kv_bits is not None:  # mlx-vlm's own loop keeps its KV as the model's dtype
                 raise EngineError(EngineFailure.LOAD_FAILED)
             info, vlm = load_vision(cmd)
-            self._vision[cmd.model_id] = VisionSlot(info, vlm, emit=self._delivery.emit, notify=self._notify_released,
+            self._vision[cmd.model_id] = VisionSlot(info, vlm, emit=self._delivery.emit, notify=notify_released,
                                                     prefill_step=self._options.vision_prefill_step, trace=self._trace)
             self._device.wire()  # a vision model is resident too (its steps are ours: nothing else wires)
         else:
@@ -295,7 +264,7 @@ class Worker:
         it as the value its `close()` restores) and again after (it has just wired its own)."""
         self._device.wire()
         try:
-            generator = _new_generator(model, eos_token_ids, self.batch_size,
+            generator = new_generator(model, eos_token_ids, self.batch_size,
                                        prefill_tokens_for_device(self._options.prefill_tokens))
         except BaseException:
             self._unwire_if_empty()
@@ -370,8 +339,8 @@ class Worker:
             self._delivery.emit(cmd.sink, Failed(exc.code))
             if request.constraint is not None:
                 request.constraint.release()
-            self._notify_released(cmd.on_media_released, request.request_id)
-            self._notify_released(cmd.on_released, request.request_id)
+            notify_released(cmd.on_media_released, request.request_id)
+            notify_released(cmd.on_released, request.request_id)
             return
         text = CompletionText(slot.tokenizer.detokenizer, request.params.stop)
         prepare = request.prepare_next_turn and self._next_turns.scratch_bytes > 0 and self._reuse.enabled
@@ -476,16 +445,7 @@ class Worker:
             active.guide.constraint.release()  # its grammar's reservation (memory/grammar.py)
         del self._where[active.request_id]
         self._publish_stats(slot)  # a cancel leaves no later step to refresh them
-        self._notify_released(active.on_released, active.request_id)
-
-    @staticmethod
-    def _notify_released(hook: ReleaseHook | None, request_id: str) -> None:
-        if hook is None:
-            return
-        try:
-            hook(request_id)
-        except Exception:  # an edge: a broken hook must not kill the worker
-            log.exception("on_released hook failed")
+        notify_released(active.on_released, active.request_id)
 
     # -- stepping ----------------------------------------------------------------------------
 
@@ -528,14 +488,7 @@ class Worker:
     def _step_solo(self, slot: Slot, active: Active) -> None:
         try:
             with mx.stream(slot.generator.stream):
-                done, logprobs = active.solo.step()
-                record = None
-                if logprobs is None:
-                    token = None
-                elif active.guide is None:
-                    token = int(active.sampler(logprobs).item())
-                else:  # its grammar's first mask, its log-probabilities
-                    token, record = guided.first_token(active.guide, active.sampler, logprobs)
+                done, token, record = active.solo_step()
         except Exception:  # an edge: this request fails, the others go on
             log.exception("prefill failed", extra={"model_id": slot.info.model_id})
             self._delivery.emit(active.sink, Failed(EngineFailure.INTERNAL_ERROR))
@@ -642,9 +595,6 @@ class Worker:
         self._retire(slot, active)
 
     def _publish_stats(self, slot: Slot) -> None:
-        actives = slot.actives()
-        running = sum(1 for a in actives if a.completion_ids)
-        tokens = sum(a.prompt_tokens + len(a.completion_ids) for a in actives)
-        self.stats[slot.info.model_id] = ModelStats(running, len(actives) - running, tokens)
+        self.stats[slot.info.model_id] = slot.model_stats()
 
-__all__ = ["GPU_PREFILL_TOKENS", "Worker", "prefill_tokens_for_device"]
+__all__ = ["Worker"]
