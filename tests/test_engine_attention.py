@@ -268,15 +268,17 @@ def test_blocks_inside_mx_compile_go_to_mlx_s(monkeypatch):
     assert mx.array_equal(compiled(q, k, v), mlx_attention(q, k, v, scale=0.5, mask="causal")).item()
 
 
+@pytest.mark.parametrize("length", [12, 1])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("mask", ["causal", "array", None])
-def test_a_prompts_rows_over_quantized_kv_match_mlx_lms_quantized_attention(bits, mask):
-    """Quantized KV on the CPU: a prompt's rows attend over the dequantized copy (attention.quantized_attention)
-    and get what mlx-lm's quantized attention gives, padded rows and grouped heads included."""
+def test_attention_over_dequantized_kv_matches_mlx_lms_quantized_attention(bits, mask, length):
+    """Quantized KV on the CPU: a prompt's rows and a decode step's row attend over the dequantized copy
+    (attention.quantized_attention) and get what mlx-lm's quantized attention gives, padded rows and
+    grouped heads included."""
     from mlx_lm.models.base import quantized_scaled_dot_product_attention as mlx_lm_quantized
 
     mx.random.seed(3)
-    b, heads, kv, length, keys, d = 2, 8, 2, 12, 40, 64
+    b, heads, kv, keys, d = 2, 8, 2, 40, 64
     q = mx.random.normal((b, heads, length, d))
     k, v = mx.random.normal((b, kv, keys, d)), mx.random.normal((b, kv, keys, d))
     qk, qv = mx.quantize(k, 64, bits), mx.quantize(v, 64, bits)
@@ -291,18 +293,21 @@ def test_a_prompts_rows_over_quantized_kv_match_mlx_lms_quantized_attention(bits
     assert mx.allclose(got, want, atol=2e-4, rtol=2e-4).item()
 
 
-def test_the_engine_thread_routes_a_prompt_not_a_decode_step_through_the_dequantized_copy(monkeypatch):
+def test_the_engine_thread_dequantizes_what_fits_the_bound_and_reads_the_rest_quantized(monkeypatch):
     calls: list[int] = []
-    monkeypatch.setattr(attention, "quantized_attention", lambda q, *a: calls.append(q.shape[-2]) or q)
+    monkeypatch.setattr(attention, "quantized_attention", lambda q, k, *a: calls.append(k[0].shape[-2]) or q)
     from mlx_lm.models import base
 
-    k = mx.quantize(mx.zeros((1, 1, 64, 64)), 64, 8)
+    small, large = (mx.quantize(mx.zeros((1, 1, n, 64)), 64, 8) for n in (64, 4096))
+    monkeypatch.setattr(attention, "DEQUANTIZED_BYTES", attention.dequantized_bytes(mx.zeros((1, 1, 1, 64)), small))
+    query = mx.zeros((1, 1, 1, 64))
     try:
         attention.enable()
-        base.quantized_scaled_dot_product_attention(mx.zeros((1, 1, 3, 64)), k, k, scale=1.0, mask=None)
-        out = base.quantized_scaled_dot_product_attention(mx.zeros((1, 1, 1, 64)), k, k, scale=1.0, mask=None)
+        base.quantized_scaled_dot_product_attention(query, small, small, scale=1.0, mask=None)
+        out = base.quantized_scaled_dot_product_attention(query, large, large, scale=1.0, mask=None)
     finally:
         attention.disable()
-    assert calls == [3] and out.shape == (1, 1, 1, 64)  # the decode step went to mlx-lm's own
-    base.quantized_scaled_dot_product_attention(mx.zeros((1, 1, 3, 64)), k, k, scale=1.0, mask=None)
-    assert calls == [3]  # another thread's (here: disabled) calls keep mlx-lm's
+    assert calls == [64] and out.shape == (1, 1, 1, 64)  # the large one went to mlx-lm's own
+    assert attention.dequantized_bytes(query, small) == 2 * 64 * 64 * 4  # keys and values, float32
+    base.quantized_scaled_dot_product_attention(query, small, small, scale=1.0, mask=None)
+    assert calls == [64]  # another thread's (here: disabled) calls keep mlx-lm's

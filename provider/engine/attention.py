@@ -31,10 +31,11 @@ evaluated early.
 
 Quantized KV (`kv_quantization`): mlx-lm attends over it with `mx.quantized_matmul`, which MLX's CPU
 backend runs without BLAS: a 64-token chunk of a prompt over 1,000 cached tokens took 77 ms that way
-against 8 ms here at float32 (16 heads, 4 KV heads, head size 64). So on the engine thread a prompt's
-rows (more than one query) attend over a dequantized copy of the keys and values with the attention
-above; the copy is one sequence's (or one prefill wave's) KV of one layer, freed with the layer's step.
-A decode step (one query row for each sequence of the batch) keeps reading the quantized cache.
+against 8 ms here at float32, a decode step's row 1.5 ms against 0.7 (16 heads, 4 KV heads, head size
+64). So on the engine thread the attention over quantized KV dequantizes one layer's keys and values
+and runs the attention above, as long as that copy takes at most `DEQUANTIZED_BYTES` (it lives for the
+layer's step); a larger one reads the quantized cache through mlx-lm's, so the copy never grows with
+the batch past that bound.
 
 `enable()` installs it for the calling thread only, so the engine thread gets it and every other
 thread (mlx-lm used directly, the tests' reference runs) keeps MLX's.
@@ -55,6 +56,7 @@ _MAGIC_BITS = 0x4B400000  # its bit pattern; r's bits minus this are that intege
 _TAYLOR = [math.log(2.0) ** k / math.factorial(k) for k in range(8)]  # 2**f = sum c_k f**k
 _MASKED = -1e30  # a masked score: its weight is exactly 0, and a row masked whole stays finite
 BLOCK_BYTES = 4 << 20  # float32 scores of one block of query rows (see "Memory")
+DEQUANTIZED_BYTES = 64 << 20  # the most one layer's dequantized keys and values may take (see "Quantized KV")
 
 mlx_attention = mx.fast.scaled_dot_product_attention  # MLX's own, kept for every other call
 mlx_lm_quantized_attention = mlx_lm_base.quantized_scaled_dot_product_attention  # mlx-lm's, likewise
@@ -201,15 +203,20 @@ def _dispatch(q, k, v, *, scale, mask=None, sinks=None, stream=None):
 
 def quantized_attention(queries: mx.array, q_keys: tuple[mx.array, ...], q_values: tuple[mx.array, ...],
                         scale: float, mask, group_size: int = 64, bits: int = 8) -> mx.array:
-    """mlx-lm's `quantized_scaled_dot_product_attention` for a prompt's rows: over the dequantized keys
-    and values, with this module's attention (see "Quantized KV")."""
+    """mlx-lm's `quantized_scaled_dot_product_attention`: over the dequantized keys and values, with this
+    module's attention (see "Quantized KV")."""
     keys = mx.dequantize(*q_keys, group_size=group_size, bits=bits)
     values = mx.dequantize(*q_values, group_size=group_size, bits=bits)
     return scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
+def dequantized_bytes(queries: mx.array, q_keys: tuple[mx.array, ...]) -> int:
+    """What the float copy of these keys and values would take: the packed rows at the queries' width."""
+    return 2 * math.prod(q_keys[0].shape[:-1]) * queries.shape[-1] * queries.dtype.size
+
+
 def _quantized_dispatch(queries, q_keys, q_values, scale, mask, group_size=64, bits=8):
-    if enabled() and queries.shape[-2] > 1:
+    if enabled() and dequantized_bytes(queries, q_keys) <= DEQUANTIZED_BYTES:
         return quantized_attention(queries, q_keys, q_values, scale, mask, group_size, bits)
     return mlx_lm_quantized_attention(queries, q_keys, q_values, scale=scale, mask=mask, group_size=group_size,
                                       bits=bits)
@@ -232,5 +239,5 @@ def enabled() -> bool:
     return getattr(_local, "on", False)
 
 
-__all__ = ["LOG2E", "disable", "enable", "enabled", "exp2", "mlx_attention", "mlx_lm_quantized_attention",
-           "quantized_attention", "scaled_dot_product_attention"]
+__all__ = ["DEQUANTIZED_BYTES", "LOG2E", "dequantized_bytes", "disable", "enable", "enabled", "exp2", "mlx_attention",
+           "mlx_lm_quantized_attention", "quantized_attention", "scaled_dot_product_attention"]
