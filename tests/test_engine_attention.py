@@ -311,3 +311,15 @@ def test_the_engine_thread_dequantizes_what_fits_the_bound_and_reads_the_rest_qu
     assert attention.dequantized_bytes(query, small) == 2 * 64 * 64 * 4  # keys and values, float32
     base.quantized_scaled_dot_product_attention(query, small, small, scale=1.0, mask=None)
     assert calls == [64]  # another thread's (here: disabled) calls keep mlx-lm's
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_cpu_dequantize_gives_mlxs_values(bits, dtype):
+    mx.random.seed(5)
+    x = mx.random.normal((2, 3, 17, 128)).astype(dtype)
+    packed = mx.quantize(x, 64, bits)
+    want = mx.dequantize(*packed, group_size=64, bits=bits)
+    got = attention.dequantize(*packed, group_size=64, bits=bits)
+    assert got.dtype == want.dtype and got.shape == want.shape == x.shape
+    assert mx.array_equal(got, want).item()

@@ -205,9 +205,22 @@ def quantized_attention(queries: mx.array, q_keys: tuple[mx.array, ...], q_value
                         scale: float, mask, group_size: int = 64, bits: int = 8) -> mx.array:
     """mlx-lm's `quantized_scaled_dot_product_attention`: over the dequantized keys and values, with this
     module's attention (see "Quantized KV")."""
-    keys = mx.dequantize(*q_keys, group_size=group_size, bits=bits)
-    values = mx.dequantize(*q_values, group_size=group_size, bits=bits)
+    keys = dequantize(*q_keys, group_size=group_size, bits=bits)
+    values = dequantize(*q_values, group_size=group_size, bits=bits)
     return scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def dequantize(packed: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int) -> mx.array:
+    """`mx.dequantize` for 8 and 4 bits from elementwise ops (the packed words read as bytes, nibbles low
+    first), which MLX's CPU backend runs 2.5-3.7x faster than its dequantize kernel; the same values."""
+    if bits not in (8, 4):
+        return mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits)
+    q = mx.view(packed, mx.uint8)
+    if bits == 4:
+        q = mx.stack([q & 15, q >> 4], axis=-1).reshape(*q.shape[:-1], 2 * q.shape[-1])
+    shape = q.shape
+    q = q.reshape(*shape[:-1], shape[-1] // group_size, group_size).astype(scales.dtype)
+    return (q * scales[..., None] + biases[..., None]).reshape(shape)
 
 
 def dequantized_bytes(queries: mx.array, q_keys: tuple[mx.array, ...]) -> int:
@@ -239,5 +252,5 @@ def enabled() -> bool:
     return getattr(_local, "on", False)
 
 
-__all__ = ["DEQUANTIZED_BYTES", "LOG2E", "dequantized_bytes", "disable", "enable", "enabled", "exp2", "mlx_attention",
+__all__ = ["DEQUANTIZED_BYTES", "LOG2E", "dequantize", "dequantized_bytes", "disable", "enable", "enabled", "exp2", "mlx_attention",
            "mlx_lm_quantized_attention", "quantized_attention", "scaled_dot_product_attention"]
