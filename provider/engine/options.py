@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memory.mlx_limits import MlxLimits
-from provider.engine.heap import MIN_INTERVAL_S
 from provider.engine.vlm import DEFAULT_PREFILL_STEP
 
 DEFAULT_BATCH_SIZE = 32  # mlx-lm's own BatchGenerator default (completion_batch_size)
@@ -30,9 +29,7 @@ class EngineOptions:
     `stream_interval_s`: in a large batch, text after a request's first token is delivered at most this
     often, several tokens at a time (delivery.py); 0: every token as it comes.
     `vision_prefill_step`: prompt tokens per prefill step of a vision request (each step is interleaved
-    with the text batch).
-    `heap_release_interval_s`: when the engine goes idle after work, the C allocator's free pages go back
-    to the OS, at most this often (heap.py); None: never."""
+    with the text batch)."""
 
     batch_size: int = DEFAULT_BATCH_SIZE
     limits: MlxLimits | None = None
@@ -43,7 +40,6 @@ class EngineOptions:
     cpu_attention: bool | None = None
     stream_interval_s: float = 0.0
     vision_prefill_step: int = DEFAULT_PREFILL_STEP
-    heap_release_interval_s: float | None = MIN_INTERVAL_S
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:

@@ -63,7 +63,6 @@ from provider.engine.commands import (
 from provider.engine.decode import new_generator, prefill_tokens_for_device
 from provider.engine.delivery import Delivery
 from provider.engine.device import DeviceLimits
-from provider.engine.heap import HeapTrim
 from provider.engine.loading import kv_bytes_per_token, load_text, load_vision, on_cpu_unless
 from provider.engine.next_turn import NextTurns
 from provider.engine.options import EngineOptions
@@ -102,7 +101,6 @@ class Worker:
         self._delivery = Delivery(options.stream_interval_s, running=lambda: len(self._where))
         self._reuse = PrefixReuse(prefix_cache)
         self._next_turns = NextTurns(options.next_turn_scratch_bytes, self._reuse, trace)
-        self._heap = None if options.heap_release_interval_s is None else HeapTrim(options.heap_release_interval_s)
         self._deferred: list[Command] = []  # taken during a step, handled at its end (see "Intake during a step")
         self._stopped = False
         # Read by other threads; only ever replaced item by item (atomic under the GIL).
@@ -131,12 +129,8 @@ class Worker:
                 self._reuse.store_kept(self._delivery.emit)
                 self._delivery.flush()
                 self._reuse.write_quiet(self._slots.values())
-                if self._heap is not None:
-                    self._heap.worked()
                 continue
             wait = self._reuse.write_quiet(self._slots.values())
-            if self._heap is not None and self._commands.empty():
-                self._heap.idle()  # freed pages back to the OS, now that nothing waits
             due = self._next_turns.due_in()  # wake when the next-turn preparation is due (at once while it runs)
             if due is not None:
                 wait = due if wait is None else min(wait, due)
