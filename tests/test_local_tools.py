@@ -129,7 +129,12 @@ def test_tools_to_a_model_without_tool_calling_are_a_400_naming_tools(server):
     assert reply.choices[0].message.content is not None  # nothing offered, nothing refused
 
 
-def test_no_tool_text_in_the_log(server):
-    server.client().chat.completions.create(model=TOOLS_MODEL, messages=[USER], tools=[WEATHER], max_tokens=2)
-    code, log = server.stop()
+def test_no_tool_text_in_the_log(tmp_path, tiny_model_path, tiny_tools_model_path):
+    """A server of its own, stopped to read its whole log (the module's is shared by tests that may run
+    after this one on the same worker of a parallel run)."""
+    srv = start_server(tmp_path, tiny_model_path, "--model-aliases", f"{TOOLS_MODEL}={tiny_tools_model_path}")
+    try:
+        srv.client().chat.completions.create(model=TOOLS_MODEL, messages=[USER], tools=[WEATHER], max_tokens=2)
+    finally:
+        code, log = srv.stop()
     assert code == 0 and "request_completed" in log and CANARY not in log
