@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from enum import StrEnum
 from typing import Any
 
@@ -212,33 +212,31 @@ class RuntimeBackend:
         """How the model writes tool calls (None: it has no tool calling, or is not one of ours)."""
         return self.runtime.counter.tool_format_now(model_id)
 
-    @asynccontextmanager
-    async def open(self, request_id: str, raw: bytes) -> AsyncIterator[tuple[ChatBody, RequestStream]]:
+    def open(self, request_id: str, raw: bytes) -> AbstractAsyncContextManager[tuple[ChatBody, RequestStream]]:
         """A chat request through the pipeline: parse `raw` (inline or in the bulk lane, by its size),
         count, book, wait for the model, submit; yields the body and its event stream. Raises
         `InvalidBody`, `Refused` or `Explained`."""
-        async with contextlib.AsyncExitStack() as stack:
-            try:
-                request = await stack.enter_async_context(
-                    self.pipeline.chat(request_id, len(raw), functools.partial(json_body, raw)))
-            except Refusal as refusal:
-                raise self._explained(refusal.failure, refusal.over, refusal.model_id, "messages") from None
-            except MediaRefused as refused:
-                raise media_refused(refused) from None
-            stream = await stack.enter_async_context(self._served(request, "messages"))
-            yield request.body, stream
+        return self._open(self.pipeline.chat(request_id, len(raw), functools.partial(json_body, raw)), "messages")
 
-    @asynccontextmanager
-    async def open_completion(self, request_id: str, raw: bytes) -> AsyncIterator[tuple[CompletionBody, RequestStream]]:
+    def open_completion(self, request_id: str,
+                        raw: bytes) -> AbstractAsyncContextManager[tuple[CompletionBody, RequestStream]]:
         """A legacy completions request, the same steps as `open` but for the prompt: its text
         tokenized without the chat template (or its ids as given). Same admission, same engine."""
+        return self._open(self.pipeline.completion(request_id, len(raw), functools.partial(json_body, raw)), "prompt")
+
+    @asynccontextmanager
+    async def _open(self, prepared: AbstractAsyncContextManager[Prepared[Any]],
+                    prompt_param: str) -> AsyncIterator[tuple[Any, RequestStream]]:
+        """`open` and `open_completion`: the pipeline's request, its refusals as the door's answers
+        (`prompt_param` names the prompt's field), then served."""
         async with contextlib.AsyncExitStack() as stack:
             try:
-                request = await stack.enter_async_context(
-                    self.pipeline.completion(request_id, len(raw), functools.partial(json_body, raw)))
+                request = await stack.enter_async_context(prepared)
             except Refusal as refusal:
-                raise self._explained(refusal.failure, refusal.over, refusal.model_id, "prompt") from None
-            stream = await stack.enter_async_context(self._served(request, "prompt"))
+                raise self._explained(refusal.failure, refusal.over, refusal.model_id, prompt_param) from None
+            except MediaRefused as refused:  # chat only: a completion carries no media
+                raise media_refused(refused) from None
+            stream = await stack.enter_async_context(self._served(request, prompt_param))
             yield request.body, stream
 
     @asynccontextmanager
