@@ -74,11 +74,14 @@ def test_hashing_a_cold_weight_file_does_not_fill_the_page_cache(cold_model):
 
 def test_the_pages_cached_before_the_hash_stay_cached(cold_model):
     weights = cold_model / "model.safetensors"
-    with open(weights, "rb") as handle:  # the owner read the first half: it is in the cache
+    with open(weights, "rb", buffering=0) as handle:  # the owner read the first half: it is in the cache
+        # and only it: readahead past the half would still be in flight (not yet counted as cached) when
+        # `before` is taken here, and land before the hash looks, which then rightly keeps it
+        os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
         while handle.tell() < FILE_MIB // 2 * MIB:
             handle.read(MIB)
     before = resident(weights)
-    assert share(before) > 0.45
+    assert 0.45 < share(before) < 0.55
     weight_hash_sync(cold_model, cache=DigestCache())
     after = resident(weights)
     kept = sum(1 for b, a in zip(before, after, strict=True) if b and a) / sum(before)
