@@ -132,14 +132,14 @@ def test_an_image_refusal_names_its_reason_and_param(server, url, status, param,
 
 
 def test_unknown_routes_and_methods_are_in_the_request_log(server):
-    assert httpx.get(server.base_url + "/v1/nope-route-7f3a", timeout=10).status_code == 404
+    assert httpx.get(server.base_url + "/v1/nope-route-qzxw", timeout=10).status_code == 404
     assert httpx.delete(server.base_url + "/v1/models", timeout=10).status_code == 405
-    assert httpx.get(server.base_url + "/v1/models/no/such-model-7f3a", timeout=10).status_code == 404
+    assert httpx.get(server.base_url + "/v1/models/no/such-model-qzxw", timeout=10).status_code == 404
     events = [json.loads(line) for line in server.log_path.read_text().splitlines() if line.startswith("{")]
     routed = [(e["status_code"], e["code"]) for e in events if e["event"] == "request_not_routed"]
     assert (404, "unknown_route") in routed and (405, "method_not_allowed") in routed
     assert any(e["event"] == "request_refused" and e.get("status_code") == 404 for e in events)
-    assert "7f3a" not in server.log_path.read_text()  # the path and the id asked for are not logged
+    assert "qzxw" not in server.log_path.read_text()  # the path and the id asked for are not logged
 
 
 def test_a_model_name_the_client_chose_never_reaches_the_log(server):
