@@ -220,3 +220,11 @@ def test_a_completion_without_max_tokens_gets_openais_default():
     assert parse_completion_body(COMPLETION).max_tokens == COMPLETION_MAX_TOKENS == 16
     assert parse_completion_body({**COMPLETION, "max_tokens": 40}).max_tokens == 40
     assert refused(parse_completion_body, {"model": "m"}).field == "prompt"
+
+
+@pytest.mark.parametrize("endpoint", list(Endpoint))
+def test_up_to_four_stop_sequences_are_kept_and_a_fifth_is_refused_not_dropped(endpoint):
+    parse, base = PARSERS[endpoint]
+    assert parse({**base, "stop": ["a", "b", "c", "k"]}).stop == ("a", "b", "c", "k")
+    error = refused(parse, {**base, "stop": ["a", "b", "c", "d", "k"]})
+    assert error.field == "stop" and "at most 4" in error.message

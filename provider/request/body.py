@@ -419,11 +419,16 @@ def log_unknown_fields(body: ChatBody | CompletionBody, **context: str) -> None:
         log.warning("request_unknown_fields", kind=named, count=len(body.unknown_fields), **context)
 
 
+MAX_STOPS = 4
+
+
 def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
     stops: Sequence[str] = [stop] if isinstance(stop, str) else (stop or [])
     if any(not s for s in stops):
         raise InvalidBody("stop", _FIELD_RULES["stop"])
-    return tuple(stops[:4])
+    if len(stops) > MAX_STOPS:  # OpenAI's limit, refused as OpenAI does rather than cut
+        raise InvalidBody("stop", f"must have at most {MAX_STOPS} sequences")
+    return tuple(stops)
 
 
 def _ids(value: list[Any]) -> tuple[int, ...] | None:
