@@ -363,3 +363,47 @@ def test_what_breaks_the_bound():
     assert not breaks(NumberState(FRAC, 16), b"1,") and breaks(NumberState(FRAC, 16), b"12")
     assert breaks(NumberState(EXP, 0, 3), b"0") and not breaks(NumberState(E), b"-308")
     assert not breaks(NumberState(ZERO), b".12345678901234567") and breaks(NumberState(ZERO), b".123456789012345678")
+
+
+OPEN_WEATHER = {"type": "object", "properties": {  # as most examples write it: no additionalProperties
+    "city": {"type": "string", "maxLength": 8},
+    "unit": {"enum": ["c", "f"]},
+    "at": {"type": "object", "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23}}},
+}, "required": ["city"]}
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_objects_that_list_their_properties_take_only_those_so_the_answer_closes(table, seed):
+    """An object schema with `properties` and no `additionalProperties` gets only the keys it lists (as
+    OpenAI's strict mode asks and llama.cpp's grammars do): extra keys of any name and length would let
+    a model write keys for ever. What comes out still validates against the schema as given."""
+    constraint = GrammarCache().constraint(table, json_schema_grammar(OPEN_WEATHER))
+    tokens, ended = walk(constraint, table, seed, limit=400)
+    assert ended
+    answer = json.loads(text(table, tokens))
+    jsonschema.validate(answer, OPEN_WEATHER)
+    assert set(answer) <= {"city", "unit", "at"} and set(answer.get("at", {})) <= {"hour"}
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_a_forced_call_to_a_function_without_arguments_writes_empty_arguments(table, seed):
+    noop = {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}}
+    choice = {"type": "function", "function": {"name": "noop"}}
+    constraint = GrammarCache().constraint(table, grammar_for_tool_call([noop], choice, HERMES))
+    tokens, ended = walk(constraint, table, seed, limit=400)
+    assert ended and hermes_calls(text(table, tokens)) == [{"name": "noop", "arguments": {}}]
+
+
+def test_objects_keep_extra_keys_where_the_schema_allows_them_or_lists_none():
+    from provider.grammar.formats import closed_objects
+
+    assert closed_objects({"type": "object"}) == {"type": "object"}  # any object stays any object
+    allowed = {"type": "object", "properties": {"a": {}}, "additionalProperties": {"type": "integer"}}
+    assert closed_objects(allowed) == allowed
+    merged = {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}
+    assert closed_objects(merged) == merged  # closing a branch would refuse the other branch's keys
+    nested = {"type": "array", "items": {"properties": {"a": {"properties": {}}}}}
+    assert closed_objects(nested) == {"type": "array", "items": {"properties": {"a": {
+        "properties": {}, "additionalProperties": False}}, "additionalProperties": False}}

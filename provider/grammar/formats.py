@@ -44,13 +44,48 @@ def json_object_grammar() -> str:
 
 
 def json_schema_grammar(schema: Mapping[str, Any]) -> str:
-    """The language of JSON values that validate against `schema`. Raises `GrammarRejected`."""
+    """The language of JSON values that validate against `schema`, objects closed as `closed_objects`
+    says. Raises `GrammarRejected`."""
     try:
-        grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)
+        grammar = LLMatcher.grammar_from_json_schema(json.dumps(closed_objects(schema)), overrides=JSON_OPTIONS)
     except (TypeError, ValueError, RecursionError):
         raise GrammarRejected() from None
     check(grammar)
     return grammar
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMAS = ("items", "additionalProperties", "additionalItems", "contains", "not", "if", "then", "else")
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with `"additionalProperties": false` on every object that lists its `properties` and
+    says nothing of other keys, as OpenAI's strict mode requires and llama.cpp's grammars assume. Open,
+    such an object lets a model add keys of any name and length for ever, so a constrained answer may
+    never close; closed, every answer still validates against the schema as given. A schema with
+    `allOf` anywhere is left as it is (its branches' keys add up: closing one would refuse the other's),
+    and so is an object that says `additionalProperties` or `unevaluatedProperties` itself."""
+    if not isinstance(schema, Mapping) or '"allOf"' in json.dumps(schema):
+        return schema
+    return _closed(schema)
+
+
+def _closed(schema: Any) -> Any:
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {name: _closed(s) for name, s in out[key].items()}
+    for key in (*_SCHEMA_LISTS, *_SCHEMAS):
+        if key in out:
+            out[key] = _closed(out[key])
+    if isinstance(out.get("properties"), Mapping) and not {"additionalProperties", "unevaluatedProperties"} & out.keys():
+        out["additionalProperties"] = False
+    return out
 
 
 def check(grammar: str) -> None:
@@ -60,4 +95,4 @@ def check(grammar: str) -> None:
         raise GrammarRejected()
 
 
-__all__ = ["JSON_OPTIONS", "GrammarRejected", "check", "json_object_grammar", "json_schema_grammar", "limits"]
+__all__ = ["JSON_OPTIONS", "GrammarRejected", "check", "closed_objects", "json_object_grammar", "json_schema_grammar", "limits"]

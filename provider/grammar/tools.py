@@ -27,7 +27,7 @@ from typing import Any
 
 from llguidance import LLMatcher
 
-from provider.grammar.formats import JSON_OPTIONS, GrammarRejected, check
+from provider.grammar.formats import JSON_OPTIONS, GrammarRejected, check, closed_objects
 
 MAX_PARALLEL_CALLS = 8  # `required` with parallel calls: a random model stops within this many
 _EMPTY_OBJECT = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -113,7 +113,7 @@ def _functions(tools: Sequence[Mapping[str, Any]]) -> list[tuple[str, Mapping[st
 
 
 def _call_schema(name: str, parameters: Mapping[str, Any]) -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"const": name}, "arguments": dict(parameters)},
+    return {"type": "object", "properties": {"name": {"const": name}, "arguments": closed_objects(parameters)},
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
