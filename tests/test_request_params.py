@@ -228,3 +228,11 @@ def test_up_to_four_stop_sequences_are_kept_and_a_fifth_is_refused_not_dropped(e
     assert parse({**base, "stop": ["a", "b", "c", "k"]}).stop == ("a", "b", "c", "k")
     error = refused(parse, {**base, "stop": ["a", "b", "c", "d", "k"]})
     assert error.field == "stop" and "at most 4" in error.message
+
+
+def test_a_misspelt_stream_option_is_refused_naming_stream_options_not_the_key():
+    error = refused(parse_chat_body, {**CHAT, "stream": True, "stream_options": {"include_usge": True}})
+    assert error.field == "stream_options" and "include_usage" in error.message and "usge" not in error.message
+    body = parse_chat_body({**CHAT, "stream": True, "stream_options": {"include_usage": True,
+                                                                        "include_obfuscation": False}})
+    assert body.include_usage

@@ -108,6 +108,7 @@ _NESTED_RULES: dict[str, str] = {
     "type": "must be one of text, json_object, json_schema",
     "json_schema": "must be an object",
 }
+_UNKNOWN_KEY_RULES = {"stream_options": "takes only include_usage and include_obfuscation"}
 _TYPE_RULES: dict[str, str] = {
     "missing": "is required",
     "string_type": "must be a string",
@@ -264,9 +265,12 @@ def _tool_choice(value: Any, tools: Sequence[_Tool]) -> ToolChoice:
 
 
 class _StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)  # include_obfuscation: padding only, ignored
+    # A misspelt option is refused, as OpenAI does: `include_usge` would otherwise drop the usage chunk
+    # without a word. include_obfuscation asks for padding only: accepted, ignored.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
+    include_obfuscation: bool = True
 
 
 class _Sampled(BaseModel):
@@ -372,6 +376,8 @@ def _invalid(error: Mapping[str, Any]) -> InvalidBody:
     field = ".".join(str(p) for p in loc) or "body"
     if error["type"] == "missing":
         return InvalidBody(field, "is required")
+    if error["type"] == "extra_forbidden":  # the key is the client's text: not repeated
+        return InvalidBody(field, _UNKNOWN_KEY_RULES.get(field, "has a key this server does not know"))
     if len(loc) == 1 and field in _FIELD_RULES:
         return InvalidBody(field, _FIELD_RULES[field])
     names = tuple(str(p) for p in loc if not isinstance(p, int))
