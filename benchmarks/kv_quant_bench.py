@@ -37,6 +37,7 @@ import mlx_lm  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from kvcache.quantized import make_quantized_cache  # noqa: E402
+from provider.engine import attention  # noqa: E402
 from provider.engine.decode import EngineBatchGenerator  # noqa: E402
 from provider.models.kv import kv_quantization_bits  # noqa: E402
 from provider.tinymodel import build_tiny_model  # noqa: E402
@@ -158,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     path = model_folder(args)
     model, tokenizer = mlx_lm.load(str(path))
     dtype = next(iter(model.parameters()["model"]["layers"][0]["self_attn"]["q_proj"].values())).dtype
+    if not attention.quantized_kernels():  # MLX's CUDA backend: as the engine thread attends there
+        attention.enable_dequantized_kv()
     print(f"model {path.name} ({dtype}), device {mx.default_device()}, KV groups of 64\n")
     parts = args.parts.split(",")
     if "logits" in parts:

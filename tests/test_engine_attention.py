@@ -293,24 +293,70 @@ def test_attention_over_dequantized_kv_matches_mlx_lms_quantized_attention(bits,
     assert mx.allclose(got, want, atol=2e-4, rtol=2e-4).item()
 
 
-def test_the_engine_thread_dequantizes_what_fits_the_bound_and_reads_the_rest_quantized(monkeypatch):
-    calls: list[int] = []
-    monkeypatch.setattr(attention, "quantized_attention", lambda q, k, *a: calls.append(k[0].shape[-2]) or q)
+@pytest.mark.parametrize("bound_heads", [0.5, 1, 3, 8])
+def test_quantized_kv_too_large_for_one_copy_is_attended_in_blocks_with_the_same_result(monkeypatch, bound_heads):
+    """Past `DEQUANTIZED_BYTES` the copy is made a block of batch rows (or of KV heads, where one row is
+    too large) at a time; each block's copy fits the bound and the attention is the same."""
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention as mlx_lm_quantized
+
+    mx.random.seed(4)
+    b, heads, kv, keys, length, d = 3, 8, 4, 40, 5, 64
+    q = mx.random.normal((b, heads, length, d))
+    qk = mx.quantize(mx.random.normal((b, kv, keys, d)), 64, 8)
+    qv = mx.quantize(mx.random.normal((b, kv, keys, d)), 64, 8)
+    positions = mx.arange(keys)[None, None, None, :]
+    rows = mx.arange(keys - length, keys)[None, None, :, None]
+    mask = (positions <= rows) & (positions >= mx.array([0, 5, 9])[:, None, None, None])
+    one_head = attention.dequantized_bytes(q, qk) // (b * kv)
+    monkeypatch.setattr(attention, "DEQUANTIZED_BYTES", int(bound_heads * one_head))
+    copies: list[tuple[int, int]] = []
+
+    def attend(queries, keys, values, *, scale, mask):
+        copies.append(keys.shape[:2])
+        return attention.mlx_attention(queries, keys, values, scale=scale, mask=mask)
+
+    got = attention.quantized_attention(q, qk, qv, 0.125, mask, group_size=64, bits=8, attend=attend)
+    want = mlx_lm_quantized(mx.array(q), qk, qv, scale=0.125, mask=mask, group_size=64, bits=8)
+    assert mx.allclose(got, want, atol=2e-4, rtol=2e-4).item()
+    held = max(1, int(bound_heads))  # KV heads a block may hold
+    assert all(r * h <= held for r, h in copies) and sum(r * h for r, h in copies) == b * kv
+    blocks = b * -(-kv // held) if held < kv else -(-b // (held // kv))  # whole rows once a row fits
+    assert len(copies) == blocks
+
+
+def test_the_engine_thread_dequantizes_quantized_kv_and_other_threads_keep_mlx_lms(monkeypatch):
+    """enable(): this module's float attention over the copy (the CPU); enable_dequantized_kv(): MLX's
+    own (a GPU without quantized attention); neither: mlx-lm's quantized attention, untouched."""
     from mlx_lm.models import base
 
-    small, large = (mx.quantize(mx.zeros((1, 1, n, 64)), 64, 8) for n in (64, 4096))
-    monkeypatch.setattr(attention, "DEQUANTIZED_BYTES", attention.dequantized_bytes(mx.zeros((1, 1, 1, 64)), small))
+    used: list[str] = []
+    monkeypatch.setattr(attention, "scaled_dot_product_attention", lambda *a, **k: used.append("ours") or a[0])
+    monkeypatch.setattr(attention, "mlx_attention", lambda *a, **k: used.append("mlx") or a[0])
+    monkeypatch.setattr(attention, "mlx_lm_quantized_attention", lambda q, *a, **k: used.append("mlx-lm") or q)
+    packed = mx.quantize(mx.zeros((1, 1, 64, 64)), 64, 8)
     query = mx.zeros((1, 1, 1, 64))
+
+    def call():
+        base.quantized_scaled_dot_product_attention(query, packed, packed, scale=1.0, mask=None)
+
     try:
         attention.enable()
-        base.quantized_scaled_dot_product_attention(query, small, small, scale=1.0, mask=None)
-        out = base.quantized_scaled_dot_product_attention(query, large, large, scale=1.0, mask=None)
+        call()
+        attention.disable()
+        attention.enable_dequantized_kv()
+        call()
+        assert attention.dequantizes() and not attention.enabled()
     finally:
         attention.disable()
-    assert calls == [64] and out.shape == (1, 1, 1, 64)  # the large one went to mlx-lm's own
-    assert attention.dequantized_bytes(query, small) == 2 * 64 * 64 * 4  # keys and values, float32
-    base.quantized_scaled_dot_product_attention(query, small, small, scale=1.0, mask=None)
-    assert calls == [64]  # another thread's (here: disabled) calls keep mlx-lm's
+    call()
+    assert used == ["ours", "mlx", "mlx-lm"]
+
+
+def test_the_cpu_and_metal_have_quantized_kernels_and_cuda_does_not(monkeypatch):
+    assert attention.quantized_kernels()  # this machine: the CPU device
+    monkeypatch.setattr(attention.mx, "default_device", lambda: attention.mx.gpu)
+    monkeypatch.setattr(attention.mx.metal, "is_available", lambda: False)
+    assert not attention.quantized_kernels()
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])

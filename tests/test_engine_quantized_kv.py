@@ -232,3 +232,29 @@ def test_a_quantized_sequence_round_trips_through_the_ssd_tier(loaded, tmp_path)
         assert a.offset == b.offset
         for x, y in zip((*a.keys, *a.values), (*b.keys, *b.values)):
             assert x.dtype == y.dtype and mx.array_equal(x, y).item()
+
+
+async def test_on_a_gpu_without_quantized_attention_the_engine_attends_over_dequantized_kv(tiny_model_path, loaded,
+                                                                                            monkeypatch):
+    """MLX's CUDA backend has no quantized attention: there the engine thread dequantizes the KV and runs
+    MLX's own attention (here: the CPU's, with this machine's CPU tuning off), and the tokens are the ones
+    mlx-lm's quantized attention gives."""
+    from provider.engine import attention
+
+    model, _ = loaded
+    monkeypatch.setattr(attention, "quantized_kernels", lambda: False)
+    dequantized: list[int] = []
+    inner = attention.quantized_attention
+    monkeypatch.setattr(attention, "quantized_attention",
+                        lambda *a, **k: dequantized.append(k["attend"] is attention.mlx_attention) or inner(*a, **k))
+    text = TEXTS[1]
+    async with Engine(cpu_attention=False) as engine:
+        await engine.load("m", tiny_model_path, eos_token_ids=frozenset(), kv_bits=8)
+        _, fin = await engine.submit("m", ChatRequest("r", messages(text), SamplingParams(max_tokens=8,
+                                                                                          temperature=0))).collect()
+    assert isinstance(fin, Finished) and dequantized and all(dequantized)
+    prompt = mlx_lm.load(str(tiny_model_path))[1].apply_chat_template(messages(text), add_generation_prompt=True)
+    steps = []
+    (alone,), _ = run(model, 8, [prompt], [], [8], logits=steps)
+    assert_decisive(steps[0].scores(), alone, "q8 alone")
+    assert list(fin.completion_ids) == alone

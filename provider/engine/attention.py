@@ -30,12 +30,13 @@ a 1,500-token prompt 0.70x of one block). A decode step (one query row) is one b
 evaluated early.
 
 Quantized KV (`kv_quantization`): mlx-lm attends over it with `mx.quantized_matmul`, which MLX's CPU
-backend runs without BLAS: a 64-token chunk of a prompt over 1,000 cached tokens took 77 ms that way
-against 8 ms here at float32, a decode step's row 1.5 ms against 0.7 (16 heads, 4 KV heads, head size
-64). So on the engine thread the attention over quantized KV dequantizes one layer's keys and values
-and runs the attention above, as long as that copy takes at most `DEQUANTIZED_BYTES` (it lives for the
-layer's step); a larger one reads the quantized cache through mlx-lm's, so the copy never grows with
-the batch past that bound.
+backend runs without BLAS (a 64-token chunk of a prompt over 1,000 cached tokens took 77 ms that way
+against 8 ms here at float32, a decode step's row 1.5 ms against 0.7; 16 heads, 4 KV heads, head size
+64), and which MLX's CUDA backend does not implement for these shapes at all (every such step fails
+there). So off Metal, the engine thread's attention over quantized KV dequantizes the keys and values
+and runs a float attention (this module's on the CPU, MLX's on a GPU), in blocks of batch rows, and of
+KV heads where one row is too large, whose copy takes at most `DEQUANTIZED_BYTES` (a block's copy is
+used up before the next is made, in the order MLX evaluates the graph). On Metal nothing changes.
 
 `enable()` installs it for the calling thread only, so the engine thread gets it and every other
 thread (mlx-lm used directly, the tests' reference runs) keeps MLX's.
@@ -202,12 +203,43 @@ def _dispatch(q, k, v, *, scale, mask=None, sinks=None, stream=None):
 
 
 def quantized_attention(queries: mx.array, q_keys: tuple[mx.array, ...], q_values: tuple[mx.array, ...],
-                        scale: float, mask, group_size: int = 64, bits: int = 8) -> mx.array:
-    """mlx-lm's `quantized_scaled_dot_product_attention`: over the dequantized keys and values, with this
-    module's attention (see "Quantized KV")."""
+                        scale: float, mask, group_size: int = 64, bits: int = 8, *, attend=None) -> mx.array:
+    """mlx-lm's `quantized_scaled_dot_product_attention`, over dequantized keys and values, in blocks whose
+    copy takes at most `DEQUANTIZED_BYTES` (see "Quantized KV"). `attend`: the float attention
+    (default: this module's)."""
+    attend = attend or scaled_dot_product_attention
+    b, heads = queries.shape[:2]
+    kv = q_keys[0].shape[1]
+    rep = heads // kv
+    one_head = max(1, dequantized_bytes(queries, q_keys) // (b * kv))  # one batch row's one KV head
+    fits = max(1, DEQUANTIZED_BYTES // one_head)  # KV heads a block may hold
+    rows, group = (max(1, fits // kv), kv) if fits >= kv else (1, fits)
+    if rows >= b and group >= kv:
+        return _attend_dequantized(queries, q_keys, q_values, scale, mask, group_size, bits, attend)
+    out = []
+    for r in range(0, b, rows):
+        per_row = []
+        for h in range(0, kv, group):
+            rs, hs = slice(r, r + rows), slice(h, h + group)
+            per_row.append(_attend_dequantized(
+                queries[rs, h * rep:(h + group) * rep], tuple(a[rs, hs] for a in q_keys),
+                tuple(a[rs, hs] for a in q_values), scale, _mask_block(mask, rs, slice(h * rep, (h + group) * rep)),
+                group_size, bits, attend))
+        out.append(per_row[0] if len(per_row) == 1 else mx.concatenate(per_row, axis=1))
+    return out[0] if len(out) == 1 else mx.concatenate(out, axis=0)
+
+
+def _attend_dequantized(queries, q_keys, q_values, scale, mask, group_size, bits, attend) -> mx.array:
     keys = dequantize(*q_keys, group_size=group_size, bits=bits)
     values = dequantize(*q_values, group_size=group_size, bits=bits)
-    return scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    return attend(queries, keys, values, scale=scale, mask=mask)
+
+
+def _mask_block(mask, rows: slice, heads: slice):
+    """The part of a [B, heads, L, S]-broadcastable mask array that a block of rows and heads reads."""
+    if not isinstance(mask, mx.array) or mask.ndim < 4:
+        return mask  # None, "causal", or the same for every row and head
+    return mask[rows if mask.shape[0] > 1 else slice(None), heads if mask.shape[1] > 1 else slice(None)]
 
 
 def dequantize(packed: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int) -> mx.array:
@@ -229,28 +261,49 @@ def dequantized_bytes(queries: mx.array, q_keys: tuple[mx.array, ...]) -> int:
 
 
 def _quantized_dispatch(queries, q_keys, q_values, scale, mask, group_size=64, bits=8):
-    if enabled() and dequantized_bytes(queries, q_keys) <= DEQUANTIZED_BYTES:
-        return quantized_attention(queries, q_keys, q_values, scale, mask, group_size, bits)
+    if dequantizes():
+        return quantized_attention(queries, q_keys, q_values, scale, mask, group_size, bits,
+                                   attend=scaled_dot_product_attention if enabled() else mlx_attention)
     return mlx_lm_quantized_attention(queries, q_keys, q_values, scale=scale, mask=mask, group_size=group_size,
                                       bits=bits)
 
 
 def enable() -> None:
-    """Use this attention for MLX attention calls made on the calling thread (see module docstring)."""
+    """Use this attention for MLX attention calls made on the calling thread, and attend over quantized KV
+    dequantized (see module docstring)."""
+    enable_dequantized_kv()
     if mx.fast.scaled_dot_product_attention is not _dispatch:
         mx.fast.scaled_dot_product_attention = _dispatch
+    _local.on = True
+
+
+def enable_dequantized_kv() -> None:
+    """Attend over quantized KV dequantized, with MLX's own float attention, on the calling thread only
+    (a GPU whose backend has no quantized attention: see "Quantized KV")."""
     if mlx_lm_base.quantized_scaled_dot_product_attention is not _quantized_dispatch:
         mlx_lm_base.quantized_scaled_dot_product_attention = _quantized_dispatch
-    _local.on = True
+    _local.dequantize = True
 
 
 def disable() -> None:
     _local.on = False
+    _local.dequantize = False
 
 
 def enabled() -> bool:
     return getattr(_local, "on", False)
 
 
-__all__ = ["DEQUANTIZED_BYTES", "LOG2E", "dequantize", "dequantized_bytes", "disable", "enable", "enabled", "exp2", "mlx_attention",
+def dequantizes() -> bool:
+    return getattr(_local, "dequantize", False)
+
+
+def quantized_kernels() -> bool:
+    """Whether the default device attends over quantized KV with MLX's quantized kernels: Metal (and the
+    CPU, slowly, which this module replaces); MLX's CUDA backend lacks them."""
+    return mx.default_device() != mx.gpu or mx.metal.is_available()
+
+
+__all__ = ["DEQUANTIZED_BYTES", "LOG2E", "dequantize", "dequantized_bytes", "dequantizes", "disable", "enable",
+           "enable_dequantized_kv", "enabled", "exp2", "mlx_attention", "quantized_kernels",
            "mlx_lm_quantized_attention", "quantized_attention", "scaled_dot_product_attention"]

@@ -113,6 +113,8 @@ class Worker:
         self._device.start()
         if on_cpu_unless(self._options.cpu_attention):
             attention.enable()  # this thread's attention calls only (attention.py)
+        elif not attention.quantized_kernels():
+            attention.enable_dequantized_kv()  # MLX's CUDA backend: no quantized attention (attention.py)
         try:
             self.run()
         finally:
