@@ -167,7 +167,8 @@ def test_another_vendors_field_is_accepted_and_named_in_the_request_log(server):
 def test_by_default_the_pages_of_this_machine_may_call_it_and_no_others(server):
     """local_allowed_origins defaults to http://localhost:* and http://127.0.0.1:* (as Ollama allows): a
     local dev server's page gets CORS headers on any port; any other origin's preflight is an OpenAI
-    400 naming the setting (it was a 405 "use POST", which sent a browser developer nowhere)."""
+    400 naming the setting (it was a 405 "use POST", which sent a browser developer nowhere), and
+    its requests a 403."""
     for origin in ("http://localhost:3000", "http://127.0.0.1:5173", "http://localhost"):
         preflight = httpx.options(server.base_url + "/v1/chat/completions", timeout=10, headers={
             "Origin": origin, "Access-Control-Request-Method": "POST",
@@ -178,7 +179,7 @@ def test_by_default_the_pages_of_this_machine_may_call_it_and_no_others(server):
     for other in ("http://evil.example", "https://localhost:3000", "http://localhost.evil.example",
                   "http://127.0.0.1.nip.io:8080"):
         models = httpx.get(server.base_url + "/v1/models", headers={"Origin": other}, timeout=10)
-        assert models.status_code == 200 and "access-control-allow-origin" not in models.headers
+        assert models.status_code == 403 and "access-control-allow-origin" not in models.headers
         preflight = httpx.options(server.base_url + "/v1/chat/completions", timeout=10,
                                   headers={"Origin": other, "Access-Control-Request-Method": "POST"})
         assert preflight.status_code == 400 and "access-control-allow-origin" not in preflight.headers, other

@@ -217,7 +217,8 @@ def test_failing_requests_never_log_the_prompt(tmp_path, tiny_model_path):
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CANARY}],
                                            temperature=7)
-        raw = urllib.request.Request(srv.base_url + "/v1/chat/completions", data=CANARY.encode(), method="POST")
+        raw = urllib.request.Request(srv.base_url + "/v1/chat/completions", data=CANARY.encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as bad:
             urllib.request.urlopen(raw, timeout=10)
         assert bad.value.code == 400 and CANARY not in bad.value.read().decode()

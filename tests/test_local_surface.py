@@ -98,7 +98,7 @@ def test_an_allowed_origin_gets_cors_headers_and_its_preflight_passes(server):
 @pytest.mark.parametrize("other", ["http://evil.example", "http://localhost:3000"])
 def test_another_origin_gets_no_cors_headers_and_its_preflight_an_openai_400(server, other):
     models = httpx.get(server.base_url + "/v1/models", headers={"Origin": other}, timeout=10)
-    assert models.status_code == 200 and "access-control-allow-origin" not in models.headers
+    assert models.status_code == 403 and "access-control-allow-origin" not in models.headers
     preflight = httpx.options(server.base_url + "/v1/chat/completions", timeout=10, headers={
         "Origin": other, "Access-Control-Request-Method": "POST"})
     assert preflight.status_code == 400 and "access-control-allow-origin" not in preflight.headers
@@ -128,7 +128,7 @@ def test_with_no_origin_allowed_a_preflight_still_gets_the_setting_not_a_405(tmp
         assert preflight.status_code == 400 and "access-control-allow-origin" not in preflight.headers
         assert "local_allowed_origins" in openai_error(preflight)["message"]
         models = httpx.get(srv.base_url + "/v1/models", headers={"Origin": origin}, timeout=10)
-        assert models.status_code == 200 and "access-control-allow-origin" not in models.headers
+        assert models.status_code == 403 and "access-control-allow-origin" not in models.headers
     finally:
         srv.stop()
 

@@ -13,13 +13,16 @@
                                 from a loopback client without an Origin header only (no web page)
 
 Every error is OpenAI-shaped (`provider.local.errors`): a failure's fixed text, a bad body's
-parameter and rule, a refusal explained in numbers and model ids, an unknown route or method; a
-capacity refusal is a 503 with `Retry-After`. No response and no log line carries request text. An
-unexpected exception anywhere in a request is the JSON `internal_failure` 500 (`JsonServerErrors`),
-never a plain-text "Internal Server Error"; once a stream has started, it ends with an error event
-instead. `allowed_origins` (the `local_allowed_origins` setting: by default the pages this machine
-serves, `http://localhost:*` and `http://127.0.0.1:*`) are the web origins CORS lets call it; any other
-origin's preflight is an OpenAI-shaped 400 that names the setting.
+parameter and rule, a refusal explained in numbers and model ids, an unknown route or method, the
+/control endpoints' refusals; a capacity refusal is a 503 with `Retry-After`. No response and no log
+line carries request text. An unexpected exception anywhere in a request is the JSON
+`internal_failure` 500 (`JsonServerErrors`), never a plain-text "Internal Server Error"; once a
+stream has started, it ends with an error event instead. `allowed_origins` (the
+`local_allowed_origins` setting: by default the pages this machine serves, `http://localhost:*` and
+`http://127.0.0.1:*`) are the web origins whose pages may call it: CORS lets them read the answers,
+any other origin's preflight is an OpenAI-shaped 400 that names the setting, and any other origin's
+request a 403 before anything runs (`provider.local.door`, which also refuses a Host that is not a
+loopback name). A POST body declared as anything but `application/json` is a 415, never read.
 """
 
 from __future__ import annotations
@@ -45,14 +48,16 @@ from protocol.sse import DONE
 from provider.engine import EngineFailure, Event, Failed, Finished, RequestStream, TextDelta, TokenLogprob, Usage
 from provider.engine.types import EngineTimes
 from provider.local.backend import Explained, Refused, unknown_model
+from provider.local.door import Door
 from provider.local.drain import InFlight
 from provider.local.errors import (
-    Cors,
     error_body,
     error_response,
     explained_response,
     install_error_handlers,
     invalid_body_response,
+    openai_error,
+    openai_error_body,
 )
 from provider.metrics import CONTENT_TYPE, CapFigure, Metrics, RequestOutcome
 from provider.models.tools import ToolFormat
@@ -74,6 +79,14 @@ log = get_logger(__name__)
 
 MAX_CONTROL_MODEL_CHARS = 256
 _UNLOAD_STATUS = {"unknown_model": 404, "not_loaded": 409, "busy": 409}
+_UNLOAD_WORDS = {  # the error of an unload that did not happen (the model asked for is not repeated)
+    "unknown_model": "This agent serves no model of that id.",
+    "not_loaded": "That model is not loaded.",
+    "busy": "That model is serving requests and stays loaded: try again when it is idle.",
+}
+NOT_JSON = "This server reads a JSON body: send it with the header Content-Type: application/json."
+CONTROL_NOT_ALLOWED = ("The control endpoints answer the programs of this machine only: a request from another "
+                       "address, or from a web page (a request with an Origin header), is refused.")
 
 
 def _loopback_client(host: str) -> bool:
@@ -81,6 +94,17 @@ def _loopback_client(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _not_json(request: Request) -> JSONResponse | None:
+    """The 415 of a POST whose body is declared as anything but JSON; None for JSON or no declared type.
+    What a web page may send without a CORS preflight (`text/plain`, a form) is never JSON, and it is
+    never read as JSON here: a page's request that was not preflighted cannot make this server work."""
+    kind = request.headers.get("content-type")
+    if kind is None or kind.partition(";")[0].strip().lower() == "application/json":
+        return None
+    log.info("request_refused", status_code=415, code="unsupported_media_type")
+    return openai_error(415, NOT_JSON, code="unsupported_media_type")
 
 
 class Backend(Protocol):
@@ -171,9 +195,10 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
     `allowed_origins`: the web origins whose pages may call it (CORS; `scheme://host:*` for any port)."""
     app = FastAPI(title="darkbloom-provider (local)", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(JsonServerErrors)
-    # Outermost: a 500 or a 503 is readable by an allowed page too. With no origin allowed it still
-    # answers a preflight, with the setting that would allow it.
-    app.add_middleware(Cors, origins=tuple(allowed_origins))
+    # Outermost: a foreign Host or a page of an origin not allowed is refused before anything runs;
+    # then CORS, so a 500 or a 503 is readable by an allowed page too. With no origin allowed it
+    # still answers a preflight, with the setting that would allow it.
+    app.add_middleware(Door, origins=tuple(allowed_origins))
     install_error_handlers(app)
     state = LocalState(mode)
     app.state.local = state
@@ -197,15 +222,26 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
         # Loopback only, and never from a web page: a browser sends Origin on every cross-site POST.
         client = request.client.host if request.client is not None else ""
         if "origin" in request.headers or not _loopback_client(client):
-            return JSONResponse({"error": "forbidden"}, status_code=403)
+            log.info("request_refused", status_code=403, code="control_not_allowed")
+            return openai_error(403, CONTROL_NOT_ALLOWED, code="control_not_allowed")
+        if (not_json := _not_json(request)) is not None:
+            return not_json
         try:
             model = json.loads(await request.body()).get("model")
         except (ValueError, AttributeError, RecursionError):
             model = None
         if not isinstance(model, str) or not model or len(model) > MAX_CONTROL_MODEL_CHARS:
-            return JSONResponse({"error": "model must be a model id"}, status_code=400)
+            log.info("request_invalid", status_code=400, reason="model")
+            return invalid_body_response(InvalidBody(
+                "model", f"must be a model id (a string of 1 to {MAX_CONTROL_MODEL_CHARS} characters)"))
         outcome = await backend.unload(model)
-        return JSONResponse({"model": model, "outcome": outcome}, status_code=_UNLOAD_STATUS.get(outcome, 200))
+        status = _UNLOAD_STATUS.get(outcome, 200)
+        if status == 200:
+            return JSONResponse({"model": model, "outcome": outcome})
+        log.info("request_refused", status_code=status, code=outcome)  # the id asked for is not logged
+        # `model` and `outcome` as on a success (what `darkbloom-provider unload` reads), with the error object.
+        error = openai_error_body(status, _UNLOAD_WORDS.get(outcome, "The model was not unloaded."), code=outcome)
+        return JSONResponse({"model": model, "outcome": outcome, **error}, status_code=status)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -265,6 +301,8 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
         return await _generate(request, legacy_endpoint)
 
     async def _generate(request: Request, endpoint: _Endpoint) -> Response:
+        if (not_json := _not_json(request)) is not None:
+            return not_json
         request_id = f"{endpoint.id_prefix}{uuid.uuid4().hex[:24]}"
         started = time.monotonic()
         raw = await request.body()

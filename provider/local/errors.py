@@ -5,7 +5,9 @@
 * a bad body (`InvalidBody`): the parameter and its rule in `message`, the parameter in `param`;
 * a refusal explained with this request's numbers and model ids (`backend.Explained`);
 * an unknown route (404, naming the routes served), a wrong method (405 with `Allow`), a request that
-  does not match a route's declared parameters (400), a CORS preflight this server refuses (400).
+  does not match a route's declared parameters (400), a CORS preflight this server refuses (400);
+* a caller the door refuses (`provider.local.door`): a web page of an origin not listed (403), a
+  request naming a host that is not this machine's loopback name (403).
 
 Messages are fixed words, numbers, our own route and parameter names and model ids: never a value
 of the request (it may be prompt text) and never an exception's text.
@@ -33,10 +35,15 @@ from provider.telemetry import get_logger
 log = get_logger(__name__)
 
 
+def openai_error_body(status: int, message: str, *, code: str | None, param: str | None = None,
+                      reason: str | None = None) -> dict[str, Any]:
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code, "reason": reason}}
+
+
 def openai_error(status: int, message: str, *, code: str | None, param: str | None = None,
                  reason: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code, "reason": reason}},
+    return JSONResponse(openai_error_body(status, message, code=code, param=param, reason=reason),
                         status_code=status, headers=headers)
 
 
@@ -104,6 +111,11 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation_error)
 
 
+ORIGIN_NOT_LISTED = ("This origin may not call this server from a browser: the owner lists the web origins that "
+                     "may in the setting local_allowed_origins (by default the pages of http://localhost:* and "
+                     "http://127.0.0.1:*).")
+
+
 class Cors(CORSMiddleware):
     """Starlette's CORS for the owner's `local_allowed_origins` (`scheme://host:*`: the host on any port,
     or none), its refused preflight answered in OpenAI's shape (Starlette's is plain text) with the
@@ -123,12 +135,12 @@ class Cors(CORSMiddleware):
         if response.status_code != 400:
             return response
         if not self.is_allowed_origin(origin=request_headers["origin"]):
-            return openai_error(400, "This origin may not call this server from a browser: the owner lists the web "
-                                "origins that may in the setting local_allowed_origins (by default the pages of "
-                                "http://localhost:* and http://127.0.0.1:*).", code="cors_origin_not_allowed")
-        return openai_error(400, "Cross-origin requests to this server may use GET and POST only.",
-                            code="cors_method_not_allowed")
+            code, message = "cors_origin_not_allowed", ORIGIN_NOT_LISTED
+        else:
+            code, message = "cors_method_not_allowed", "Cross-origin requests to this server may use GET and POST only."
+        log.info("request_refused", status_code=400, code=code)  # never the origin: the page chose it
+        return openai_error(400, message, code=code)
 
 
-__all__ = ["Cors", "error_body", "error_response", "explained_response", "install_error_handlers",
-           "invalid_body_response", "openai_error"]
+__all__ = ["ORIGIN_NOT_LISTED", "Cors", "error_body", "error_response", "explained_response", "install_error_handlers",
+           "invalid_body_response", "openai_error", "openai_error_body"]
