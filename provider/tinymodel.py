@@ -42,8 +42,12 @@ builder version and the arguments, so a second call with the same arguments reus
 and `tool` results: mlx-lm recognises the family (`json_tools` parser), so the folder is a
 tool-calling model (its random weights call no tool by themselves).
 
+The builder replaces only a folder it made (its marker file is in it, whatever its arguments), an
+empty folder or nothing: any other path is refused (`FolderInUseError`) and left as it is.
+
 CLI: ``python -m provider.tinymodel OUT [--preset tiny|small|medium|1b|8b] [--dtype float32]
-[--q-bits 4] [--seed 0] [--no-eos] [--tools] [--force] [--check]``.
+[--q-bits 1|2|3|4|5|6|8 [--q-group-size 32|64|128]] [--seed 0] [--no-eos] [--tools] [--force]
+[--check]``; ``--help`` lists the presets with their sizes.
 """
 
 from __future__ import annotations
@@ -52,12 +56,14 @@ import argparse
 import json
 import os
 import random
+import secrets
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from provider.units import human_bytes
+from provider.units import human_bytes, table
 
 # Bump whenever the output of the builder changes, so cached folders are rebuilt.
 BUILDER_VERSION = 1
@@ -115,6 +121,11 @@ TOOLS_CHAT_TEMPLATE = (
 )
 
 DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# What MLX's affine quantization (`mx.quantize`, the mode mlx-lm uses) accepts.
+Q_BITS = (1, 2, 3, 4, 5, 6, 8)
+Q_GROUP_SIZES = (32, 64, 128)
+MAX_SEED = 2**64 - 1  # `mx.random.seed` takes an unsigned 64-bit integer
 
 
 @dataclass(frozen=True)
@@ -289,9 +300,19 @@ def _save_weights(out: Path, config: dict, dtype: str, q_bits: int | None, q_gro
     config = dict(config, torch_dtype=dtype)
     if q_bits is not None:
         model, config = quantize_model(model, config, q_group_size, q_bits)
+        _check_quantized(model, q_group_size)
     _write_shards(out, model)
     save_config(config, out / "config.json")
     return config
+
+
+def _check_quantized(model, group_size: int) -> None:
+    """mlx-lm quietly leaves a layer in float when its input size is not a multiple of the group size:
+    a model that asked for quantization and has such a layer is an error, not a smaller success."""
+    left = [name for name, module in model.named_modules() if hasattr(module, "to_quantized")]
+    if left:
+        raise ValueError(f"not quantized: {len(left)} layer(s) whose input size is not a multiple of the "
+                         f"group size {group_size} ({', '.join(sorted(left)[:3])}{', ...' if len(left) > 3 else ''})")
 
 
 def _write_shards(out: Path, model) -> None:
@@ -353,6 +374,59 @@ def _marker_matches(out: Path, marker: _Marker) -> bool:
         return False
 
 
+class FolderInUseError(FileExistsError):
+    """The output path holds something the builder did not make: it is left as it is."""
+
+
+def check_replaceable(out: Path, marker_file: str) -> None:
+    """Raise `FolderInUseError` unless `out` is absent, an empty folder, or a folder with the
+    builder's `marker_file` in it (a folder it built, for any arguments)."""
+    if out.is_symlink():
+        raise FolderInUseError(f"{out} is a symbolic link; give the folder itself or a new path")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise FolderInUseError(f"{out} exists and is not a folder; give an empty folder or a new path")
+    if (out / marker_file).is_file() or not any(out.iterdir()):
+        return
+    raise FolderInUseError(f"{out} is a folder that this builder did not make (it has no {marker_file}) "
+                           "and it is not empty; refusing to replace it: give an empty folder or a new path")
+
+
+def build_folder(out: Path, marker_file: str, write: Callable[[Path], None],
+                 done: Callable[[Path], bool]) -> Path:
+    """Build a folder with `write(tmp)` under a fresh temporary name next to `out` and rename it into
+    place, so a half-written folder is never seen or reused. Only an absent or empty `out`, or one the
+    builder made (`marker_file`), is ever replaced (`check_replaceable`, before and after building);
+    `done(out)`: another process finished the same build meanwhile, whose folder is kept."""
+    check_replaceable(out, marker_file)
+    target = Path(os.path.abspath(out))
+    parent = target.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    stem = f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}"
+    tmp, old = parent / f"{stem}.tmp", parent / f"{stem}.old"
+    tmp.mkdir()  # a fresh name: nothing that was there before is ever deleted
+    try:
+        write(tmp)
+        if done(out):
+            return out
+        check_replaceable(out, marker_file)
+        if out.is_dir() and any(out.iterdir()):
+            out.rename(old)  # ours (its marker is in it): moved aside, deleted once the new one is in place
+            try:
+                tmp.rename(out)
+            except BaseException:
+                old.rename(out)
+                raise
+        else:
+            tmp.rename(out)  # absent, or an empty folder, which rename replaces
+    finally:
+        for path in (tmp, old):
+            if path.exists():
+                shutil.rmtree(path)
+    return out
+
+
 def build_tiny_model(
     out_dir: str | Path,
     *,
@@ -373,37 +447,34 @@ def build_tiny_model(
 
     The folder is reused when its marker says it was built by this builder version with
     the same arguments, unless `force` is set. The folder is built under a temporary name and
-    renamed into place, so a half-written folder is never seen or reused.
+    renamed into place, so a half-written folder is never seen or reused. Only an absent or empty
+    folder, or one this builder made, is replaced: anything else raises `FolderInUseError` (a
+    `FileExistsError`) and is left untouched.
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     dtype = dtype or PRESETS[preset].dtype
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {DTYPES}")
+    if q_bits is not None and q_bits not in Q_BITS:
+        raise ValueError(f"unsupported q_bits {q_bits!r}; choose one of {Q_BITS}")
+    if q_bits is not None and q_group_size not in Q_GROUP_SIZES:
+        raise ValueError(f"unsupported q_group_size {q_group_size!r}; choose one of {Q_GROUP_SIZES}")
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed {seed!r} is not between 0 and {MAX_SEED}")
     out = Path(out_dir)
     marker = _Marker(BUILDER_VERSION, preset, dtype, q_bits, q_group_size, seed, no_eos, tools)
     if not force and _marker_matches(out, marker):
         return out
-    # Build next to the target and rename at the end, so a concurrent test run never sees a
-    # half-written folder.
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
+
+    def write(tmp: Path) -> None:
         shape = PRESETS[preset]
         _save_tokenizer(tmp, shape.vocab_size, seed, tools)
         _save_weights(tmp, _model_config(shape), dtype, q_bits, q_group_size, seed, no_eos)
         (tmp / MARKER_FILE).write_text(json.dumps(marker.as_json(), indent=2, sort_keys=True) + "\n")
-        if out.exists():
-            if not force and _marker_matches(out, marker):
-                return out  # another process finished the same build first
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return out
+
+    # Another process that finished the same build first: its folder is the same bytes.
+    return build_folder(out, MARKER_FILE, write, lambda path: not force and _marker_matches(path, marker))
 
 
 def weights_bytes(model_dir: str | Path) -> int:
@@ -419,24 +490,69 @@ def _check(path: Path) -> str:
     return mlx_lm.generate(model, tok, ids, max_tokens=16)
 
 
+def seed_argument(text: str) -> int:
+    """`--seed`: an integer MLX can seed its generator with."""
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= seed <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"{seed} is not between 0 and {MAX_SEED}")
+    return seed
+
+
+def presets_help() -> str:
+    """A table of `PRESETS` for `--help`: each preset's shape and the size of its weights."""
+    rows = [["preset", "hidden", "layers", "ffn", "heads/kv", "vocab", "context", "weights"]]
+    rows += [[name, str(s.hidden_size), str(s.num_hidden_layers), str(s.intermediate_size),
+              f"{s.num_attention_heads}/{s.num_key_value_heads}", str(s.vocab_size),
+              str(s.max_position_embeddings), f"~{human_bytes(parameter_count(s) * DTYPE_BYTES[s.dtype])} {s.dtype}"]
+             for name, s in PRESETS.items()]
+    # Quantized, a weight takes its bits plus 64 bits of float32 scale and bias per group.
+    return ("presets (weights in the preset's dtype; with --q-bits B and the default group size 64,\n"
+            "about B+1 bits a weight):\n" + "\n".join(table(rows, indent="  ")))
+
+
+def run_builder(parser: argparse.ArgumentParser, out: Path, build: Callable[[], Path]) -> Path:
+    """`build()` for a command line: an output path it may not replace is a usage error (exit 2), and
+    any other OSError a one-line error naming `out` (exit 1); neither prints a traceback."""
+    try:
+        return build()
+    except FolderInUseError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    except OSError as e:
+        # A file of the build's own (a temporary sibling of `out`) is not worth naming; any other is.
+        inside = e.filename and os.path.abspath(e.filename).startswith(
+            os.path.join(os.path.dirname(os.path.abspath(out)), ""))
+        where = f" ({e.filename})" if e.filename and not inside else ""
+        parser.exit(1, f"{parser.prog}: error: cannot write the model to {out}: {e.strerror or e}{where}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m provider.tinymodel", description=__doc__.split("\n")[0])
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser = argparse.ArgumentParser(prog="python -m provider.tinymodel", description=__doc__.split("\n")[0],
+                                     epilog=presets_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path,
+                        help="the model folder: absent, empty, or one this builder made (it is replaced)")
+    parser.add_argument("--preset", choices=list(PRESETS), default="tiny", help="default: tiny (see below)")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="default: the preset's")
-    parser.add_argument("--q-bits", type=int, default=None)
-    parser.add_argument("--q-group-size", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--q-bits", type=int, choices=Q_BITS, default=None,
+                        help="quantize the weights to this many bits (scales stay float32)")
+    parser.add_argument("--q-group-size", type=int, choices=Q_GROUP_SIZES, default=None,
+                        help="weights per quantization scale, with --q-bits (default: 64)")
+    parser.add_argument("--seed", type=seed_argument, default=0)
     parser.add_argument("--no-eos", action="store_true",
                         help="zero the EOS ids' embedding rows: greedy decoding runs to max_tokens")
     parser.add_argument("--tools", action="store_true",
                         help="a tool-calling chat template (Qwen2.5 style, <tool_call> tokens)")
-    parser.add_argument("--force", action="store_true")
+    parser.add_argument("--force", action="store_true", help="rebuild even when the folder matches the options")
     parser.add_argument("--check", action="store_true", help="load it with mlx_lm and generate 16 tokens")
     args = parser.parse_args(argv)
-    path = build_tiny_model(args.out, preset=args.preset, dtype=args.dtype, q_bits=args.q_bits,
-                            q_group_size=args.q_group_size, seed=args.seed, no_eos=args.no_eos,
-                            tools=args.tools, force=args.force)
+    if args.q_group_size is not None and args.q_bits is None:
+        parser.error("--q-group-size needs --q-bits (without it nothing is quantized)")
+    path = run_builder(parser, args.out, lambda: build_tiny_model(
+        args.out, preset=args.preset, dtype=args.dtype, q_bits=args.q_bits,
+        q_group_size=args.q_group_size or 64, seed=args.seed, no_eos=args.no_eos, tools=args.tools,
+        force=args.force))
     print(f"{path}: {human_bytes(weights_bytes(path))} of weights"
           f"{' (EOS unreachable)' if args.no_eos else ''}")
     if args.check:

@@ -20,20 +20,19 @@ layout that `mlx_vlm.load(path)` loads unchanged, with nothing downloaded:
   template in `chat_template.jinja`.
 
 Deterministic: the same arguments give the same bytes; a marker file lets a second call reuse the
-folder. CLI: ``python -m provider.tinyvlm OUT [--seed 0] [--force] [--check]``.
+folder. Only a folder the builder made, an empty folder or nothing is replaced: any other path is
+refused and left as it is. CLI: ``python -m provider.tinyvlm OUT [--seed 0] [--force] [--check]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from provider.tinymodel import train_tokenizer
+from provider.tinymodel import MAX_SEED, build_folder, run_builder, seed_argument, train_tokenizer
 from provider.units import human_bytes
 
 BUILDER_VERSION = 2
@@ -223,30 +222,24 @@ def _marker_matches(out: Path, marker: _Marker) -> bool:
 
 def build_tiny_vlm(out_dir: str | Path, *, seed: int = 0, shape: VlmShape = VlmShape(),
                    force: bool = False) -> Path:
-    """Build (or reuse) the tiny VLM folder at `out_dir` and return its path (atomic rename)."""
+    """Build (or reuse) the tiny VLM folder at `out_dir` and return its path (atomic rename).
+
+    Only an absent or empty folder, or one this builder made (its marker file is in it), is
+    replaced: anything else raises `provider.tinymodel.FolderInUseError` and is left untouched."""
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed {seed!r} is not between 0 and {MAX_SEED}")
     out = Path(out_dir)
     marker = _Marker(BUILDER_VERSION, seed, asdict(shape))
     if not force and _marker_matches(out, marker):
         return out
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
-        config = _model_config(shape)
+
+    def write(tmp: Path) -> None:
         _save_tokenizer(tmp, shape.vocab_size, seed)
         _save_processor(tmp, shape)
-        _save_weights(tmp, config, seed)
+        _save_weights(tmp, _model_config(shape), seed)
         (tmp / MARKER_FILE).write_text(json.dumps(asdict(marker), indent=2, sort_keys=True) + "\n")
-        if out.exists():
-            if not force and _marker_matches(out, marker):
-                return out
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return out
+
+    return build_folder(out, MARKER_FILE, write, lambda path: not force and _marker_matches(path, marker))
 
 
 def _check(path: Path) -> str:
@@ -262,12 +255,13 @@ def _check(path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m provider.tinyvlm", description=__doc__.split("\n")[0])
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--force", action="store_true")
+    parser.add_argument("out", type=Path,
+                        help="the model folder: absent, empty, or one this builder made (it is replaced)")
+    parser.add_argument("--seed", type=seed_argument, default=0)
+    parser.add_argument("--force", action="store_true", help="rebuild even when the folder matches the options")
     parser.add_argument("--check", action="store_true", help="load it with mlx_vlm and describe an image")
     args = parser.parse_args(argv)
-    path = build_tiny_vlm(args.out, seed=args.seed, force=args.force)
+    path = run_builder(parser, args.out, lambda: build_tiny_vlm(args.out, seed=args.seed, force=args.force))
     size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
     print(f"{path}: {human_bytes(size)} of weights")
     if args.check:
