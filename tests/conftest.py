@@ -155,6 +155,12 @@ def tiny_model_path(tiny_models_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_noeos_model_path(tiny_models_dir: Path) -> Path:
+    """The tiny model with its EOS unreachable: greedy decoding runs to `max_tokens`."""
+    return build_once(tiny_models_dir, "tiny-noeos-f32", build_tiny_model, preset="tiny", no_eos=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_tools_model_path(tiny_models_dir: Path) -> Path:
     return build_once(tiny_models_dir, "tiny-tools-f32", build_tiny_model, preset="tiny", tools=True)
 

@@ -28,14 +28,15 @@ loopback name). A POST body declared as anything but `application/json` is a 415
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -77,6 +78,7 @@ from provider.telemetry import get_logger, request_timings
 log = get_logger(__name__)
 
 
+T = TypeVar("T")
 MAX_CONTROL_MODEL_CHARS = 256
 _UNLOAD_STATUS = {"unknown_model": 404, "not_loaded": 409, "busy": 409}
 _UNLOAD_WORDS = {  # the error of an unload that did not happen (the model asked for is not repeated)
@@ -334,7 +336,11 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
             served = _Served(request_id, body.model, started, metrics)
             if not body.stream:
                 try:
-                    return await _complete(stream, endpoint, body, served)
+                    answer = await _unless_gone(_complete(stream, endpoint, body, served), request)
+                    if answer is None:  # the client left: its tokens would go nowhere, the engine stops
+                        served.end(RequestOutcome.CANCELLED)
+                        return error_response(Failure.cancelled())
+                    return answer
                 finally:
                     await opened.__aexit__(None, None, None)
             # The 200 goes out with the first output: anything that fails before it (a load, the
@@ -423,16 +429,23 @@ async def _complete(stream: RequestStream, endpoint: _Endpoint, body: ChatBody |
 
 async def _first_event(stream: RequestStream, request: Request) -> Event | None:
     """The stream's first event, or None when the client leaves (or the stream is closed) first."""
-    first = asyncio.ensure_future(anext(stream, None))
+    return await _unless_gone(anext(stream, None), request)
+
+
+async def _unless_gone(work: Awaitable[T], request: Request) -> T | None:
+    """What `work` gives, or None when the client leaves first (`work` is then cancelled)."""
+    done = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-    if not first.done():
-        first.cancel()
+    if not done.done():
+        done.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await done
         return None
-    return first.result()
+    return done.result()
 
 
 async def _disconnected(request: Request) -> None:
