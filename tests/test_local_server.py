@@ -69,6 +69,7 @@ def test_a_streaming_client_receives_openais_stream_byte_for_byte(server):
 def test_models_health_and_status(server):
     assert [m.id for m in server.client().models.list()] == [MODEL]
     assert httpx.get(server.base_url + "/healthz").json() == {"status": "ok"}
+    assert httpx.head(server.base_url + "/healthz").status_code == 200  # what uptime checks send
     status = httpx.get(server.base_url + "/status").json()
     assert status["mode"] == "local" and status["in_flight"] == 0
     assert [(m["id"], m["state"]) for m in status["models"]] in ([(MODEL, "loaded")], [(MODEL, "not_loaded")])

@@ -56,7 +56,7 @@ def test_an_unknown_route_is_an_openai_404_naming_the_routes_served(server, meth
 
 @pytest.mark.parametrize("method, path, allowed", [("GET", "/v1/chat/completions", "POST"),
                                                    ("GET", "/v1/completions", "POST"),
-                                                   ("DELETE", "/v1/models", "GET"), ("POST", "/healthz", "GET")])
+                                                   ("DELETE", "/v1/models", "GET"), ("POST", "/healthz", "GET, HEAD")])
 def test_a_wrong_method_is_an_openai_405_with_allow(server, method, path, allowed):
     response = httpx.request(method, server.base_url + path, timeout=10)
     assert response.status_code == 405 and response.headers["allow"] == allowed

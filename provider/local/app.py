@@ -206,7 +206,7 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
     app.state.local = state
     metrics.set_cap_figures(cap_metric_figures(backend.figures))
 
-    @app.get("/healthz")
+    @app.api_route("/healthz", methods=["GET", "HEAD"])  # HEAD: what load balancers and uptime checks send
     async def healthz() -> JSONResponse:
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
