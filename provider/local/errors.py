@@ -94,7 +94,8 @@ def install_error_handlers(app: FastAPI) -> None:
             return openai_error(404, "Unknown route. This server serves " + ", ".join(_routes(app)) + ".",
                                 code=_HTTP_CODES[404], headers=headers)
         if exc.status_code == 405:
-            allowed = headers.get("Allow", "")
+            # Starlette joins a route's methods from a set: the order changes from one process to the next.
+            allowed = headers["Allow"] = ", ".join(sorted(m.strip() for m in headers.get("Allow", "").split(",") if m.strip()))
             return openai_error(405, f"Method not allowed on this route: use {allowed}.", code=_HTTP_CODES[405],
                                 headers=headers)
         phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else "Error"
