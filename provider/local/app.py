@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
 import time
 import traceback
@@ -49,7 +48,7 @@ from protocol.sse import DONE
 from provider.engine import EngineFailure, Event, Failed, Finished, RequestStream, TextDelta, TokenLogprob, Usage
 from provider.engine.types import EngineTimes
 from provider.local.backend import Explained, Refused, unknown_model
-from provider.local.door import Door
+from provider.local.door import Door, loopback_address
 from provider.local.drain import InFlight
 from provider.local.errors import (
     error_body,
@@ -89,13 +88,6 @@ _UNLOAD_WORDS = {  # the error of an unload that did not happen (the model asked
 NOT_JSON = "This server reads a JSON body: send it with the header Content-Type: application/json."
 CONTROL_NOT_ALLOWED = ("The control endpoints answer the programs of this machine only: a request from another "
                        "address, or from a web page (a request with an Origin header), is refused.")
-
-
-def _loopback_client(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _not_json(request: Request) -> JSONResponse | None:
@@ -223,7 +215,7 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
     async def control_unload(request: Request) -> JSONResponse:
         # Loopback only, and never from a web page: a browser sends Origin on every cross-site POST.
         client = request.client.host if request.client is not None else ""
-        if "origin" in request.headers or not _loopback_client(client):
+        if "origin" in request.headers or not loopback_address(client):
             log.info("request_refused", status_code=403, code="control_not_allowed")
             return openai_error(403, CONTROL_NOT_ALLOWED, code="control_not_allowed")
         if (not_json := _not_json(request)) is not None:

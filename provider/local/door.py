@@ -36,12 +36,14 @@ HOST_NOT_LOOPBACK = ("This server listens on this machine's loopback address and
 _PORT = re.compile(r"(?::[0-9]{0,5})?")
 
 
-def _loopback_ip(text: str) -> bool:
+def loopback_address(text: str) -> bool:
+    """An IP address of this machine's loopback (an IPv4 one mapped into IPv6 too, as a dual-stack socket
+    reports it)."""
     try:
         address = ipaddress.ip_address(text)
     except ValueError:
         return False
-    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None  # a dual-stack socket's
+    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
     return (mapped or address).is_loopback
 
 
@@ -51,16 +53,16 @@ def loopback_name(host: str) -> bool:
     host = host.lower()
     if host.startswith("["):
         name, bracket, port = host[1:].partition("]")
-        return bool(bracket) and _PORT.fullmatch(port) is not None and ":" in name and _loopback_ip(name)
+        return bool(bracket) and _PORT.fullmatch(port) is not None and ":" in name and loopback_address(name)
     name, colon, port = host.partition(":")
     if _PORT.fullmatch(colon + port) is None:
         return False
-    return name == "localhost" or _loopback_ip(name)
+    return name == "localhost" or loopback_address(name)
 
 
 def _at_loopback(scope: Scope) -> bool:
     server = scope.get("server")
-    return bool(server) and isinstance(server[0], str) and _loopback_ip(server[0])
+    return bool(server) and isinstance(server[0], str) and loopback_address(server[0])
 
 
 def _preflight(scope: Scope, headers: Headers) -> bool:
@@ -96,4 +98,4 @@ class Door:
         await openai_error(403, message, code=code)(scope, receive, send)
 
 
-__all__ = ["HOST_NOT_LOOPBACK", "Door", "loopback_name"]
+__all__ = ["HOST_NOT_LOOPBACK", "Door", "loopback_address", "loopback_name"]
