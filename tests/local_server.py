@@ -7,10 +7,12 @@ the server answers. ``CANARY`` is a prompt fragment the log must never hold.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,3 +55,14 @@ def start_server(tmp: Path, model: Path, *flags: str, env_extra: dict[str, str] 
     server = Server(f"http://127.0.0.1:{port}", proc, log_path)
     wait_ready(server.base_url, proc, timeout_s=60)
     return server
+
+
+@contextlib.contextmanager
+def running_server(tmp: Path, model: Path, *flags: str, env_extra: dict[str, str] | None = None) -> Iterator[Server]:
+    """`start_server`, stopped at the end unless a test stopped it already."""
+    server = start_server(tmp, model, *flags, env_extra=env_extra)
+    try:
+        yield server
+    finally:
+        if server.proc.poll() is None:
+            server.stop()

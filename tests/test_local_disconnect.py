@@ -11,16 +11,15 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from local_server import MODEL, start_server
+from local_server import MODEL, running_server
 
 MAX_TOKENS = 100_000  # clamped to the context window: far more than the test waits for
 
 
 @pytest.fixture
 def server(tmp_path, tiny_noeos_model_path):
-    server = start_server(tmp_path, tiny_noeos_model_path)
-    yield server
-    server.stop()
+    with running_server(tmp_path, tiny_noeos_model_path) as server:
+        yield server
 
 
 def in_flight(server) -> int:

@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 
-from local_server import CANARY, Server, start_server
+from local_server import CANARY, Server, running_server
 from mixed_batch import beside_plain
 
 MODEL = "demo/tools"
@@ -56,11 +56,9 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in [*TOOLS, 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_path, tiny_tools_model_path) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("forced"), tiny_model_path,
-                       "--model-aliases", f"{MODEL}={tiny_tools_model_path}")
-    yield srv
-    if srv.proc.poll() is None:
-        srv.stop()
+    with running_server(tmp_path_factory.mktemp("forced"), tiny_model_path,
+                        "--model-aliases", f"{MODEL}={tiny_tools_model_path}") as srv:
+        yield srv
 
 
 def choice_of(i: int) -> str | dict:

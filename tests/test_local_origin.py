@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from local_server import CANARY, MODEL, Server, start_server
+from local_server import CANARY, MODEL, Server, running_server
 
 EVIL = "http://evil.example"
 REBOUND = "evil.example:8485"  # a name of the attacker's that now points at 127.0.0.1
@@ -28,10 +28,8 @@ PAGE = "http://localhost:3000"  # a page of this machine: allowed by default
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_path) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("origin"), tiny_model_path)
-    yield srv
-    if srv.proc.poll() is None:
-        srv.stop()
+    with running_server(tmp_path_factory.mktemp("origin"), tiny_model_path) as srv:
+        yield srv
 
 
 def chat_body(content: str = "hi") -> str:

@@ -17,17 +17,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_reference import reference_greedy
-from local_server import CANARY, MODEL, Server, start_server
+from local_server import CANARY, MODEL, Server, running_server, start_server
 from openai_shape import assert_openai_stream
 from vision_images import data_uri, png_bytes
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_path) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("local"), tiny_model_path)
-    yield srv
-    if srv.proc.poll() is None:
-        srv.stop()
+    with running_server(tmp_path_factory.mktemp("local"), tiny_model_path) as srv:
+        yield srv
 
 
 def test_non_streaming_chat_with_the_openai_sdk(server):

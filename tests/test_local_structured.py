@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from engine_reference import reference_greedy
-from local_server import CANARY, MODEL, start_server
+from local_server import CANARY, MODEL, running_server
 from mixed_batch import PLAIN, beside_plain
 
 ROOM = 300  # tokens: more than any schema below needs at its longest
@@ -57,10 +57,8 @@ SCHEMAS = _schemas()
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_path):
-    srv = start_server(tmp_path_factory.mktemp("structured"), tiny_model_path)
-    yield srv
-    if srv.proc.poll() is None:
-        srv.stop()
+    with running_server(tmp_path_factory.mktemp("structured"), tiny_model_path) as srv:
+        yield srv
 
 
 def schema_request(client: openai.OpenAI, i: int):

@@ -14,7 +14,7 @@ import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 
-from local_server import CANARY, MODEL, Server, start_server
+from local_server import CANARY, MODEL, Server, running_server, start_server
 from provider.local.errors import Cors
 
 ORIGIN = "https://chat.example:8443"  # the owner's list replaces the default (the pages of this machine)
@@ -22,10 +22,8 @@ ORIGIN = "https://chat.example:8443"  # the owner's list replaces the default (t
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_path) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("surface"), tiny_model_path, "--local-allowed-origins", ORIGIN)
-    yield srv
-    if srv.proc.poll() is None:
-        srv.stop()
+    with running_server(tmp_path_factory.mktemp("surface"), tiny_model_path, "--local-allowed-origins", ORIGIN) as srv:
+        yield srv
 
 
 def openai_error(response: httpx.Response) -> dict:

@@ -15,7 +15,7 @@ import openai
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from local_server import CANARY, Server, start_server
+from local_server import CANARY, Server, running_server, start_server
 from provider.models.template import render_ids
 
 TOOLS_MODEL, PLAIN_MODEL = "demo/tools", "demo/tiny"
@@ -29,11 +29,9 @@ USER = {"role": "user", "content": "what is the weather in Oslo?"}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_path, tiny_tools_model_path) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("tools"), tiny_model_path,
-                       "--model-aliases", f"{TOOLS_MODEL}={tiny_tools_model_path}")
-    yield srv
-    if srv.proc.poll() is None:
-        srv.stop()
+    with running_server(tmp_path_factory.mktemp("tools"), tiny_model_path,
+                        "--model-aliases", f"{TOOLS_MODEL}={tiny_tools_model_path}") as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
