@@ -63,6 +63,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache  # noqa: E402
 from provider.engine import ChatRequest, Engine, Finished, SamplingParams  # noqa: E402
 from provider.engine.decode import EngineBatchGenerator  # noqa: E402
 from provider.models.kv import KV_QUANTIZATION_BITS, kv_quantization_bits, quantized_bytes_per_element  # noqa: E402
+from provider.models.metadata import DType, config_dtype  # noqa: E402
 from provider.tinymodel import PRESETS, build_tiny_model, weights_bytes  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -70,7 +71,6 @@ WAYS = ("bare", "ours", "plain", "plainkv", "engine")
 PREFILL_BATCH = 8  # mlx-lm's prefill_batch_size default, which the engine uses too
 WORDS = ("river mountain apple stream batch model token quiet room copper wire north wind paper boat "
          "window salt stone memory cache late train green blue seven hundred small open garden lamp").split()
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class DeadlinePassed(Exception):
@@ -183,11 +183,16 @@ async def run_engine(engine: Engine, model_id: str, messages: list[list[dict[str
 
 # -- the roofline ------------------------------------------------------------------------------
 
+def dtype_bytes_of(config: dict) -> int:
+    """Bytes of one element at the config's dtype (float32 when it names none)."""
+    return (config_dtype(config) or DType.FLOAT32).nbytes
+
+
 def kv_bytes_per_token(config: dict) -> int:
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     kv_heads = config.get("num_key_value_heads", heads)
-    itemsize = DTYPE_BYTES.get(config.get("torch_dtype", "float32"), 4)
+    itemsize = dtype_bytes_of(config)
     return config["num_hidden_layers"] * 2 * kv_heads * head_dim * itemsize
 
 
@@ -313,7 +318,7 @@ async def main(argv: list[str] | None = None) -> int:
     finally:
         if engine is not None:
             await engine.aclose()
-    dtype_bytes = DTYPE_BYTES.get(config.get("torch_dtype", "float32"), 4)
+    dtype_bytes = dtype_bytes_of(config)
     rows = summarize(args, runs, sizes, ways, weights, kv_token, dtype_bytes)
     print_table(args, path, meta, rows, stopped, failed)
     if args.json_out is not None:

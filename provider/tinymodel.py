@@ -63,6 +63,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from provider.models.metadata import DType
 from provider.units import human_bytes, table
 
 # Bump whenever the output of the builder changes, so cached folders are rebuilt.
@@ -121,7 +122,6 @@ TOOLS_CHAT_TEMPLATE = (
 )
 
 DTYPES = ("float32", "bfloat16", "float16")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # What MLX's affine quantization (`mx.quantize`, the mode mlx-lm uses) accepts.
 Q_BITS = (1, 2, 3, 4, 5, 6, 8)
 Q_GROUP_SIZES = (32, 64, 128)
@@ -460,8 +460,7 @@ def build_tiny_model(
         raise ValueError(f"unsupported q_bits {q_bits!r}; choose one of {Q_BITS}")
     if q_bits is not None and q_group_size not in Q_GROUP_SIZES:
         raise ValueError(f"unsupported q_group_size {q_group_size!r}; choose one of {Q_GROUP_SIZES}")
-    if not 0 <= seed <= MAX_SEED:
-        raise ValueError(f"seed {seed!r} is not between 0 and {MAX_SEED}")
+    check_seed(seed)
     out = Path(out_dir)
     marker = _Marker(BUILDER_VERSION, preset, dtype, q_bits, q_group_size, seed, no_eos, tools)
     if not force and _marker_matches(out, marker):
@@ -490,14 +489,22 @@ def _check(path: Path) -> str:
     return mlx_lm.generate(model, tok, ids, max_tokens=16)
 
 
+def check_seed(seed: int) -> None:
+    """Raise ValueError unless MLX can seed its generator with `seed`."""
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed {seed!r} is not between 0 and {MAX_SEED}")
+
+
 def seed_argument(text: str) -> int:
     """`--seed`: an integer MLX can seed its generator with."""
     try:
         seed = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not 0 <= seed <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"{seed} is not between 0 and {MAX_SEED}")
+    try:
+        check_seed(seed)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return seed
 
 
@@ -506,7 +513,7 @@ def presets_help() -> str:
     rows = [["preset", "hidden", "layers", "ffn", "heads/kv", "vocab", "context", "weights"]]
     rows += [[name, str(s.hidden_size), str(s.num_hidden_layers), str(s.intermediate_size),
               f"{s.num_attention_heads}/{s.num_key_value_heads}", str(s.vocab_size),
-              str(s.max_position_embeddings), f"~{human_bytes(parameter_count(s) * DTYPE_BYTES[s.dtype])} {s.dtype}"]
+              str(s.max_position_embeddings), f"~{human_bytes(parameter_count(s) * DType(s.dtype).nbytes)} {s.dtype}"]
              for name, s in PRESETS.items()]
     # Quantized, a weight takes its bits plus 64 bits of float32 scale and bias per group.
     return ("presets (weights in the preset's dtype; with --q-bits B and the default group size 64,\n"

@@ -32,7 +32,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from provider.tinymodel import MAX_SEED, build_folder, run_builder, seed_argument, train_tokenizer
+from provider.tinymodel import build_folder, check_seed, run_builder, seed_argument, train_tokenizer
 from provider.units import human_bytes
 
 BUILDER_VERSION = 2
@@ -226,8 +226,7 @@ def build_tiny_vlm(out_dir: str | Path, *, seed: int = 0, shape: VlmShape = VlmS
 
     Only an absent or empty folder, or one this builder made (its marker file is in it), is
     replaced: anything else raises `provider.tinymodel.FolderInUseError` and is left untouched."""
-    if not 0 <= seed <= MAX_SEED:
-        raise ValueError(f"seed {seed!r} is not between 0 and {MAX_SEED}")
+    check_seed(seed)
     out = Path(out_dir)
     marker = _Marker(BUILDER_VERSION, seed, asdict(shape))
     if not force and _marker_matches(out, marker):

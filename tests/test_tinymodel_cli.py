@@ -231,6 +231,6 @@ def test_help_describes_every_preset_from_the_preset_table(capsys):
         row = dict(zip(header, cells, strict=False))
         assert row["hidden"] == str(shape.hidden_size)
         assert row["layers"] == str(shape.num_hidden_layers)
-        size = human_bytes(parameter_count(shape) * tinymodel.DTYPE_BYTES[shape.dtype])
+        size = human_bytes(parameter_count(shape) * {"float32": 4, "bfloat16": 2, "float16": 2}[shape.dtype])
         assert " ".join(cells[len(header) - 1:]) == f"~{size} {shape.dtype}"
     assert "{1,2,3,4,5,6,8}" in out and "{32,64,128}" in out  # the quantization choices
