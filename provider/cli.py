@@ -7,6 +7,8 @@
     models [--json] [--hash]    discovered models with size, quantization, context and fit
     status [--json]             what the running agent is doing (its local /status endpoint)
     pull ORG/NAME               download a model from the Hugging Face hub into its cache, with a progress bar
+    import FILE.gguf | ollama:NAME[:TAG] [--out DIR] [--name ID] [--dtype D] [--dequantize] [--force]
+                                a GGUF (or a model pulled with Ollama) as an MLX model folder it serves
     ps [--json]                 the models the running agent has loaded now: memory, requests, idle time
     unload MODEL                ask the running agent to unload an idle model now
     runtime-hash                the runtime hash sent in `register`
@@ -87,6 +89,7 @@ _SHOWN_SETTINGS: dict[str, tuple[str, ...]] = {
     "status": ("state_dir", "local_host", "local_port"),
     "ps": ("state_dir", "local_host", "local_port"),
     "pull": ("hf_cache_dir",),
+    "import": ("state_dir", "ollama_dir"),
     "unload": ("state_dir", "local_host", "local_port"),
     "runtime-hash": ("runtime_hash",),
     "install": ("model_dirs", "local_port", "drain_timeout_s", "process_type"),
@@ -193,6 +196,21 @@ def build_parser() -> argparse.ArgumentParser:
     pull = _command(sub, "pull", "download a model from the Hugging Face hub (HF_ENDPOINT) into its cache",
                     _SHOWN_SETTINGS["pull"])
     pull.add_argument("repo_id", metavar="ORG/NAME", help="the model's repository on the hub")
+    imp = _command(sub, "import", "a GGUF file, or a model pulled with Ollama (ollama:NAME[:TAG]), as an MLX model "
+                   "folder in state_dir/models that models, doctor and serve take", _SHOWN_SETTINGS["import"])
+    imp.add_argument("source", metavar="FILE.gguf|ollama:NAME[:TAG]", help="what to import")
+    imp.add_argument("--out", type=Path, default=None, metavar="DIR", help="the folder to write (default: "
+                     "state_dir/models/ID)")
+    imp.add_argument("--name", default=None, metavar="ID", help="the model id it is served under (default: the "
+                     "file's name, or the Ollama model's)")
+    imp.add_argument("--dtype", default=None, choices=("float16", "bfloat16", "float32"),
+                     help="the model's float dtype (default: float16 for a quantized file, else the file's own)")
+    imp.add_argument("--dequantize", action="store_true", default=False,
+                     help="store every weight as floats of --dtype (default float16) instead of quantized")
+    imp.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                     help="a Jinja chat template for a file that has none (or to replace its own)")
+    imp.add_argument("--force", action="store_true", default=False, help="import again even if the folder is "
+                     "current")
     ps = _command(sub, "ps", "the models the running agent has loaded now", _SHOWN_SETTINGS["ps"])
     ps.add_argument("--json", action="store_true", default=False, help="the loaded models as JSON")
     unload = _command(sub, "unload", "ask the running agent to unload an idle model now", _SHOWN_SETTINGS["unload"])
@@ -429,6 +447,12 @@ def cmd_pull(args: argparse.Namespace, settings: Settings) -> int:
           f"in {folder}")
     print(f"weight hash {weight_hash_sync(folder)}")
     return EX_OK
+
+
+def cmd_import(args: argparse.Namespace, settings: Settings) -> int:
+    from provider import importing
+
+    return importing.command(args, settings)
 
 
 def cmd_ps(args: argparse.Namespace, settings: Settings) -> int:
@@ -715,6 +739,7 @@ _COMMANDS = {
     "status": cmd_status,
     "ps": cmd_ps,
     "pull": cmd_pull,
+    "import": cmd_import,
     "unload": cmd_unload,
     "runtime-hash": cmd_runtime_hash,
     "service": cmd_service,

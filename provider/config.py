@@ -175,6 +175,15 @@ class Settings(BaseModel):
         default_factory=dict, description="Model ids served from a local path: `id = path`.",
         **_allowed("a table of model id = directory path"),
     )
+    ollama_models: bool = Field(
+        True, description="List the models pulled with Ollama (its store: ollama_dir) and serve them through MLX, "
+        "imported into state_dir/models on first use.",
+        **_allowed("true or false"),
+    )
+    ollama_dir: Path | None = Field(
+        None, description="Ollama's model store; unset = Ollama's own default (OLLAMA_MODELS, ~/.ollama/models).",
+        **_allowed("a directory path"),
+    )
     enabled_models: tuple[str, ...] = Field(
         (), description="Model ids to advertise; empty = every discovered model.",
         **_allowed("a list of model ids"),
@@ -481,7 +490,7 @@ class Settings(BaseModel):
             raise ValueError("model ids must be non-empty and have no surrounding spaces")
         return aliases
 
-    @field_validator("model_dirs", "hf_cache_dir", "model_aliases", "state_dir", "log_file")
+    @field_validator("model_dirs", "hf_cache_dir", "ollama_dir", "model_aliases", "state_dir", "log_file")
     @classmethod
     def _expand_home(cls, value: Any) -> Any:
         # The loader already resolved `~` and relative paths per source; this covers direct use.
@@ -504,6 +513,11 @@ class Settings(BaseModel):
     @property
     def memory_limit_bytes(self) -> int | None:
         return None if self.memory_limit_gb is None else int(self.memory_limit_gb * GiB)
+
+    @property
+    def imported_models_dir(self) -> Path:
+        """Where `import` writes model folders by default (scanned like a model_dirs entry)."""
+        return self.state_dir / "models"
 
     @property
     def kv_ssd_budget_bytes(self) -> int:
@@ -538,7 +552,7 @@ class Settings(BaseModel):
 
 
 FIELDS: tuple[str, ...] = tuple(Settings.model_fields)
-_PATH_FIELDS = frozenset({"model_dirs", "hf_cache_dir", "state_dir", "log_file"})
+_PATH_FIELDS = frozenset({"model_dirs", "hf_cache_dir", "ollama_dir", "state_dir", "log_file"})
 _SECRET_FIELDS = frozenset({"auth_token"})
 
 

@@ -8,7 +8,13 @@ skipped with DUPLICATE_ID):
 2. model_dirs: each is a model directory itself (id = its name), or holds model directories
    (id = `name`) or one level of organisation folders (id = `org/name`). Symlinks are followed:
    the operator chose these folders.
-3. hf_cache: the Hugging Face hub cache (`<cache>/models--org--name/snapshots/<rev>/`, id `org/name`).
+3. imported: `<state_dir>/models`, where `darkbloom-provider import` writes folders; each holds its id in
+   its `darkbloom-import.json` (Ollama's names have a `:`, some a `/`).
+4. ollama: the models pulled with Ollama (`provider/models/ollama.py`) that have no current import: each
+   is listed from its GGUF's header at the size it will have once imported (`ModelInfo.gguf` is the file;
+   the first load imports it into `path`, provider/importing.py). One imported from an older blob than
+   the store's tag names now is listed as the Ollama model again, so the next load imports it anew.
+5. hf_cache: the Hugging Face hub cache (`<cache>/models--org--name/snapshots/<rev>/`, id `org/name`).
    The snapshot served is the one `refs/main` names when that snapshot exists, otherwise the most
    recently modified snapshot directory. Snapshot files are symlinks into `blobs/`; a link that
    resolves outside the cache root makes the model UNSAFE_LINK and nothing of it is read.
@@ -39,7 +45,8 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from provider.models import metadata
+from provider.models import gguf_source, metadata
+from provider.models.gguf import GgufError
 from provider.models.kv import KvConfigError, KvLayout, kv_layout, kv_quantization_bits, quantization_refusal, quantized
 from provider.models.metadata import DType, MetadataError, MetadataProblem, Quantization
 from provider.models.vision import VisionInfo, vision_info, vision_runtime_available
@@ -60,6 +67,8 @@ _TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 class ModelSource(enum.Enum):
     ALIAS = "alias"
     MODEL_DIR = "model_dir"
+    IMPORTED = "imported"
+    OLLAMA = "ollama"
     HF_CACHE = "hf_cache"
 
 
@@ -80,6 +89,7 @@ class SkipReason(enum.Enum):
     # Found after discovery, by rendering (provider/models/template_check.py): the chat template passed a bound.
     CHAT_TEMPLATE_TIMEOUT = "chat_template_timeout"
     CHAT_TEMPLATE_MEMORY = "chat_template_memory"
+    UNSUPPORTED_GGUF = "unsupported_gguf"  # an Ollama model this provider cannot import (the message says why)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +119,8 @@ class ModelInfo:
     tools: bool | None = None
     # Why the kv_quantization setting asked for is not applied to it ("" when it is, or none was asked).
     kv_quantization_refused: str = ""
+    # A GGUF (an Ollama model) the first load imports into `path`; None: `path` is the model folder.
+    gguf: Path | None = None
 
     @property
     def is_vision(self) -> bool:
@@ -128,10 +140,13 @@ class ModelInfo:
 def on_disk(info: ModelInfo) -> bool:
     """The model's folder and every weight file are still there (a few stats: cheap enough to ask
     before each cold load; a folder deleted since discovery would only fail the load)."""
+    if info.gguf is not None:
+        return info.gguf.is_file()
     return info.path.is_dir() and all(f.is_file() for f in info.weight_files)
 
 
-_PLACE_LABEL = {ModelSource.HF_CACHE: "Hugging Face cache", ModelSource.MODEL_DIR: "model_dirs"}
+_PLACE_LABEL = {ModelSource.HF_CACHE: "Hugging Face cache", ModelSource.MODEL_DIR: "model_dirs",
+                ModelSource.IMPORTED: "imported models", ModelSource.OLLAMA: "Ollama store"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +194,7 @@ class _Candidate:
     source: ModelSource
     revision: str | None = None
     link_root: Path | None = None  # symlinks must resolve inside this directory
+    gguf: Path | None = None  # an Ollama model's GGUF, imported into `path` on first load
 
 
 @dataclass(slots=True)
@@ -202,6 +218,8 @@ def discover(
     model_dirs: Sequence[Path] = (),
     aliases: Mapping[str, Path] | None = None,
     enabled_ids: Collection[str] | None = None,
+    imported: Path | None = None,
+    ollama: Path | None = None,
 ) -> Inventory:
     """Scan every source and inspect each model found. Blocking file I/O: call it off the loop
     (`await asyncio.to_thread(discover, ...)`). Only models whose id is in `enabled_ids` are
@@ -212,6 +230,10 @@ def discover(
         searched.append(_add_alias(found, model_id, Path(path)))
     for root in model_dirs:
         searched.append(_scan_model_dir(found, Path(root)))
+    if imported is not None:
+        searched.append(_scan_imported(found, imported))
+    if ollama is not None:
+        searched.append(_scan_ollama(found, ollama, imported))
     if hf_cache is not None:
         searched.append(_scan_hf_cache(found, Path(hf_cache)))
 
@@ -253,9 +275,20 @@ def discover_models(settings: Settings) -> Inventory:
         model_dirs=settings.model_dirs,
         aliases=settings.model_aliases,
         enabled_ids=settings.enabled_models or None,
+        imported=settings.imported_models_dir,
+        ollama=ollama_store(settings),
     )
     models = tuple(with_kv_quantization(m, settings.kv_quantization_for(m.id)) for m in inventory.models)
     return dataclasses.replace(inventory, models=models)
+
+
+def ollama_store(settings: Settings) -> Path | None:
+    """The Ollama store discovery reads (None: `ollama_models` is off)."""
+    if not settings.ollama_models:
+        return None
+    from provider.models.ollama import default_store
+
+    return settings.ollama_dir if settings.ollama_dir is not None else default_store()
 
 
 def with_kv_quantization(info: ModelInfo, setting: str) -> ModelInfo:
@@ -284,7 +317,11 @@ def _inspect_candidate(cand: _Candidate) -> ModelInfo | SkippedModel:
         return SkippedModel(cand.path, reason, message, cand.id)
 
     try:
+        if cand.gguf is not None:
+            return _inspect_gguf(cand)
         return _inspect(cand)
+    except GgufError as exc:
+        return skip(SkipReason.UNSUPPORTED_GGUF, str(exc))
     except _Skip as exc:
         return skip(exc.reason, exc.message)
     except MetadataError as exc:
@@ -347,6 +384,20 @@ def _inspect(cand: _Candidate) -> ModelInfo:
         context_length=metadata.context_length(config),
         kv=kv_layout(config, dtype.nbytes),
         vision=vision,
+    )
+
+
+def _inspect_gguf(cand: _Candidate) -> ModelInfo:
+    """An Ollama model not imported yet, as it will be once imported (its size, dtype and KV)."""
+    assert cand.gguf is not None
+    found = gguf_source.summary(cand.gguf)
+    dtype = DType(found.dtype)
+    return ModelInfo(
+        id=cand.id, path=cand.path, source=cand.source, revision=cand.revision, weight_files=(),
+        weight_bytes=found.output_bytes, model_type=found.config["model_type"],
+        quantization=metadata.quantization(found.config), dtype=dtype,
+        context_length=metadata.context_length(found.config), kv=kv_layout(found.config, dtype.nbytes),
+        gguf=cand.gguf,
     )
 
 
@@ -447,6 +498,34 @@ def _scan_children(found: _Collector, root: Path) -> None:
             if _looks_like_model(grandchild):
                 found.candidates.append(_Candidate(f"{child.name}/{grandchild.name}", grandchild,
                                                    ModelSource.MODEL_DIR))
+
+
+def _scan_imported(found: _Collector, root: Path) -> SearchedPlace:
+    root = root.expanduser()
+    place = SearchedPlace(ModelSource.IMPORTED, root, root.is_dir())
+    for model_id, folder in gguf_source.imported_folders(root) if place.exists else []:
+        found.candidates.append(_Candidate(model_id, folder, ModelSource.IMPORTED))
+    return place
+
+
+def _scan_ollama(found: _Collector, store: Path, imported: Path | None) -> SearchedPlace:
+    """Each Ollama model without a current import in `imported` (one imported from another blob is
+    replaced: the store's tag moved on)."""
+    store = store.expanduser()
+    place = SearchedPlace(ModelSource.OLLAMA, store, store.is_dir())
+    for model in gguf_source.ollama_models(store) if place.exists else []:
+        if model.problem is not None:
+            found.skipped.append(SkippedModel(model.manifest, SkipReason.UNSUPPORTED_GGUF, model.problem,
+                                              model.name))
+            continue
+        folder = (imported or store) / gguf_source.folder_name(model.name)
+        current = next((c for c in found.candidates if c.id == model.name and c.source is ModelSource.IMPORTED), None)
+        if current is not None and gguf_source.imported_from(current.path) == model.digest:
+            continue  # served from its import
+        if current is not None:
+            found.candidates.remove(current)
+        found.candidates.append(_Candidate(model.name, folder, ModelSource.OLLAMA, model.digest, gguf=model.blob))
+    return place
 
 
 def _looks_like_model(path: Path) -> bool:
