@@ -8,12 +8,13 @@ and `serve` see it at once under its id (`--name`, else the file's name; for Oll
 `llama3.2:3b`). The work is `provider/models/gguf`'s; this module resolves the source, checks the
 disk, skips an import whose folder is current (same source file, same options), and says what it did.
 
-`ensure_imported` is the same import without the printing, for a request that names an Ollama model
-not imported yet (provider/slots' loading calls it on a worker thread).
+`import_for_load` is the same import without the printing, for a request that names an Ollama model
+not imported yet (the model manager's load calls it on a worker thread).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from collections.abc import Callable
@@ -21,11 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
+
+from provider.models import ModelInfo, ModelSource, SkippedModel, inspect_model
 from provider.models.gguf import GgufError, is_current, opened, plan_import, read_marker, source_fingerprint
 from provider.models.gguf import write_folder as _write_folder
 from provider.models.gguf_source import folder_name
 from provider.models.ollama import PREFIX, OllamaError, default_store, find
 from provider.units import human_bytes
+
+log = structlog.get_logger(__name__)
 
 DISK_MARGIN = 1.05  # the folder's size plus 5 % (tokenizer files, the filesystem's own rounding)
 
@@ -165,10 +171,20 @@ def command(args: Any, settings: Any) -> int:
     return 0
 
 
-def ensure_imported(source: Source, out: Path) -> Imported:
-    """The folder for a request that names an Ollama model: imported as `import ollama:NAME` would."""
-    return run(source, out, source.model_id)
+def import_for_load(info: ModelInfo) -> ModelInfo:
+    """An Ollama model's `ModelInfo` once its GGUF is imported into `info.path` as `import ollama:NAME`
+    would (a current import is kept): the folder's weight files, the rest as discovery planned it.
+    Blocking: the model manager's load runs it on a worker thread. Raises ImportFailed."""
+    assert info.gguf is not None
+    done = run(Source(info.gguf, info.id, info.revision), info.path, info.id)
+    found = inspect_model(done.folder, info.id, ModelSource.IMPORTED)
+    if isinstance(found, SkippedModel):
+        raise ImportFailed(f"the imported folder cannot be served ({found.reason.value})")
+    log.info("model_imported", model=info.id, bytes=done.output_bytes, seconds=round(done.seconds, 3),
+             skipped=done.skipped)
+    return dataclasses.replace(info, path=done.folder, weight_files=found.weight_files,
+                               weight_bytes=found.weight_bytes, gguf=None)
 
 
-__all__ = ["ImportFailed", "Imported", "Source", "command", "default_id", "ensure_imported", "folder_name", "resolve",
+__all__ = ["ImportFailed", "Imported", "Source", "command", "default_id", "import_for_load", "resolve",
            "run"]

@@ -8,7 +8,8 @@ causes it (`ModelManager.book` / `_book_load`), or the warm-up path plans room a
   1. waits until the models the booking counted as leaving have settled, and while the load would
      run at pressure YELLOW or worse (memory/pressure.py) evicts idle models one at a time (RED: the
      RAM prefix tier first);
-  2. loads on the engine thread (`mx.clear_cache()` after), every await followed by a re-check;
+  2. loads on the engine thread (`mx.clear_cache()` after), every await followed by a re-check; an
+     Ollama model not imported yet is imported first, on a worker thread (provider/importing.py);
   3. checks the config's KV bytes per token against the engine's real cache and keeps the larger
      (each request's KV is reserved as its tokens × that figure), topping up what the requests booked
      with it reserved;
@@ -34,6 +35,7 @@ from memory import (
 )
 from protocol.errors import Failure, RejectionReason
 from provider.engine import EngineError, EngineFailure, LoadedModelInfo
+from provider.importing import ImportFailed, import_for_load
 from provider.metrics import EvictionCause, LoadResult
 from provider.progress import ProgressFactory
 from provider.slots.admission import ManagerView, pressure_victim
@@ -92,6 +94,8 @@ class Loader:
             if self._s.draining:
                 return Failure.draining()
             await self._step(LoadStep.CLAIMED, model_id)
+            if slot.info.gguf is not None:  # an Ollama model: imported into its folder first
+                slot.info = await asyncio.to_thread(import_for_load, slot.info)
             load_fut = asyncio.ensure_future(
                 self._s.engine.load(model_id, slot.info.path, eos_token_ids=self._eos.get(model_id),
                                     vision=slot.info.is_vision, kv_bits=slot.info.kv_bits))
@@ -143,6 +147,10 @@ class Loader:
                      solo_min_tokens=loaded.solo_min_tokens, transposed_weights=loaded.transposed_weights,
                      cpu_attention=loaded.cpu_attention)
             return None
+        except ImportFailed as exc:  # its words name the file's fault, never a request's
+            log.warning("model_import_failed", model=model_id, reason=str(exc))
+            self._count(LoadResult.FAILED)
+            return Failure.model_load_failed()
         except EngineError as exc:
             log.warning("model_load_failed", model=model_id, code=exc.code)
             self._count(LoadResult.FAILED)
