@@ -363,6 +363,8 @@ def cmd_models(args: argparse.Namespace, settings: Settings) -> int:
     if args.hash:
         cache = DigestCache.open(settings.state_dir / CACHE_FILE)  # the agent's: shared both ways
         for r in report.models:
+            if r.model.gguf is not None:  # an Ollama model: its folder (and hash) comes with its import
+                continue
             with Progress(f"hashing {r.model.id}") as bar:
                 hashes[r.model.id] = weight_hash_sync(r.model.path, cache=cache, progress=bar.update)
     if args.json:
@@ -377,7 +379,8 @@ def cmd_models(args: argparse.Namespace, settings: Settings) -> int:
         line = (f"{m.id}  {human_bytes(m.weight_bytes)}  {quantization_text(m.quantization, m.dtype.value)}  "
                 f"context {m.context_length or '-'}  {r.fit.verdict.value}" + ("  tools" if m.tools else ""))
         print(line + (f"  {hashes[m.id]}" if m.id in hashes else ""))
-        print(f"    {m.path}")
+        print(f"    {m.path}" if m.gguf is None else f"    pulled with Ollama: imported into {m.path} on first use "
+              f"(or `{PROG} import ollama:{m.id}`)")
     for s in report.inventory.skipped:
         print(f"skipped {s.id or s.path}: {s.reason.value}")
     if not report.models:

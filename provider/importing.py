@@ -25,7 +25,15 @@ from typing import Any
 import structlog
 
 from provider.models import ModelInfo, ModelSource, SkippedModel, inspect_model
-from provider.models.gguf import GgufError, is_current, opened, plan_import, read_marker, source_fingerprint
+from provider.models.gguf import (
+    GgufError,
+    is_current,
+    opened,
+    plan_import,
+    read_marker,
+    source_fingerprint,
+    write_tokenizer_folder,
+)
 from provider.models.gguf import write_folder as _write_folder
 from provider.models.gguf_source import folder_name
 from provider.models.ollama import PREFIX, OllamaError, default_store, find
@@ -171,6 +179,25 @@ def command(args: Any, settings: Any) -> int:
     return 0
 
 
+TOKENIZERS = ".tokenizers"  # under state_dir/models: the tokenizer halves of Ollama models not imported yet
+
+
+def tokenizer_folder(gguf: Path, models_dir: Path) -> Path:
+    """A folder with the tokenizer (and config.json) of a GGUF not imported yet, for counting and templating
+    the requests that name it before its import; made once per file version (the name holds its size and
+    mtime), in `models_dir`'s hidden `.tokenizers`. Blocking. Raises ImportFailed."""
+    stat = gguf.stat()
+    out = models_dir / TOKENIZERS / f"{gguf.name}-{stat.st_size}-{stat.st_mtime_ns}"
+    if (out / "tokenizer_config.json").is_file():
+        return out
+    try:
+        with opened(gguf) as (header, view):
+            write_tokenizer_folder(plan_import(header, view), out)
+    except GgufError as exc:
+        raise ImportFailed(str(exc)) from None
+    return out
+
+
 def import_for_load(info: ModelInfo) -> ModelInfo:
     """An Ollama model's `ModelInfo` once its GGUF is imported into `info.path` as `import ollama:NAME`
     would (a current import is kept): the folder's weight files, the rest as discovery planned it.
@@ -186,5 +213,5 @@ def import_for_load(info: ModelInfo) -> ModelInfo:
                                weight_bytes=found.weight_bytes, gguf=None)
 
 
-__all__ = ["ImportFailed", "Imported", "Source", "command", "default_id", "import_for_load", "resolve",
-           "run"]
+__all__ = ["ImportFailed", "Imported", "Source", "command", "default_id", "import_for_load", "resolve", "run",
+           "tokenizer_folder"]

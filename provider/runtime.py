@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -184,6 +184,18 @@ def freeze_startup_heap() -> None:
 _ALWAYS_WARN = frozenset({SkipReason.CHAT_TEMPLATE_TIMEOUT, SkipReason.CHAT_TEMPLATE_MEMORY})
 
 
+def gguf_aware_loader(models_dir: Path) -> Callable[[Path], Any]:
+    """The prompt counter's tokenizer loader: mlx-lm's, from a model folder or, for a GGUF not imported yet,
+    from the tokenizer folder made from it (blocking: the counter runs it on a worker thread)."""
+    from provider.importing import tokenizer_folder
+    from provider.request.tokens import load_tokenizer
+
+    def load(path: Path) -> Any:
+        return load_tokenizer(tokenizer_folder(path, models_dir) if path.is_file() else path)
+
+    return load
+
+
 def _log_unservable(settings: Settings, inventory: Inventory) -> None:
     """Say once at start which models found on disk cannot be served, and why: a warning for the
     ones the operator named (an alias, `enabled_models`, `preload_models`) and for a chat template
@@ -244,8 +256,12 @@ class Runtime:
         # take the reading shared by the requests of the last few ms: the ledger's own total is always
         # live (memory/probe.py says why that keeps the cap).
         ledger = Ledger(memory.compute_figures(snapshot.physical_bytes, policy), sample=probe.recent)
-        counter = PromptCounter({m.id: m.path for m in inventory.models},
+        if hash_weights:  # the coordinator is told each model's weight hash: an Ollama model has one once imported
+            inventory = dataclasses.replace(inventory, models=tuple(m for m in inventory.models if m.gguf is None))
+        # An Ollama model not imported yet: its tokenizer is read from its GGUF (importing.tokenizer_folder).
+        counter = PromptCounter({m.id: m.gguf or m.path for m in inventory.models},
                                 vision={m.id for m in inventory.models if m.is_vision},
+                                loader=gguf_aware_loader(settings.imported_models_dir),
                                 template_timeout_s=settings.template_timeout_s)
         unservable = await counter.warm(m.id for m in inventory.models
                                         if memory.fit(ledger.figures, snapshot, m.weight_bytes).ever_fits)

@@ -48,6 +48,9 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The machine's own Ollama models are not the suite's: every process it starts sees an empty store
+# (tests of the Ollama source point OLLAMA_MODELS, or ollama_dir, at a store they build).
+os.environ["OLLAMA_MODELS"] = os.path.join(tempfile.gettempdir(), "darkbloom-tests-no-ollama-store")
 
 import pytest  # noqa: E402
 

@@ -97,6 +97,9 @@ def check_inventory(inventory: Inventory, *, timeout_s: float = DEFAULT_TIMEOUT_
     found: dict[str, TemplateBound] = {}
     models = []
     for model in inventory.models:
+        if model.gguf is not None:  # an Ollama model not imported yet: its folder does not exist yet
+            models.append(model)
+            continue
         try:
             check = check_folder(model.path, timeout_s=timeout_s)
         except Exception:  # an edge: a folder's tokenizer files are the folder's problem, reported elsewhere

@@ -114,7 +114,7 @@ class UnknownModel(KeyError):
     """No tokenizer path for this model id, or its template made it unservable."""
 
 
-def _mlx_lm_loader(path: Path) -> Any:
+def load_tokenizer(path: Path) -> Any:
     from mlx_lm.utils import load_tokenizer  # deferred: importing mlx-lm costs ~1 s
 
     return load_tokenizer(path)
@@ -164,7 +164,7 @@ class _Entry:
 class PromptCounter:
     """Exact prompt token ids per model; short prompts on the loop, long ones in the bulk lane."""
 
-    def __init__(self, paths: Mapping[str, Path], *, loader: TokenizerLoader = _mlx_lm_loader,
+    def __init__(self, paths: Mapping[str, Path], *, loader: TokenizerLoader = load_tokenizer,
                  vision: Collection[str] = (), vision_loader: TokenizerLoader | None = None,
                  lane: BulkLane | None = None, template_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self._paths = dict(paths)

@@ -17,8 +17,9 @@ from provider.models.gguf.importer import (
     read_marker,
     source_fingerprint,
     write_folder,
+    write_tokenizer_folder,
 )
 from provider.models.gguf.reader import GgufError, GgufHeader, opened, read_header
 
 __all__ = ["MARKER", "GgufError", "GgufHeader", "ImportPlan", "is_current", "opened", "plan_import", "read_header",
-           "read_marker", "source_fingerprint", "write_folder"]
+           "read_marker", "source_fingerprint", "write_folder", "write_tokenizer_folder"]

@@ -299,6 +299,21 @@ def write_folder(plan: ImportPlan, view: memoryview, out: Path, *, model_id: str
         raise
 
 
+def write_tokenizer_folder(plan: ImportPlan, out: Path) -> None:
+    """Only the tokenizer files and config.json (no weights), beside `out` and renamed into place: what a
+    request needs to be counted and templated before the model it names is imported."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".importing", dir=out.parent))
+    try:
+        (work / "config.json").write_text(json.dumps(plan.config, indent=4) + "\n")
+        tokenizer.write_tokenizer(plan.header, work, plan.template)
+        os.chmod(work, 0o755)
+        _replace(work, out)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+
+
 def _replace(work: Path, out: Path) -> None:
     if not out.exists():
         os.rename(work, out)
@@ -315,4 +330,4 @@ def _replace(work: Path, out: Path) -> None:
 
 
 __all__ = ["DTYPES", "MARKER", "ImportPlan", "Kind", "TensorPlan", "is_current", "plan_import", "read_marker",
-           "source_fingerprint", "write_folder"]
+           "source_fingerprint", "write_folder", "write_tokenizer_folder"]
