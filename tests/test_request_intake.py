@@ -13,9 +13,11 @@ import pytest
 
 from intake_fakes import Manager, ledger_of
 from protocol.errors import ErrorReason, FailureCode, RejectionReason
+from provider.engine.options import DEFAULT_BATCH_SIZE
 from provider.request import PromptCounter
 from provider.request.intake import INLINE_BYTES, Intake, Refusal, working_bytes
-from provider.request.lanes import BulkLane, LaneFull
+from provider.request.lanes import LARGE_TASK, BulkLane, LaneFull
+from provider.request.tokens import INLINE_CHARS
 
 
 @pytest.fixture
@@ -76,6 +78,52 @@ async def test_a_full_lane_refuses_at_once_with_queue_full(counter):
     finally:
         gate.set()
         await asyncio.gather(*busy)
+
+
+async def test_a_task_takes_the_share_of_a_place_its_size_is():
+    """The lane holds `max_waiting` large tasks behind the one in progress; a task smaller than
+    `LARGE_TASK` characters (or bytes) takes that share of a place, one without a size a whole place."""
+    lane = BulkLane(max_waiting=1)  # two places: the one in progress, one waiting
+    gate = threading.Event()
+    held = [asyncio.create_task(lane.run(gate.wait, 10))]  # a whole place
+    await asyncio.sleep(0)  # the task above has reached the lane
+    try:
+        half = LARGE_TASK // 2
+        held += [asyncio.create_task(lane.run(gate.wait, 10, size=half)) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert lane.busy == 3 and not lane.has_room(1)
+        with pytest.raises(LaneFull):
+            await lane.run(int, size=1)
+    finally:
+        gate.set()
+        await asyncio.gather(*held)
+    assert lane.has_room(10 * LARGE_TASK)  # a task over LARGE_TASK takes one place, no more
+    lane.close()
+
+
+async def test_a_batch_of_prompts_a_little_over_the_inline_size_queues_in_the_lane(tiny_model_path):
+    """A batch's worth of prompts that each share a system prompt a little over INLINE_CHARS (so each
+    is counted in the lane; over a thousand tokens here) arrives while the lane is busy: all of them
+    queue and are counted. Before, the lane took 16 tasks whatever their size and refused the other 16 with
+    503 queue_full, the words of a full batch, with nothing running."""
+    counter = PromptCounter({"m": tiny_model_path})  # the lane as the agent has it
+    await counter.warm(["m"])  # the tokenizer loaded: nothing before the lane waits
+    words = "river mountain apple stream batch model token quiet room copper wire north wind paper "
+    system = {"role": "system", "content": (words * (INLINE_CHARS // len(words) + 8))[: INLINE_CHARS + 300]}
+    gate = threading.Event()
+    held = asyncio.create_task(counter.lane.run(gate.wait, 10))
+    counts = [asyncio.create_task(counter.prompt_ids("m", [system, {"role": "user", "content": f"question {i}"}]))
+              for i in range(DEFAULT_BATCH_SIZE)]
+    await asyncio.sleep(0)  # every task above has reached the lane (queued, or refused before)
+    queued = counter.lane.busy
+    gate.set()
+    await held
+    ids = await asyncio.gather(*counts, return_exceptions=True)
+    assert queued == 1 + DEFAULT_BATCH_SIZE
+    assert [i for i in ids if isinstance(i, BaseException)] == []
+    assert ids[0] == await counter.prompt_ids("m", [system, {"role": "user", "content": "question 0"}])
+    assert all(len(i) > 1000 for i in ids)
+    counter.lane.close()
 
 
 class Body:

@@ -34,6 +34,8 @@ from protocol import EncryptedPayload, InferenceRequest
 from protocol.crypto import ProviderIdentity
 from provider.config import Settings
 from provider.jobs import JobContext, JobOutcome, run_job
+from provider.request.lanes import MAX_WAITING
+from provider.request.tokens import INLINE_CHARS
 from provider.runtime import Runtime
 
 SMALL_MACHINE = {"memory_limit_gb": 3.5, "memory_reserve_gb": 0.5}
@@ -351,6 +353,25 @@ async def test_admission_never_exceeds_what_the_engine_runs_at_once(job_rig, tin
     assert all(rig.of(rid)[0]["status_code"] == 503 for rid in refused)
     (slot,) = manager.capacity().slots
     assert slot.max_concurrency <= batch
+
+
+async def test_a_batch_of_prompts_counted_in_the_bulk_lane_is_served_whole(job_rig, tiny_model_path):
+    """As many requests as the engine runs at once, all at once on an idle model, each a shared
+    system prompt a little over INLINE_CHARS (so each is counted in the bulk lane) and a short
+    question: every one is accepted and completed. Before, the lane took 16 of them and refused the
+    others with 503 queue_full, the words of a full batch, while nothing ran."""
+    rig = await job_rig({"m": tiny_model_path}, memory_limit_gb=8.0, memory_reserve_gb=0.5)
+    manager = rig.runtime.manager
+    await manager.ensure_loaded("m")
+    batch = manager.max_concurrency("m")
+    assert batch > 1 + MAX_WAITING
+    words = "river mountain apple stream batch model token quiet room copper wire north wind paper "
+    system = {"role": "system", "content": (words * (INLINE_CHARS // len(words) + 8))[: INLINE_CHARS + 300]}
+    requests = [rig.request(f"q{i}", {"model": "m", "temperature": 0, "max_tokens": 2, "messages": [
+        system, {"role": "user", "content": f"question {i}"}]}) for i in range(batch)]
+    outcomes = await asyncio.gather(*(rig.run(r) for r in requests))
+    refused = [rig.of(r.request_id)[0] for r, o in zip(requests, outcomes) if o is not JobOutcome.COMPLETED]
+    assert refused == []
 
 
 async def test_a_mass_disconnect_frees_the_room_for_the_next_wave(job_rig, small_model_path):

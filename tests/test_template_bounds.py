@@ -568,9 +568,9 @@ async def test_a_short_prompt_its_template_makes_long_is_counted_in_the_lane(tmp
     counter = PromptCounter({"m": repeats})
     in_lane = []
 
-    async def run(fn, *args):
+    async def run(fn, *args, size=None):
         in_lane.append(fn.__name__)
-        return await counter.lane.run(fn, *args)
+        return await counter.lane.run(fn, *args, size=size)
 
     try:
         messages = [{"role": "user", "content": "a few words " * 85}]  # 1,020 characters

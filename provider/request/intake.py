@@ -49,8 +49,10 @@ from provider.request.tokens import (
     ToolsUnsupported,
     UnknownModel,
 )
+from provider.telemetry import get_logger
 
 T = TypeVar("T")
+log = get_logger("provider.request.intake")
 
 INLINE_BYTES = 64 * 1024  # bodies read on the loop (well under a millisecond); larger ones go to the bulk lane
 BODY_COPIES = 4  # the sealed body, its plaintext, the parsed strings, the rendered prompt
@@ -100,30 +102,34 @@ def lane_full() -> Failure:
 class Ticket:
     """One request's passage through the intake: runs its steps inline or in the lane."""
 
-    def __init__(self, intake: Intake, request_id: str, inline: bool) -> None:
+    def __init__(self, intake: Intake, request_id: str, inline: bool, body_bytes: int = 0) -> None:
         self._intake = intake
         self.request_id = request_id
         self.inline = inline
+        self._body_bytes = body_bytes
         self._open_tasks = 0
         self._closed = False
         self._ledger_id = f"prompt:{request_id}"
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)`: on the loop for a small body, in the bulk lane for a large one."""
+        """`fn(*args)` on the body: on the loop for a small body, in the bulk lane for a large one."""
         if self.inline:
             return fn(*args)
-        return await self.in_lane(fn, *args)
+        return await self.in_lane(fn, *args, size=self._body_bytes)
 
-    async def in_lane(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` in the bulk lane; a large body's reservation outlives it until it ends."""
+    async def in_lane(self, fn: Callable[..., T], *args: Any, size: int | None = None) -> T:
+        """`fn(*args)` in the bulk lane, `size` the characters (or bytes) it works on (`BulkLane.run`);
+        a large body's reservation outlives it until it ends."""
         track = not self.inline
         if track:
             self._open_tasks += 1
+        lane = self._intake.counter.lane
         try:
-            return await self._intake.counter.lane.run(fn, *args, on_done=self._task_done if track else None)
+            return await lane.run(fn, *args, on_done=self._task_done if track else None, size=size)
         except LaneFull:
             if track:
                 self._open_tasks -= 1
+            log.info("bulk_lane_full", request_id=self.request_id, queued=lane.busy)
             raise Refusal(lane_full()) from None
 
     async def prompt_ids(self, model_id: str, messages, *, tools=(), limit: int | None) -> list[int]:
@@ -167,9 +173,10 @@ class Intake:
     async def ticket(self, request_id: str, body_bytes: int) -> AsyncIterator[Ticket]:
         """A ticket for a body of `body_bytes`; a large one reserves its working memory first."""
         inline = body_bytes <= INLINE_BYTES
-        ticket = Ticket(self, request_id, inline)
+        ticket = Ticket(self, request_id, inline, body_bytes)
         if not inline:
-            if not self.counter.lane.has_room():
+            if not self.counter.lane.has_room(body_bytes):
+                log.info("bulk_lane_full", request_id=request_id, queued=self.counter.lane.busy)
                 raise Refusal(lane_full())
             nbytes = working_bytes(body_bytes, self.max_context_tokens())
             if isinstance(self.ledger.reserve(ticket._ledger_id, ReservationKind.PROMPT, nbytes), Rejection):

@@ -72,7 +72,7 @@ from provider.telemetry import get_logger
 log = get_logger("provider.request.tokens")
 
 TokenizerLoader = Callable[[Path], Any]
-LaneRunner = Callable[..., Awaitable[Any]]  # (fn, *args) -> fn(*args) on the bulk lane
+LaneRunner = Callable[..., Awaitable[Any]]  # (fn, *args, size=chars) -> fn(*args) on the bulk lane
 # What mlx-lm's own Python renderers (in-process) raise for messages they cannot render.
 _TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError)
 
@@ -260,14 +260,14 @@ class PromptCounter:
         size = (chars if chars is not None else _text_chars(messages)) + text_size(tools)
         try:
             if vision or size > INLINE_CHARS:
-                return await run(self._bulk_ids, model_id, entry, msgs, tools, limit)
+                return await run(self._bulk_ids, model_id, entry, msgs, tools, limit, size=size)
             if entry.template is None:
                 ids = _encode_in_process(entry.tokenizer, msgs, tools)
             else:
                 rendered = await renderer(Lane.INTERACTIVE).arender(entry.template, msgs, add_generation_prompt=True,
                                                                     extra=_tools_extra(tools), timeout_s=self._timeout_s)
                 if len(rendered) > INLINE_RENDERED_CHARS:
-                    return await run(self._counted, model_id, entry, rendered, limit)
+                    return await run(self._counted, model_id, entry, rendered, limit, size=len(rendered))
                 ids = _encode(entry.tokenizer, rendered)
         except TemplateExceeded as exc:
             self._mark_unservable(model_id, exc.bound)
@@ -287,7 +287,7 @@ class PromptCounter:
         ``lanes.LaneFull``; a vision model's processor has no plain encoder (``is_vision``)."""
         entry = await self._entry(model_id)
         if len(text) > INLINE_RENDERED_CHARS:
-            return await (run or self._lane.run)(self._counted, model_id, entry, text, limit, True)
+            return await (run or self._lane.run)(self._counted, model_id, entry, text, limit, True, size=len(text))
         ids = _encode(entry.tokenizer, text, special=True)
         if limit is not None and len(ids) >= limit:
             raise PromptTooLong(len(ids), exact=True)
