@@ -23,7 +23,9 @@ File layout (one file per cached prefix, in the model's directory), format 2:
 The closed latch: `purge(model)` closes the model's directory
 under the lock and then deletes it. A write checks the latch before writing and again after the
 rename; if a purge closed it in between, the write deletes its own file (and the directory it may
-have re-created), so a write racing a purge never leaves a file behind.
+have re-created), so a write racing a purge never leaves a file behind. A purge whose delete lands
+during the write (the temp file made, not yet renamed) makes the rename fail: with the latch
+closed that is the same race (`RACED_PURGE`), not an error of the disk.
 
 MLX-free: callers hand in `HostCache` values (`kvcache/state` converts on the engine thread).
 """
@@ -151,7 +153,14 @@ class SsdStore:
         except OSError:
             self._forget(d, key, name)
             final.unlink(missing_ok=True)
-            raise
+            with self._lock:
+                closed = d.closed
+            if not closed:
+                raise
+            # A purge deleted the folder while we wrote (the rename found no temp file, or
+            # no folder): the race the latch is for, not a failing disk.
+            _rmdir_if_empty(d.path)
+            return WriteOutcome.RACED_PURGE
         # Post-write re-check: a purge that closed the latch while we wrote must not find (or
         # leave) our file. Everything it deleted before our rename we delete here ourselves.
         with self._lock:

@@ -234,6 +234,46 @@ def test_write_racing_purge_from_another_thread(tmp_path: Path) -> None:
     assert result == [WriteOutcome.RACED_PURGE] and files_under(tmp_path) == []
 
 
+def test_a_purge_that_removes_the_directory_during_the_write_is_the_same_race(tmp_path: Path, monkeypatch) -> None:
+    """The purge's delete lands while the file is being written (its temp file made, not yet renamed):
+    the rename finds neither the temp file nor the folder. That is the race the latch is for, not a
+    failing disk: the write says RACED_PURGE and leaves nothing (before: FileNotFoundError, logged as
+    a failed write with its traceback, at an unload that met a write in progress)."""
+    import kvcache.ssd
+
+    store = make_store(tmp_path)
+    real_write = kvcache.ssd.atomic_write
+
+    def write_while_purged(path, data, **kw) -> None:
+        def pieces():
+            store.purge(MODEL)  # the folder and the temp file in it go
+            yield from data
+        real_write(path, pieces(), **kw)
+
+    monkeypatch.setattr(kvcache.ssd, "atomic_write", write_while_purged)
+    assert store.write(MODEL, WEIGHTS, [4, 5, 6], host_cache(3)) is WriteOutcome.RACED_PURGE
+    assert files_under(tmp_path) == [] and list(tmp_path.iterdir()) == []
+    assert store.disk_bytes() == 0
+
+
+def test_a_failing_disk_still_fails_the_write(tmp_path: Path, monkeypatch) -> None:
+    """Without a purge, an OSError of the write is the caller's (it logs it): nothing is left behind."""
+    import errno
+
+    import kvcache.ssd
+
+    store = make_store(tmp_path)
+
+    def full_disk(path, data, **kw) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(kvcache.ssd, "atomic_write", full_disk)
+    with pytest.raises(OSError):
+        store.write(MODEL, WEIGHTS, [4, 5, 6], host_cache(3))
+    assert files_under(tmp_path) == [] and store.disk_bytes() == 0
+    assert store.lookup(MODEL, [4, 5, 6]) is None
+
+
 def test_budget_is_min_of_configured_and_half_free(tmp_path: Path) -> None:
     assert DiskBudget(tmp_path, 10 * GiB, free_bytes_fn=lambda _: 8 * GiB).limit_bytes() == 4 * GiB
     assert DiskBudget(tmp_path, 1 * GiB, free_bytes_fn=lambda _: 8 * GiB).limit_bytes() == 1 * GiB
