@@ -7,7 +7,8 @@ the room left for weights, `X = eff_cap − MIN_KV − A − baseline`, and deri
 `A` from it, so the only thing that differs from a real 4 GiB machine is A. On disk
 M (medium) ≈ 394.3 MB, S (small) ≈ 50.4 MB, T (tiny) ≈ 5.3 MB; resident ≈ the same; padded = ×1.2.
 
-``rigs`` (a fixture) makes rigs: ``make, baseline = rigs; rig = make(paths, room_for_weights, **manager_kw)``.
+``rigs`` (a fixture) makes rigs: ``make, baseline = rigs; rig = make(paths, room_for_weights, **manager_kw)``
+(``engine_options=`` an `EngineOptions` for the rig's engine).
 After every test: unload_all, the ledger is empty, the engine holds no model, and MLX active memory is
 back to its baseline.
 """
@@ -21,7 +22,7 @@ import mlx.core as mx
 import pytest
 
 from memory import MIN_KV_BYTES, GiB, Ledger, Probe, compute_figures, resolve_settings
-from provider.engine import ChatRequest, Engine, Finished, SamplingParams
+from provider.engine import ChatRequest, Engine, EngineOptions, Finished, SamplingParams
 from provider.models import Inventory, discover
 from provider.slots import ModelManager
 
@@ -39,7 +40,8 @@ def params(n: int) -> SamplingParams:
 class Rig:
     """One engine + ledger + manager over chosen models, with the figures worked out above."""
 
-    def __init__(self, paths: dict[str, Path], room_for_weights: int, baseline: int, **manager_kw) -> None:
+    def __init__(self, paths: dict[str, Path], room_for_weights: int, baseline: int, *,
+                 engine_options: EngineOptions | None = None, **manager_kw) -> None:
         self.inventory = discover(hf_cache=None, aliases=paths)
         assert {m.id for m in self.inventory.models} == set(paths), self.inventory.skipped
         self.probe = Probe(memory_limit_gb=LIMIT_GB)
@@ -53,7 +55,7 @@ class Rig:
         self.figures = compute_figures(self.probe.machine_bytes, settings)
         assert self.figures.effective_cap_bytes == 2 * GiB
         self.ledger = Ledger(self.figures, sample=self.probe.snapshot)
-        self.engine = Engine()
+        self.engine = Engine(engine_options)
         self.manager_kw = manager_kw
         self.manager = self.build()
 
