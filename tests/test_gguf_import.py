@@ -16,6 +16,7 @@ import pytest
 from gguf import quants
 from gguf.constants import GGMLQuantizationType as T
 
+from cli_runner import run_cli
 from gguf_files import export_gguf, permute, raw_blocks
 from provider import cli
 from provider.importing import ImportFailed, Source, resolve, run
@@ -309,3 +310,16 @@ def test_resolve_names_the_file_or_the_ollama_model(tmp_path, f32_gguf):
     assert resolve(str(f32_gguf)).model_id == "tiny-f32"
     with pytest.raises(ImportFailed, match="not a file"):
         resolve(str(tmp_path))
+
+
+def test_the_command_line_says_one_line_and_exits_1(tmp_path):
+    (tmp_path / "x.gguf").write_bytes(b"GGUF" + b"\xff" * 20)
+    out = run_cli("import", str(tmp_path / "x.gguf"), home=tmp_path)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        "darkbloom-provider: import: x.gguf: GGUF version 4294967295; versions 2 and 3 are read"], out.stderr
+    (tmp_path / "big.gguf").write_bytes(b"GGUF" + (3).to_bytes(4, "big") + b"\0" * 16)
+    out = run_cli("import", str(tmp_path / "big.gguf"), home=tmp_path)
+    assert out.returncode == 1 and "a big-endian GGUF, which MLX cannot use" in out.stderr
+    assert not (tmp_path / ".local" / "share" / "darkbloom" / "models").exists() or not any(
+        (tmp_path / ".local" / "share" / "darkbloom" / "models").iterdir())

@@ -200,7 +200,7 @@ def parse_header(view: memoryview, path: Path, *, strings: bool = True) -> GgufH
     cur.pos = 4
     version = cur.unpack(_U32)
     if version not in VERSIONS:
-        if version > 0xFFFF:  # the byte-swapped version of a big-endian file
+        if int.from_bytes(version.to_bytes(4, "little"), "big") in VERSIONS:  # a big-endian file's version
             raise GgufError(f"{name}: a big-endian GGUF, which MLX cannot use")
         raise GgufError(f"{name}: GGUF version {version}; versions {VERSIONS[0]} and {VERSIONS[-1]} are read")
     tensor_count, key_count = cur.unpack(_U64), cur.unpack(_U64)
