@@ -7,6 +7,7 @@ from provider.engine.commands import ReleaseHook
 from provider.engine.engine import Engine, RequestStream
 from provider.engine.options import EngineOptions
 from provider.engine.types import (
+    Calibrated,
     ChatRequest,
     EngineError,
     EngineFailure,
@@ -15,6 +16,7 @@ from provider.engine.types import (
     Finished,
     FinishReason,
     LoadedModelInfo,
+    LoadPhase,
     ModelStats,
     SamplingParams,
     TextDelta,
@@ -24,6 +26,7 @@ from provider.engine.types import (
 )
 
 __all__ = [
+    "Calibrated",
     "ChatRequest",
     "Engine",
     "EngineError",
@@ -34,6 +37,7 @@ __all__ = [
     "Finished",
     "FinishReason",
     "LoadedModelInfo",
+    "LoadPhase",
     "ModelStats",
     "ReleaseHook",
     "RequestStream",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from provider.engine.types import ChatRequest, EngineError, EngineFailure, Event
+from provider.engine.types import ChatRequest, EngineError, EngineFailure, Event, LoadPhase
 
 log = logging.getLogger("provider.engine")
 
@@ -39,6 +39,8 @@ class Load:
     reply: Future
     vision: bool = False  # a vision-language model: load it with mlx-vlm
     kv_bits: int | None = None  # keep its KV quantized to these bits inside the batch (kvcache/quantized.py)
+    # Called on the engine thread as each step of the load ends (`LoadPhase`); must not block.
+    progress: Callable[[LoadPhase], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,6 +57,7 @@ from provider.engine.types import (
     Failed,
     Finished,
     LoadedModelInfo,
+    LoadPhase,
     ModelStats,
     TextDelta,
 )
@@ -82,6 +83,18 @@ def _wait_for_os_thread_exit(native_id: int | None, limit: float = 2.0) -> None:
 
 
 GIL_SWITCH_INTERVAL_S = 0.0005  # see Engine.__init__
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, call: Callable[[LoadPhase], None]) -> Callable[[LoadPhase], None]:
+    """`call` for the engine thread: scheduled on `loop` (dropped once the loop is closed)."""
+
+    def scheduled(phase: LoadPhase) -> None:
+        try:
+            loop.call_soon_threadsafe(call, phase)
+        except RuntimeError:  # the loop is closed: nobody waits for the load any more
+            pass
+
+    return scheduled
 
 
 class _End(enum.Enum):
@@ -185,16 +198,21 @@ class Engine:
     # -- model lifecycle (driven by the model manager) ---------------------------------------
 
     async def load(self, model_id: str, path: str | Path, *, eos_token_ids: frozenset[int] | None = None,
-                   vision: bool = False, kv_bits: int | None = None) -> LoadedModelInfo:
-        """Load and evaluate a model's weights on the worker thread.
+                   vision: bool = False, kv_bits: int | None = None,
+                   on_progress: Callable[[LoadPhase], None] | None = None) -> LoadedModelInfo:
+        """Load and evaluate a model's weights on the worker thread, then (a text model) measure and
+        warm it on a time budget (`EngineOptions.measure_budget_s`, loading.py).
 
         `eos_token_ids` replaces the tokenizer's EOS set (tests use it for deterministic stops).
         `vision`: a vision-language model, loaded with mlx-vlm (the `vision` extra).
         `kv_bits` (8 or 4): every sequence of the model keeps its KV quantized inside the batch; a model
         whose cache is not plain KV, or a vision model, is refused (LOAD_FAILED): `LoadedModelInfo.kv_bits`
-        says what was loaded. Raises `EngineError` with LOAD_FAILED or MODEL_ALREADY_LOADED.
+        says what was loaded. `on_progress(phase)` is called on this loop as each step of the load ends
+        (every call before the load returns). Raises `EngineError` with LOAD_FAILED or MODEL_ALREADY_LOADED.
         """
-        return await self._call(lambda reply: Load(model_id, Path(path), eos_token_ids, reply, vision, kv_bits))
+        progress = None if on_progress is None else _on_loop(asyncio.get_running_loop(), on_progress)
+        return await self._call(lambda reply: Load(model_id, Path(path), eos_token_ids, reply, vision, kv_bits,
+                                                   progress))
 
     async def unload(self, model_id: str) -> None:
         """Fail the model's requests (MODEL_UNLOADED), drop every reference, gc, clear MLX's cache."""

@@ -1,4 +1,4 @@
-"""Loading a model on the engine thread: weights, the generator, and what is measured at load."""
+"""Loading a model on the engine thread: weights, the generator, and what is measured and warmed at load."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import time
 from collections.abc import Callable
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx_lm
+from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
@@ -17,11 +19,12 @@ from kvcache.quantized import quantizable
 from memory.settle import clear_buffer_cache
 from provider.engine import attention
 from provider.engine.active import Slot
-from provider.engine.calibration import Calibration, calibrate
+from provider.engine.budget import MeasureBudget
+from provider.engine.calibration import Calibration, Calibrator
 from provider.engine.commands import Load
 from provider.engine.layout import MAX_WEIGHT_BYTES, on_cpu, transpose_weights
-from provider.engine.prefill import pass_costs, solo_threshold, split_head
-from provider.engine.types import EngineError, EngineFailure, LoadedModelInfo
+from provider.engine.types import Calibrated, EngineError, EngineFailure, LoadedModelInfo, LoadPhase
+from provider.engine.warmup import warm
 from provider.models.kv import ALLOC_STEP
 from provider.models.metadata import context_length
 
@@ -29,6 +32,7 @@ log = logging.getLogger("provider.engine")
 
 # Caches that grow with the sequence (recurrent state has a constant size and is not per token).
 _GROWING_CACHES = (KVCache, RotatingKVCache, QuantizedKVCache)
+WEIGHT_PART_BYTES = 256 << 20  # the weights are read (evaluated) this much at a time, a progress step each
 
 
 def on_cpu_unless(setting: bool | None) -> bool:
@@ -37,14 +41,17 @@ def on_cpu_unless(setting: bool | None) -> bool:
 
 
 def load_text(cmd: Load, generator: Callable[[object, frozenset[int]], BatchGenerator], *,
-              weight_layout: bool | None, solo_min_tokens: int | None) -> Slot:
-    """A text model loaded through mlx-lm, its generator made, its solo prefill and rates measured.
-    Raises `EngineError(LOAD_FAILED)` for any broken model folder."""
+              weight_layout: bool | None, solo_min_tokens: int | None, measure_budget_s: float | None) -> Slot:
+    """A text model loaded through mlx-lm, its generator made, then on the load's budget (budget.py):
+    its solo prefill calibrated, the shapes serving uses warmed (warmup.py), its rates timed
+    (calibration.py). Each step ends with a `LoadPhase` to `cmd.progress`. Raises
+    `EngineError(LOAD_FAILED)` for any broken model folder."""
+    progress = cmd.progress or _no_progress
     before = mx.get_active_memory()
     started = time.monotonic()
     try:
         model, tokenizer, config = mlx_lm.load(str(cmd.path), lazy=True, return_config=True)
-        mx.eval(model.parameters())
+        read_weights(model, lambda: progress(LoadPhase.WEIGHTS))
         # One weight's copy at a time, within the load's estimate (on-disk bytes x 1.2).
         bound = min(MAX_WEIGHT_BYTES, (mx.get_active_memory() - before) // 10)
         transposed = transpose_weights(model, max_bytes=bound) if on_cpu_unless(weight_layout) else 0
@@ -76,75 +83,74 @@ def load_text(cmd: Load, generator: Callable[[object, frozenset[int]], BatchGene
             slot.generator.close()
             raise EngineError(EngineFailure.LOAD_FAILED)
         slot.kv_bits = cmd.kv_bits
-    _calibrate(slot, solo_min_tokens)
-    rates = _timed_rates(slot)
+    progress(LoadPhase.WEIGHTS_READ)
+    budget = MeasureBudget.after_weights(weights_s, measure_budget_s)
+    calibrator = Calibrator(model, budget)
+    solo_from = _calibrate(slot, calibrator, solo_min_tokens)
+    progress(LoadPhase.SOLO_CALIBRATED)
+    calibrated = time.monotonic()
+    warmed = warm(slot, budget, calibrator.passes, on_shape=lambda shape: progress(LoadPhase.WARM_SHAPE))
     measured = time.monotonic()
-    warm(slot)
+    rates = _timed_rates(slot, calibrator)
+    progress(LoadPhase.RATES_TIMED)
     done = time.monotonic()
     slot.info = dataclasses.replace(
         info, solo_min_tokens=slot.solo_min_tokens if slot.split is not None else None,
         prefill_tps=rates.prefill_tps, decode_tps=rates.decode_tps, load_seconds=done - started, kv_bits=slot.kv_bits,
-        weights_seconds=weights_s, measure_seconds=measured - started - weights_s, warm_seconds=done - measured)
+        weights_seconds=weights_s, measure_seconds=(calibrated - started - weights_s) + (done - measured),
+        warm_seconds=measured - calibrated, measure_budget_seconds=budget.seconds, solo_from=solo_from,
+        rates_from=rates.source, warm_shapes=len(warmed.served), warm_skipped=len(warmed.skipped))
     return slot
 
 
-# Two prompts of different lengths: a padded prefill pass, as a burst makes one (token ids any vocabulary has).
-_WARM_PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3])
-_WARM_TOKENS = 3
-_WARM_CALLS = 12  # far more generator calls than the two prompts need
+def read_weights(model: nn.Module, on_part: Callable[[], None]) -> None:
+    """Evaluate a lazily loaded model's weights (read them from disk) a part at a time, `on_part()`
+    after each part of about `WEIGHT_PART_BYTES`: a long read reports its progress."""
+    part_bytes = WEIGHT_PART_BYTES
+    part: list[mx.array] = []
+    size = 0
+    for _, array in tree_flatten(model.parameters()):
+        part.append(array)
+        size += array.nbytes
+        if size >= part_bytes:
+            mx.eval(part)
+            on_part()
+            part, size = [], 0
+    if part:
+        mx.eval(part)
+        on_part()
 
 
-def warm(slot: Slot) -> None:
-    """Serve once before the first request does: two prompts through the slot's own generator, a
-    padded prefill wave and decode steps of the two-row batch, so the kernels serving uses exist (MLX's
-    CUDA backend builds each on first use: an 8B model's first prefill took 20 s on an H200). An edge:
-    a failure only means the first request pays it."""
-    generator = slot.generator
-    try:
-        with mx.stream(generator.stream):
-            uids = generator.insert([list(p) for p in _WARM_PROMPTS], max_tokens=[_WARM_TOKENS] * len(_WARM_PROMPTS))
-            for _ in range(_WARM_CALLS):
-                generator.next()
-                if not (generator._unprocessed_sequences or len(generator._prompt_batch)
-                        or len(generator._generation_batch)):
-                    break
-            else:
-                generator.remove(uids)
-    except Exception:  # an edge: see the docstring
-        log.exception("warm-up failed", extra={"model_id": slot.info.model_id})
-    finally:
-        clear_buffer_cache()
+def _no_progress(phase: LoadPhase) -> None:
+    pass
 
 
-def _calibrate(slot: Slot, solo_min_tokens: int | None) -> None:
-    """Whether and from how many tokens a prompt is prefilled alone (prefill.py)."""
-    if solo_min_tokens == 0:
-        return  # solo prefill off
+def _calibrate(slot: Slot, calibrator: Calibrator, solo_min_tokens: int | None) -> Calibrated:
+    """Whether and from how many tokens a prompt is prefilled alone (prefill.py, calibration.py)."""
     try:
         with mx.stream(slot.generator.stream):
-            slot.split = split_head(slot.model)
-            if slot.split is None:
-                return
-            if solo_min_tokens is not None:
-                slot.solo_min_tokens = solo_min_tokens
-                return
-            slot.solo_min_tokens = solo_threshold(pass_costs(slot.model))
+            solo = calibrator.solo(solo_min_tokens)
     except Exception:  # an edge: without the measurement the model is served as mlx-lm serves it
         log.exception("prefill calibration failed", extra={"model_id": slot.info.model_id})
-        slot.split = None
+        return Calibrated.OFF
     finally:
         clear_buffer_cache()
+    slot.split = solo.split
+    if solo.split is not None:
+        slot.solo_min_tokens = solo.min_tokens
+    return solo.source
 
 
-def _timed_rates(slot: Slot) -> Calibration:
-    """register's prefill_tps / decode_tps: a short timed pass (calibration.py)."""
+def _timed_rates(slot: Slot, calibrator: Calibrator) -> Calibration:
+    """register's prefill_tps / decode_tps (calibration.py)."""
     try:
         with mx.stream(slot.generator.stream):
-            return calibrate(slot.model, slot.split)
-    except Exception:  # an edge: without the pass the rates stay unreported (0)
+            return calibrator.rates()
+    except Exception:  # an edge: without the passes the rates stay unreported (0)
         log.exception("rate calibration failed", extra={"model_id": slot.info.model_id})
-        return Calibration(0.0, 0.0)
+        return Calibration(0.0, 0.0, Calibrated.FALLBACK)
     finally:
+        calibrator.close()
         clear_buffer_cache()
 
 
@@ -171,6 +177,8 @@ def load_vision(cmd: Load) -> tuple[LoadedModelInfo, object]:
         vocab_size=int(text.get("vocab_size") or vlm.config.get("vocab_size") or len(vlm.tokenizer)),
         load_seconds=time.monotonic() - started, vision=True, image_text_tokens=wrapper,
         cpu_attention=attention.enabled())
+    if cmd.progress is not None:
+        cmd.progress(LoadPhase.WEIGHTS_READ)
     return info, vlm
 
 

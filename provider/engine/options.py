@@ -29,7 +29,9 @@ class EngineOptions:
     `stream_interval_s`: in a large batch, text after a request's first token is delivered at most this
     often, several tokens at a time (delivery.py); 0: every token as it comes.
     `vision_prefill_step`: prompt tokens per prefill step of a vision request (each step is interleaved
-    with the text batch)."""
+    with the text batch).
+    `measure_budget_s`: seconds a text model's load may spend on its measurements and warm-up after
+    reading its weights (budget.py); None: the larger of a few seconds and a multiple of the read."""
 
     batch_size: int = DEFAULT_BATCH_SIZE
     limits: MlxLimits | None = None
@@ -40,12 +42,15 @@ class EngineOptions:
     cpu_attention: bool | None = None
     stream_interval_s: float = 0.0
     vision_prefill_step: int = DEFAULT_PREFILL_STEP
+    measure_budget_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise ValueError("batch_size must be >= 1")
         if self.prefill_tokens is not None and self.prefill_tokens < 1:
             raise ValueError("prefill_tokens must be >= 1")
+        if self.measure_budget_s is not None and self.measure_budget_s < 0:
+            raise ValueError("measure_budget_s must be >= 0")
 
 
 __all__ = ["DEFAULT_BATCH_SIZE", "EngineOptions"]

@@ -19,14 +19,14 @@ Three facts make it cost nothing:
   as a prompt prefilled inside the batch has it, so the batch grows block by block as it would
   have (mlx-lm's merge keeps exactly the tokens, and every later growth stays off the blocks).
 * `solo_threshold`: a prompt goes solo only when its own pass is long enough that the pass's
-  fixed cost (reading the weights) is a small part of it, from two timed passes at load. On a GPU
-  the fixed cost dominates a short prompt's pass and prompts keep being batched as mlx-lm does.
+  fixed cost (reading the weights) is a small part of it, from passes timed at load
+  (calibration.py, on the load's budget). On a GPU the fixed cost dominates a short prompt's pass
+  and prompts keep being batched as mlx-lm does.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -34,11 +34,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
+from provider.engine.budget import PassCosts
+
 PREFILL_STEP = 2048  # mlx-lm's prefill_step_size: prompt tokens per pass, and per hold (worker.py)
 FIXED_SHARE = 0.1  # solo only when the pass's fixed cost is at most this share of it
-_PROBE = [1, 2, 3, 4, 5, 6, 7, 8]  # token ids any vocabulary has
-_COST_TOKENS = 32
-_COST_RUNS = 3
+# The probe compares what follows the backbone, which is the same for every position: one token (a
+# pass costs seconds a token for a 4-bit model on a CPU). A token id any vocabulary has.
+PROBE = [1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,48 +58,42 @@ class SplitHead:
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def split_head(model: nn.Module) -> SplitHead | None:
-    """The model's backbone and head when its logits are exactly head(backbone(x)), else None."""
+def head_parts(model: nn.Module) -> SplitHead | None:
+    """The model's backbone and head, if it has both (whether its logits are the head of the backbone
+    is `same_logits`'s question)."""
     backbone = getattr(model, "model", None)
     head = getattr(model, "lm_head", None)
     if head is None:  # tied embeddings: the input embedding is the head
         head = getattr(getattr(backbone, "embed_tokens", None), "as_linear", None)
     if not callable(backbone) or not callable(head):
         return None
-    split = SplitHead(backbone, head)
+    return SplitHead(backbone, head)
+
+
+def model_logprobs(model: nn.Module, tokens: Sequence[int], cache: list) -> mx.array:
+    """The whole model's log-probabilities after the last of `tokens`, [1, vocab] (lazy)."""
+    full = model(mx.array([list(tokens)]), cache=cache)[:, -1, :]
+    return full - mx.logsumexp(full, axis=-1, keepdims=True)
+
+
+def same_logits(full: mx.array, parts: mx.array) -> bool:
+    """The probe's verdict: the model's own log-probabilities and its head's of its backbone agree."""
+    return full.shape == parts.shape and mx.allclose(full, parts, rtol=1e-3, atol=1e-3).item()
+
+
+def split_head(model: nn.Module) -> SplitHead | None:
+    """The model's backbone and head when its logits are exactly head(backbone(x)), else None (the
+    probe in one step; a load runs its two passes on its budget, calibration.py)."""
+    split = head_parts(model)
+    if split is None:
+        return None
     try:
-        full = model(mx.array([_PROBE]), cache=make_prompt_cache(model))[:, -1, :]
-        logits = full - mx.logsumexp(full, axis=-1, keepdims=True)
-        parts = split.last_logprobs(_PROBE, make_prompt_cache(model))
-        mx.eval(logits, parts)
+        full = model_logprobs(model, PROBE, make_prompt_cache(model))
+        parts = split.last_logprobs(PROBE, make_prompt_cache(model))
+        mx.eval(full, parts)
     except Exception:  # an architecture whose parts take other arguments: mlx-lm's path
         return None
-    if logits.shape != parts.shape or not mx.allclose(logits, parts, rtol=1e-3, atol=1e-3).item():
-        return None
-    return split
-
-
-@dataclass(frozen=True, slots=True)
-class PassCosts:
-    fixed_s: float  # a pass's cost whatever its length (the weights read once)
-    per_token_s: float
-
-
-def pass_costs(model: nn.Module) -> PassCosts:
-    """Two timed prefill passes (1 and 32 tokens, the best of three each, after a warm-up)."""
-
-    def timed(n: int) -> float:
-        cache = make_prompt_cache(model)
-        started = time.perf_counter()
-        model(mx.array([_PROBE[:1] * n]), cache=cache)
-        mx.eval([c.state for c in cache])  # the KV only, as a prefill pass: the head is never computed
-        return time.perf_counter() - started
-
-    timed(1)
-    one = min(timed(1) for _ in range(_COST_RUNS))  # the best run: a noisy neighbour only adds time
-    many = min(timed(_COST_TOKENS) for _ in range(_COST_RUNS))
-    per_token = max(0.0, (many - one) / (_COST_TOKENS - 1))
-    return PassCosts(max(0.0, one - per_token), per_token)
+    return split if same_logits(full, parts) else None
 
 
 def solo_threshold(costs: PassCosts) -> int:

@@ -36,6 +36,27 @@ class EngineFailure(enum.StrEnum):
         return self in (EngineFailure.REQUEST_EXCEEDS_CONTEXT, EngineFailure.INVALID_REQUEST)
 
 
+class Calibrated(enum.StrEnum):
+    """Where a figure measured at load came from (calibration.py, on the load's budget: budget.py)."""
+
+    MEASURED = "measured"  # timed at its full size
+    EXTRAPOLATED = "extrapolated"  # from shorter timed passes (the budget had no room for the full size)
+    FALLBACK = "fallback"  # the budget was spent first: the documented default
+    SETTING = "setting"  # the operator's setting, nothing measured
+    OFF = "off"  # not measured for this model: solo prefill off or a head that does not split; a vision model
+
+
+class LoadPhase(enum.StrEnum):
+    """A step of a load on the engine thread, reported as it ends (`Engine.load(on_progress=)`): a
+    load that reports steps is making progress (the model manager keeps its waiters)."""
+
+    WEIGHTS = "weights"  # a part of the weights read (one per WEIGHT_PART_BYTES)
+    WEIGHTS_READ = "weights_read"  # every weight read; the generator made
+    SOLO_CALIBRATED = "solo_calibrated"  # the split probe and the pass costs (calibration.py)
+    WARM_SHAPE = "warm_shape"  # one shape of the warm-up served (warmup.py)
+    RATES_TIMED = "rates_timed"  # register's rates (calibration.py)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request generation settings (OpenAI defaults: temperature 1, top_p 1)."""
@@ -194,12 +215,18 @@ class LoadedModelInfo:
     cpu_attention: bool = False  # served with the vectorised CPU softmax (attention.py)
     vision: bool = False  # served through mlx-vlm: takes images
     image_text_tokens: int = 0  # vision: text tokens the processor adds around each image (measured)
-    prefill_tps: float = 0.0  # the timed pass at load (engine/calibration.py); 0: not measured
+    prefill_tps: float = 0.0  # timed at load (engine/calibration.py); 0: not measured
     decode_tps: float = 0.0
-    # Where load_seconds went: reading the weights, the measurements at load, serving once (loading.warm).
+    # Where load_seconds went: reading the weights, the measurements at load, serving once (warmup.py).
     weights_seconds: float = 0.0
     measure_seconds: float = 0.0
     warm_seconds: float = 0.0
+    # The measurements' budget (budget.py) and where each figure came from within it.
+    measure_budget_seconds: float = 0.0
+    solo_from: Calibrated = Calibrated.OFF
+    rates_from: Calibrated = Calibrated.OFF
+    warm_shapes: int = 0  # warm-up shapes served (warmup.py)
+    warm_skipped: int = 0  # ... and left to the first requests (the budget was spent)
     kv_bits: int | None = None  # its KV kept quantized to these bits inside the batch; None: the model's dtype
 
 

@@ -248,7 +248,8 @@ class Worker:
             self._device.wire()  # a vision model is resident too (its steps are ours: nothing else wires)
         else:
             slot = load_text(cmd, self._generator, weight_layout=self._options.weight_layout,
-                             solo_min_tokens=self._options.solo_min_tokens)
+                             solo_min_tokens=self._options.solo_min_tokens,
+                             measure_budget_s=self._options.measure_budget_s)
             slot.generator._generation_batch.while_computing = self._intake  # after the load's own steps
             self._slots[cmd.model_id] = slot
             info = slot.info
