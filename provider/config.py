@@ -254,7 +254,9 @@ class Settings(BaseModel):
         **_allowed("a number of minutes >= 0 (0 = never)"),
     )
     load_wait_timeout_s: float = Field(
-        120.0, gt=0, description="How long a request waits for a load already in progress.",
+        120.0, gt=0, description="How long a request waits for a load in progress to take its next step (a part "
+        "of the weights read, a measurement, a check): a load that keeps moving keeps its requests however long it "
+        "takes; one that stops refuses them (503 capacity_timeout, retryable).",
         **_allowed("a number of seconds > 0"),
     )
     settle_timeout_s: float = Field(

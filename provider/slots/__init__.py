@@ -66,7 +66,8 @@ slot cap reached with nothing evictable → 503 slot_state; resident (or loading
 fit → 503 token_budget (in-flight requests hold it; `available_token_budget` says what fits now)
 or kv_headroom (memory itself is short); `max_batch_size` requests on the model already → 503
 queue_full; being unloaded → 503 slot_state; draining → 503 draining. An admitted request waits
-for its model's load up to `load_wait_timeout_s`, then 503 capacity_timeout.
+for its model's load while the load makes progress: up to `load_wait_timeout_s` after its last step
+(each part of the weights read, each measurement, each check), then 503 capacity_timeout.
 Vision: images for a text model → 415 unsupported_media; media + KV above half the hard cap →
 503 request_exceeds_node; more than `max_vision_requests` requests with images on one model →
 503 queue_full (slot_state).

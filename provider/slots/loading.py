@@ -17,6 +17,10 @@ causes it (`ModelManager.book` / `_book_load`), or the warm-up path plans room a
      + every other reservation, else unload, release, refuse; only then publishes the model as
      LOADED and attaches its prefix cache.
 
+Each step, and each step the engine reports (`Engine.load(on_progress=)`: a part of the weights
+read, the solo calibration, each warm-up shape, the rates), is `ModelSlot.load_moved()`: the requests
+waiting for the load wait `load_wait_timeout_s` from the last one (manager.py `_wait_load`).
+
 Every failure path (a refusal, an engine error, an injected fault, cancellation) undoes the
 engine load if it happened and releases the claim exactly once (`Claim`).
 """
@@ -93,25 +97,27 @@ class Loader:
                 await self._settle_leaving_and_pressure(slot)
             if self._s.draining:
                 return Failure.draining()
-            await self._step(LoadStep.CLAIMED, model_id)
+            await self._step(LoadStep.CLAIMED, slot)
             if slot.info.gguf is not None:  # an Ollama model: imported into its folder first
                 slot.info = await asyncio.to_thread(import_for_load, slot.info)
+                slot.load_moved()
             load_fut = asyncio.ensure_future(
                 self._s.engine.load(model_id, slot.info.path, eos_token_ids=self._eos.get(model_id),
-                                    vision=slot.info.is_vision, kv_bits=slot.info.kv_bits))
-            await self._step(LoadStep.ENGINE_LOADING, model_id)
+                                    vision=slot.info.is_vision, kv_bits=slot.info.kv_bits,
+                                    on_progress=lambda phase: slot.load_moved()))
+            await self._step(LoadStep.ENGINE_LOADING, slot)
             loaded = await self._await_load(model_id, load_fut)
             if loaded.vision and slot.info.vision is not None:  # what the processor adds per image
                 slot.info = dataclasses.replace(slot.info, vision=dataclasses.replace(
                     slot.info.vision, image_text_tokens=loaded.image_text_tokens))
-            await self._step(LoadStep.LOADED, model_id)
+            await self._step(LoadStep.LOADED, slot)
             checked = self._s.clock()
             if not await self._check_kv_per_token(slot):
                 self._count(LoadResult.REFUSED)
                 return Failure.capacity(RejectionReason.MEMORY_CAP)
             await self._s.engine.reclaim()  # mx.clear_cache() on the thread that owns MLX
             snap = self._s.probe.snapshot()
-            await self._step(LoadStep.GUARD, model_id)
+            await self._step(LoadStep.GUARD, slot)
             if self._s.draining:
                 return Failure.draining()
             # MIN_KV of room beyond every reservation, less the KV its own requests already reserved.
@@ -121,7 +127,7 @@ class Loader:
                             headroom_bytes=self._s.figures.live_headroom_bytes(snap),
                             required_bytes=floor + self._s.ledger.outstanding_bytes(excluding=claim.id))
                 self._count(LoadResult.REFUSED)
-                await self._step(LoadStep.GUARD_UNLOAD, model_id)
+                await self._step(LoadStep.GUARD_UNLOAD, slot)
                 return Failure.capacity(RejectionReason.MEMORY_CAP)
             guarded = self._s.clock()
             weight_hash = await self._s.prefix.attach_hash(model_id)  # cached by the runtime: no re-read
@@ -144,6 +150,9 @@ class Loader:
                      measure_s=round(loaded.measure_seconds, 3), warm_s=round(loaded.warm_seconds, 3),
                      check_s=round(guarded - checked, 3), hash_s=round(hashed - guarded, 3),
                      total_s=round(self._s.clock() - started, 3),
+                     measure_budget_s=round(loaded.measure_budget_seconds, 3), solo_from=loaded.solo_from,
+                     rates_from=loaded.rates_from, warm_shapes_count=loaded.warm_shapes,
+                     warm_skipped_count=loaded.warm_skipped,
                      solo_min_tokens=loaded.solo_min_tokens, transposed_weights=loaded.transposed_weights,
                      cpu_attention=loaded.cpu_attention)
             return None
@@ -234,9 +243,11 @@ class Loader:
                 log.error("model_unload_failed", model=model_id, code=exc.code)
         await self._s.engine.reclaim()
 
-    async def _step(self, step: LoadStep, model_id: str) -> None:
+    async def _step(self, step: LoadStep, slot: ModelSlot) -> None:
+        """A step of the load: its waiters' clock starts again (manager.py), then a test's fault, if any."""
+        slot.load_moved()
         if self._fault is not None:
-            await self._fault(step, model_id)
+            await self._fault(step, slot.model_id)
 
     def _count(self, result: LoadResult) -> None:
         if self._s.metrics is not None:

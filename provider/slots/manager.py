@@ -397,6 +397,7 @@ class ModelManager:
             return False
         slot.claim = claim
         slot.state = ModelState.LOADING
+        slot.load_moved()
         slot.load_task = asyncio.create_task(self._loader.load(slot), name=f"load:{slot.model_id}")
         return True
 
@@ -463,7 +464,8 @@ class ModelManager:
         """Wait for the model (and for any unload its booking relies on), pin it, yield a `ServeSlot`.
 
         Without a `booking`, books first (`SlotRefused` when admission refuses). Raises `SlotRefused`
-        before yielding when the load fails or takes longer than `load_wait_timeout_s`. The model is
+        before yielding when the load fails, or makes no progress for `load_wait_timeout_s` (`_wait_load`:
+        a load that takes its steps keeps its waiters, however long it takes). The model is
         never evicted while a request is inside. On exit (cancellation included) a submitted
         request is cancelled in the engine, whose release hook frees its KV; an unsubmitted one's
         KV is released here. A vision model's request (with its checked images, `media`) goes
@@ -483,10 +485,10 @@ class ModelManager:
         slot.pins += 1
         handle: ServeSlot | None = None
         try:
-            deadline = asyncio.get_running_loop().time() + self._load_wait_s
+            arrived = asyncio.get_running_loop().time()
             for task in booking.waits:
-                await self._wait(task, deadline)
-            await self._ensure_loaded(slot, deadline)
+                await self._wait(task, arrived + self._load_wait_s)
+            await self._ensure_loaded(slot, arrived)
             handle = ServeSlot(self._s.engine, slot, booking.reservation, on_cancel=self._cancelling)
             yield handle
         finally:
@@ -514,17 +516,17 @@ class ModelManager:
 
     async def _wait_loaded(self, slot: ModelSlot) -> None:
         """Load the model if no booking did (planning room, evicting and settling as needed), or wait
-        for the load under way; up to `load_wait_timeout_s`. Raises `SlotRefused`."""
-        deadline = asyncio.get_running_loop().time() + self._load_wait_s
+        for the load under way while it makes progress (`_wait_load`). Raises `SlotRefused`."""
+        arrived = asyncio.get_running_loop().time()
         while slot.state is ModelState.UNLOADING and slot.unload_task is not None:
-            await self._wait(slot.unload_task, deadline)
+            await self._wait(slot.unload_task, arrived + self._load_wait_s)
         if slot.state is ModelState.NOT_LOADED:
             if self._s.draining:
                 raise SlotRefused(Failure.draining())
             failure = await self._plan_and_book_load(slot)
             if failure is not None:
                 raise SlotRefused(failure)
-        await self._ensure_loaded(slot, deadline)
+        await self._ensure_loaded(slot, arrived)
 
     async def _plan_and_book_load(self, slot: ModelSlot) -> Failure | None:
         """A load nobody's request booked (warm-up): plan room (evicting idle models and settling),
@@ -554,22 +556,39 @@ class ModelManager:
                     return Failure.capacity(RejectionReason.MEMORY_CAP)
                 return None
 
-    async def _ensure_loaded(self, slot: ModelSlot, deadline: float) -> None:
-        """Wait for the load a booking started (or that another request started)."""
+    async def _ensure_loaded(self, slot: ModelSlot, arrived: float) -> None:
+        """Wait for the load a booking started (or that another request started); `arrived`: the loop's
+        time when the waiter came."""
         while True:
             match slot.state:
                 case ModelState.LOADED:
                     return
                 case ModelState.LOADING:
                     assert slot.load_task is not None
-                    failure = await self._wait(slot.load_task, deadline)
+                    failure = await self._wait_load(slot, slot.load_task, arrived)
                     if failure is not None:
                         raise SlotRefused(failure)
                 case _:  # the load this request was booked with failed (its failure said so) or was undone
                     raise SlotRefused(Failure.model_load_failed())
 
+    async def _wait_load(self, slot: ModelSlot, task: asyncio.Task, arrived: float) -> Failure | None:
+        """Await a shared load task while it makes progress: up to `load_wait_timeout_s` after its last
+        step (loading.py: each part of the weights read, each measurement, each check), or after
+        `arrived`, whichever is later. A load that stalls refuses its waiters (503 capacity_timeout,
+        retryable) and goes on; one that progresses keeps them, however long it takes. The waiter
+        wakes at its deadline, never on a tick: a step since then only moves the deadline on."""
+        loop = asyncio.get_running_loop()
+        while True:
+            deadline = max(arrived, slot.load_moved_at) + self._load_wait_s
+            if deadline <= loop.time():
+                raise SlotRefused(Failure.admission_timeout())
+            try:
+                return await asyncio.wait_for(asyncio.shield(task), deadline - loop.time())
+            except TimeoutError:
+                continue  # the load may have moved meanwhile: the next turn decides
+
     async def _wait(self, task: asyncio.Task, deadline: float):
-        """Await a shared load/unload task without cancelling it for the others, up to `deadline`."""
+        """Await a shared unload task without cancelling it for the others, up to `deadline`."""
         remaining = deadline - asyncio.get_running_loop().time()
         try:
             return await asyncio.wait_for(asyncio.shield(task), max(0.0, remaining))

@@ -116,6 +116,7 @@ class ModelSlot:
         self.vision_requests = 0  # requests with images inside serve() (capped per model)
         self.vision_holds: dict[str, KvHold] = {}  # a vision model's requests: each its own cache
         self.claim: Claim | None = None  # while LOADING: the load's claim, booked with its first request
+        self.load_moved_at = 0.0  # while LOADING: the loop's time of the load's last step (its waiters' clock)
 
     @property
     def model_id(self) -> str:
@@ -136,6 +137,10 @@ class ModelSlot:
     @property
     def resident_bytes(self) -> int:
         return self.loaded.weights_bytes if self.loaded is not None else 0
+
+    def load_moved(self) -> None:
+        """Its load took a step (on the loop): whoever waits for it waits `load_wait_timeout_s` from now."""
+        self.load_moved_at = asyncio.get_running_loop().time()
 
     # -- KV holds (the book: joins on the loop, departures on the engine thread) ------------
 
