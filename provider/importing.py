@@ -198,12 +198,13 @@ def tokenizer_folder(gguf: Path, models_dir: Path) -> Path:
     return out
 
 
-def import_for_load(info: ModelInfo) -> ModelInfo:
+def import_for_load(info: ModelInfo, progress: Callable[[int, int], None] | None = None) -> ModelInfo:
     """An Ollama model's `ModelInfo` once its GGUF is imported into `info.path` as `import ollama:NAME`
     would (a current import is kept): the folder's weight files, the rest as discovery planned it.
-    Blocking: the model manager's load runs it on a worker thread. Raises ImportFailed."""
+    Blocking: the model manager's load runs it on a worker thread (`progress`: after each tensor, from
+    that thread). Raises ImportFailed."""
     assert info.gguf is not None
-    done = run(Source(info.gguf, info.id, info.revision), info.path, info.id)
+    done = run(Source(info.gguf, info.id, info.revision), info.path, info.id, progress=progress)
     found = inspect_model(done.folder, info.id, ModelSource.IMPORTED)
     if isinstance(found, SkippedModel):
         raise ImportFailed(f"the imported folder cannot be served ({found.reason.value})")

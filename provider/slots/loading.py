@@ -99,7 +99,9 @@ class Loader:
                 return Failure.draining()
             await self._step(LoadStep.CLAIMED, slot)
             if slot.info.gguf is not None:  # an Ollama model: imported into its folder first
-                slot.info = await asyncio.to_thread(import_for_load, slot.info)
+                loop = asyncio.get_running_loop()
+                slot.info = await asyncio.to_thread(  # each tensor written is a step of the load
+                    import_for_load, slot.info, lambda *_: loop.call_soon_threadsafe(slot.load_moved))
                 slot.load_moved()
             load_fut = asyncio.ensure_future(
                 self._s.engine.load(model_id, slot.info.path, eos_token_ids=self._eos.get(model_id),
