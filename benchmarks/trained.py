@@ -4,7 +4,8 @@
 * ``f32``: dequantized to float32 (the fast form on MLX's CPU backend; what `make demo` serves on Linux);
 * ``f16`` / ``bf16``: dequantized to float16 / bfloat16 (a GPU's batching form: MLX's 4-bit matmul
   does not batch on CUDA);
-* ``q4``: quantized as the file is (Q4_1, a Q8_0 embedding), float16 scales.
+* ``q4``: quantized as the file is (Q4_1, a Q8_0 embedding); float16 scales on a GPU, float32 where MLX
+  computes on the CPU (which emulates float16).
 
     python benchmarks/trained.py f32        # prints the folder (importing it first if needed)
     python benchmarks/peer_bench.py --model-dir "$(python benchmarks/trained.py f32)"

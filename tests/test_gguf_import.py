@@ -154,13 +154,24 @@ def test_k_types_keep_their_codes_and_the_rest_are_requantized_with_a_note(tmp_p
 
 def test_float32_norms_beside_float16_scales_become_one_dtype(tmp_path, tiny_model_path, capsys):
     gguf = export_gguf(tiny_model_path, tmp_path / "q.gguf", qtype=T.Q4_0)
-    code, out, _ = _cli(capsys, tmp_path, str(gguf), "--out", str(tmp_path / "q"))
+    code, out, _ = _cli(capsys, tmp_path, str(gguf), "--out", str(tmp_path / "q"), "--dtype", "float16")
     assert code == 0
     assert "F32 → float16 (one float dtype for the model)" in out
+    assert "float16 on MLX's CPU backend (this machine) is emulated" in out  # this suite runs on the CPU
     weights = mx.load(str(tmp_path / "q" / "model.safetensors"))
     assert {str(w.dtype) for k, w in weights.items() if not k.endswith(".weight") or w.dtype != mx.uint32} == {
         "mlx.core.float16"}
     assert json.loads((tmp_path / "q" / "config.json").read_text())["torch_dtype"] == "float16"
+
+
+def test_on_the_cpu_a_quantized_model_s_floats_default_to_float32(tmp_path, tiny_model_path, capsys):
+    """MLX's CPU backend emulates float16: the 4-bit SmolLM2 answered ~30x slower with float16 scales."""
+    gguf = export_gguf(tiny_model_path, tmp_path / "q.gguf", qtype=T.Q4_1)
+    code, out, _ = _cli(capsys, tmp_path, str(gguf), "--out", str(tmp_path / "q"))
+    assert code == 0 and "scales and norms as float32: MLX runs on this machine's CPU" in out
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert config["torch_dtype"] == "float32" and config["quantization"]["bits"] == 4
+    assert mx.load(str(tmp_path / "q" / "model.safetensors"))["model.layers.0.mlp.up_proj.scales"].dtype == mx.float32
 
 
 def test_dequantize_gives_llama_cpp_s_values_as_floats(tmp_path, tiny_model_path, capsys):
