@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvcache.bits import KvBits
+
 # Bytes a single copy or cipher call handles: the calls hold the GIL, and the SSD tier's writer
 # thread runs beside the engine thread; a 1 MiB slice is ~0.1 ms of copying, ~0.5 ms of AES-GCM.
 SLICE_BYTES = 1 << 20
@@ -42,13 +44,12 @@ class HostArray:
 @dataclass(frozen=True, slots=True)
 class HostCache:
     """One cached prefix: `tokens` positions, the arrays of each layer: (keys, values), or for KV kept
-    quantized to `kv_bits` in groups of `group_size`, keys then values as `mx.quantize`'s three arrays
-    each (packed values, scales, biases)."""
+    quantized (`kv_bits`), keys then values as `mx.quantize`'s three arrays each (packed values, scales,
+    biases)."""
 
     tokens: int
     layers: tuple[tuple[HostArray, ...], ...]
-    kv_bits: int | None = None
-    group_size: int | None = None
+    kv_bits: KvBits | None = None
 
     @property
     def nbytes(self) -> int:

@@ -3,18 +3,27 @@
 mlx-lm quantizes one sequence's KV (`QuantizedKVCache`: every `group_size` elements of a key or value
 row kept as `bits`-bit integers with a scale and a bias, as `mx.quantize` makes them) and its attention
 reads that form directly (`mlx_lm.models.base.quantized_scaled_dot_product_attention`, two
-`mx.quantized_matmul`s, never a dequantized copy), but its batch has no quantized cache. Here:
+`mx.quantized_matmul`s, never a dequantized copy), but its batch has no quantized cache, and it keeps
+keys and values at the same bits. Here, in the form a `KvBits` names (kvcache/bits.py: keys and values
+each at their own bits):
 
-* `PromptQuantizedKVCache`: mlx-lm's single-sequence cache that a batch can take in (`merge`): a fresh
-  request's, a prefix reused from the prefix cache, a prompt prefilled alone.
+* `PromptQuantizedKVCache`: mlx-lm's single-sequence cache, keys and values at their own bits, that a
+  batch can take in (`merge`): a fresh request's, a prefix reused from the prefix cache, a prompt
+  prefilled alone.
 * `BatchQuantizedKVCache`: mlx-lm's `BatchKVCache` (left-padded rows, `prepare` / `finalize` for a
   right-padded prefill pass, `filter`, `extend`, `extract`, `make_mask`) with every key and value held
   as the three arrays of `mx.quantize`. Rows are quantized one token at a time along the head
   dimension, so a row's quantized KV is the same whatever batch it is in.
+* `quantized_attention`: mlx-lm's quantized attention with the keys' bits and the values' bits each
+  read from their packed arrays (a row of `dim` elements packs into `dim * bits / 32` words). mlx-lm's
+  models call it through `mlx_lm.models.base` with the cache's `group_size` and one `bits`, so
+  importing this module puts it there, in place of mlx-lm's (for keys and values of the same bits it
+  computes what mlx-lm's does). Off Metal the engine thread reads the same form dequantized
+  (provider/engine/attention.py).
 
 The bytes a token costs (provider/models/kv.py counts them for admission): the packed integers plus a
-scale and a bias per group, in the model's dtype: 8 bits in groups of 64 over bfloat16 is 68 bytes
-where 128 were.
+scale and a bias per group, in the model's dtype: over bfloat16, a key row of 64 elements at 8 bits in
+groups of 32 is 72 bytes and a value row at 4 bits 40, where each was 128.
 """
 
 from __future__ import annotations
@@ -23,17 +32,121 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_map
+from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, _BaseCache, dynamic_roll, make_prompt_cache
 
-GROUP_SIZE = 64  # mlx-lm's QuantizedKVCache default (provider/models/kv.py counts the bytes with it)
+from kvcache.bits import GROUP_SIZE, KvBits
+
+Quantized = tuple[mx.array, mx.array, mx.array]  # mx.quantize's packed values, scales, biases
+
+
+def packed_bits(parts: Quantized, group_size: int) -> int:
+    """The bits `mx.quantize` packed `parts` at: a row of `dim` elements (`dim / group_size` scales) is
+    `dim * bits / 32` words."""
+    return parts[0].shape[-1] * 32 // (parts[1].shape[-1] * group_size)
+
+
+def quantized_attention(queries: mx.array, q_keys: Quantized, q_values: Quantized, scale: float, mask,
+                        group_size: int = GROUP_SIZE, bits: int | None = None) -> mx.array:
+    """mlx-lm's `quantized_scaled_dot_product_attention`, with the keys' and the values' bits read from
+    their arrays (`bits`, the one mlx-lm passes, is not needed)."""
+    key_bits, value_bits = packed_bits(q_keys, group_size), packed_bits(q_values, group_size)
+    b, heads, length, dim = queries.shape
+    kv = q_keys[0].shape[-3]
+    rep = heads // kv
+    queries = queries * scale
+    if rep > 1:
+        queries = queries.reshape(b, kv, rep, length, dim)
+        q_keys = tuple(mx.expand_dims(x, -3) for x in q_keys)
+        q_values = tuple(mx.expand_dims(x, -3) for x in q_values)
+    scores = mx.quantized_matmul(queries, *q_keys, transpose=True, group_size=group_size, bits=key_bits)
+    if mask is not None:
+        if isinstance(mask, str):  # causal, aligned to the end of the keys
+            q_len, k_len = scores.shape[-2:]
+            mask = mx.arange(k_len - q_len, k_len)[:, None] >= mx.arange(k_len)[None]
+        if rep > 1 and mask.ndim > 3:
+            mask = mx.expand_dims(mask, -3)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    scores = mx.softmax(scores, axis=-1, precise=True)
+    out = mx.quantized_matmul(scores, *q_values, transpose=False, group_size=group_size, bits=value_bits)
+    return out.reshape(b, heads, length, -1) if rep > 1 else out
+
+
+# mlx-lm's models attend over a cache with `bits` through this name (see the module docstring).
+mlx_lm_quantized_attention = mlx_lm_base.quantized_scaled_dot_product_attention  # mlx-lm's own (one bits)
+mlx_lm_base.quantized_scaled_dot_product_attention = quantized_attention
+
+
+def _zeros(shape: tuple[int, ...], dim: int, bits: int, group_size: int, dtype) -> Quantized:
+    return (mx.zeros((*shape, dim * bits // 32), dtype=mx.uint32),
+            mx.zeros((*shape, dim // group_size), dtype=dtype),
+            mx.zeros((*shape, dim // group_size), dtype=dtype))
+
+
+def _append(held: tuple[Quantized, Quantized] | None, used: int, keys: mx.array, values: mx.array, kv_bits: KvBits,
+            step: int) -> tuple[Quantized, Quantized]:
+    """`held` (the keys' and values' buffers, `used` positions written) with `keys` and `values` quantized
+    and written after them, the buffers grown by whole `step`s of positions when they are full."""
+    batch, heads, n, _ = keys.shape
+    if held is None or used + n > held[0][0].shape[2]:
+        steps = (step + n - 1) // step * step
+        new_k = _zeros((batch, heads, steps), keys.shape[-1], kv_bits.keys, kv_bits.group_size, keys.dtype)
+        new_v = _zeros((batch, heads, steps), values.shape[-1], kv_bits.values, kv_bits.group_size, values.dtype)
+        if held is None:
+            held = new_k, new_v
+        else:
+            if used % step:
+                held = tree_map(lambda x: x[..., :used, :], held)
+            held = (tuple(mx.concatenate([a, b], axis=2) for a, b in zip(held[0], new_k)),
+                    tuple(mx.concatenate([a, b], axis=2) for a, b in zip(held[1], new_v)))
+    q_keys = mx.quantize(keys, group_size=kv_bits.group_size, bits=kv_bits.keys)
+    q_values = mx.quantize(values, group_size=kv_bits.group_size, bits=kv_bits.values)
+    for i in range(3):
+        held[0][i][..., used: used + n, :] = q_keys[i]
+        held[1][i][..., used: used + n, :] = q_values[i]
+    return held
 
 
 class PromptQuantizedKVCache(QuantizedKVCache):
-    """One sequence's quantized KV, which a batch takes in through `merge`."""
+    """One sequence's quantized KV, keys and values at their own bits, which a batch takes in through
+    `merge`. `bits` (what mlx-lm's models look for) is the keys' bits, `value_bits` the values'."""
+
+    def __init__(self, kv_bits: KvBits):
+        super().__init__(group_size=kv_bits.group_size, bits=kv_bits.keys)
+        self.value_bits = kv_bits.values
+
+    @property
+    def kv_bits(self) -> KvBits:
+        return KvBits(self.bits, self.value_bits, self.group_size)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        held = None if self.keys is None else (self.keys, self.values)
+        self.keys, self.values = _append(held, self.offset, keys, values, self.kv_bits, self.step)
+        self.offset += keys.shape[2]
+        return self.keys_and_values()
+
+    @property
+    def state(self):
+        return self.keys, self.values
+
+    @state.setter
+    def state(self, v) -> None:
+        self.keys, self.values = v
+
+    @property
+    def meta_state(self):
+        return tuple(map(str, (self.offset, self.group_size, self.bits, self.value_bits)))
+
+    @meta_state.setter
+    def meta_state(self, v) -> None:
+        self.offset, self.group_size, self.bits, self.value_bits = map(int, v)
 
     @classmethod
-    def merge(cls, caches: Sequence[QuantizedKVCache]) -> BatchQuantizedKVCache:
+    def merge(cls, caches: Sequence[PromptQuantizedKVCache]) -> BatchQuantizedKVCache:
         return BatchQuantizedKVCache.merge(caches)
 
     def size(self) -> int:
@@ -45,55 +158,38 @@ def quantizable(model) -> bool:
     return all(type(c) is KVCache for c in make_prompt_cache(model))
 
 
-def make_quantized_cache(model, bits: int, group_size: int = GROUP_SIZE) -> list[PromptQuantizedKVCache]:
+def make_quantized_cache(model, kv_bits: KvBits) -> list[PromptQuantizedKVCache]:
     """A fresh prompt cache of the model, every layer quantized (`quantizable(model)` must hold)."""
-    return [PromptQuantizedKVCache(group_size=group_size, bits=bits) for _ in make_prompt_cache(model)]
-
+    return [PromptQuantizedKVCache(kv_bits) for _ in make_prompt_cache(model)]
 
 
 class BatchQuantizedKVCache(_BaseCache):
-    """`BatchKVCache` with quantized keys and values (see the module docstring)."""
+    """`BatchKVCache` with quantized keys and values (see the module docstring). `bits` (what mlx-lm's
+    models look for) is the keys' bits, `value_bits` the values'."""
 
     step = 256
 
-    def __init__(self, left_padding: list[int], group_size: int = GROUP_SIZE, bits: int = 8):
-        self.keys: tuple[mx.array, mx.array, mx.array] | None = None
-        self.values: tuple[mx.array, mx.array, mx.array] | None = None
+    def __init__(self, left_padding: list[int], kv_bits: KvBits):
+        self.keys: Quantized | None = None
+        self.values: Quantized | None = None
         self.left_padding = mx.array(left_padding)
         self.offset = mx.array([-p for p in left_padding])
         self._idx = 0
         self._right_padding: mx.array | None = None
-        self.group_size = group_size
-        self.bits = bits
+        self.group_size = kv_bits.group_size
+        self.bits = kv_bits.keys
+        self.value_bits = kv_bits.values
 
-    def _init(self, batch: int, heads: int, steps: int, dim: int, dtype) -> tuple[mx.array, mx.array, mx.array]:
-        per_int = 32 // self.bits
-        shape = (batch, heads, steps)
-        return (mx.zeros((*shape, dim // per_int), dtype=mx.uint32),
-                mx.zeros((*shape, dim // self.group_size), dtype=dtype),
-                mx.zeros((*shape, dim // self.group_size), dtype=dtype))
+    @property
+    def kv_bits(self) -> KvBits:
+        return KvBits(self.bits, self.value_bits, self.group_size)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        batch, heads, n, k_dim = keys.shape
-        prev = self._idx
-        if self.keys is None or prev + n > self.keys[0].shape[2]:
-            steps = (self.step + n - 1) // self.step * self.step
-            new_k = self._init(batch, heads, steps, k_dim, keys.dtype)
-            new_v = self._init(batch, heads, steps, values.shape[3], values.dtype)
-            if self.keys is None:
-                self.keys, self.values = new_k, new_v
-            else:
-                if prev % self.step:
-                    self.keys, self.values = tree_map(lambda x: x[..., :prev, :], (self.keys, self.values))
-                self.keys = tuple(mx.concatenate([a, b], axis=2) for a, b in zip(self.keys, new_k))
-                self.values = tuple(mx.concatenate([a, b], axis=2) for a, b in zip(self.values, new_v))
+        held = None if self.keys is None else (self.keys, self.values)
+        self.keys, self.values = _append(held, self._idx, keys, values, self.kv_bits, self.step)
+        n = keys.shape[2]
         self.offset = self.offset + n
         self._idx += n
-        q_keys = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
-        q_values = mx.quantize(values, group_size=self.group_size, bits=self.bits)
-        for i in range(3):
-            self.keys[i][..., prev:self._idx, :] = q_keys[i]
-            self.values[i][..., prev:self._idx, :] = q_values[i]
         return self.keys_and_values()
 
     def keys_and_values(self):
@@ -134,11 +230,11 @@ class BatchQuantizedKVCache(_BaseCache):
 
     @property
     def meta_state(self):
-        return tuple(map(str, (self._idx, self.group_size, self.bits)))
+        return tuple(map(str, (self._idx, self.group_size, self.bits, self.value_bits)))
 
     @meta_state.setter
     def meta_state(self, v) -> None:
-        self._idx, self.group_size, self.bits = map(int, v)
+        self._idx, self.group_size, self.bits, self.value_bits = map(int, v)
 
     def is_trimmable(self) -> bool:
         return True
@@ -166,6 +262,8 @@ class BatchQuantizedKVCache(_BaseCache):
             self.left_padding = self.left_padding - shift
 
     def extend(self, other: BatchQuantizedKVCache) -> None:
+        if other.kv_bits != self.kv_bits:
+            raise ValueError("quantized KV of other bits cannot join this batch")
         if self.keys is None and other.keys is None:
             self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
             self.offset = mx.concatenate([self.offset, other.offset])
@@ -202,7 +300,7 @@ class BatchQuantizedKVCache(_BaseCache):
 
     def extract(self, idx: int) -> PromptQuantizedKVCache:
         """Row `idx` as one sequence's cache, its padding dropped, exactly its tokens, contiguous."""
-        cache = PromptQuantizedKVCache(group_size=self.group_size, bits=self.bits)
+        cache = PromptQuantizedKVCache(self.kv_bits)
         if self.keys is None:
             return cache
         start = self.left_padding.tolist()[idx]
@@ -212,13 +310,15 @@ class BatchQuantizedKVCache(_BaseCache):
         return cache
 
     @classmethod
-    def merge(cls, caches: Sequence[QuantizedKVCache]) -> BatchQuantizedKVCache:
+    def merge(cls, caches: Sequence[PromptQuantizedKVCache]) -> BatchQuantizedKVCache:
         """Sequences' caches as one batch, right-aligned: each row left-padded to the longest."""
         first = caches[0]
+        if any(c.kv_bits != first.kv_bits for c in caches):
+            raise ValueError("quantized KV of other bits cannot join this batch")
         lengths = [c.offset if c.keys is not None else 0 for c in caches]
         longest = max(lengths)
         if longest == 0:
-            return cls([0] * len(caches), group_size=first.group_size, bits=first.bits)
+            return cls([0] * len(caches), first.kv_bits)
         padding = [longest - n for n in lengths]
         sample = next(c for c in caches if c.keys is not None)
 
@@ -233,7 +333,7 @@ class BatchQuantizedKVCache(_BaseCache):
                 dst[i: i + 1, :, pad: pad + c.offset] = src[..., : c.offset, :]
             for dst, src in zip(values, c.values):
                 dst[i: i + 1, :, pad: pad + c.offset] = src[..., : c.offset, :]
-        batch = cls(padding, group_size=first.group_size, bits=first.bits)
+        batch = cls(padding, first.kv_bits)
         batch.keys, batch.values = keys, values
         batch.offset = batch.offset + longest
         batch._idx = longest
@@ -252,4 +352,5 @@ class BatchQuantizedKVCache(_BaseCache):
         return sum(x.nbytes for x in (*self.keys, *self.values))
 
 
-__all__ = ["GROUP_SIZE", "BatchQuantizedKVCache", "PromptQuantizedKVCache", "make_quantized_cache", "quantizable"]
+__all__ = ["BatchQuantizedKVCache", "PromptQuantizedKVCache", "make_quantized_cache", "mlx_lm_quantized_attention",
+           "packed_bits", "quantizable", "quantized_attention"]

@@ -47,6 +47,7 @@ import msgpack
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+from kvcache.bits import KvBits
 from kvcache.disk import DiskBudget, atomic_write, ensure_private_dir
 from kvcache.host import SLICE_BYTES, HostArray, HostCache
 from kvcache.trie import Key, Match, PrefixIndex
@@ -233,7 +234,7 @@ class SsdStore:
         layers = [[[a.dtype, list(a.shape)] for a in layer] for layer in cache.layers]
         header = {"model": model_id, "weights": weight_hash, "tokens": cache.tokens, "layers": layers}
         if cache.kv_bits is not None:  # quantized KV (kvcache/host.py)
-            header.update(kv_bits=cache.kv_bits, group_size=cache.group_size)
+            header.update(kv_bits=cache.kv_bits.as_json())
         return msgpack.packb(header)
 
     def _seal(self, header: bytes, name: str, cache: HostCache) -> list[bytes]:
@@ -296,7 +297,8 @@ class SsdStore:
             layers.append(tuple(arrays))
         if len(plaintext) != _padme(at):
             raise ValueError("payload length does not match the header")
-        return HostCache(tokens, tuple(layers), kv_bits=header.get("kv_bits"), group_size=header.get("group_size"))
+        kv_bits = header.get("kv_bits")
+        return HostCache(tokens, tuple(layers), kv_bits=None if kv_bits is None else KvBits.from_json(kv_bits))
 
     def _forget(self, d: _ModelDir, key: Key, name: str) -> None:
         with self._lock:

@@ -18,8 +18,9 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from mlx_lm.models.cache import KVCache
 
+from kvcache.bits import KvBits
 from kvcache.host import HostArray, HostCache, copy_sliced
 from kvcache.quantized import PromptQuantizedKVCache
 
@@ -41,18 +42,18 @@ def reusable(cache: Sequence[object]) -> bool:
         return False
     if all(type(c) is KVCache and not c.empty() and c.keys.dtype in _DTYPES for c in cache):
         return True
-    return all(isinstance(c, QuantizedKVCache) and not c.empty() and c.keys[1].dtype in _DTYPES for c in cache)
+    return all(isinstance(c, PromptQuantizedKVCache) and not c.empty() and c.keys[1].dtype in _DTYPES for c in cache)
 
 
-def quantization(cache: Sequence[object]) -> tuple[int, int] | None:
-    """(bits, group size) of a quantized cache, None for a plain one."""
+def quantization(cache: Sequence[object]) -> KvBits | None:
+    """The bits of a quantized cache, None for a plain one."""
     first = cache[0] if cache else None
-    return (first.bits, first.group_size) if isinstance(first, QuantizedKVCache) else None
+    return first.kv_bits if isinstance(first, PromptQuantizedKVCache) else None
 
 
 def _parts(c) -> tuple[mx.array, ...]:
     """A layer's arrays: keys and values, or for quantized KV keys' then values' (packed, scales, biases)."""
-    return (*c.keys, *c.values) if isinstance(c, QuantizedKVCache) else (c.keys, c.values)
+    return (*c.keys, *c.values) if isinstance(c, PromptQuantizedKVCache) else (c.keys, c.values)
 
 
 def cache_tokens(cache: Sequence[KVCache]) -> int:
@@ -72,8 +73,8 @@ def prefix_copy(cache: Sequence[KVCache], n: int) -> list[KVCache]:
         raise ValueError("prefix length out of range")
     out = []
     for layer in cache:
-        if isinstance(layer, QuantizedKVCache):
-            c = PromptQuantizedKVCache(group_size=layer.group_size, bits=layer.bits)
+        if isinstance(layer, PromptQuantizedKVCache):
+            c = PromptQuantizedKVCache(layer.kv_bits)
             c.keys = tuple(mx.contiguous(x[..., :n, :]) for x in layer.keys)
             c.values = tuple(mx.contiguous(x[..., :n, :]) for x in layer.values)
         else:
@@ -96,9 +97,7 @@ def host_copy(cache: Sequence[KVCache]) -> HostCache:
     (`settle`), contiguous and exactly `cache_tokens` long (what `prefix_copy` makes), so reading them
     is a plain buffer copy (the buffer protocol, no MLX operation; bfloat16 as its 16-bit pattern)."""
     n = cache_tokens(cache)
-    bits = quantization(cache)
-    return HostCache(n, tuple(tuple(_host_bytes(a, n) for a in _parts(c)) for c in cache),
-                     kv_bits=None if bits is None else bits[0], group_size=None if bits is None else bits[1])
+    return HostCache(n, tuple(tuple(_host_bytes(a, n) for a in _parts(c)) for c in cache), kv_bits=quantization(cache))
 
 
 def _host_bytes(a: mx.array, n: int) -> HostArray:
@@ -126,7 +125,7 @@ def from_host(host: HostCache) -> list:
             c = KVCache()
             c.keys, c.values = parts
         else:
-            c = PromptQuantizedKVCache(group_size=host.group_size, bits=host.kv_bits)
+            c = PromptQuantizedKVCache(host.kv_bits)
             c.keys, c.values = parts[:3], parts[3:]
         c.offset = host.tokens
         out.append(c)

@@ -230,11 +230,11 @@ class Settings(BaseModel):
     )
     kv_quantization: Literal["none", "q8", "q4"] = Field(
         "none",
-        description="Keep every running request's KV quantized inside the batch (q8: 8 bits, q4: 4 bits, in "
-                    "groups of 64 with a scale and a bias each): about half (q8) or a quarter (q4) of the bytes a "
-                    "token, so more requests fit under the cap. Admission, the heartbeat and the prefix cache count "
-                    "the quantized bytes. Not for vision models or caches with sliding-window or recurrent layers "
-                    "(doctor says which).",
+        description="Keep every running request's KV quantized inside the batch (q8: keys and values at 8 bits; "
+                    "q4: values at 4 bits, keys at 8; in groups of 32 with a scale and a bias each): about 0.56x "
+                    "(q8) or 0.44x (q4) of a 16-bit model's bytes a token, so more requests fit under the cap. "
+                    "Admission, the heartbeat and the prefix cache count the quantized bytes. Not for vision models "
+                    "or caches with sliding-window or recurrent layers (doctor says which).",
         **_allowed("none, q8 or q4"),
     )
     kv_quantization_models: dict[str, Literal["none", "q8", "q4"]] = Field(

@@ -444,7 +444,8 @@ class Runtime:
                 "context_length": m.context_length,
                 "vision": m.is_vision,
                 "kv_bytes_per_token": info.kv.max_bytes_per_token,
-                "kv_bits": info.kv_bits,  # its KV kept quantized to these bits (kv_quantization); null: its dtype
+                # the form its KV is kept quantized in (kv_quantization: keys' and values' bits, group size); null: its dtype
+                "kv_bits": None if info.kv_bits is None else info.kv_bits.as_json(),
                 # prompts with this many tokens left to prefill go solo (engine/prefill.py); null: none do
                 "solo_prefill_min_tokens": loaded.solo_min_tokens if (loaded := self.manager.loaded(m.id)) else None,
                 "preloaded": m.id in self.manager.kept_warm,

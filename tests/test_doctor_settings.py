@@ -173,7 +173,7 @@ async def test_the_agent_says_at_startup_which_configured_models_it_cannot_serve
 
 def test_doctor_shows_the_kv_room_for_each_kv_quantization(tmp_path: Path, tiny_model_path) -> None:
     """Beside each model: the tokens of KV the cap leaves for it at its dtype, at q8 and at q4 (the tiny
-    model is float32: 2,048 bytes a token, 576 at q8, 320 at q4), and which one it is served with."""
+    model is float32: 2,048 bytes a token, 640 at q8, 512 at q4), and which one it is served with."""
     import json
     import subprocess
     import sys
@@ -186,6 +186,7 @@ def test_doctor_shows_the_kv_room_for_each_kv_quantization(tmp_path: Path, tiny_
                          capture_output=True, text=True, env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
     [model] = json.loads(out.stdout)["models"]
     room = model["kv_room_tokens"]
-    assert model["kv_quantization"] == {"bits": 8, "refused": None} and model["kv_bytes_per_token"] == 576
-    assert room["none"] > 0 and abs(room["q8"] / room["none"] - 2048 / 576) < 0.01
-    assert abs(room["q4"] / room["none"] - 2048 / 320) < 0.01
+    assert model["kv_quantization"] == {"bits": {"keys": 8, "values": 8, "group_size": 32}, "refused": None}
+    assert model["kv_bytes_per_token"] == 640
+    assert room["none"] > 0 and abs(room["q8"] / room["none"] - 2048 / 640) < 0.01
+    assert abs(room["q4"] / room["none"] - 2048 / 512) < 0.01

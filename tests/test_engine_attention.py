@@ -269,41 +269,46 @@ def test_blocks_inside_mx_compile_go_to_mlx_s(monkeypatch):
 
 
 @pytest.mark.parametrize("length", [12, 1])
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [(8, 8, 64), (4, 4, 64), (8, 8, 32), (8, 4, 32)], ids=lambda b: "k{}v{}g{}".format(*b))
 @pytest.mark.parametrize("mask", ["causal", "array", None])
-def test_attention_over_dequantized_kv_matches_mlx_lms_quantized_attention(bits, mask, length):
+def test_attention_over_dequantized_kv_matches_the_quantized_kernels(bits, mask, length):
     """Quantized KV on the CPU: a prompt's rows and a decode step's row attend over the dequantized copy
-    (attention.quantized_attention) and get what mlx-lm's quantized attention gives, padded rows and
+    (attention.quantized_attention) and get what MLX's quantized kernels give (kvcache.quantized's
+    attention, keys and values at their own bits; at one bits, exactly mlx-lm's own), padded rows and
     grouped heads included."""
-    from mlx_lm.models.base import quantized_scaled_dot_product_attention as mlx_lm_quantized
+    from kvcache import quantized as quantized_kv
 
+    key_bits, value_bits, group = bits
     mx.random.seed(3)
     b, heads, kv, keys, d = 2, 8, 2, 40, 64
     q = mx.random.normal((b, heads, length, d))
     k, v = mx.random.normal((b, kv, keys, d)), mx.random.normal((b, kv, keys, d))
-    qk, qv = mx.quantize(k, 64, bits), mx.quantize(v, 64, bits)
+    qk, qv = mx.quantize(k, group, key_bits), mx.quantize(v, group, value_bits)
     if mask == "array":  # the batch cache's mask: row 1 left-padded by 5 positions, causal
         positions = mx.arange(keys)[None, None, None, :]
         rows = mx.arange(keys - length, keys)[None, None, :, None]
         mask = (positions <= rows) & (positions >= mx.array([0, 5])[:, None, None, None])
-    got = attention.quantized_attention(q, qk, qv, 0.125, mask, group_size=64, bits=bits)
-    # mlx-lm scales its queries in place (`queries *= scale`): it gets a copy
-    want = mlx_lm_quantized(mx.array(q), qk, qv, scale=0.125, mask=mask, group_size=64, bits=bits)
+    got = attention.quantized_attention(q, qk, qv, 0.125, mask, group_size=group)
+    want = quantized_kv.quantized_attention(q, qk, qv, 0.125, mask, group_size=group)
     assert got.shape == want.shape
     assert mx.allclose(got, want, atol=2e-4, rtol=2e-4).item()
+    if key_bits == value_bits:  # mlx-lm scales its queries in place (`queries *= scale`): it gets a copy
+        mlx_lm_s = quantized_kv.mlx_lm_quantized_attention(mx.array(q), qk, qv, scale=0.125, mask=mask,
+                                                           group_size=group, bits=key_bits)
+        assert mx.array_equal(want, mlx_lm_s).item()
 
 
 @pytest.mark.parametrize("bound_heads", [0.5, 1, 3, 8])
 def test_quantized_kv_too_large_for_one_copy_is_attended_in_blocks_with_the_same_result(monkeypatch, bound_heads):
     """Past `DEQUANTIZED_BYTES` the copy is made a block of batch rows (or of KV heads, where one row is
     too large) at a time; each block's copy fits the bound and the attention is the same."""
-    from mlx_lm.models.base import quantized_scaled_dot_product_attention as mlx_lm_quantized
+    from kvcache.quantized import quantized_attention as quantized_kernels
 
     mx.random.seed(4)
     b, heads, kv, keys, length, d = 3, 8, 4, 40, 5, 64
     q = mx.random.normal((b, heads, length, d))
-    qk = mx.quantize(mx.random.normal((b, kv, keys, d)), 64, 8)
-    qv = mx.quantize(mx.random.normal((b, kv, keys, d)), 64, 8)
+    qk = mx.quantize(mx.random.normal((b, kv, keys, d)), 32, 8)
+    qv = mx.quantize(mx.random.normal((b, kv, keys, d)), 32, 4)
     positions = mx.arange(keys)[None, None, None, :]
     rows = mx.arange(keys - length, keys)[None, None, :, None]
     mask = (positions <= rows) & (positions >= mx.array([0, 5, 9])[:, None, None, None])
@@ -315,8 +320,8 @@ def test_quantized_kv_too_large_for_one_copy_is_attended_in_blocks_with_the_same
         copies.append(keys.shape[:2])
         return attention.mlx_attention(queries, keys, values, scale=scale, mask=mask)
 
-    got = attention.quantized_attention(q, qk, qv, 0.125, mask, group_size=64, bits=8, attend=attend)
-    want = mlx_lm_quantized(mx.array(q), qk, qv, scale=0.125, mask=mask, group_size=64, bits=8)
+    got = attention.quantized_attention(q, qk, qv, 0.125, mask, group_size=32, attend=attend)
+    want = quantized_kernels(q, qk, qv, 0.125, mask, group_size=32)
     assert mx.allclose(got, want, atol=2e-4, rtol=2e-4).item()
     held = max(1, int(bound_heads))  # KV heads a block may hold
     assert all(r * h <= held for r, h in copies) and sum(r * h for r, h in copies) == b * kv
@@ -324,20 +329,20 @@ def test_quantized_kv_too_large_for_one_copy_is_attended_in_blocks_with_the_same
     assert len(copies) == blocks
 
 
-def test_the_engine_thread_dequantizes_quantized_kv_and_other_threads_keep_mlx_lms(monkeypatch):
+def test_the_engine_thread_dequantizes_quantized_kv_and_other_threads_keep_the_quantized_kernels(monkeypatch):
     """enable(): this module's float attention over the copy (the CPU); enable_dequantized_kv(): MLX's
-    own (a GPU without quantized attention); neither: mlx-lm's quantized attention, untouched."""
+    own (a GPU without quantized attention); neither: MLX's quantized kernels (kvcache.quantized's)."""
     from mlx_lm.models import base
 
     used: list[str] = []
     monkeypatch.setattr(attention, "scaled_dot_product_attention", lambda *a, **k: used.append("ours") or a[0])
     monkeypatch.setattr(attention, "mlx_attention", lambda *a, **k: used.append("mlx") or a[0])
-    monkeypatch.setattr(attention, "mlx_lm_quantized_attention", lambda q, *a, **k: used.append("mlx-lm") or q)
+    monkeypatch.setattr(attention, "mlx_quantized_attention", lambda q, *a, **k: used.append("kernels") or q)
     packed = mx.quantize(mx.zeros((1, 1, 64, 64)), 64, 8)
     query = mx.zeros((1, 1, 1, 64))
 
     def call():
-        base.quantized_scaled_dot_product_attention(query, packed, packed, scale=1.0, mask=None)
+        base.quantized_scaled_dot_product_attention(query, packed, packed, scale=1.0, mask=None, group_size=64)
 
     try:
         attention.enable()
@@ -349,7 +354,7 @@ def test_the_engine_thread_dequantizes_quantized_kv_and_other_threads_keep_mlx_l
     finally:
         attention.disable()
     call()
-    assert used == ["ours", "mlx", "mlx-lm"]
+    assert used == ["ours", "mlx", "kernels"]
 
 
 def test_the_cpu_and_metal_have_quantized_kernels_and_cuda_does_not(monkeypatch):

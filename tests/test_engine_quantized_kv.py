@@ -17,10 +17,13 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from engine_arithmetic import StepLogits, assert_decisive
 from engine_reference import messages
+from kvcache.bits import KvBits
 from kvcache.quantized import BatchQuantizedKVCache, PromptQuantizedKVCache, make_quantized_cache, quantizable
 from provider.engine import ChatRequest, Engine, EngineError, EngineFailure, Finished, SamplingParams, loading
 from provider.engine.decode import EngineBatchGenerator
 from provider.models.kv import kv_quantization_bits, quantized_bytes_per_element
+
+Q8, Q4 = KvBits(8, 8), KvBits(8, 4)  # the settings' forms: keys at 8 bits, values at 8 (q8) or 4 (q4), groups of 32
 
 TEXTS = ("a river", "the mountain stream is quiet tonight", "seven", "batch of copper wire and salt stone",
          "north wind", "paper boat on a green lamp garden")
@@ -81,11 +84,11 @@ def test_a_quantized_batch_gives_each_sequence_its_tokens_alone(loaded, setting)
         alone.append(tokens)
     assert batched == alone
     assert [len(t) for t in batched] == MAX_TOKENS
-    assert seen and all(type(c) is BatchQuantizedKVCache and c.bits == bits for c in seen)
+    assert seen and all(type(c) is BatchQuantizedKVCache and c.kv_bits == bits for c in seen)
     # Each finished sequence hands back its own quantized KV: exactly prompt + completion - 1 tokens.
     for uid, prompt, tokens in zip(uids, prompts, batched):
         cache = ended[uid]
-        assert all(type(c) is PromptQuantizedKVCache and c.bits == bits for c in cache)
+        assert all(type(c) is PromptQuantizedKVCache and c.kv_bits == bits for c in cache)
         assert cache[0].offset == cache[0].keys[0].shape[2] == len(prompt) + len(tokens)
 
 
@@ -104,11 +107,11 @@ def test_the_batch_holds_quantized_bytes(loaded):
 
 def test_a_sequences_cache_merges_into_a_batch_as_it_was(loaded):
     """A prompt's quantized KV (as the prefix cache or a solo prefill hands it over) joins a batch
-    right-aligned, its values as they were, and comes back out unchanged."""
+    right-aligned, its values as they were, and comes back out unchanged; KV of other bits never joins."""
     model, prompts = loaded
     caches = []
     for p in prompts[:3]:
-        cache = make_quantized_cache(model, 8)
+        cache = make_quantized_cache(model, Q4)
         model(mx.array([p]), cache=cache)
         caches.append(cache)
     layer = BatchQuantizedKVCache.merge([c[0] for c in caches])
@@ -119,15 +122,30 @@ def test_a_sequences_cache_merges_into_a_batch_as_it_was(loaded):
         assert back.offset == c[0].offset
         for a, b in zip((*back.keys, *back.values), (*c[0].keys, *c[0].values)):
             assert mx.array_equal(a, b[..., : c[0].offset, :]).item()
+    other = make_quantized_cache(model, Q8)
+    model(mx.array([prompts[3]]), cache=other)
+    with pytest.raises(ValueError):
+        BatchQuantizedKVCache.merge([caches[0][0], other[0]])
+    with pytest.raises(ValueError):
+        layer.extend(BatchQuantizedKVCache.merge([other[0]]))
 
 
 def test_settings_and_figures():
-    assert [kv_quantization_bits(s) for s in ("none", "q8", "q4")] == [None, 8, 4]
+    assert [kv_quantization_bits(s) for s in ("none", "q8", "q4")] == [None, Q8, Q4]
     with pytest.raises(ValueError):
         kv_quantization_bits("q6")
-    assert quantized_bytes_per_element(8, 2) == pytest.approx(1 + 4 / 64)  # 68 bytes where 128 were
-    assert quantized_bytes_per_element(4, 2) == pytest.approx(0.5 + 4 / 64)
+    # bfloat16, a row of 64: a key at 8 bits 64 + 2 groups x (scale + bias) x 2 bytes = 72 bytes, a value
+    # at 4 bits 40, where each was 128
+    assert quantized_bytes_per_element(Q8, 2) == pytest.approx(72 / 64)
+    assert quantized_bytes_per_element(Q4, 2) == pytest.approx((72 + 40) / 128)
     assert issubclass(PromptQuantizedKVCache, QuantizedKVCache)
+    assert KvBits.from_json(Q4.as_json()) == Q4 and Q4.as_json() == {"keys": 8, "values": 4, "group_size": 32}
+    for bad in ({"keys": 8, "values": 4}, {"keys": 8, "values": 7, "group_size": 32}, [8, 4, 32],
+                {"keys": "8", "values": 4, "group_size": 32}):
+        with pytest.raises(ValueError):
+            KvBits.from_json(bad)
+    with pytest.raises(ValueError):
+        KvBits(8, 4, 16)  # mx.quantize takes groups of 32, 64 and 128
 
 
 def test_only_plain_kv_models_are_quantizable(loaded):
@@ -137,13 +155,13 @@ def test_only_plain_kv_models_are_quantizable(loaded):
 
 @pytest.mark.parametrize("solo", [0, 1], ids=["batched-prefill", "solo-prefill"])
 async def test_the_engine_serves_a_quantized_model(tiny_model_path, loaded, solo):
-    """`Engine.load(kv_bits=8)`: concurrent requests (prefilled in the batch's waves, or each alone and
+    """`Engine.load(kv_bits=Q4)`: concurrent requests (prefilled in the batch's waves, or each alone and
     joining the batch with its quantized KV) get the tokens the quantized generator gives them alone."""
     model, _ = loaded
     texts = TEXTS[1::2]
     async with Engine(solo_min_tokens=solo) as engine:
-        info = await engine.load("m", tiny_model_path, eos_token_ids=frozenset(), kv_bits=8)
-        assert info.kv_bits == 8
+        info = await engine.load("m", tiny_model_path, eos_token_ids=frozenset(), kv_bits=Q4)
+        assert info.kv_bits == Q4
         streams = [engine.submit("m", ChatRequest(f"r{i}", messages(t), SamplingParams(max_tokens=8, temperature=0)))
                    for i, t in enumerate(texts)]
         done = [await s.collect() for s in streams]
@@ -152,8 +170,8 @@ async def test_the_engine_serves_a_quantized_model(tiny_model_path, loaded, solo
         for (_, fin), t in zip(done, texts):
             prompt = tokenizer.apply_chat_template(messages(t), add_generation_prompt=True)
             steps = []
-            (alone,), _ = run(model, 8, [prompt], [], [8], logits=steps)
-            assert_decisive(steps[0].scores(), alone, "q8 alone")
+            (alone,), _ = run(model, Q4, [prompt], [], [8], logits=steps)
+            assert_decisive(steps[0].scores(), alone, "q4 alone")
             assert list(fin.completion_ids) == alone
 
 
@@ -161,10 +179,10 @@ async def test_a_vision_model_or_a_cache_that_is_not_plain_kv_refuses_quantizati
     monkeypatch.setattr(loading, "quantizable", lambda model: False)
     async with Engine() as engine:
         with pytest.raises(EngineError) as refused:
-            await engine.load("m", tiny_model_path, kv_bits=4)
+            await engine.load("m", tiny_model_path, kv_bits=Q4)
         assert refused.value.code is EngineFailure.LOAD_FAILED
         with pytest.raises(EngineError) as vision:
-            await engine.load("v", tiny_model_path, vision=True, kv_bits=8)
+            await engine.load("v", tiny_model_path, vision=True, kv_bits=Q8)
         assert vision.value.code is EngineFailure.LOAD_FAILED
         info = await engine.load("m", tiny_model_path)  # the refusal left nothing behind
         assert info.kv_bits is None
@@ -186,23 +204,24 @@ async def test_the_prefix_cache_keeps_and_reuses_quantized_sequences(tiny_model_
             {"role": "user", "content": "hello there"}]
     params = SamplingParams(max_tokens=8, temperature=0)
     async with Engine() as plain:
-        await plain.load("m", tiny_model_path, eos_token_ids=frozenset(), kv_bits=8)
+        await plain.load("m", tiny_model_path, eos_token_ids=frozenset(), kv_bits=Q8)
         _, expected = await plain.submit("m", ChatRequest("x", chat, params)).collect()
     ledger = Ledger(figures(16 * GiB, env={}), sample=lambda: idle)
     manager = KvCacheManager(ledger)
     async with Engine(prefix_cache=manager.get) as engine:
-        await engine.load("m", tiny_model_path, eos_token_ids=frozenset(), kv_bits=8)
+        await engine.load("m", tiny_model_path, eos_token_ids=frozenset(), kv_bits=Q8)
         kv = manager.attach("m", "weights")
         _, first = await engine.submit("m", ChatRequest("a", chat, params)).collect()
         [key] = list(kv.ram._index.keys_lru())
         entry = kv.ram.entry(key)
-        assert state.quantization(entry) == (8, 64) and state.cache_tokens(entry) == len(key)
+        assert state.quantization(entry) == Q8 and state.cache_tokens(entry) == len(key)
         held = ledger.snapshot().bytes_by_kind[ReservationKind.PREFIX_CACHE]
         float32_bytes = len(key) * 2 * 2 * 2 * 64 * 4  # 2 layers x (K, V) x 2 KV heads x 64 x float32
-        assert held == state.cache_nbytes(entry) < 0.3 * float32_bytes
+        assert held == state.cache_nbytes(entry) == float32_bytes * quantized_bytes_per_element(Q8, 4) / 4
         _, again = await engine.submit("m", ChatRequest("b", chat, params)).collect()
         assert again.cached_tokens == first.usage.prompt_tokens - 1
-        assert PrefixReuse(manager.get).reuse("m", list(key) + [1], kv_bits=4).cache is None
+        assert PrefixReuse(manager.get).reuse("m", list(key) + [1], kv_bits=Q4).cache is None
+        assert PrefixReuse(manager.get).reuse("m", list(key) + [1], kv_bits=KvBits(8, 8, 64)).cache is None
         assert PrefixReuse(manager.get).reuse("m", list(key) + [1], kv_bits=None).cache is None
         await engine.unload("m")
         manager.purge("m")
@@ -212,14 +231,14 @@ async def test_the_prefix_cache_keeps_and_reuses_quantized_sequences(tiny_model_
 
 def test_a_quantized_sequence_round_trips_through_the_ssd_tier(loaded, tmp_path):
     """Host bytes and back (what the SSD tier's writer and a read do), sealed on disk and opened again:
-    the same quantized KV, the same type, the same bits."""
+    the same quantized KV, the same type, the same bits (the keys' and the values' their own)."""
     from kvcache import state
     from kvcache.disk import DiskBudget
     from kvcache.ssd import SsdStore
     from memory.policy import GiB
 
     model, prompts = loaded
-    cache = make_quantized_cache(model, 4)
+    cache = make_quantized_cache(model, Q4)
     model(mx.array([prompts[3]]), cache=cache)
     entry = state.prefix_copy(cache, len(prompts[3]))
     state.settle(entry)
@@ -227,7 +246,7 @@ def test_a_quantized_sequence_round_trips_through_the_ssd_tier(loaded, tmp_path)
     store.open("m", "w")
     store.write("m", "w", prompts[3], state.host_copy(entry))
     back = state.from_host(store.read("m", "w", prompts[3]))
-    assert state.quantization(back) == (4, 64) and all(type(c) is PromptQuantizedKVCache for c in back)
+    assert state.quantization(back) == Q4 and all(type(c) is PromptQuantizedKVCache for c in back)
     for a, b in zip(back, entry):
         assert a.offset == b.offset
         for x, y in zip((*a.keys, *a.values), (*b.keys, *b.values)):
@@ -238,7 +257,7 @@ async def test_on_a_gpu_without_quantized_attention_the_engine_attends_over_dequ
                                                                                             monkeypatch):
     """MLX's CUDA backend has no quantized attention: there the engine thread dequantizes the KV and runs
     MLX's own attention (here: the CPU's, with this machine's CPU tuning off), and the tokens are the ones
-    mlx-lm's quantized attention gives."""
+    MLX's quantized kernels give (keys and values at their own bits: q4)."""
     from provider.engine import attention
 
     model, _ = loaded
@@ -249,12 +268,12 @@ async def test_on_a_gpu_without_quantized_attention_the_engine_attends_over_dequ
                         lambda *a, **k: dequantized.append(k["attend"] is attention.mlx_attention) or inner(*a, **k))
     text = TEXTS[1]
     async with Engine(cpu_attention=False) as engine:
-        await engine.load("m", tiny_model_path, eos_token_ids=frozenset(), kv_bits=8)
+        await engine.load("m", tiny_model_path, eos_token_ids=frozenset(), kv_bits=Q4)
         _, fin = await engine.submit("m", ChatRequest("r", messages(text), SamplingParams(max_tokens=8,
                                                                                           temperature=0))).collect()
     assert isinstance(fin, Finished) and dequantized and all(dequantized)
     prompt = mlx_lm.load(str(tiny_model_path))[1].apply_chat_template(messages(text), add_generation_prompt=True)
     steps = []
-    (alone,), _ = run(model, 8, [prompt], [], [8], logits=steps)
-    assert_decisive(steps[0].scores(), alone, "q8 alone")
+    (alone,), _ = run(model, Q4, [prompt], [], [8], logits=steps)
+    assert_decisive(steps[0].scores(), alone, "q4 alone")
     assert list(fin.completion_ids) == alone

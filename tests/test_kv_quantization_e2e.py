@@ -18,7 +18,8 @@ def test_a_q8_agent_serves_and_counts_quantized_bytes(tmp_path, tiny_model_path)
         assert reply.usage.completion_tokens >= 1
         [model] = [m for m in httpx.get(server.base_url + "/status").json()["models"] if m["id"] == MODEL]
         # The tiny model: 2 layers x (K, V) x 2 KV heads x 64 float32 = 2,048 bytes a token; at 8 bits in
-        # groups of 64, 64 bytes of packed values and a 4-byte scale and bias per head-row: 576.
-        assert (model["kv_bits"], model["kv_bytes_per_token"], model["state"]) == (8, 576, "loaded")
+        # groups of 32, 64 bytes of packed values and a 4-byte scale and bias per group, a head-row: 640.
+        assert model["kv_bits"] == {"keys": 8, "values": 8, "group_size": 32}
+        assert (model["kv_bytes_per_token"], model["state"]) == (640, "loaded")
     finally:
         server.stop()

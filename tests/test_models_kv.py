@@ -245,19 +245,23 @@ def test_kv_formula_matches_measured_growth_of_the_tiny_model(tiny_model_path) -
 
 
 def test_quantized_layouts_count_what_the_quantized_cache_holds():
-    """8 bits in groups of 64 over bfloat16: 64 bytes of packed values and a 2-byte scale and bias per
-    group, where 128 bytes were; 4 bits: 32 + 4. And the reasons a cache cannot be quantized."""
-    from provider.models.kv import KvAccuracy, KvLayout, quantization_refusal, quantized
+    """Over bfloat16, 64 elements of a row in groups of 32: at 8 bits 64 bytes of packed values and a
+    2-byte scale and bias per group (72 bytes), at 4 bits 32 + 8, where 128 bytes were. q8 keeps keys and
+    values at 8 bits, q4 keys at 8 and values at 4. And the reasons a cache cannot be quantized."""
+    from provider.models.kv import KvAccuracy, KvLayout, at_dtype, kv_quantization_bits, quantization_refusal, quantized
 
     plain = KvLayout(dtype_bytes=2, full_layers=32, bytes_per_token=32 * 2 * 8 * 128 * 2, sliding=(),
                      recurrent_layers=0, accuracy=KvAccuracy.EXACT, head_dim=128)
     assert quantization_refusal(plain) is None
-    q8, q4 = quantized(plain, 8), quantized(plain, 4)
-    assert q8.bytes_per_token * 128 == plain.bytes_per_token * 68 and q8.kv_bits == 8
-    assert q4.bytes_per_token * 128 == plain.bytes_per_token * 36 and q4.kv_bits == 4
-    assert plain.bytes_per_token / q8.bytes_per_token > 1.88 and plain.bytes_per_token / q4.bytes_per_token > 3.5
+    q8, q4 = quantized(plain, kv_quantization_bits("q8")), quantized(plain, kv_quantization_bits("q4"))
+    assert q8.bytes_per_token * 128 == plain.bytes_per_token * 72 and q8.kv_bits == kv_quantization_bits("q8")
+    assert q4.bytes_per_token * 128 == plain.bytes_per_token * (72 + 40) / 2 and q4.kv_bits == kv_quantization_bits("q4")
+    assert round(plain.bytes_per_token / q8.bytes_per_token, 2) == 1.78
+    assert round(plain.bytes_per_token / q4.bytes_per_token, 2) == 2.29
+    assert at_dtype(q4) == plain
     import dataclasses
     assert "head size (80)" in quantization_refusal(dataclasses.replace(plain, head_dim=80))
+    assert quantization_refusal(dataclasses.replace(plain, head_dim=96)) is None  # a multiple of 32
     assert "recurrent" in quantization_refusal(dataclasses.replace(plain, recurrent_layers=2))
     assert "plain" in quantization_refusal(dataclasses.replace(plain, accuracy=KvAccuracy.APPROXIMATE))
 
@@ -265,6 +269,7 @@ def test_quantized_layouts_count_what_the_quantized_cache_holds():
 def test_discovery_keeps_each_models_kv_as_its_setting_asks(tiny_model_path, tmp_path):
     from provider.config import load_settings
     from provider.models.discovery import discover_models
+    from provider.models.kv import kv_quantization_bits
 
     toml = tmp_path / "p.toml"
     toml.write_text('kv_quantization = "q4"\nhf_cache_dir = "' + str(tmp_path / "hub") + '"\n'
@@ -272,5 +277,6 @@ def test_discovery_keeps_each_models_kv_as_its_setting_asks(tiny_model_path, tmp
                     '[kv_quantization_models]\n"b" = "none"\n')
     (tmp_path / "hub").mkdir()
     models = {m.id: m for m in discover_models(load_settings(config_path=toml, env={"HOME": str(tmp_path)})).models}
-    assert models["a"].kv_bits == 4 and models["b"].kv_bits is None
-    assert models["a"].kv_bytes_per_token * 4 == models["b"].kv_bytes_per_token * (0.5 + 8 / 64)  # float32 scales
+    assert models["a"].kv_bits == kv_quantization_bits("q4") and models["b"].kv_bits is None
+    # float32: keys (8 bits) and values (4 bits) 0.75 bytes an element, a scale and a bias 8 bytes a group of 32
+    assert models["a"].kv_bytes_per_token * 4 == models["b"].kv_bytes_per_token * (12 / 16 + 8 / 32)

@@ -15,7 +15,7 @@ from provider.doctor.guest import guest_json, guest_lines
 from provider.doctor.report import DoctorReport, ModelReport
 from provider.doctor.routing import routing_json, routing_lines
 from provider.models import Inventory, Quantization
-from provider.models.kv import KV_QUANTIZATION_BITS, at_dtype, quantization_refusal, quantized
+from provider.models.kv import KV_QUANTIZATION_BITS, at_dtype, kv_quantization_setting, quantization_refusal, quantized
 from provider.models.searched import place_lines
 from provider.session.status import trust_line
 from provider.units import GiB, human_bytes, table
@@ -98,8 +98,9 @@ def _model_json(r: ModelReport, cap: CapFigures) -> dict[str, Any]:
         "dtype": m.dtype.value,
         "context_length": m.context_length,
         "kv_bytes_per_token": m.kv_bytes_per_token,
-        # its KV kept quantized to these bits (kv_quantization), or why the setting asked was not applied
-        "kv_quantization": {"bits": m.kv_bits, "refused": m.kv_quantization_refused or None},
+        # the form its KV is kept quantized in (kv_quantization), or why the setting asked was not applied
+        "kv_quantization": {"bits": None if m.kv_bits is None else m.kv_bits.as_json(),
+                            "refused": m.kv_quantization_refused or None},
         "kv_room_tokens": kv_room_tokens(cap, r),  # beside this model alone, for each kv_quantization
         "verdict": r.fit.verdict.value,
         "required_bytes": r.fit.required_bytes,
@@ -157,7 +158,8 @@ def render_table(report: DoctorReport) -> str:
             room = kv_room_tokens(cap, r)
             rows.append((m.id, human_bytes(m.weight_bytes), quantization_text(m.quantization, m.dtype.value),
                          str(m.context_length or "-"), human_bytes(r.fit.required_bytes), r.fit.verdict.value,
-                         f"q{m.kv_bits}" if m.kv_bits else ("none (refused)" if m.kv_quantization_refused else "none"),
+                         kv_quantization_setting(m.kv_bits) if m.kv_bits
+                         else ("none (refused)" if m.kv_quantization_refused else "none"),
                          " / ".join("-" if room[s] is None else f"{room[s]:,}" for s in KV_QUANTIZATION_BITS),
                          {True: "yes", False: "no", None: "-"}[m.tools]))
         out += table(rows, INDENT)

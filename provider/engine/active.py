@@ -11,6 +11,7 @@ import jinja2
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
+from kvcache.bits import KvBits
 from kvcache.manager import ModelKvCache
 from kvcache.quantized import make_quantized_cache
 from provider.engine import guided
@@ -96,7 +97,7 @@ class Slot:
     ready: list[Active] = field(default_factory=list)  # first token out, waiting to join the batch
     held_tokens: int = 0  # prompt tokens prefilled alone since the batch last stepped
     joining: bool = False  # the generator's last insert was ready requests joining (see `unmerged`)
-    kv_bits: int | None = None  # its sequences' KV quantized to these bits (kvcache/quantized.py); None: not
+    kv_bits: KvBits | None = None  # the form its sequences' KV is kept quantized in (kvcache/quantized.py)
 
     def new_cache(self) -> list:
         """A fresh prompt cache for one of its sequences."""

@@ -29,14 +29,15 @@ tests/test_engine_attention.py). Small blocks are also faster here (they stay in
 a 1,500-token prompt 0.70x of one block). A decode step (one query row) is one block, never
 evaluated early.
 
-Quantized KV (`kv_quantization`): mlx-lm attends over it with `mx.quantized_matmul`, which MLX's CPU
-backend runs without BLAS (a 64-token chunk of a prompt over 1,000 cached tokens took 77 ms that way
-against 8 ms here at float32, a decode step's row 1.5 ms against 0.7; 16 heads, 4 KV heads, head size
-64), and which MLX's CUDA backend does not implement for these shapes at all (every such step fails
-there). So off Metal, the engine thread's attention over quantized KV dequantizes the keys and values
+Quantized KV (`kv_quantization`): kvcache/quantized.py attends over it with `mx.quantized_matmul` (as
+mlx-lm does, the keys and the values each at their own bits), which MLX's CPU backend runs without BLAS
+(a 64-token chunk of a prompt over 1,000 cached tokens took 77 ms that way against 8 ms here at
+float32, a decode step's row 1.5 ms against 0.7; 16 heads, 4 KV heads, head size 64), and which MLX's
+CUDA backend does not implement for these shapes at all (every such step fails there). So off Metal, the engine thread's attention over quantized KV dequantizes the keys and values
 and runs a float attention (this module's on the CPU, MLX's on a GPU), in blocks of batch rows, and of
 KV heads where one row is too large, whose copy takes at most `DEQUANTIZED_BYTES` (a block's copy is
-used up before the next is made, in the order MLX evaluates the graph). On Metal nothing changes.
+used up before the next is made, in the order MLX evaluates the graph). On Metal kvcache/quantized.py's
+attention runs as it is.
 
 `enable()` installs it for the calling thread only, so the engine thread gets it and every other
 thread (mlx-lm used directly, the tests' reference runs) keeps MLX's.
@@ -51,6 +52,8 @@ from functools import partial
 import mlx.core as mx
 from mlx_lm.models import base as mlx_lm_base
 
+from kvcache import quantized as quantized_kv
+
 LOG2E = 1.0 / math.log(2.0)
 _MAGIC = 12582912.0  # 1.5 * 2**23: adding it rounds a float32 in (-2**22, 2**22) to an integer
 _MAGIC_BITS = 0x4B400000  # its bit pattern; r's bits minus this are that integer
@@ -60,7 +63,7 @@ BLOCK_BYTES = 4 << 20  # float32 scores of one block of query rows (see "Memory"
 DEQUANTIZED_BYTES = 64 << 20  # the most one layer's dequantized keys and values may take (see "Quantized KV")
 
 mlx_attention = mx.fast.scaled_dot_product_attention  # MLX's own, kept for every other call
-mlx_lm_quantized_attention = mlx_lm_base.quantized_scaled_dot_product_attention  # mlx-lm's, likewise
+mlx_quantized_attention = quantized_kv.quantized_attention  # MLX's quantized kernels, likewise (kvcache/quantized.py)
 _local = threading.local()
 
 
@@ -203,10 +206,11 @@ def _dispatch(q, k, v, *, scale, mask=None, sinks=None, stream=None):
 
 
 def quantized_attention(queries: mx.array, q_keys: tuple[mx.array, ...], q_values: tuple[mx.array, ...],
-                        scale: float, mask, group_size: int = 64, bits: int = 8, *, attend=None) -> mx.array:
-    """mlx-lm's `quantized_scaled_dot_product_attention`, over dequantized keys and values, in blocks whose
-    copy takes at most `DEQUANTIZED_BYTES` (see "Quantized KV"). `attend`: the float attention
-    (default: this module's)."""
+                        scale: float, mask, group_size: int = 32, bits: int | None = None, *,
+                        attend=None) -> mx.array:
+    """kvcache.quantized's `quantized_attention` (keys and values each at the bits their arrays were packed
+    at, `bits` not needed), over dequantized keys and values, in blocks whose copy takes at most
+    `DEQUANTIZED_BYTES` (see "Quantized KV"). `attend`: the float attention (default: this module's)."""
     attend = attend or scaled_dot_product_attention
     b, heads = queries.shape[:2]
     kv = q_keys[0].shape[1]
@@ -215,7 +219,7 @@ def quantized_attention(queries: mx.array, q_keys: tuple[mx.array, ...], q_value
     fits = max(1, DEQUANTIZED_BYTES // one_head)  # KV heads a block may hold
     rows, group = (max(1, fits // kv), kv) if fits >= kv else (1, fits)
     if rows >= b and group >= kv:
-        return _attend_dequantized(queries, q_keys, q_values, scale, mask, group_size, bits, attend)
+        return _attend_dequantized(queries, q_keys, q_values, scale, mask, group_size, attend)
     out = []
     for r in range(0, b, rows):
         per_row = []
@@ -224,14 +228,14 @@ def quantized_attention(queries: mx.array, q_keys: tuple[mx.array, ...], q_value
             per_row.append(_attend_dequantized(
                 queries[rs, h * rep:(h + group) * rep], tuple(a[rs, hs] for a in q_keys),
                 tuple(a[rs, hs] for a in q_values), scale, _mask_block(mask, rs, slice(h * rep, (h + group) * rep)),
-                group_size, bits, attend))
+                group_size, attend))
         out.append(per_row[0] if len(per_row) == 1 else mx.concatenate(per_row, axis=1))
     return out[0] if len(out) == 1 else mx.concatenate(out, axis=0)
 
 
-def _attend_dequantized(queries, q_keys, q_values, scale, mask, group_size, bits, attend) -> mx.array:
-    keys = dequantize(*q_keys, group_size=group_size, bits=bits)
-    values = dequantize(*q_values, group_size=group_size, bits=bits)
+def _attend_dequantized(queries, q_keys, q_values, scale, mask, group_size, attend) -> mx.array:
+    keys = dequantize(*q_keys, group_size=group_size, bits=quantized_kv.packed_bits(q_keys, group_size))
+    values = dequantize(*q_values, group_size=group_size, bits=quantized_kv.packed_bits(q_values, group_size))
     return attend(queries, keys, values, scale=scale, mask=mask)
 
 
@@ -260,12 +264,11 @@ def dequantized_bytes(queries: mx.array, q_keys: tuple[mx.array, ...]) -> int:
     return 2 * math.prod(q_keys[0].shape[:-1]) * queries.shape[-1] * queries.dtype.size
 
 
-def _quantized_dispatch(queries, q_keys, q_values, scale, mask, group_size=64, bits=8):
+def _quantized_dispatch(queries, q_keys, q_values, scale, mask, group_size=32, bits=None):
     if dequantizes():
-        return quantized_attention(queries, q_keys, q_values, scale, mask, group_size, bits,
+        return quantized_attention(queries, q_keys, q_values, scale, mask, group_size,
                                    attend=scaled_dot_product_attention if enabled() else mlx_attention)
-    return mlx_lm_quantized_attention(queries, q_keys, q_values, scale=scale, mask=mask, group_size=group_size,
-                                      bits=bits)
+    return mlx_quantized_attention(queries, q_keys, q_values, scale, mask, group_size)
 
 
 def enable() -> None:
@@ -306,4 +309,4 @@ def quantized_kernels() -> bool:
 
 __all__ = ["DEQUANTIZED_BYTES", "LOG2E", "dequantize", "dequantized_bytes", "dequantizes", "disable", "enable",
            "enable_dequantized_kv", "enabled", "exp2", "mlx_attention", "quantized_kernels",
-           "mlx_lm_quantized_attention", "quantized_attention", "scaled_dot_product_attention"]
+           "mlx_quantized_attention", "quantized_attention", "scaled_dot_product_attention"]

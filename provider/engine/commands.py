@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from kvcache.bits import KvBits
 from provider.engine.types import ChatRequest, EngineError, EngineFailure, Event, LoadPhase
 
 log = logging.getLogger("provider.engine")
@@ -38,7 +39,7 @@ class Load:
     eos_token_ids: frozenset[int] | None
     reply: Future
     vision: bool = False  # a vision-language model: load it with mlx-vlm
-    kv_bits: int | None = None  # keep its KV quantized to these bits inside the batch (kvcache/quantized.py)
+    kv_bits: KvBits | None = None  # keep its KV quantized in this form inside the batch (kvcache/quantized.py)
     # Called on the engine thread as each step of the load ends (`LoadPhase`); must not block.
     progress: Callable[[LoadPhase], None] | None = None
 

@@ -32,6 +32,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from kvcache.bits import KvBits
 from provider.engine.active import PrefixCacheLookup
 from provider.engine.commands import (
     Cancel,
@@ -198,17 +199,18 @@ class Engine:
     # -- model lifecycle (driven by the model manager) ---------------------------------------
 
     async def load(self, model_id: str, path: str | Path, *, eos_token_ids: frozenset[int] | None = None,
-                   vision: bool = False, kv_bits: int | None = None,
+                   vision: bool = False, kv_bits: KvBits | None = None,
                    on_progress: Callable[[LoadPhase], None] | None = None) -> LoadedModelInfo:
         """Load and evaluate a model's weights on the worker thread, then (a text model) measure and
         warm it on a time budget (`EngineOptions.measure_budget_s`, loading.py).
 
         `eos_token_ids` replaces the tokenizer's EOS set (tests use it for deterministic stops).
         `vision`: a vision-language model, loaded with mlx-vlm (the `vision` extra).
-        `kv_bits` (8 or 4): every sequence of the model keeps its KV quantized inside the batch; a model
-        whose cache is not plain KV, or a vision model, is refused (LOAD_FAILED): `LoadedModelInfo.kv_bits`
-        says what was loaded. `on_progress(phase)` is called on this loop as each step of the load ends
-        (every call before the load returns). Raises `EngineError` with LOAD_FAILED or MODEL_ALREADY_LOADED.
+        `kv_bits` (a `kv_quantization` setting's form): every sequence of the model keeps its KV quantized
+        inside the batch; a model whose cache is not plain KV, or a vision model, is refused (LOAD_FAILED):
+        `LoadedModelInfo.kv_bits` says what was loaded. `on_progress(phase)` is called on this loop as
+        each step of the load ends (every call before the load returns). Raises `EngineError` with
+        LOAD_FAILED or MODEL_ALREADY_LOADED.
         """
         progress = None if on_progress is None else _on_loop(asyncio.get_running_loop(), on_progress)
         return await self._call(lambda reply: Load(model_id, Path(path), eos_token_ids, reply, vision, kv_bits,

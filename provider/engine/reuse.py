@@ -20,6 +20,7 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 
 from kvcache import state
+from kvcache.bits import KvBits
 from kvcache.manager import MISS, REUSE_MIN_TOKENS, ModelKvCache, Reuse
 from provider.engine.active import Active, Keep, PrefixCacheLookup, Slot
 from provider.engine.commands import EventSink
@@ -57,9 +58,9 @@ class PrefixReuse:
             return 0
         return matched if matched >= min(REUSE_MIN_TOKENS, len(ids) - 1) else 0
 
-    def reuse(self, model_id: str, ids: list[int], kv_bits: int | None = None) -> Reuse:
+    def reuse(self, model_id: str, ids: list[int], kv_bits: KvBits | None = None) -> Reuse:
         """The longest cached prefix of the prompt worth reusing (a private copy), or MISS; only KV
-        kept as the model keeps it now (`kv_bits`: quantized to these bits, None: its dtype)."""
+        kept as the model keeps it now (`kv_bits`: quantized in that form, None: its dtype)."""
         kv = self.kv(model_id)
         if kv is None:
             return MISS
@@ -68,8 +69,7 @@ class PrefixReuse:
         except Exception:  # an edge: see the module docstring
             log.exception("prefix cache fetch failed")
             return MISS
-        held = state.quantization(found.cache) if found.cache is not None else None
-        if found.cache is not None and (held[0] if held else None) != kv_bits:
+        if found.cache is not None and state.quantization(found.cache) != kv_bits:
             return MISS  # another setting's KV: never mixed into this batch
         return found
 

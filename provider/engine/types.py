@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvcache.bits import KvBits
+
 
 class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS token or a stop string
@@ -227,7 +229,7 @@ class LoadedModelInfo:
     rates_from: Calibrated = Calibrated.OFF
     warm_shapes: int = 0  # warm-up shapes served (warmup.py)
     warm_skipped: int = 0  # ... and left to the first requests (the budget was spent)
-    kv_bits: int | None = None  # its KV kept quantized to these bits inside the batch; None: the model's dtype
+    kv_bits: KvBits | None = None  # the form its KV is kept quantized in inside the batch; None: the model's dtype
 
 
 @dataclass(frozen=True, slots=True)

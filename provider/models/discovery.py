@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from kvcache.bits import KvBits
 from provider.models import gguf_source, metadata
 from provider.models.gguf import GgufError
 from provider.models.kv import KvConfigError, KvLayout, kv_layout, kv_quantization_bits, quantization_refusal, quantized
@@ -132,8 +133,8 @@ class ModelInfo:
         return self.kv.bytes_per_token
 
     @property
-    def kv_bits(self) -> int | None:
-        """The bits its KV is kept in inside the batch (kv_quantization); None: its dtype."""
+    def kv_bits(self) -> KvBits | None:
+        """The form its KV is kept in inside the batch (kv_quantization); None: its dtype."""
         return self.kv.kv_bits
 
 
@@ -299,7 +300,7 @@ def with_kv_quantization(info: ModelInfo, setting: str) -> ModelInfo:
     if bits is None:
         return info
     refused = ("a vision model: mlx-vlm keeps its KV as the model's dtype" if info.is_vision
-               else quantization_refusal(info.kv))
+               else quantization_refusal(info.kv, bits.group_size))
     if refused is not None:
         return dataclasses.replace(info, kv_quantization_refused=refused)
     return dataclasses.replace(info, kv=quantized(info.kv, bits))

@@ -39,9 +39,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvcache.bits import GROUP_SIZE, KvBits
+
 ALLOC_STEP = 256  # KVCache.step and RotatingKVCache.step in mlx_lm.models.cache
-QUANT_GROUP_SIZE = 64  # elements per scale and bias of quantized KV (mlx-lm's QuantizedKVCache default)
-KV_QUANTIZATION_BITS: dict[str, int | None] = {"none": None, "q8": 8, "q4": 4}  # the setting -> bits kept
+# The setting -> the form its KV is kept in (None: the model's dtype), groups of 32. q4 keeps the values
+# at 4 bits and the keys at 8: a trained model's keys have outlier channels that 4 bits a group cannot
+# hold (kvcache/bits.py). Teacher-forced top-1 agreement with none on the trained demo model
+# (benchmarks/kv_quant_bench.py, 2,112 positions): q8 0.998 (0.989 in groups of 64), q4 0.980, values
+# and keys at 4 bits 0.930; tests/test_kv_quantization_agreement.py holds q8 >= 0.99, q4 >= 0.95.
+KV_QUANTIZATION_BITS: dict[str, KvBits | None] = {"none": None, "q8": KvBits(8, 8), "q4": KvBits(8, 4)}
 
 # Families whose mlx-lm implementation keeps recurrent state in some layers but whose configs do not
 # follow the rules above. We count every layer as full attention (an upper bound on the per-token
@@ -111,7 +117,7 @@ class KvLayout:
     accuracy: KvAccuracy
     note: str = ""
     head_dim: int = 0  # a full layer's key and value size per head (0: not plain attention heads)
-    kv_bits: int | None = None  # the KV kept quantized to these bits (`quantized`); None: the dtype
+    kv_bits: KvBits | None = None  # the form the KV is kept quantized in (`quantized`); None: the dtype
     dtype_bytes_per_token: int = 0  # quantized: `bytes_per_token` at the model's dtype (`at_dtype`)
 
     @property
@@ -228,7 +234,7 @@ def _head_dim(cfg: Mapping[str, Any]) -> int:
     return head_dim if isinstance(head_dim, int) else 0
 
 
-def quantization_refusal(layout: KvLayout, group_size: int = QUANT_GROUP_SIZE) -> str | None:
+def quantization_refusal(layout: KvLayout, group_size: int = GROUP_SIZE) -> str | None:
     """Why the model's KV cannot be kept quantized in the batch (`kvcache.quantized`), or None."""
     if layout.sliding or layout.recurrent_layers:
         return "its cache has sliding-window or recurrent layers, kept as the model's dtype"
@@ -239,25 +245,32 @@ def quantization_refusal(layout: KvLayout, group_size: int = QUANT_GROUP_SIZE) -
     return None
 
 
-def kv_quantization_bits(setting: str) -> int | None:
-    """The bits a `kv_quantization` setting keeps KV in (None: the model's dtype)."""
+def kv_quantization_bits(setting: str) -> KvBits | None:
+    """The form a `kv_quantization` setting keeps KV in (None: the model's dtype)."""
     if setting not in KV_QUANTIZATION_BITS:
         raise ValueError(f"kv_quantization must be one of {', '.join(KV_QUANTIZATION_BITS)}")
     return KV_QUANTIZATION_BITS[setting]
 
 
-def quantized_bytes_per_element(bits: int, dtype_bytes: int, group_size: int = QUANT_GROUP_SIZE) -> float:
-    """Bytes one KV element takes quantized: its bits, plus a scale and a bias (the dtype's size) per group."""
-    return bits / 8 + 2 * dtype_bytes / group_size
+def kv_quantization_setting(kv_bits: KvBits | None) -> str:
+    """The `kv_quantization` setting that keeps KV in this form (the form itself when no setting does)."""
+    return next((s for s, b in KV_QUANTIZATION_BITS.items() if b == kv_bits), str(kv_bits))
 
 
-def quantized(layout: KvLayout, bits: int, group_size: int = QUANT_GROUP_SIZE) -> KvLayout:
-    """`layout` with its KV kept quantized: each group of `group_size` elements as `bits`-bit integers
-    plus a scale and a bias of the model's dtype (`mx.quantize`'s layout: `quantization_refusal` first)."""
-    per_element = quantized_bytes_per_element(bits, layout.dtype_bytes, group_size)
+def quantized_bytes_per_element(kv_bits: KvBits, dtype_bytes: int) -> float:
+    """Bytes one KV element takes quantized, keys and values taken together: its bits, plus a scale and
+    a bias (the dtype's size) per group."""
+    return (kv_bits.keys + kv_bits.values) / 16 + 2 * dtype_bytes / kv_bits.group_size
+
+
+def quantized(layout: KvLayout, kv_bits: KvBits) -> KvLayout:
+    """`layout` with its KV kept quantized: each group of `group_size` elements of a key (value) as
+    `keys`-bit (`values`-bit) integers plus a scale and a bias of the model's dtype (`mx.quantize`'s
+    layout: `quantization_refusal` first). Keys and values are the same size in a layout it takes."""
+    per_element = quantized_bytes_per_element(kv_bits, layout.dtype_bytes)
     per_token = math.ceil(layout.bytes_per_token * per_element / layout.dtype_bytes)
-    note = "; ".join(filter(None, (layout.note, f"KV kept quantized to {bits} bits")))
-    return dataclasses.replace(layout, bytes_per_token=per_token, kv_bits=bits, note=note,
+    note = "; ".join(filter(None, (layout.note, f"KV kept quantized ({kv_bits})")))
+    return dataclasses.replace(layout, bytes_per_token=per_token, kv_bits=kv_bits, note=note,
                                dtype_bytes_per_token=layout.bytes_per_token)
 
 
@@ -267,7 +280,7 @@ def at_dtype(layout: KvLayout) -> KvLayout:
         return layout
     return dataclasses.replace(layout, bytes_per_token=layout.dtype_bytes_per_token, kv_bits=None,
                                dtype_bytes_per_token=0, note=layout.note.removesuffix(
-                                   f"KV kept quantized to {layout.kv_bits} bits").rstrip("; "))
+                                   f"KV kept quantized ({layout.kv_bits})").rstrip("; "))
 
 
 def _layer_kinds(cfg: Mapping[str, Any], n_layers: int) -> list[LayerKind]:
