@@ -18,15 +18,17 @@ class DuringStep:
     test has queued its commands, then takes them as it would have; what the generator then holds is
     recorded before the call goes on to its prefill wave."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, at: int = 1) -> None:
         self.inside = threading.Event()
         self.queued = threading.Event()
         self.unprocessed: list[int] | None = None
         self.deferred: list[str] = []
+        self.calls = 0
         intake = worker.Worker._intake
 
         def wrapped(me: worker.Worker) -> None:
-            if self.unprocessed is not None:
+            self.calls += 1
+            if self.unprocessed is not None or self.calls < at:
                 return intake(me)
             self.inside.set()
             assert self.queued.wait(30)
@@ -69,3 +71,23 @@ async def test_other_commands_and_all_after_them_wait_for_the_steps_end(tiny_mod
         _, fin = await second.collect()
     assert during.unprocessed == [] and during.deferred == ["Cancel"]
     assert isinstance(fin, Finished) and len(fin.completion_ids) == 4
+
+
+async def test_a_command_taken_during_the_last_step_is_answered_when_the_engine_goes_idle(tiny_model_path,
+                                                                                          monkeypatch):
+    """The step that ends the last request defers the command that came in during it: the engine handles
+    it before it waits idle (it waited there for the next command to arrive, however long that took)."""
+    during = DuringStep(monkeypatch, at=2)  # greedy(2)'s last step: the intake's second call
+    async with Engine(solo_min_tokens=0, next_turn_scratch_bytes=0) as engine:
+        await engine.load("m", tiny_model_path, eos_token_ids=NO_EOS)
+        only = engine.submit("m", ChatRequest("a", messages(PROMPTS[0]), greedy(2)))
+        assert await asyncio.to_thread(during.inside.wait, 30)
+        reading = asyncio.ensure_future(engine.kv_cache_bytes("m"))
+        await asyncio.sleep(0)  # the command is queued before the step goes on (the call puts it at once)
+        during.queued.set()
+        _, fin = await only.collect()
+        assert isinstance(fin, Finished) and len(fin.completion_ids) == 2
+        done, _ = await asyncio.wait({reading}, timeout=20)
+        assert done, "the deferred command waited for another command to arrive"
+        assert reading.result() >= 0
+    assert during.deferred == ["KvCacheBytes"]

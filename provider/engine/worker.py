@@ -132,6 +132,9 @@ class Worker:
                 self._delivery.flush()
                 self._reuse.write_quiet(self._slots.values())
                 continue
+            if self._deferred:  # taken during the step that ended the last request: handled before idling
+                self._drain_commands()
+                continue
             wait = self._reuse.write_quiet(self._slots.values())
             due = self._next_turns.due_in()  # wake when the next-turn preparation is due (at once while it runs)
             if due is not None:
