@@ -202,3 +202,26 @@ def test_solo_threshold():
     assert solo_threshold(PassCosts(fixed_s=0.040, per_token_s=0.0)) == PREFILL_STEP
     assert solo_threshold(PassCosts(fixed_s=0.0, per_token_s=0.004)) == 1
     assert solo_threshold(PassCosts(fixed_s=10.0, per_token_s=0.0001)) == PREFILL_STEP
+
+
+async def test_a_failure_on_a_solo_first_token_fails_that_request_and_the_engine_goes_on(tiny_model_path,
+                                                                                          monkeypatch):
+    """What a solo first token goes through (its text, stop strings, delivery) failing is that request's
+    failure, as it is in the batch's step: the engine thread lives on and serves the next request."""
+    from provider.engine import Failed
+    from provider.engine.types import EngineFailure
+
+    on_token = worker.Worker._on_token
+
+    def failing(me, slot, active, *args, **kwargs):
+        if active.request_id == "bad":
+            raise RuntimeError("a fault in the first token's delivery")
+        return on_token(me, slot, active, *args, **kwargs)
+
+    monkeypatch.setattr(worker.Worker, "_on_token", failing)
+    async with Engine(solo_min_tokens=1) as engine:
+        await engine.load("m", tiny_model_path, eos_token_ids=NO_EOS)
+        _, bad = await engine.submit("m", ChatRequest("bad", messages(PROMPTS[0]), greedy(4))).collect()
+        _, good = await engine.submit("m", ChatRequest("good", messages(PROMPTS[1]), greedy(4))).collect()
+    assert isinstance(bad, Failed) and bad.code is EngineFailure.INTERNAL_ERROR
+    assert isinstance(good, Finished) and len(good.completion_ids) == 4

@@ -502,11 +502,17 @@ class Worker:
         finish = "length" if active.max_tokens <= 1 else None
         if token in slot.info.eos_token_ids:
             finish = "stop"
-        if finish is None:
-            active.cache = cache
-            slot.ready.append(active)
-            self._reuse.share_prompt(slot, active, cache)
-        self._on_token(slot, active, token, finish, cache if finish is not None else None, record)
+        try:
+            if finish is None:
+                active.cache = cache
+                slot.ready.append(active)
+                self._reuse.share_prompt(slot, active, cache)
+            self._on_token(slot, active, token, finish, cache if finish is not None else None, record)
+        except Exception:  # an edge: as in the batch's step, this request fails and the engine goes on
+            log.exception("first token failed", extra={"model_id": slot.info.model_id})
+            if active.request_id in self._where:
+                self._delivery.emit(active.sink, Failed(EngineFailure.INTERNAL_ERROR))
+                self._retire(slot, active)
 
     def _join_ready(self, slot: Slot) -> None:
         """The ready requests join the batch, each with its first token as the next input."""
