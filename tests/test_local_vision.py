@@ -27,7 +27,6 @@ JPEG = data_uri(jpeg_bytes(96, 64, (20, 40, 200)), "image/jpeg")
 MESSAGES = [{"role": "system", "content": "answer briefly"},
             {"role": "user", "content": [{"type": "text", "text": "what is in"}, image_part(PNG),
                                          {"type": "text", "text": "and in"}, image_part(JPEG)]}]
-EOS = {1, 4}  # the tiny VLM's <eos> and <end_of_turn>
 
 
 @pytest.fixture(scope="module")
@@ -118,18 +117,21 @@ def test_oversized_and_remote_images_are_refused(server, url, status_code, code)
     assert "retry-after" not in err.value.response.headers
 
 
-def test_a_disconnect_mid_stream_releases_media_and_kv(server, reference):
+def test_a_disconnect_mid_stream_releases_media_and_kv(server):
     long_messages = [{"role": "user", "content": [{"type": "text", "text": "tell me a long story"}, image_part(PNG)]}]
-    ref = reference(300, long_messages)
-    assert not EOS & set(ref.token_ids)  # precondition: greedy output runs the full length (deterministic)
     client = server.client()
+    seen = 0
     with client.chat.completions.create(model=MODEL, messages=long_messages, max_tokens=300, temperature=0,
                                         stream=True) as stream:
         for n, _ in enumerate(stream):
+            seen = n
             if n == 3:
                 # Streaming: the KV span is held; the media went once the image was encoded.
                 assert request_reservations(server) == (0, 1)
                 break  # the consumer goes away; the context manager closes the connection
+    # Whatever token greedy decoding picks at a near-tie (BLAS builds differ in the last bit there), the
+    # answer must still be running at its fourth chunk for the disconnect to come mid-stream.
+    assert seen == 3, "the answer ended before the disconnect: use a longer prompt"
     deadline = time.monotonic() + 30
     while request_reservations(server) != (0, 0) and time.monotonic() < deadline:
         time.sleep(0.05)  # across processes there is no event: poll /status with a deadline

@@ -2,7 +2,8 @@
 
 `models` and `doctor` with no model said nothing about where they had looked, and `serve --local`
 with no model started silently and answered 404 to everything. They now name every place searched
-(the Hugging Face cache, each of `model_dirs`, each alias) and whether it exists; `serve` and `serve
+(the Hugging Face cache, each of `model_dirs`, each alias, the imported models, Ollama's store) and
+whether it exists; `serve` and `serve
 --local` warn at start (one log line; `serve --local` also in words on stderr).
 """
 
@@ -35,7 +36,14 @@ def expected(home: Path) -> list[dict[str, object]]:
     return [{"source": "alias", "id": "org/mine", "path": str(home / "gone"), "exists": False},
             {"source": "model_dir", "id": None, "path": str(home / "models"), "exists": True},
             {"source": "model_dir", "id": None, "path": str(home / "nowhere"), "exists": False},
+            *generated(home),
             {"source": "hf_cache", "id": None, "path": str(home / "hub"), "exists": True}]
+
+
+def generated(home: Path) -> list[dict[str, object]]:
+    """Where `import` writes (state_dir/models) and Ollama's store (the suite's empty one: conftest.py)."""
+    return [{"source": "imported", "id": None, "path": str(home / "state" / "models"), "exists": False},
+            {"source": "ollama", "id": None, "path": os.environ["OLLAMA_MODELS"], "exists": False}]
 
 
 def test_models_says_where_it_looked_when_it_finds_nothing(tmp_path):
@@ -71,8 +79,8 @@ def test_doctor_says_where_it_looked_in_text_and_json(tmp_path):
 def test_the_default_hugging_face_cache_is_named_too(tmp_path):
     env = {"HF_HOME": str(tmp_path / "hf"), "DARKBLOOM_STATE_DIR": str(tmp_path / "state")}
     doc = json.loads(run_cli("models", "--json", env=env, home=tmp_path).stdout)
-    assert doc["searched"] == [{"source": "hf_cache", "id": None, "path": str(tmp_path / "hf" / "hub"),
-                                "exists": False}]
+    assert doc["searched"] == [*generated(tmp_path), {"source": "hf_cache", "id": None,
+                                                      "path": str(tmp_path / "hf" / "hub"), "exists": False}]
 
 
 async def test_serve_warns_once_at_start_when_there_is_no_model(tmp_path):
@@ -85,6 +93,8 @@ async def test_serve_warns_once_at_start_when_there_is_no_model(tmp_path):
     [warning] = [e for e in logs if e["event"] == "no_models_found"]
     assert warning["level"] == "warning"
     assert warning["path"] == [f"model_dirs {tmp_path / 'nowhere'} (missing)",
+                               f"imported models {tmp_path / 'state' / 'models'} (missing)",
+                               f"Ollama store {os.environ['OLLAMA_MODELS']} (missing)",
                                f"Hugging Face cache {tmp_path / 'hub'} (exists)"]
 
 

@@ -1,7 +1,8 @@
 """Saying where discovery looked for models.
 
 `discover()` records each place it searched (`Inventory.searched`, `SearchedPlace`): every alias
-path, every `model_dirs` entry, the Hugging Face cache, each with whether a directory is there.
+path, every `model_dirs` entry, the imported models, Ollama's store, the Hugging Face cache, each with
+whether a directory is there.
 `models`, `doctor` and the start of `serve` / `serve --local` name them when nothing was found, so an
 operator with no model sees where the provider looked instead of a silent 404. These are the words.
 """
@@ -36,8 +37,9 @@ def no_models_lines(places: Sequence[SearchedPlace], disabled: Sequence[str] = (
     lines = [f"no models found{consequence}. Looked in:", *(place_lines(places) or ["  nowhere (no source configured)"])]
     if disabled:
         lines.append(f"  found, but not in enabled_models: {', '.join(disabled)}")
-    lines.append(f"Download one: {PULL_HINT}; or set model_dirs / model_aliases: '{README_MODELS_HEADING}' in "
-                 "the README.")
+    lines.append(f"Download one: {PULL_HINT}; import a GGUF: `darkbloom-provider import FILE.gguf` (or a model "
+                 f"pulled with Ollama: `ollama:NAME`); or set model_dirs / model_aliases: '{README_MODELS_HEADING}' "
+                 "in the README.")
     return lines
 
 
