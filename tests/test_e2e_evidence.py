@@ -1,7 +1,7 @@
 """Routing evidence and capacity quotes end to end: the agent (real engine, tiny model) against the coordinator
 double over a real WebSocket, consumers on the `openai` SDK.
 
-* routing evidence: register carries the calibrated ``prefill_tps`` / ``decode_tps``; after 20 served
+* routing evidence: register carries the calibrated ``prefill_tps`` / ``decode_tps``; after 10 served
   requests the heartbeat's ``observed_*_tps`` are within 20 % of what the client measured, with their
   sample counts and ages in ``performance_measurements``;
 * capacity quotes: heartbeats carry ``capacity_seq`` > 0, so the double probes; an admissible shape is
@@ -41,6 +41,9 @@ async def start_agent(tiny_model_path: Path, tmp_path: Path) -> AsyncIterator[Ca
     await agents.stop_all(ledger_empty=False)
 
 
+REQUESTS = 10  # served before the evidence is checked: enough for the EWMAs (alpha 0.3) to settle
+
+
 def heartbeats(double: CoordinatorDouble, since: int = 0) -> list[Heartbeat]:
     return [e.message for e in double.events.of(FrameReceived, since) if isinstance(e.message, Heartbeat)]
 
@@ -56,7 +59,7 @@ def prompt(i: int, words: int) -> list[dict[str, str]]:
                                                                            for k in range(words))}]
 
 
-async def test_routing_evidence_after_20_requests(coordinator_double: CoordinatorDouble, start_agent,
+async def test_routing_evidence_after_10_requests(coordinator_double: CoordinatorDouble, start_agent,
                                                   small_model_path: Path) -> None:
     double = coordinator_double
     # The small model: its prefill windows (~1 s) dwarf what the client's TTFT holds besides the agent's
@@ -70,7 +73,7 @@ async def test_routing_evidence_after_20_requests(coordinator_double: Coordinato
     client_prefill, client_decode = [], []
     messages = []
     try:
-        for i in range(20):
+        for i in range(REQUESTS):
             sent = time.monotonic()
             stamps: list[float] = []
             usage = None
@@ -93,10 +96,10 @@ async def test_routing_evidence_after_20_requests(coordinator_double: Coordinato
         lambda e: isinstance(e, FrameReceived) and isinstance(e.message, Heartbeat)
         and e.message.backend_capacity is not None and e.message.backend_capacity.slots
         and (m := slot_of(e.message).performance_measurements) is not None
-        and m.decode is not None and m.decode.sample_count == 20, since=mark, timeout=10)
+        and m.decode is not None and m.decode.sample_count == REQUESTS, since=mark, timeout=10)
     slot = slot_of(event.message)
     measured = slot.performance_measurements
-    assert measured.isolated_prefill is not None and measured.isolated_prefill.sample_count == 20
+    assert measured.isolated_prefill is not None and measured.isolated_prefill.sample_count == REQUESTS
     assert measured.decode.sample_age_ms < 5000 and measured.epoch
     # The agent's figures are EWMAs (α = 0.3): the client's own rates, weighed the same way, are the
     # reference. The client's first token also holds the network and the intake, and on a shared CPU
@@ -115,8 +118,9 @@ async def test_routing_evidence_after_20_requests(coordinator_double: Coordinato
         await client.close()
     event = await double.wait_for(
         lambda e: heartbeat_event(e) and e.message.backend_capacity.slots
-        and slot_of(e.message).performance_measurements.decode.sample_count == 21, since=mark, timeout=10)
-    assert slot_of(event.message).performance_measurements.isolated_prefill.sample_count == 20
+        and slot_of(e.message).performance_measurements.decode.sample_count == REQUESTS + 1, since=mark,
+        timeout=10)
+    assert slot_of(event.message).performance_measurements.isolated_prefill.sample_count == REQUESTS
 
 
 def ewma(values: list[float]) -> float:
