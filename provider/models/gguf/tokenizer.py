@@ -61,7 +61,13 @@ def check(header: GgufHeader) -> None:
 def write_tokenizer(header: GgufHeader, out: Path, template: str) -> None:
     """The tokenizer files into `out` (an existing folder)."""
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+
+    try:  # transformers 5.18 moved the converter here and made it read `tokenizer.ggml.pre`
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    except ImportError as exc:
+        import transformers
+
+        raise GgufError(f"the tokenizer import needs transformers >= 5.18 (this is {transformers.__version__})") from exc
 
     fields: dict[str, Any] = {name: header.get(f"tokenizer.ggml.{key}") for key, name in _KEYS.items()}
     fields = {name: value for name, value in fields.items() if value is not None}
