@@ -1,4 +1,4 @@
-"""Mixed batches through `serve --local`: a hundred constrained requests at concurrency 8, in
+"""Mixed batches through `serve --local`: forty constrained requests at concurrency 8, in
 the same batch as plain greedy ones, each plain answer the same as that prompt's answer alone."""
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ def plain_request(client: openai.OpenAI, model: str, content: str) -> Any:
 
 
 def beside_plain(client: openai.OpenAI, model: str, constrained: Callable[[openai.OpenAI, int], Any],
-                 count: int = 100) -> list[Any]:
-    """`constrained(client, i)` for i < count, shuffled with each PLAIN prompt five times, 8 at a time;
+                 count: int = 40) -> list[Any]:
+    """`constrained(client, i)` for i < count, shuffled with each PLAIN prompt twice, 8 at a time;
     asserts every plain answer is the one that prompt gets alone (greedy: the same tokens) and returns
     the constrained results in order of i."""
     alone = {p: plain_request(client, model, p).choices[0].message.content for p in PLAIN}
-    jobs: list[tuple[str, Any]] = [("constrained", i) for i in range(count)] + [("plain", p) for p in PLAIN * 5]
+    jobs: list[tuple[str, Any]] = [("constrained", i) for i in range(count)] + [("plain", p) for p in PLAIN * 2]
     random.Random(31).shuffle(jobs)
     with ThreadPoolExecutor(8) as pool:
         futures = [(kind, arg, pool.submit(constrained, client, arg) if kind == "constrained"

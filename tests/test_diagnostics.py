@@ -1,6 +1,6 @@
 """Memory diagnostics and the safe self-restart, on real MLX and the tiny models.
 
-* a 20-switch soak (tiny and small, alternating): every unload returns MLX's active memory to where
+* a 10-switch soak (tiny and small, alternating): every unload returns MLX's active memory to where
   it started (within 1 % of the model's size) with an empty cache and no reservation; the restart
   recommendation stays `none` and the baseline drift the manager reports is exactly what MLX reports;
 * /status and `darkbloom-provider status` show the unloads, the baseline and the verdict;
@@ -41,7 +41,7 @@ def chat(content: str) -> list[dict]:
     return [{"role": "user", "content": content}]
 
 
-async def test_a_20_switch_soak_recommends_nothing_and_reports_what_mlx_reports(tmp_path, tiny_model_path,
+async def test_a_10_switch_soak_recommends_nothing_and_reports_what_mlx_reports(tmp_path, tiny_model_path,
                                                                                small_model_path):
     (tmp_path / "hub").mkdir()
     rt = await Runtime.start(Settings(state_dir=tmp_path / "state", hf_cache_dir=tmp_path / "hub",
@@ -50,7 +50,7 @@ async def test_a_20_switch_soak_recommends_nothing_and_reports_what_mlx_reports(
                                       kv_ssd_budget_gb=0, local_port=free_port()))
     try:
         start = mx.get_active_memory()
-        for i in range(20):
+        for i in range(10):
             model = ("tiny", "small")[i % 2]
             async with rt.manager.serve(f"r{i}", model, 16, 2) as slot:
                 _, done = await slot.submit(ChatRequest(f"r{i}", chat("switch"), SamplingParams(max_tokens=2))).collect()
@@ -66,7 +66,7 @@ async def test_a_20_switch_soak_recommends_nothing_and_reports_what_mlx_reports(
             assert len(rt.ledger) == 0
         advice = rt.manager.restart_advice()
         assert advice.recommendation is Recommendation.NONE, advice
-        assert len(rt.manager.diagnostics.baseline) == 21  # at start, then after every settle
+        assert len(rt.manager.diagnostics.baseline) == 11  # at start, then after every settle
         assert advice.drift.mlx_active_bytes == mx.get_active_memory() - start  # what MLX says, exactly
         status = rt.status()["diagnostics"]
         assert status["restart"] == {"recommendation": "none", "reason": None,

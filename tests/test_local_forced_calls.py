@@ -76,7 +76,7 @@ def forced_request(client: openai.OpenAI, i: int):
     return choice, reply
 
 
-def test_a_hundred_forced_calls_validate_at_concurrency_8_beside_plain_requests(server):
+def test_forty_forced_calls_validate_at_concurrency_8_beside_plain_requests(server):
     client = server.client()
     results = beside_plain(client, MODEL, forced_request)
     valid = 0
@@ -89,7 +89,7 @@ def test_a_hundred_forced_calls_validate_at_concurrency_8_beside_plain_requests(
         assert call.type == "function" and call.id
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
         valid += 1
-    assert valid == 100
+    assert valid == 40
     status = httpx.get(server.base_url + "/status").json()
     assert status["ledger"]["bytes_by_kind"]["grammar"] == 0 and status["in_flight"] == 0
     assert CANARY not in server.log_path.read_text()  # neither the prompt nor a schema's property name

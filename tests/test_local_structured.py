@@ -70,7 +70,7 @@ def schema_request(client: openai.OpenAI, i: int):
     return schema, reply
 
 
-def test_a_hundred_json_schema_answers_validate_at_concurrency_8_beside_plain_requests(server, tiny_model_path):
+def test_forty_json_schema_answers_validate_at_concurrency_8_beside_plain_requests(server, tiny_model_path):
     client = server.client()
     results = beside_plain(client, MODEL, schema_request)
     valid = 0
@@ -78,7 +78,7 @@ def test_a_hundred_json_schema_answers_validate_at_concurrency_8_beside_plain_re
         assert reply.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
         valid += 1
-    assert valid == 100
+    assert valid == 40
     reference = mlx_lm.load(str(tiny_model_path))
     for p in PLAIN:  # the comparison above is exact only where no greedy choice is a near-tie
         reference_greedy(reference, p, 16)

@@ -109,7 +109,7 @@ image = st.tuples(side, side, st.sampled_from(["png", "png-rgba", "jpeg"])).filt
     lambda t: t[0] * t[1] <= MAX_IMAGE_PIXELS)
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @example([(8192, 6144, "png")])  # the per-image ceiling
 @example([(4000, 3000, "png-rgba"), (4000, 3000, "jpeg")])
 @example([(1, 1, "png")] * 3)  # tiny images: the model-resolution tensors dominate
