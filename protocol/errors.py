@@ -113,8 +113,11 @@ class Failure:
     terminal_cause: TerminalCause | None = None
     available_token_budget: int | None = None
     feasible_after_ms: int | None = None
+    remembered: bool = False  # the same answer until something here changes (a model's failed load): not a 503
 
     def __post_init__(self) -> None:
+        if self.remembered and self.code is not FailureCode.MODEL_UNAVAILABLE:
+            raise ValueError("only a model's unavailability is remembered")
         if self.code is FailureCode.CAPACITY:
             if self.reason is not None and self.reason not in _CAPACITY_REASONS:
                 raise ValueError(f"{self.reason} is not a capacity reason")
@@ -187,8 +190,21 @@ class Failure:
         return cls(FailureCode.MODEL_UNAVAILABLE)
 
     @classmethod
-    def model_load_failed(cls) -> Failure:
+    def model_unloaded(cls) -> Failure:
+        """The model went away under the request (unloaded while it waited, its load undone): 503,
+        rerouted; a retry, here or on another provider, may find it."""
         return cls(FailureCode.MODEL_UNAVAILABLE, ErrorReason.MODEL_LOAD)
+
+    @classmethod
+    def model_load_failed(cls) -> Failure:
+        """This provider's copy of the model failed to load, and the failure is remembered: the same
+        answer until the model's folder changes or a backoff passes, so a 404 (``model_unavailable``,
+        ``error_reason: model_load``), not a 503. The coordinator reroutes the request to another
+        provider, as for any model this one does not serve ([N] keeps a 404 as sent), and the model
+        is no longer advertised here. The wire's closed ``error_reason`` vocabulary has no word for
+        "failed and remembered" (an unknown value is not one a Go coordinator accepts): the status
+        says it; the local server names it ``model_load_failed``."""
+        return cls(FailureCode.MODEL_UNAVAILABLE, ErrorReason.MODEL_LOAD, remembered=True)
 
     # --- client errors: the coordinator stops at once, never retried ---------------------------------------
 
@@ -244,7 +260,7 @@ class Failure:
     def status_code(self) -> int:
         if self.terminal_cause in _GATEWAY_TIMEOUT_CAUSES:
             return 504
-        if self.reason is ErrorReason.MODEL_LOAD:
+        if self.reason is ErrorReason.MODEL_LOAD and not self.remembered:
             return 503
         return _STATUS[self.code]
 

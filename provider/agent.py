@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from memory import Ledger, Probe
-from protocol import AttestationChallenge, AttestationResponse
+from protocol import AttestationChallenge, AttestationResponse, ModelsUpdate
 from protocol.attest import RuntimeHashes, answer_challenge
 from protocol.crypto import KeyFileError
 from provider import __version__
@@ -162,7 +162,7 @@ class Agent:
                 prefill_tps=prefill_tps,
                 decode_tps=decode_tps,
                 hardware=hardware.model_copy(update={"memory_available_gb": available_gb(snapshot)}),
-                models=advertised_models(manager.verdicts(), weight_hashes),
+                models=advertised_models(manager.advertised_verdicts(), weight_hashes),
                 backend=settings.backend,
                 public_key=keys.encryption.public_key_b64,
                 version=__version__,
@@ -188,6 +188,8 @@ class Agent:
             run_directive=ModelDirectives(manager, runtime=rt, coordinator_url=settings.coordinator_url,
                                           hf_cache_dir=settings.hf_cache_dir or default_hf_cache(), desired=desired),
             quote=lambda probe: capacity_quote(probe, manager, manager.rates, heartbeat.capacity_seq),
+            build_models_update=lambda: ModelsUpdate(models=advertised_models(manager.advertised_verdicts(),
+                                                                              rt.weight_hashes.known())),
         )
         manager.on_capacity_change = session.capacity_changed
         guest.on_change(lambda _: session.capacity_changed())  # a heartbeat at once: draining, or idle again

@@ -353,6 +353,7 @@ def cmd_doctor(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_models(args: argparse.Namespace, settings: Settings) -> int:
     from provider.doctor import quantization_text, report_json, run_doctor
+    from provider.doctor.report import broken_text
     from provider.models import DigestCache, weight_hash_sync
     from provider.models.hashing import CACHE_FILE
     from provider.models.searched import no_models_lines
@@ -379,6 +380,8 @@ def cmd_models(args: argparse.Namespace, settings: Settings) -> int:
         line = (f"{m.id}  {human_bytes(m.weight_bytes)}  {quantization_text(m.quantization, m.dtype.value)}  "
                 f"context {m.context_length or '-'}  {r.fit.verdict.value}" + ("  tools" if m.tools else ""))
         print(line + (f"  {hashes[m.id]}" if m.id in hashes else ""))
+        if m.id in report.broken:  # the running agent's load of it failed: what it remembers
+            print(f"    broken: {broken_text(report.broken[m.id])}")
         print(f"    {m.path}" if m.gguf is None else f"    pulled with Ollama: imported into {m.path} on first use "
               f"(or `{PROG} import ollama:{m.id}`)")
     for s in report.inventory.skipped:
@@ -503,6 +506,9 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
                      f"active {m.get('active_requests', 0)}" + ("  preloaded" if m.get("preloaded") else ""))
     for model_id, reason in sorted(status.get("preload", {}).get("refused", {}).items()):
         lines.append(f"  preload of {model_id} refused: {reason}")
+    for model_id, broken in sorted(status.get("models_broken", {}).items()):
+        lines.append(f"  {model_id} broken: its load failed ({broken.get('reason')}); tried again when its folder "
+                     f"changes, or in {broken.get('retry_in_s', 0):.0f} s")
     ledger = status.get("ledger", {})
     for kind, nbytes in sorted(ledger.get("bytes_by_kind", {}).items()):
         lines.append(f"  ledger {kind}: {human_bytes(nbytes)}")

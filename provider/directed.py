@@ -222,7 +222,7 @@ class ModelDirectives:
             return "weight_hash_mismatch" if digest != expected else "unservable"
         status("verified")
         log.info("prefetch_model_verified", model=model_id)
-        send(encode(ModelsUpdate(models=advertised_models(self._manager.verdicts(),
+        send(encode(ModelsUpdate(models=advertised_models(self._manager.advertised_verdicts(),
                                                           self._runtime.weight_hashes.known()))))
         return None
 

@@ -320,9 +320,10 @@ class Runtime:
 
     def servable_now(self) -> tuple[str, ...]:
         """`servable` less the models dropped since start (their folder went away, their template
-        passed a bound on a request)."""
+        passed a bound on a request) and those whose failed load is remembered."""
         unservable = self.counter.unservable()
-        return tuple(m for m in self.servable if m not in self.manager.gone and m not in unservable)
+        broken = self.manager.broken_models()  # a failed load remembered: offered again once it may load
+        return tuple(m for m in self.servable if m not in self.manager.gone and m not in unservable and m not in broken)
 
     def _drop_unservable(self, model_id: str, bound: TemplateBound) -> None:
         """A request found the model's template past a bound: the counter refuses the model's requests
@@ -466,6 +467,8 @@ class Runtime:
             # dropped since start; a model refused for its template counts from the refusal on
             "models_gone": {**{m: b.value for m, b in self.counter.unservable().items()},
                             **{m: reason.value for m, reason in self.manager.gone.items()}},
+            # failed loads remembered: not offered, not loaded again until the folder changes or retry_in_s passes
+            "models_broken": self.manager.broken_models(),
             "in_flight": len(self.stats.in_flight),
             "ledger": {"bytes_by_kind": {k.value: v for k, v in ledger.bytes_by_kind.items()},
                        "count_by_kind": {k.value: v for k, v in ledger.count_by_kind.items()},

@@ -12,10 +12,13 @@ def snapshot(physical: int) -> MemorySnapshot:
 
 
 class Manager:
-    """The two questions the intake asks of the model manager."""
+    """The three questions the intake asks of the model manager."""
 
     def __init__(self, context: int = 2048) -> None:
         self.context = context
+
+    def model_refusal(self, model_id):
+        return None
 
     def precheck(self, model_id, prompt_tokens, max_tokens=None, *, queued=False):
         return None

@@ -50,7 +50,9 @@ CASES = [
     (Failure.deadline_unreachable(), 503, "capacity", "deadline_unreachable", "deadline", Failover.DEADLINE),
     (Failure.admission_timeout(), 503, "capacity", "capacity_timeout", None, Failover.CAPACITY),
     (Failure.model_unavailable(), 404, "model_unavailable", None, None, Failover.CAPACITY),
-    (Failure.model_load_failed(), 503, "model_unavailable", "model_load", None, Failover.CAPACITY),
+    (Failure.model_unloaded(), 503, "model_unavailable", "model_load", None, Failover.CAPACITY),
+    # A failed load, remembered: the same answer until the folder changes, so not a 503; rerouted.
+    (Failure.model_load_failed(), 404, "model_unavailable", "model_load", None, Failover.CAPACITY),
     (Failure.invalid_request(), 400, "invalid_request", "client_error", None, Failover.STOP),
     (Failure.request_exceeds_context(), 400, "invalid_request", "request_exceeds_context", None, Failover.STOP),
     (Failure.template_render(), 422, "template_render", "jinja_template", None, Failover.STOP),
@@ -89,9 +91,9 @@ def test_error_text_is_fixed_per_failure_and_never_dynamic():
     texts = {failure.message for failure, *_ in CASES}
     assert all(re.fullmatch(r"[A-Z][a-z' ]+\.", text) for text in texts), texts  # plain fixed sentences
     assert len(texts) == 17  # one per distinct code/reason, none shared by unrelated failures
-    # Nothing about a Failure can carry caller text: its fields are enums and ints.
+    # Nothing about a Failure can carry caller text: its fields are enums, ints and a flag.
     assert set(Failure.__dataclass_fields__) == {
-        "code", "reason", "rejection", "terminal_cause", "available_token_budget", "feasible_after_ms"
+        "code", "reason", "rejection", "terminal_cause", "available_token_budget", "feasible_after_ms", "remembered"
     }
     assert inference_error_frame("a", Failure.internal()).error == inference_error_frame("b", Failure.internal()).error
 
@@ -103,6 +105,7 @@ def test_error_text_is_fixed_per_failure_and_never_dynamic():
         lambda: Failure(FailureCode.INTERNAL_FAILURE, rejection=RejectionReason.MEMORY_CAP),
         lambda: Failure.capacity(RejectionReason.TOKEN_BUDGET, available_token_budget=-1),
         lambda: Failure.capacity(RejectionReason.TOKEN_BUDGET, feasible_after_ms=1.5),
+        lambda: Failure(FailureCode.CAPACITY, ErrorReason.CAPACITY_BUSY, remembered=True),
     ],
 )
 def test_inconsistent_failures_cannot_be_built(build):

@@ -60,7 +60,7 @@ def test_each_engine_failure_maps_to_one_wire_failure(code, status, failure_code
 
 
 def test_raised_failures_map_through_the_same_table_and_a_bug_maps_to_nothing():
-    assert exception_failure(EngineError(EngineFailure.MODEL_UNLOADED)) == Failure.model_load_failed()
+    assert exception_failure(EngineError(EngineFailure.MODEL_UNLOADED)) == Failure.model_unloaded()
     assert exception_failure(SlotRefused(Failure.draining())) == Failure.draining()
     assert exception_failure(ValueError("a prompt fragment")) is None
 
@@ -155,7 +155,7 @@ async def test_both_doors_give_the_same_failure_for_the_same_engine_failure(door
                 retry = whole.headers.get("retry-after")
                 assert (retry is not None) == (job[0] == 503), (code, raised)  # a 503 says when to come back
         # The engine failure the two doors used to answer differently: 503 model_load on both.
-        assert engine_failure(EngineFailure.MODEL_NOT_LOADED) == Failure.model_load_failed()
+        assert engine_failure(EngineFailure.MODEL_NOT_LOADED) == Failure.model_unloaded()
         doors.failing = None
         assert (await doors.job("after"))[0] is JobOutcome.COMPLETED
         assert (await client.post("/v1/chat/completions", json=BODY)).status_code == 200

@@ -425,8 +425,9 @@ async def wait_until(condition, *, timeout: float) -> None:
 
 async def test_a_stream_that_fails_before_its_first_token_is_an_http_error_not_a_200(tmp_path, tiny_model_path):
     """`serve --local` sends the 200 with the first output, once the request really runs: a model whose
-    load fails after admission booked it (its weights went bad on disk) is a retryable 503 with the
-    reason, never a 200 followed by an error event, and its booking is released."""
+    load fails after admission booked it (its weights went bad on disk) is an HTTP error with the reason
+    (404 `model_load_failed`: the failure is remembered, test_broken_models), never a 200 followed by an
+    error event, and its booking is released."""
     import shutil
 
     from provider.local.app import create_app
@@ -444,8 +445,8 @@ async def test_a_stream_that_fails_before_its_first_token_is_an_http_error_not_a
         app = create_app(RuntimeBackend(runtime), runtime.metrics)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://local") as client:
             reply = await client.post("/v1/chat/completions", json={**chat("hello", max_tokens=2), "stream": True})
-        assert reply.status_code == 503 and reply.headers["content-type"].startswith("application/json")
-        assert reply.json()["error"]["reason"] == "model_load"
+        assert reply.status_code == 404 and reply.headers["content-type"].startswith("application/json")
+        assert (reply.json()["error"]["code"], reply.json()["error"]["reason"]) == ("model_load_failed", "model_load")
         assert rig_request_kv(runtime) == 0
     finally:
         await runtime.aclose()

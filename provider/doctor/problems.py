@@ -20,6 +20,7 @@ class ProblemCode(StrEnum):
     NO_MODELS = "no_models"
     ENABLED_MODEL_MISSING = "enabled_model_missing"
     MODEL_NEVER_FITS = "model_never_fits"
+    MODEL_BROKEN = "model_broken"
     NO_ROOM = "reserve_leaves_no_room"
     COORDINATOR_UNREACHABLE = "coordinator_unreachable"
     MEMORY_FATAL = "memory_fatal"
@@ -45,6 +46,7 @@ _SEVERITY: dict[ProblemCode, Severity] = {
     ProblemCode.NO_MODELS: Severity.ERROR,
     ProblemCode.ENABLED_MODEL_MISSING: Severity.ERROR,
     ProblemCode.MODEL_NEVER_FITS: Severity.ERROR,
+    ProblemCode.MODEL_BROKEN: Severity.ERROR,
     ProblemCode.NO_ROOM: Severity.ERROR,
     ProblemCode.COORDINATOR_UNREACHABLE: Severity.ERROR,
     ProblemCode.MEMORY_FATAL: Severity.ERROR,
@@ -71,6 +73,8 @@ _EXPLAIN: dict[ProblemCode, str] = {
                            "in the README)",
     ProblemCode.ENABLED_MODEL_MISSING: "listed in enabled_models but found nowhere",
     ProblemCode.MODEL_NEVER_FITS: "needs more than the effective cap even on an idle machine",
+    ProblemCode.MODEL_BROKEN: "the running agent failed to load it and will not load it again until its folder "
+                              "changes or a backoff passes (meanwhile it is not offered)",
     ProblemCode.NO_ROOM: "these settings leave no room for any model under the cap (see deploy/README.md)",
     ProblemCode.COORDINATOR_UNREACHABLE: "WebSocket handshake with the coordinator did not complete",
     ProblemCode.MEMORY_FATAL: "memory pressure is at the FATAL watermark",

@@ -12,7 +12,7 @@ from typing import Any
 
 from memory import CapFigures, DeviceMemory, MemorySnapshot
 from provider.doctor.guest import guest_json, guest_lines
-from provider.doctor.report import DoctorReport, ModelReport
+from provider.doctor.report import DoctorReport, ModelReport, broken_text
 from provider.doctor.routing import routing_json, routing_lines
 from provider.models import Inventory, Quantization
 from provider.models.kv import KV_QUANTIZATION_BITS, at_dtype, kv_quantization_setting, quantization_refusal, quantized
@@ -55,7 +55,7 @@ def report_json(report: DoctorReport) -> dict[str, Any]:
         "cap": cap,
         "pressure": {"level": report.pressure.level.name.lower(), "utilization": report.pressure.utilization},
         "runtime_hash": report.runtime_hash,
-        "models": [_model_json(r, report.cap) for r in report.models],
+        "models": [_model_json(r, report.cap, report.broken.get(r.model.id)) for r in report.models],
         "skipped": [{"id": s.id, "path": str(s.path), "reason": s.reason.value} for s in report.inventory.skipped],
         "searched": [p.as_json() for p in report.inventory.searched],
         "coordinator": {"url": report.coordinator.url, "checked": report.coordinator.checked,
@@ -86,7 +86,7 @@ def kv_room_tokens(cap: CapFigures, r: ModelReport) -> dict[str, int | None]:
             for setting, bits in KV_QUANTIZATION_BITS.items()}
 
 
-def _model_json(r: ModelReport, cap: CapFigures) -> dict[str, Any]:
+def _model_json(r: ModelReport, cap: CapFigures, broken: dict[str, Any] | None = None) -> dict[str, Any]:
     m = r.model
     q = m.quantization
     return {
@@ -107,6 +107,8 @@ def _model_json(r: ModelReport, cap: CapFigures) -> dict[str, Any]:
         "ever_fits": r.fit.ever_fits,
         # what the model can do, as /v1/models says it (null: its tokenizer could not be read)
         "capabilities": {"tools": m.tools},
+        # the running agent failed to load it and remembers why (null: it did not, or no agent answers)
+        "broken": broken,
     }
 
 
@@ -166,6 +168,9 @@ def render_table(report: DoctorReport) -> str:
         for r in report.models:
             if r.model.kv_quantization_refused:
                 out.append(f"  {r.model.id}: kv_quantization not applied: {r.model.kv_quantization_refused}")
+            if r.model.id in report.broken:
+                out.append(f"  {r.model.id}: broken (the running agent's load failed): "
+                           f"{broken_text(report.broken[r.model.id])}")
     for s in report.inventory.skipped:
         out.append(f"  skipped {s.id or s.path}: {s.reason.value}")
     out += _looked_in(report.inventory)

@@ -9,7 +9,7 @@ import os
 import socket
 import ssl
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -34,6 +34,7 @@ from provider.doctor.problems import Problem, ProblemCode, Severity, adjustment_
 from provider.doctor.routing import BLOCKING, RoutingReport, gather_routing, untrusted_sentence
 from provider.hardening import Hardening
 from provider.models import Inventory, ModelInfo, discover_models
+from provider.models.broken import reason_words
 from provider.models.searched import places_text
 from provider.models.template import TemplateBound
 from provider.models.template_check import check_inventory, without_unservable
@@ -88,6 +89,8 @@ class DoctorReport:
     guest: GuestReport | None = None
     crash_loop: AbnormalExits = AbnormalExits()  # the agent's own count of its abnormal exits
     trust: dict[str, Any] | None = None  # the running agent's last trust_status from the coordinator
+    # the running agent's models whose failed load it remembers: id -> {reason, failures, since, retry_in_s}
+    broken: Mapping[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -190,8 +193,10 @@ def run_doctor(
     rhash = runtime_hash_of(settings)
     no_room = _no_room(settings, snapshot, policy, cap)
     crash_loop = read_abnormal_exits(settings.state_dir, window_s=settings.crash_loop_window_s)
+    broken = _broken(status)
     problems = (_problems(models, inventory, level, coordinator, rhash, env, policy, no_room) + _ssd_tier(settings)
-                + _crash_loop_problems(settings, crash_loop) + _crash_loop_guard(settings))
+                + _crash_loop_problems(settings, crash_loop) + _crash_loop_guard(settings)
+                + _broken_problems(broken))
     routing = None
     if explain_routing:
         routing = gather_routing(settings, total_bytes=snapshot.physical_bytes,
@@ -205,7 +210,7 @@ def run_doctor(
         problems += tuple(Problem(ProblemCode.SIGNAL_UNAVAILABLE, setting, f"reader: {source}")
                           for setting, source in guest_report.unreadable())
     return DoctorReport(snapshot, hypothetical, cap, policy, level, rhash, models, inventory, coordinator, problems,
-                        routing, agent, guest_report, crash_loop, _trust(status))
+                        routing, agent, guest_report, crash_loop, _trust(status), broken)
 
 
 def running_agent_diagnostics(settings: Settings, timeout_s: float = 2.0) -> dict[str, Any] | None:
@@ -225,6 +230,23 @@ def _trust(status: dict[str, Any] | None) -> dict[str, Any] | None:
     session = status.get("session") if status is not None else None
     trust = session.get("trust") if isinstance(session, dict) else None
     return trust if isinstance(trust, dict) else None
+
+
+def _broken(status: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """The models a running agent failed to load and remembers (its /status `models_broken`)."""
+    broken = status.get("models_broken") if status is not None else None
+    return {m: b for m, b in broken.items() if isinstance(b, dict)} if isinstance(broken, dict) else {}
+
+
+def broken_text(broken: Mapping[str, Any]) -> str:
+    """A remembered failed load in words: its reason and when it is tried again at the latest."""
+    retry = broken.get("retry_in_s")
+    when = f"; tried again when its folder changes, or in {retry:.0f} s" if isinstance(retry, (int, float)) else ""
+    return f"{reason_words(str(broken.get('reason')))} ({broken.get('reason')}){when}"
+
+
+def _broken_problems(broken: Mapping[str, Mapping[str, Any]]) -> tuple[Problem, ...]:
+    return tuple(Problem(ProblemCode.MODEL_BROKEN, model_id, broken_text(b)) for model_id, b in broken.items())
 
 
 def _template_drops(status: dict[str, Any] | None) -> dict[str, TemplateBound]:

@@ -16,11 +16,13 @@ Every 503 carries `Retry-After` (a capacity refusal is transient: memory frees a
 pause says when it ends, `Failure.retry_after_s`). A request this machine can never serve (the model,
 or the request's KV, over the cap: `request_exceeds_node`) is not a 503 here: the coordinator's front
 refuses it so another provider takes it, but behind the owner's server there is no other node, so it
-is `TooLarge`, a 400 whose message gives the numbers (what `doctor` shows). The owner's client is
-told more than the coordinator's fixed words in two more cases (`Explained`): a model not served
-here (the id asked for, and the ids served) and a prompt over the context window (its tokens,
-max_tokens and the window). An engine failure is answered from the table both doors read
-(`provider.response.failures`).
+is `TooLarge`, a 400 whose message gives the numbers (what `doctor` shows), at every ask: whichever
+step refuses it (the intake's read-only check before counting, or the booking after), one function
+answers (`_answer`). A model whose load failed and is remembered is a 404 `model_load_failed` with
+its reason (`load_failed`), never retried by an SDK. The owner's client is told more than the
+coordinator's fixed words in two more cases (`Explained`): a model not served here (the id asked
+for, and the ids served) and a prompt over the context window (its tokens, max_tokens and the
+window). An engine failure is answered from the table both doors read (`provider.response.failures`).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from memory.media import DEFAULT_LIMITS, MediaLimits
 from protocol.errors import ErrorReason, Failure, RejectionReason
 from provider.engine import EngineError, RequestStream
 from provider.metrics import EvictionCause
+from provider.models.broken import reason_words
 from provider.models.tools import ToolFormat
 from provider.request import PromptCounter
 from provider.request.body import ChatBody, CompletionBody
@@ -47,6 +50,7 @@ from provider.response.failures import engine_failure
 from provider.runtime import Runtime
 from provider.slots import ModelState, SlotRefused
 from provider.slots.admission import kv_need
+from provider.slots.broken import Broken
 from provider.telemetry import get_logger
 
 log = get_logger(__name__)
@@ -180,6 +184,18 @@ def images_for_a_text_model(failure: Failure, model_id: str) -> Explained:
 _NEVER_HERE = frozenset({ErrorReason.REQUEST_EXCEEDS_NODE, ErrorReason.REQUEST_EXCEEDS_NODE_BUDGET})
 
 
+def load_failed(failure: Failure, model_id: str, broken: Broken | None) -> Explained:
+    """404 `model_load_failed`: the model's load failed here and is remembered, in words (its reason,
+    and what makes it be tried again). A 4xx, not a 5xx: OpenAI's SDKs retry 408, 409, 429 and every
+    5xx on their own, and trying again cannot help until the folder is fixed; a 404 is what they raise
+    for a model they cannot use (`NotFoundError`), and the model is left out of /v1/models meanwhile."""
+    why = reason_words(broken.reason.value) if broken is not None else "its load failed"
+    return Explained(failure, "model_load_failed", "model",
+                     f"Model '{model_id}' failed to load on this machine: {why}. It is not loaded again until its "
+                     "folder changes (fix or replace its files) or a backoff passes; `darkbloom-provider models` "
+                     "and /status show it.", status_code=404)
+
+
 class UnloadOutcome(StrEnum):
     """The answer of `POST /control/unload` (`darkbloom-provider unload MODEL`)."""
 
@@ -232,8 +248,9 @@ class RuntimeBackend:
         async with contextlib.AsyncExitStack() as stack:
             try:
                 request = await stack.enter_async_context(prepared)
-            except Refusal as refusal:
-                raise self._explained(refusal.failure, refusal.over, refusal.model_id, prompt_param) from None
+            except Refusal as refusal:  # the intake's checks, admission's read-only answer among them
+                raise self._answer(refusal.failure, refusal.model_id, prompt_param, over=refusal.over,
+                                   prompt_tokens=refusal.prompt_tokens or 0, max_tokens=refusal.max_tokens) from None
             except MediaRefused as refused:  # chat only: a completion carries no media
                 raise media_refused(refused) from None
             stream = await stack.enter_async_context(self._served(request, prompt_param))
@@ -247,10 +264,8 @@ class RuntimeBackend:
         try:
             booking = await request.book()
         except Refusal as refusal:
-            if refusal.failure.reason in _NEVER_HERE:
-                raise self._too_large(refusal.failure, model_id, request.prompt_tokens,
-                                      request.body.max_tokens) from None
-            raise self._explained(refusal.failure, refusal.over, model_id, prompt_param) from None
+            raise self._answer(refusal.failure, model_id, prompt_param, over=refusal.over,
+                               prompt_tokens=request.prompt_tokens, max_tokens=request.body.max_tokens) from None
         metrics = self.runtime.metrics
         try:
             async with request.serve(booking) as stream:
@@ -259,15 +274,23 @@ class RuntimeBackend:
                     yield stream
         except MediaRefused as refused:  # an image that would not decode
             raise media_refused(refused) from None
-        except SlotRefused as exc:
-            raise Refused(exc.failure) from None
+        except SlotRefused as exc:  # the model's load failed (remembered), stalled, or was undone
+            raise self._answer(exc.failure, model_id, prompt_param) from None
         except EngineError as exc:  # submit refused by the engine itself (closed under a drain)
             raise Refused(engine_failure(exc.code)) from None
 
-    def _explained(self, failure: Failure, over: OverContext | None, model_id: str | None,
-                   prompt_param: str) -> Exception:
-        """`Explained` where this request's ids and numbers say more than the failure's fixed text:
-        a model not served here (the id asked for, and those served), a prompt over the context window."""
+    def _answer(self, failure: Failure, model_id: str | None, prompt_param: str, *, over: OverContext | None = None,
+                prompt_tokens: int = 0, max_tokens: int | None = None) -> Exception:
+        """The one answer to a refusal, whichever step refused (the intake's checks before counting, the
+        booking after it, the wait for the model): `Explained` where this request's ids and numbers say
+        more than the failure's fixed text — a request this machine can never serve (`TooLarge`, a 400
+        with the numbers), a model whose failed load is remembered (404 `model_load_failed`), a model not
+        served here (the id asked for, and those served), a prompt over the context window, images for a
+        text model — else the failure itself (`Refused`: a 503 with `Retry-After` when it is one)."""
+        if failure.reason in _NEVER_HERE and model_id is not None:
+            return self._too_large(failure, model_id, prompt_tokens, max_tokens)
+        if failure == Failure.model_load_failed() and model_id is not None:
+            return load_failed(failure, model_id, self.runtime.manager.broken(model_id))
         if failure.reason is ErrorReason.REQUEST_EXCEEDS_CONTEXT and over is not None:
             return context_exceeded(over, prompt_param)
         if failure == Failure.model_unavailable() and model_id is not None:

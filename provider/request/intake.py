@@ -9,9 +9,11 @@ costly step it guards:
    reserved in the ledger first (`ReservationKind.PROMPT`: the body's copies while it is decrypted,
    parsed and rendered, and the tokenizer's per-token state, bounded by the context window because
    a longer prompt is given up early); no room → 503 at once;
-2. `precheck` on the parsed JSON, before the full validation: a message list too long for the
-   model's context window at its template's per-message cost is refused with 400 without building
-   a single message object;
+2. `precheck` on the parsed JSON, before the full validation: a model every request for which is
+   refused (its failed load is remembered, or it can never load here: `refuse_model`, asked again
+   at each later step, so the answer does not depend on which step sees the request first), then a
+   message list too long for the model's context window at its template's per-message cost, is
+   refused without building a single message object;
 3. the size bound (`bounds.TokenBounds.lower_bound`) is handed to admission by the caller, which
    refuses a prompt that surely exceeds the context (400) or what the ledger can give (503);
 4. `PromptCounter.prompt_ids`: exact ids, short prompts inline, long ones in the lane;
@@ -72,14 +74,19 @@ class OverContext:
 
 class Refusal(Exception):
     """Refuse before acceptance; `failure` becomes the error (protocol/errors); `over`: the numbers of
-    a prompt too long for the context window; `model_id`: the model asked for, on a refusal because
-    it is not served here (the client's string: for an answer that names it, never for a log)."""
+    a prompt too long for the context window; `model_id`: the model asked for, where the refusal is
+    about it (not served here: the client's string, for an answer that names it, never for a log; or
+    one of ours that can never serve this request); `prompt_tokens` (at least) and `max_tokens`: the
+    request's numbers where admission refused it for its size."""
 
-    def __init__(self, failure: Failure, over: OverContext | None = None, *, model_id: str | None = None) -> None:
+    def __init__(self, failure: Failure, over: OverContext | None = None, *, model_id: str | None = None,
+                 prompt_tokens: int | None = None, max_tokens: int | None = None) -> None:
         super().__init__(failure.code.value)
         self.failure = failure
         self.over = over
         self.model_id = model_id
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
 
 
 def over_context(model_id: str, prompt_tokens: int, exact: bool, context_length: int | None,
@@ -152,6 +159,8 @@ class Ticket:
 class Admits(Protocol):
     """What the intake asks of the model manager (`provider.slots.ModelManager`)."""
 
+    def model_refusal(self, model_id: str) -> Failure | None: ...
+
     def precheck(self, model_id: str, prompt_tokens: int, max_tokens: int | None = None, *,
                  queued: bool = False) -> Failure | None: ...
 
@@ -196,6 +205,7 @@ class Intake:
         model, messages = data.get("model"), data.get("messages")
         if not isinstance(model, str) or not isinstance(messages, list) or not self.counter.knows(model):
             return
+        self.refuse_model(model)
         context = self._context_of(model)
         if context is None:
             return
@@ -203,6 +213,15 @@ class Intake:
         if lower >= context:
             asked = data.get("max_completion_tokens") or data.get("max_tokens")
             raise over_context(model, lower, False, context, asked if type(asked) is int and asked > 0 else None)
+
+    def refuse_model(self, model_id: str) -> None:
+        """Raise the refusal every request for `model_id` gets whatever it asks (its failed load is
+        remembered, or it can never load here), before anything about the request is checked: the
+        same answer at every ask, whether or not the model's tokenizer bound is known yet (it is
+        learned at the model's first request) and whichever check would refuse the request itself."""
+        refused = self._manager.model_refusal(model_id)
+        if refused is not None:
+            raise Refusal(refused, model_id=model_id)
 
     def lower_bound(self, model_id: str, chars: int, messages: int) -> int:
         """Tokens the prompt has at least, from its size alone (0 when the tokenizer claims no bound)."""
@@ -216,6 +235,7 @@ class Intake:
         `tools` when tools are offered to a model whose family has no tool calling."""
         if not self.counter.knows(body.model):
             raise Refusal(Failure.model_unavailable(), model_id=body.model)
+        self.refuse_model(body.model)
         self._precheck_bound(body.model, self.lower_bound(body.model, body.chars, len(body.messages)),
                              body.max_tokens, queued)
         context = self._context_of(body.model)
@@ -245,6 +265,7 @@ class Intake:
         model = body.model
         if not self.counter.knows(model):
             raise Refusal(Failure.model_unavailable(), model_id=model)
+        self.refuse_model(model)
         if self.counter.is_vision(model):
             raise InvalidBody("model", "is a vision model, served on /v1/chat/completions only")
         context = self._context_of(model)
@@ -278,7 +299,7 @@ class Intake:
             return
         if refused.reason is ErrorReason.REQUEST_EXCEEDS_CONTEXT:
             raise over_context(model_id, lower, False, self._context_of(model_id), max_tokens)
-        raise Refusal(refused)
+        raise Refusal(refused, model_id=model_id, prompt_tokens=lower, max_tokens=max_tokens)
 
 
 __all__ = ["INLINE_BYTES", "Intake", "OverContext", "PromptTooLong", "Refusal", "Ticket", "over_context",

@@ -23,11 +23,12 @@ from provider.engine.types import EngineError, EngineFailure
 ENGINE_FAILURES: Mapping[EngineFailure, Callable[[], Failure]] = MappingProxyType({
     EngineFailure.REQUEST_EXCEEDS_CONTEXT: Failure.request_exceeds_context,  # 400, not retried
     EngineFailure.INVALID_REQUEST: Failure.invalid_request,  # 400
-    # The model is gone or never came (unloaded under the request, a failed load): 503, another
-    # provider (or, locally, a retry) may have it.
-    EngineFailure.MODEL_NOT_LOADED: Failure.model_load_failed,
-    EngineFailure.MODEL_UNLOADED: Failure.model_load_failed,
-    EngineFailure.LOAD_FAILED: Failure.model_load_failed,
+    # The model is gone or never came (unloaded under the request, a load the engine refused at a
+    # submit): 503, another provider (or, locally, a retry) may have it. A load that fails in the model
+    # manager's load is remembered there and answered `Failure.model_load_failed()` (404) instead.
+    EngineFailure.MODEL_NOT_LOADED: Failure.model_unloaded,
+    EngineFailure.MODEL_UNLOADED: Failure.model_unloaded,
+    EngineFailure.LOAD_FAILED: Failure.model_unloaded,
     EngineFailure.ENGINE_CLOSED: Failure.draining,  # the engine stopped under it: a drain ran out
     EngineFailure.MODEL_ALREADY_LOADED: Failure.internal,  # the manager loads a model once: a bug
     EngineFailure.INTERNAL_ERROR: Failure.generation_failed,  # 500, counts against this provider

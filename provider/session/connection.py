@@ -56,7 +56,16 @@ from typing import Any, Protocol
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from protocol import MAX_INBOUND_FRAME_BYTES, CapacityQuote, EncodeError, Heartbeat, InferenceRequest, Register, encode
+from protocol import (
+    MAX_INBOUND_FRAME_BYTES,
+    CapacityQuote,
+    EncodeError,
+    Heartbeat,
+    InferenceRequest,
+    ModelsUpdate,
+    Register,
+    encode,
+)
 from provider.session.backoff import backoff_delays, clock_jumped, is_retryable, should_reset_backoff
 from provider.session.core import (
     Action,
@@ -173,9 +182,11 @@ class Session:
         status: SessionStatus | None = None,
         run_directive: DirectiveRunner | None = None,
         quote: Quoter | None = None,
+        build_models_update: Callable[[], ModelsUpdate] | None = None,
     ) -> None:
         self.config = config
         self._quote = quote
+        self._build_models_update = build_models_update
         self._build_register = build_register
         self._answer = answer_challenge
         self._build_heartbeat = build_heartbeat
@@ -287,8 +298,10 @@ class _Connection:
     def __init__(self, session: Session, transport: Transport) -> None:
         self.session = session
         self.transport = transport
-        self.core = SessionCore(register=session._build_register(), answer_challenge=session._answer,
+        register = session._build_register()
+        self.core = SessionCore(register=register, answer_challenge=session._answer,
                                 recent=session.recent, quote=session._quote)
+        self.advertised = tuple(m.id for m in register.models)  # what the coordinator was last told we serve
         self.queue: asyncio.Queue[str | None] = asyncio.Queue()
         self.ahead: deque[str] = deque()  # capacity quotes: sent before anything queued (250 ms window)
         self.jobs: dict[str, asyncio.Task[object]] = {}
@@ -404,8 +417,26 @@ class _Connection:
                 await asyncio.wait_for(changed.wait(), interval)
 
     def send_heartbeat(self, draining: bool) -> None:
+        if not draining:
+            self.send_models_update()
         self.send(encode(self.session._build_heartbeat(draining)))
         self.session.status.heartbeat_sent()
+
+    def send_models_update(self) -> None:
+        """Before a heartbeat: when the models we would advertise now differ from what this connection
+        last told the coordinator (a model whose failed load is remembered leaves, and comes back once
+        it may load again), a ``models_update`` with them, which [N] takes as our whole inventory. Only
+        to a coordinator that has shown the newer protocol (``SessionCore.newer_protocol``): [A] drops
+        the frame as an unknown type, and learns at the next ``register``."""
+        build = self.session._build_models_update
+        if build is None or not self.core.newer_protocol:
+            return
+        update = build()
+        ids = tuple(m.id for m in update.models)
+        if ids != self.advertised:
+            self.advertised = ids
+            self.send(encode(update))
+            log.info("models_update_sent", models=list(ids))
 
     async def _later_heartbeats(self) -> None:
         await asyncio.sleep(self.session.config.heartbeat_interval_s)

@@ -88,6 +88,7 @@ class ManagerView:
     vision_requests: Mapping[str, int] = field(default_factory=dict)  # in serve() now, any state
     batch_size: int = 2**31  # requests one model runs at once (the engine's decode batch)
     paused: Paused | None = None  # the owner's Mac is not serving now (provider/guest)
+    broken: frozenset[str] = frozenset()  # models whose failed load is remembered (slots/broken.py)
 
     @property
     def firm_outstanding_bytes(self) -> int:
@@ -186,6 +187,18 @@ def tokens_for_bytes(info: ModelInfo, nbytes: int) -> int:
     """Whole 256-token blocks of KV that `nbytes` can hold (the token budget we report)."""
     per_token = max(1, info.kv.max_bytes_per_token)
     return max(0, nbytes) // per_token // ALLOC_STEP * ALLOC_STEP
+
+
+def model_refusal(figures: CapFigures, snapshot: MemorySnapshot, info: ModelInfo, *, broken: bool) -> Refused | None:
+    """What every request for this model is told, whatever else it asks (its prompt, its images, its
+    tools), so that one question gets one answer however often and by whichever check it is asked:
+    its load failed and is remembered (`model_load_failed`, slots/broken.py), or it can never load
+    under the cap here, not even with the least KV beside its weights (`request_exceeds_node`)."""
+    if broken:
+        return Refused(Failure.model_load_failed())
+    if not fit(figures, snapshot, info.weight_bytes).ever_fits:
+        return Refused(Failure.exceeds_node(RejectionReason.MEMORY_CAP))
+    return None
 
 
 def exceeds_context(info: ModelInfo, prompt_tokens: int) -> bool:
@@ -318,6 +331,8 @@ def decide(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, *, 
       requests already reserved) becomes this request's first, so the two are not counted twice;
     * not resident: the load must fit with `max(MIN_KV, share)` of KV beside the weights (evicting
       idle models, LRU first, if needed); the claim is then `weights_est + MIN_KV − min(share, MIN_KV)`;
+    * a model whose failed load is remembered, or that can never load under the cap here, is
+      refused before anything the request asks is looked at (`model_refusal`);
     * a model being unloaded right now is refused (503 slot_state): another provider serves it
       sooner than this one reloads it;
     * while the owner's Mac is paused (`view.paused`: outside its serving windows, in use, on
@@ -333,6 +348,9 @@ def decide(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, *, 
         return Refused(Failure.paused(view.paused.retry_hint_s))
     if info is None:
         return Refused(Failure.model_unavailable())
+    refused = model_refusal(figures, snapshot, info, broken=model_id in view.broken)
+    if refused is not None:
+        return refused
     if images and not info.is_vision:
         return Refused(Failure.unsupported_media())
     if exceeds_context(info, prompt_tokens):

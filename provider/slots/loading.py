@@ -17,6 +17,12 @@ causes it (`ModelManager.book` / `_book_load`), or the warm-up path plans room a
      + every other reservation, else unload, release, refuse; only then publishes the model as
      LOADED and attaches its prefix cache.
 
+A load that fails for the model's own sake (the engine refused its folder, its import failed, an
+error of the load path that the folder explains) is remembered (`BrokenModels`, slots/broken.py)
+before its waiters are answered: they and every later request get `Failure.model_load_failed()`, and
+it is not loaded again until its folder changes or a backoff passes. A refusal for room, a drain or a
+cancellation remembers nothing.
+
 Each step, and each step the engine reports (`Engine.load(on_progress=)`: a part of the weights
 read, the solo calibration, each warm-up shape, the rates), is `ModelSlot.load_moved()`: the requests
 waiting for the load wait `load_wait_timeout_s` from the last one (manager.py `_wait_load`).
@@ -41,6 +47,8 @@ from protocol.errors import Failure, RejectionReason
 from provider.engine import EngineError, EngineFailure, LoadedModelInfo
 from provider.importing import ImportFailed, import_for_load
 from provider.metrics import EvictionCause, LoadResult
+from provider.models import ModelInfo
+from provider.models.broken import BrokenReason, LoadFault, diagnose, folder_fingerprint
 from provider.progress import ProgressFactory
 from provider.slots.admission import ManagerView, pressure_victim
 from provider.slots.prefix import with_measured_kv
@@ -92,6 +100,7 @@ class Loader:
         assert claim is not None and claim.held
         load_fut: asyncio.Future[LoadedModelInfo] | None = None
         started = self._s.clock()
+        remembered = False
         try:
             async with self._s.room_lock:
                 await self._settle_leaving_and_pressure(slot)
@@ -137,6 +146,7 @@ class Loader:
             if self._s.draining:
                 return Failure.draining()
             self._s.prefix.attach(model_id, weight_hash)  # same step as the publish: no await between
+            self._s.broken.loaded(model_id)
             claim.release()
             slot.claim = None
             slot.loaded = loaded
@@ -161,21 +171,44 @@ class Loader:
         except ImportFailed as exc:  # its words name the file's fault, never a request's
             log.warning("model_import_failed", model=model_id, reason=str(exc))
             self._count(LoadResult.FAILED)
+            remembered = await self._remember(slot, LoadFault.IMPORT_FAILED)
             return Failure.model_load_failed()
         except EngineError as exc:
             log.warning("model_load_failed", model=model_id, code=exc.code)
             self._count(LoadResult.FAILED)
+            if exc.code is EngineFailure.ENGINE_CLOSED:  # the engine stopped under the load: a shutdown
+                return Failure.draining()
+            if exc.code is not EngineFailure.LOAD_FAILED:  # not the folder's fault
+                return Failure.model_unloaded()
+            remembered = await self._remember(slot, LoadFault.LOAD_FAILED)
             return Failure.model_load_failed()
         except Exception as exc:  # an edge: a load must always end in a typed failure and a clean slate
             log.error("model_load_failed", model=model_id, exc_type=type(exc).__name__)
             self._count(LoadResult.FAILED)
-            return Failure.model_load_failed()
+            # An error of our own load path: remembered only where the folder explains it (a file damaged
+            # meanwhile); otherwise the next request may load it (503, as for a load undone).
+            remembered = await self._remember(slot, LoadFault.INTERNAL_ERROR)
+            return Failure.model_load_failed() if remembered else Failure.model_unloaded()
         finally:
             if slot.state is ModelState.LOADING:  # anything but a publish: undo, release, forget
                 await self._undo_engine_load(model_id, load_fut)
                 claim.release()
                 slot.claim = None
                 slot.state = ModelState.NOT_LOADED
+                if remembered:  # no longer advertised: the coordinator hears it now, not at the next tick
+                    self._on_resident_change()
+
+    async def _remember(self, slot: ModelSlot, fault: LoadFault) -> bool:
+        """A failed load, remembered (slots/broken.py) with its reason read from the folder and the
+        folder's fingerprint, before the requests waiting for it are answered: they, and every request
+        after them until the folder changes or the backoff passes, get the same non-retryable answer
+        and no second load. An error of the provider's own load path (`INTERNAL_ERROR`) is remembered
+        only when the folder explains it; False when nothing was remembered."""
+        reason, fingerprint = await asyncio.to_thread(_examined, slot.info, fault)
+        if reason is LoadFault.INTERNAL_ERROR:
+            return False
+        self._s.broken.mark(slot.info, reason, fingerprint)
+        return True
 
     async def _settle_leaving_and_pressure(self, slot: ModelSlot) -> None:
         """Before the engine allocates: wait until the models the booking counted as leaving have
@@ -254,3 +287,8 @@ class Loader:
     def _count(self, result: LoadResult) -> None:
         if self._s.metrics is not None:
             self._s.metrics.model_load(result)
+
+
+def _examined(info: ModelInfo, fault: LoadFault) -> tuple[BrokenReason, str]:
+    """A failed model's folder, read off the loop: why (provider/models/broken.py) and its fingerprint."""
+    return diagnose(info, fault), folder_fingerprint(info)

@@ -68,8 +68,10 @@ from provider.slots.admission import (
     Refused,
     RoomPlan,
     decide,
+    model_refusal,
     plan_room,
 )
+from provider.slots.broken import Broken
 from provider.slots.capacity import CapacityReport
 from provider.slots.diagnostics import MemoryDiagnostics
 from provider.slots.leases import (
@@ -206,7 +208,9 @@ class ModelManager:
                            self._s.prefix.evictable_bytes(by_kind[ReservationKind.PREFIX_CACHE]),
                            self._max_vision,
                            {s.model_id: s.vision_requests for s in self._s.slots.values() if s.vision_requests},
-                           batch_size=self._s.engine.batch_size, paused=self.pause_source())
+                           batch_size=self._s.engine.batch_size, paused=self.pause_source(),
+                           broken=self._s.broken.holding(s.info for s in self._s.slots.values()
+                                                         if s.state is ModelState.NOT_LOADED))
 
     def max_concurrency(self, model_id: str) -> int:
         """Requests one model runs at once: the engine's decode batch (admission's ceiling)."""
@@ -264,6 +268,27 @@ class ModelManager:
             if _clearing_helps(verdict, cleared):
                 verdict = cleared
         return self._with_eta(verdict)
+
+    def model_refusal(self, model_id: str) -> Failure | None:
+        """The refusal every request for this model gets now, whatever it asks (`admission.model_refusal`:
+        its failed load is remembered, or it can never load under the cap here); None otherwise, and for
+        a model that is not ours. Read-only and cheap (a stat of the folder of a model marked broken);
+        the intake may ask it from the bulk lane's thread."""
+        slot = self._s.slots.get(model_id)
+        if slot is None:
+            return None
+        broken = slot.state is ModelState.NOT_LOADED and self._s.broken.holds(slot.info) is not None
+        refused = model_refusal(self.figures, self._s.probe.recent(), slot.info, broken=broken)
+        return refused.failure if refused is not None else None
+
+    def broken(self, model_id: str) -> Broken | None:
+        """The model's failed load while it is remembered (its reason, when it is tried again)."""
+        slot = self._s.slots.get(model_id)
+        return self._s.broken.holds(slot.info) if slot is not None else None
+
+    def broken_models(self) -> dict[str, dict[str, object]]:
+        """`/status`'s `models_broken`: each model whose failed load is remembered, with its reason."""
+        return self._s.broken.as_json(s.info for s in self._s.slots.values())
 
     def precheck(self, model_id: str, prompt_tokens: int, max_tokens: int | None = None, *,
                  queued: bool = False) -> Failure | None:
@@ -523,6 +548,8 @@ class ModelManager:
         if slot.state is ModelState.NOT_LOADED:
             if self._s.draining:
                 raise SlotRefused(Failure.draining())
+            if self._s.broken.holds(slot.info) is not None:
+                raise SlotRefused(Failure.model_load_failed())
             failure = await self._plan_and_book_load(slot)
             if failure is not None:
                 raise SlotRefused(failure)
@@ -569,7 +596,8 @@ class ModelManager:
                     if failure is not None:
                         raise SlotRefused(failure)
                 case _:  # the load this request was booked with failed (its failure said so) or was undone
-                    raise SlotRefused(Failure.model_load_failed())
+                    failed = self._s.broken.holds(slot.info) is not None
+                    raise SlotRefused(Failure.model_load_failed() if failed else Failure.model_unloaded())
 
     async def _wait_load(self, slot: ModelSlot, task: asyncio.Task, arrived: float) -> Failure | None:
         """Await a shared load task while it makes progress: up to `load_wait_timeout_s` after its last
@@ -653,6 +681,12 @@ class ModelManager:
     def verdicts(self) -> list[tuple[ModelInfo, FitResult]]:
         """Fit verdict per inventory model (register, doctor)."""
         return self._reporter.verdicts()
+
+    def advertised_verdicts(self) -> list[tuple[ModelInfo, FitResult]]:
+        """`verdicts()` less the models whose failed load is remembered: what register and
+        models_update offer the coordinator (those that can never fit are left out there)."""
+        broken = self.view().broken
+        return [(m, v) for m, v in self.verdicts() if m.id not in broken]
 
     def register_rates(self) -> tuple[float, float]:
         """register's (prefill_tps, decode_tps)."""

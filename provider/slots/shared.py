@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from memory import CapFigures, Ledger, Probe
 from provider.engine import Engine
 from provider.metrics import Metrics
+from provider.slots.broken import BrokenModels
 from provider.slots.prefix import PrefixRoom
 from provider.slots.state import ModelSlot, ModelState
 
@@ -29,6 +30,10 @@ class ManagerState:
     slots: dict[str, ModelSlot]  # one record per inventory model (forget / adopt change the set)
     room_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one room plan (evict, settle) at a time
     draining: bool = False  # every new request and load is refused
+    broken: BrokenModels = field(init=False)  # models whose failed load is remembered (slots/broken.py)
+
+    def __post_init__(self) -> None:
+        self.broken = BrokenModels(self.clock)
 
     @property
     def figures(self) -> CapFigures:
