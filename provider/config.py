@@ -253,6 +253,14 @@ class Settings(BaseModel):
         60.0, ge=0, description="Unload a model idle this long (minutes); 0 = never.",
         **_allowed("a number of minutes >= 0 (0 = never)"),
     )
+    load_measure_budget_s: float | None = Field(
+        None, ge=0,
+        description="Seconds a load may spend, after reading the weights, on what it measures (the solo-prefill "
+                    "threshold, the rates register reports) and warms (the shapes a first request uses). Unset: "
+                    "the larger of 3 s and twice the weights' read. 0: one measuring pass, no warm-up (the first "
+                    "requests build what the warm-up would have).",
+        **_allowed("a number of seconds >= 0"),
+    )
     load_wait_timeout_s: float = Field(
         120.0, gt=0, description="How long a request waits for a load in progress to take its next step (a part "
         "of the weights read, a measurement, a check): a load that keeps moving keeps its requests however long it "

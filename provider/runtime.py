@@ -162,6 +162,7 @@ def engine_options(settings: Settings, figures: memory.CapFigures) -> EngineOpti
         next_turn_scratch_bytes=figures.activation_reserve_bytes // 2 if settings.prepare_next_turn else 0,
         solo_min_tokens=None if settings.solo_prefill else 0,
         stream_interval_s=settings.stream_interval_ms / 1000,
+        measure_budget_s=settings.load_measure_budget_s,
     )
 
 

@@ -13,10 +13,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+LOAD_BUDGET_ENV = "DARKBLOOM_LOAD_MEASURE_BUDGET_S"  # the one setting every process of the suite keeps (conftest)
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment without its DARKBLOOM_ settings, but for the suite's load budget
+    (LOAD_BUDGET_ENV, set by conftest): what a process a test starts begins from."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("DARKBLOOM_") or k == LOAD_BUDGET_ENV}
+
 
 def run_cli(*args: str, env: dict[str, str] | None = None, home: Path | None = None,
             timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("DARKBLOOM_")}
+    base = clean_env()
     if home is not None:
         base.update(HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"), XDG_DATA_HOME=str(home / ".local/share"))
     base.update(env or {})

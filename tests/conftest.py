@@ -54,6 +54,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The machine's own Ollama models are not the suite's: every process it starts sees an empty store
 # (tests of the Ollama source point OLLAMA_MODELS, or ollama_dir, at a store they build).
 os.environ["OLLAMA_MODELS"] = os.path.join(tempfile.gettempdir(), "darkbloom-tests-no-ollama-store")
+# A load measures and warms for a few seconds (load_measure_budget_s): the suite loads models ~250 times,
+# and the warm-up was 70 % of their load time. Loads here take one measuring pass and warm nothing (each
+# worker builds a shape once, on its first request); the tests of the measuring and the warm-up set
+# their own budget, and so do the processes they start.
+os.environ.setdefault("DARKBLOOM_LOAD_MEASURE_BUDGET_S", "0")  # cli_runner.clean_env keeps it
 
 import pytest  # noqa: E402
 

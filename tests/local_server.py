@@ -8,7 +8,6 @@ the server answers. ``CANARY`` is a prompt fragment the log must never hold.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import openai
 
+from cli_runner import clean_env
 from provider.demo import free_port, wait_ready
 
 CANARY = "CANARY-7f3a9c-do-not-log"
@@ -43,7 +43,7 @@ class Server:
 def start_server(tmp: Path, model: Path, *flags: str, env_extra: dict[str, str] | None = None) -> Server:
     port = free_port()
     (tmp / "hub").mkdir(exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DARKBLOOM_")}
+    env = clean_env()
     env.update(env_extra or {})
     env.update(HOME=str(tmp), DARKBLOOM_LOG_FORMAT="json", DARKBLOOM_HF_CACHE_DIR=str(tmp / "hub"))
     log_path = tmp / f"server-{port}.log"

@@ -55,7 +55,8 @@ class Rig:
         self.figures = compute_figures(self.probe.machine_bytes, settings)
         assert self.figures.effective_cap_bytes == 2 * GiB
         self.ledger = Ledger(self.figures, sample=self.probe.snapshot)
-        self.engine = Engine(engine_options)
+        # One measuring pass and no warm-up at a load, as every process of the suite (conftest).
+        self.engine = Engine(engine_options or EngineOptions(measure_budget_s=0.0))
         self.manager_kw = manager_kw
         self.manager = self.build()
 

@@ -29,12 +29,13 @@ NO_EOS = frozenset({10**9})  # the tiny models never stop early: completions hav
 
 def agent_settings(url: str, state_dir: Path, models: dict[str, Path], **overrides: object) -> Settings:
     """Dev posture, no hub (an empty cache beside `state_dir`), an 8 GB machine, quick heartbeats, the
-    status endpoint on a free port (not the default one, which another test's agent or command may use)."""
+    status endpoint on a free port (not the default one, which another test's agent or command may use), loads
+    that measure once and warm nothing (conftest)."""
     return Settings(**{
         "coordinator_url": url, "dev_posture": True, "state_dir": state_dir, "local_port": free_port(),
         "hf_cache_dir": state_dir.parent / "empty-hf-cache", "model_aliases": models, "memory_limit_gb": 8.0,
         "memory_reserve_gb": 0.5, "heartbeat_interval_s": 0.5, "drain_timeout_s": 5.0, "idle_timeout_mins": 0,
-        **overrides})
+        "load_measure_budget_s": 0.0, **overrides})
 
 
 @dataclass

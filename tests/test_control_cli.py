@@ -3,7 +3,6 @@ found as `status` finds it: through the state directory's lock record (HOME is t
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,11 +10,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from cli_runner import clean_env
 from local_server import MODEL, start_server
 
 
 def cli(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DARKBLOOM_")}
+    env = clean_env()
     env.update(HOME=str(tmp))
     # the configured port is the default one: the agent is found through its lock record, not the flag
     return subprocess.run([sys.executable, "-m", "provider.cli", *args], env=env, capture_output=True, text=True,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_runner import closed_port, run_cli
+from cli_runner import clean_env, closed_port, run_cli
 from provider import cli
 from provider.agent import EXIT_RESTART
 from provider.config import Settings
@@ -185,7 +185,7 @@ def cli_argv(*args: str, max_file_bytes: int | None = None) -> list[str]:
 
 def start_and_kill(home: Path, env: dict[str, str], *, max_file_bytes: int | None = None) -> list[str]:
     """Start the real `serve`, wait until it serves, SIGKILL it; the log lines it wrote until then."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("DARKBLOOM_")}
+    base = clean_env()
     base.update(HOME=str(home), **env)
     proc = subprocess.Popen(cli_argv("serve", max_file_bytes=max_file_bytes), env=base, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
@@ -259,7 +259,7 @@ def test_a_full_disk_at_start_is_logged_leaves_no_temp_file_and_doctor_says_so(t
     assert [p.name for p in state.rglob("*") if p.name.endswith(".tmp")] == []
     assert not (state / ABNORMAL_EXITS_FILE).exists() and not (state / RUN_MARKER_FILE).exists()
 
-    base = {k: v for k, v in os.environ.items() if not k.startswith("DARKBLOOM_")} | {"HOME": str(home), **env}
+    base = clean_env() | {"HOME": str(home), **env}
     doctor = [subprocess.run(cli_argv("doctor", *fmt, "--no-coordinator", max_file_bytes=16), env=base,
                              capture_output=True, text=True, timeout=60) for fmt in (["--json"], [])]
     [problem] = [p for p in json.loads(doctor[0].stdout)["problems"] if p["code"] == "crash_loop_guard_off"]

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
+from cli_runner import clean_env
 from coordinator_double import CoordinatorDouble, DoubleConfig
 from protocol import PrivacyCapabilities
 from protocol.attest import SecurityPosture
@@ -110,7 +110,7 @@ CATALOG = (("tiny", 0.005), ("warmable", 6.0), ("big", 12.0))
 
 
 async def doctor_json(home: Path, url: str, models: dict[str, Path], *extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DARKBLOOM_")}
+    env = clean_env()
     env.update(HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"), XDG_DATA_HOME=str(home / ".local/share"))
     aliases = [arg for model_id, path in models.items() for arg in ("--model-aliases", f"{model_id}={path}")]
     process = await asyncio.create_subprocess_exec(

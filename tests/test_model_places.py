@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cli_runner import run_cli
+from cli_runner import clean_env, run_cli
 from provider.config import Settings
 from provider.demo import free_port, wait_ready
 from provider.runtime import Runtime
@@ -101,7 +101,7 @@ async def test_serve_warns_once_at_start_when_there_is_no_model(tmp_path):
 def test_serve_local_without_a_model_says_so_on_stderr_in_words(tmp_path):
     flags, env = places(tmp_path)
     port = free_port()
-    base = {k: v for k, v in os.environ.items() if not k.startswith("DARKBLOOM_")}
+    base = clean_env()
     base.update(HOME=str(tmp_path), DARKBLOOM_LOG_FORMAT="json", **env)
     proc = subprocess.Popen([sys.executable, "-m", "provider.cli", "serve", "--local", "--local-port", str(port),
                              *flags], env=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

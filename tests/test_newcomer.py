@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_runner import closed_port, run_cli
+from cli_runner import clean_env, closed_port, run_cli
 from hub_double import HubDouble
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +77,7 @@ class _BigStatus(BaseHTTPRequestHandler):
 def test_a_reader_that_leaves_early_is_no_error(tmp_path, as_json):
     server = ThreadingHTTPServer(("127.0.0.1", 0), _BigStatus)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DARKBLOOM_")}
+    env = clean_env()
     env.update(HOME=str(tmp_path))
     try:
         proc = subprocess.Popen([sys.executable, "-m", "provider.cli", "status", *(["--json"] if as_json else []),

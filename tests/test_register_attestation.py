@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -22,6 +21,7 @@ from typing import Any
 import openai
 import pytest
 
+from cli_runner import clean_env
 from coordinator_double import (
     ATTESTED_HEADER,
     TRUST_LEVEL_HEADER,
@@ -226,7 +226,7 @@ async def test_without_the_dev_posture_no_attestation_is_sent_and_the_log_says_w
 
 
 async def doctor(home: Path, tiny: Path, *args: str) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DARKBLOOM_")}
+    env = clean_env()
     env.update(HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"), XDG_DATA_HOME=str(home / ".local/share"))
     (home / "hub").mkdir(exist_ok=True)
     process = await asyncio.create_subprocess_exec(

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_runner import closed_port, run_cli
+from cli_runner import clean_env, closed_port, run_cli
 from kvcache.disk import KVCACHE_DIR
 from provider.demo import free_port, wait_ready
 from provider.state_lock import LOCK_FILE, AgentMode, AlreadyRunning, StateLock, running_agent
@@ -83,7 +83,7 @@ def agent_env(home: Path, state: Path, model: Path) -> dict[str, str]:
 
 
 def start_local(home: Path, env: dict[str, str], port: int) -> subprocess.Popen[bytes]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("DARKBLOOM_")}
+    base = clean_env()
     base.update(HOME=str(home), XDG_CONFIG_HOME=str(home / ".config"), **env)
     with open(home / f"agent-{port}.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "provider.cli", "serve", "--local", "--local-port", str(port)],

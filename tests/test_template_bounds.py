@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -27,6 +26,7 @@ import openai
 import psutil
 import pytest
 
+from cli_runner import clean_env
 from coordinator_double import CoordinatorDouble, Rejected
 from double_fixtures import consumer_for
 from provider.agent import Agent
@@ -95,7 +95,7 @@ def write_config(tmp: Path, aliases: dict[str, Path], **settings: object) -> Pat
 
 
 def cli_env(tmp: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DARKBLOOM_")}
+    env = clean_env()
     env["HOME"] = str(tmp)
     return env
 
@@ -240,10 +240,14 @@ async def test_a_request_whose_render_loops_fails_alone_while_the_agent_serves_o
             model="trap", messages=[{"role": "user", "content": "LOOP"}], max_tokens=2))
         await _until(lambda: child.cpu_times().user > spent + 0.3, 10)  # the renderer is in the loops
         beats = coordinator_double.provider(view.provider_id).heartbeat_count
-        for _ in range(4):  # one at a time: the double gives this 8 GB machine 2 requests at once, one the trap's
+        # One at a time: the double gives this 8 GB machine 2 requests at once, one the trap's. The first
+        # answer comes while the template still loops (its bound is 5 s away); the others may come after
+        # it failed on a busy machine, and nothing here depends on which.
+        for i in range(4):
             answer = await client.chat.completions.create(model="tiny", messages=hello, max_tokens=2)
             assert answer.choices[0].message.content is not None
-        assert not trapped.done()  # the healthy model answered while the template was still looping
+            if i == 0:
+                assert not trapped.done()  # the healthy model answered while the template was looping
         with pytest.raises(openai.APIStatusError):
             await trapped
         assert coordinator_double.provider(view.provider_id).heartbeat_count >= beats + 8  # ~5 s of 0.25 s beats
