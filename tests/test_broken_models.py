@@ -178,6 +178,32 @@ async def test_without_a_change_only_the_backoff_lets_it_load_again_and_it_doubl
     assert loads == {"broken": 3}
 
 
+def test_a_mark_holds_until_the_folder_changes_or_its_backoff_passes_and_the_backoff_doubles(tiny_model_path, tmp_path):
+    """`BrokenModels` on its own: a real folder's fingerprint, the clock given."""
+    from provider.models import inspect_model
+    from provider.models.broken import LoadFault, folder_fingerprint
+    from provider.slots.broken import MAX_RETRY_S, BrokenModels, backoff_s
+
+    info = inspect_model(variant(tiny_model_path, tmp_path / "m", hidden_size=128), "m")
+    clock = Clock()
+    marks = BrokenModels(clock)
+    first = marks.mark(info, LoadFault.LOAD_FAILED, folder_fingerprint(info))
+    assert marks.holds(info) == first and first.failures == 1 and marks.holding([info]) == {"m"}
+    clock.now += FIRST_RETRY_S - 1
+    assert marks.holds(info) is not None
+    clock.now += 1
+    assert marks.holds(info) is None  # the backoff passed
+    second = marks.mark(info, LoadFault.LOAD_FAILED, folder_fingerprint(info))  # failed again, same folder
+    assert second.failures == 2 and second.retry_at == clock.now + 2 * FIRST_RETRY_S
+    assert backoff_s(50) == MAX_RETRY_S
+    (info.path / "config.json").write_text((tiny_model_path / "config.json").read_text())  # the folder changed
+    assert marks.holds(info) is None and marks.as_json([info]) == {}
+    third = marks.mark(info, LoadFault.LOAD_FAILED, folder_fingerprint(info))  # a new folder starts over
+    assert third.failures == 1
+    marks.loaded("m")
+    assert marks.holds(info) is None
+
+
 # --- end to end: the agent and the coordinator double ------------------------------------------------------
 
 

@@ -61,24 +61,24 @@ def reason_words(reason: str) -> str:
 
 
 def folder_fingerprint(info: ModelInfo) -> str:
-    """A digest of the name, size and modification time of every file in the model's folder (links
-    followed: a hub snapshot's blobs), and of the GGUF an Ollama model is imported from; it changes when
-    any of them is written, replaced or removed. A few stats, no file read."""
-    entries: list[tuple[str, int, int]] = []
+    """A digest of the name, size, modification time and inode of every file in the model's folder
+    (links followed: a hub snapshot's blobs), and of the GGUF an Ollama model is imported from; it
+    changes when any of them is written, replaced or removed. A few stats, no file read."""
+    entries: list[tuple[str, int, int, int]] = []
     paths = [info.gguf] if info.gguf is not None else []
     try:
         if info.gguf is None:
             paths += [Path(e.path) for e in os.scandir(info.path)]
     except OSError:
-        entries.append(("<folder>", -1, -1))
+        entries.append(("<folder>", -1, -1, -1))
     for path in sorted(paths):
         try:
             st = path.stat()
         except OSError:
-            entries.append((path.name, -1, -1))
+            entries.append((path.name, -1, -1, -1))
             continue
         if not path.is_dir():
-            entries.append((path.name, st.st_size, st.st_mtime_ns))
+            entries.append((path.name, st.st_size, st.st_mtime_ns, st.st_ino))
     return hashlib.sha256(repr(entries).encode()).hexdigest()
 
 

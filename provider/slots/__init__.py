@@ -14,6 +14,8 @@ Modules:
               idle reaper), `Reporter` (register, heartbeat and doctor figures)
 * `vision`    a vision model's requests: place limit, `kv:` + `media:` reservations before the
               images are decoded, release hooks (`VisionServer`, a collaborator of the manager)
+* `broken`    `BrokenModels`: failed loads remembered (reason, folder fingerprint, backoff) so a
+              broken folder is loaded once, not once per request
 
 API for the jobs / session code:
 
@@ -56,12 +58,16 @@ API for the jobs / session code:
     manager.keep_warm(model_id); manager.kept_warm                # preloaded: the reaper skips them
     manager.start_draining(); await manager.unload_all()          # shutdown
     manager.capacity() -> CapacityReport; manager.warm_models() -> list[str]
-    manager.verdicts() -> list[tuple[ModelInfo, FitResult]]       # register / doctor
+    manager.verdicts() -> list[tuple[ModelInfo, FitResult]]       # doctor
+    manager.advertised_verdicts()                                 # register / models_update: less the broken
+    manager.model_refusal(model_id) -> Failure | None             # what every request for it gets now
+    manager.broken(model_id) -> Broken | None; manager.broken_models()   # failed loads remembered (/status)
     manager.state(model_id) -> ModelState; manager.view() -> ManagerView
     manager.last_unload -> UnloadReport | None                    # freed bytes, settle time
 
-Refusals: unknown model → 404 model_unavailable; could never fit →
-503 request_exceeds_node + memory_cap; cannot fit after evicting every idle model → 503 memory_cap;
+Refusals: unknown model → 404 model_unavailable; its failed load remembered → 404 model_unavailable +
+model_load (`Failure.model_load_failed`); could never fit → 503 request_exceeds_node + memory_cap (these
+two first, whatever else the request asks); cannot fit after evicting every idle model → 503 memory_cap;
 slot cap reached with nothing evictable → 503 slot_state; resident (or loading) but KV does not
 fit → 503 token_budget (in-flight requests hold it; `available_token_budget` says what fits now)
 or kv_headroom (memory itself is short); `max_batch_size` requests on the model already → 503
