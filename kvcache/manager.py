@@ -12,7 +12,10 @@ reuses up to the first token that differs and no further.
 Memory: each model's RAM tier is one `prefix_cache` reservation in the ledger, grown as sequences
 are stored and lowered as they are evicted (kvcache/ram.py). When admission or a load needs
 room it calls `evict_for(nbytes)` (least recently used first, across models); under RED pressure
-or worse `relieve(level)` drops the whole RAM tier. The SSD tier is never charged to the ledger.
+or worse `relieve(level)` drops the whole RAM tier. The SSD tier's files are not in memory, but
+its index is (a few hundred bytes per file, kvcache/blockindex.py): each model's is one
+`prefix_index` reservation (`IndexLease`), taken with its first file and released at the purge;
+a file the ledger has no room for is not written.
 
 What goes to the SSD tier: only sequences whose request reused at least `SSD_MIN_REUSED_TOKENS` of
 a stored one (a conversation's next turn, a question after a shared system prompt): reuse is the
@@ -34,6 +37,7 @@ after it was due is still written (the pending hand-over keeps it).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -46,7 +50,7 @@ from kvcache import state
 from kvcache.ram import PrefixCache, StoreOutcome
 from kvcache.ssd import SsdStore, WriteOutcome
 from kvcache.trie import Key
-from memory.ledger import Ledger
+from memory.ledger import Ledger, ReservationKind
 from memory.pressure import PressureLevel
 from memory.snapshot import MemorySnapshot
 
@@ -143,29 +147,27 @@ class ModelKvCache:
         return reuse
 
     def longest_match(self, tokens: Sequence[int]) -> int:
-        """How many leading tokens `fetch` would reuse, from either tier (no copy, no read, no stats)."""
+        """How many leading tokens `fetch` would reuse, from either tier (no copy, no read, no stats).
+        The SSD tier's figure is its index's lower bound (less than a block short where a stored
+        sequence and `tokens` part inside one): `fetch` may reuse a few tokens more, never fewer."""
         if len(tokens) < 2:
             return 0
         best = self.ram.longest_match(tokens)
         if self._ssd is not None:
-            match = self._ssd.lookup(self.model_id, tokens)
-            if match is not None:
-                best = max(best, min(match.common, len(tokens) - 1))
+            best = max(best, min(self._ssd.longest_match(self.model_id, tokens), len(tokens) - 1))
         return best
 
     def _lookup(self, tokens: Sequence[int]) -> Reuse:
         if len(tokens) < 2:
             return MISS
         ram_len = self.ram.longest_match(tokens)
-        if self._ssd is not None:
-            match = self._ssd.lookup(self.model_id, tokens)
-            ssd_len = 0 if match is None else min(match.common, len(tokens) - 1)
+        if self._ssd is not None and self._ssd.longest_match(self.model_id, tokens) > ram_len:
+            hit = self._ssd.fetch(self.model_id, self.weight_hash, tokens)
+            ssd_len = 0 if hit is None else min(hit.common, len(tokens) - 1)  # compared token by token
             if ssd_len > ram_len:
-                host = self._ssd.read(self.model_id, self.weight_hash, match.key)
-                if host is not None:
-                    cache = state.from_host(host)
-                    self.ram.store(match.key, cache)  # promote; refused is fine
-                    return Reuse(state.prefix_copy(cache, ssd_len), ssd_len, Tier.SSD, match.key)
+                cache = state.from_host(hit.cache)
+                self.ram.store(hit.key, cache)  # promote; refused is fine
+                return Reuse(state.prefix_copy(cache, ssd_len), ssd_len, Tier.SSD, hit.key)
         if ram_len:
             hit = self.ram.fetch(tokens)
             if hit is not None:
@@ -229,8 +231,7 @@ class ModelKvCache:
             del self._copying[key]
             if self._closed:
                 continue  # purged meanwhile: nothing of it is written
-            match = self._ssd.lookup(self.model_id, key)
-            if match is not None and match.common == len(key):
+            if self._ssd.covers(self.model_id, key):
                 continue
             state.settle(cache)  # done a step ago: no wait
             if self._executor is None:
@@ -257,6 +258,40 @@ class ModelKvCache:
                                                        self._reused)
         disk = self._ssd.disk_bytes(self.model_id) if self._ssd is not None else 0
         return PrefixCacheStats(hits, partial, misses, self.ram.nbytes, disk, len(self.ram), ssd_hits, reused)
+
+
+_leases = itertools.count()
+
+
+class IndexLease:
+    """The ledger's side of one model's SSD index (`kvcache.ssd.IndexMeter`): one `prefix_index`
+    reservation, taken with the index's first bytes and released with its last. Called under the
+    SSD store's lock (the ledger's own lock is taken inside it, never the other way round)."""
+
+    def __init__(self, ledger: Ledger, model_id: str,
+                 sample_snapshot: Callable[[], MemorySnapshot] | None = None) -> None:
+        self._ledger = ledger
+        self._sample = sample_snapshot
+        self.lease_id = f"ssd_index:{model_id}:{next(_leases)}"
+        self.nbytes = 0  # = the ledger's bytes under `lease_id` while it is outstanding
+
+    def charge(self, nbytes: int) -> bool:
+        snapshot = self._sample() if self._sample is not None else None
+        kind = ReservationKind.PREFIX_INDEX
+        if self.nbytes:
+            granted = self._ledger.grow(self.lease_id, kind, nbytes, snapshot=snapshot).granted
+        else:
+            granted = self._ledger.reserve(self.lease_id, kind, nbytes, snapshot=snapshot).granted
+        if granted:
+            self.nbytes += nbytes
+        return granted
+
+    def discharge(self, nbytes: int) -> None:
+        self.nbytes = max(0, self.nbytes - nbytes)
+        if self.nbytes:
+            self._ledger.reduce(self.lease_id, nbytes)
+        else:
+            self._ledger.release(self.lease_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,7 +327,7 @@ class KvCacheManager:
                 raise RuntimeError("model already attached; purge it first")
             ram = PrefixCache(model_id, self._ledger, sample_snapshot=self._sample, max_bytes=self._ram_max)
             if self._ssd is not None:
-                self._ssd.open(model_id, weight_hash)
+                self._ssd.open(model_id, weight_hash, meter=IndexLease(self._ledger, model_id, self._sample))
             mc = ModelKvCache(model_id, weight_hash, ram, self._ssd, self._executor,
                               write_delay_s=self._delay, clock=self._clock)
             self._models[model_id] = mc

@@ -44,6 +44,7 @@ class ReservationKind(StrEnum):
     MEDIA = "media"  # decoded images/video held while a request is prepared
     PENDING_LOAD = "pending_load"  # a model load's allocation permit: weights_est + MIN_KV
     PREFIX_CACHE = "prefix_cache"  # RAM prefix-cache entries (kvcache/ram)
+    PREFIX_INDEX = "prefix_index"  # the SSD prefix tier's index in memory (kvcache/blockindex), while it holds a file
     PROMPT = "prompt"  # a large request body's working memory while it is parsed and tokenized
     GRAMMAR = "grammar"  # a constrained request's grammar and mask rows (memory/grammar.py), intake to engine exit
 

@@ -294,7 +294,7 @@ async def test_a_live_conversation_is_written_to_ssd_when_it_goes_quiet(tiny_mod
         now[0] = 61.0
         for _ in range(2):  # the first command wakes the idle worker, the second comes after its writes
             await engine.kv_cache_bytes("m")
-        assert ssd.entries("m") == 1 and ssd.lookup("m", last + [5]).common == len(last)
+        assert ssd.entries("m") == 1 and ssd.longest_match("m", last + [5]) == len(last)
         await engine.unload("m")
         manager.purge("m")
 

@@ -257,8 +257,8 @@ def test_a_conversation_turn_goes_to_ssd_once_it_is_quiet(tiny, ledger: Ledger, 
     assert written == []
     now[0] = 9.5
     assert kv.write_quiet() is None and written == [len(third)]  # due a delay after its copy: written at once
-    m = ssd.lookup("tiny", third + [7])
-    assert ssd.entries("tiny") == 1 and m is not None and m.key == tuple(third)  # one file per conversation
+    hit = ssd.fetch("tiny", "w0", third + [7])
+    assert ssd.entries("tiny") == 1 and hit is not None and hit.key == tuple(third)  # one file per conversation
 
 
 def test_bfloat16_round_trips_through_host_bytes() -> None:

@@ -68,7 +68,9 @@ def test_a_file_sealed_in_slices_is_what_one_shot_aes_gcm_seals(tmp_path: Path, 
     nonce = blob[len(CLEAR): len(CLEAR) + 12]
     plaintext = AESGCM(KEY[:32]).decrypt(nonce, blob[len(CLEAR) + 12:], CLEAR + path.name.encode())
     (hlen,) = struct.unpack_from(">I", plaintext)
-    assert plaintext[4 + hlen: 4 + hlen + cache.nbytes] == b"".join(a.data for pair in cache.layers for a in pair)
+    ids = 4 + hlen + 4 * len(tokens)  # the token ids (u32 LE) come between the header and the arrays
+    assert plaintext[4 + hlen: ids] == struct.pack(f"<{len(tokens)}I", *tokens)
+    assert plaintext[ids: ids + cache.nbytes] == b"".join(a.data for pair in cache.layers for a in pair)
 
     fresh_nonce = bytes(12)
     path.write_bytes(CLEAR + fresh_nonce + AESGCM(KEY[:32]).encrypt(fresh_nonce, plaintext, CLEAR + path.name.encode()))

@@ -55,14 +55,32 @@ def test_round_trip_names_and_permissions(tmp_path: Path) -> None:
     assert store.read(MODEL, WEIGHTS, tokens) == cache
     assert store.read(MODEL, "sha256:other", tokens) is None  # another weight hash never matches
     path = the_file(tmp_path)
-    assert len(path.name) == 64 and all(c in "0123456789abcdef" for c in path.name)
+    assert len(path.name) == 32 and all(c in "0123456789abcdef" for c in path.name)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     blob = path.read_bytes()
     assert cache.layers[0][0].data[:64] not in blob  # the KV bytes are encrypted
     assert store.disk_bytes(MODEL) == store.disk_bytes() == len(blob)
-    m = store.lookup(MODEL, [101, 102, 103, 9])
-    assert m is not None and (m.key, m.common) == (tuple(tokens), 3)
+    hit = store.fetch(MODEL, WEIGHTS, tokens + [9])  # a stored prefix of the query
+    assert hit is not None and (hit.key, hit.common, hit.cache) == (tuple(tokens), 5, cache)
+    assert store.longest_match(MODEL, tokens + [9]) == 5
+
+
+def test_a_fetch_shares_exactly_the_tokens_the_file_holds(tmp_path: Path) -> None:
+    """The index sees whole blocks of 32 tokens (and a stored sequence's own end): where a query parts
+    from a stored sequence inside a block, `longest_match` says the block before it and `fetch`, which
+    compares the sealed token ids, the exact figure; a query that parts in the first block finds
+    nothing, and KV is never handed back for a token that differs."""
+    store = make_store(tmp_path)
+    stored = list(range(1000, 1080))
+    cache = host_cache(len(stored))
+    assert store.write(MODEL, WEIGHTS, stored, cache) is WriteOutcome.WRITTEN
+    query = stored[:70] + [7, 8, 9]
+    assert store.longest_match(MODEL, query) == 64
+    hit = store.fetch(MODEL, WEIGHTS, query)
+    assert hit is not None and (hit.key, hit.common, hit.cache) == (tuple(stored), 70, cache)
+    assert store.fetch(MODEL, WEIGHTS, stored[:20] + [1]) is None and store.longest_match(MODEL, stored[:20]) == 0
+    assert store.fetch(MODEL, WEIGHTS, stored[:40]).common == 40  # a query the stored sequence goes on from
 
 
 def test_only_the_format_is_in_clear_and_the_size_tells_the_length_only_roughly(tmp_path: Path) -> None:
@@ -144,7 +162,7 @@ def test_damaged_file_is_a_miss_that_deletes_it(tmp_path: Path, damage: str) -> 
     assert store.read(MODEL, WEIGHTS, tokens) is None
     assert not path.exists()
     assert store.disk_bytes(MODEL) == 0 and store.entries(MODEL) == 0
-    assert store.lookup(MODEL, tokens) is None
+    assert store.longest_match(MODEL, tokens) == 0 and store.fetch(MODEL, WEIGHTS, tokens) is None
 
 
 def test_swapped_files_fail_authentication(tmp_path: Path) -> None:
@@ -168,7 +186,7 @@ def test_a_previous_process_files_are_unreadable_and_swept(tmp_path: Path) -> No
 
     fresh = SsdStore(tmp_path, budget=DiskBudget(tmp_path, GiB, free_bytes_fn=lambda _: 100 * GiB))
     with pytest.raises(InvalidTag):  # a new random key: the old file cannot be opened
-        fresh._open_blob(blob, stale.name, MODEL, WEIGHTS, 3)
+        fresh._open_blob(blob, stale.name, MODEL, WEIGHTS)
 
     (tmp_path / "unrelated-dir").mkdir()
     (tmp_path / "notes.txt").write_text("keep me")
@@ -271,7 +289,7 @@ def test_a_failing_disk_still_fails_the_write(tmp_path: Path, monkeypatch) -> No
     with pytest.raises(OSError):
         store.write(MODEL, WEIGHTS, [4, 5, 6], host_cache(3))
     assert files_under(tmp_path) == [] and store.disk_bytes() == 0
-    assert store.lookup(MODEL, [4, 5, 6]) is None
+    assert store.longest_match(MODEL, [4, 5, 6]) == 0
 
 
 def test_budget_is_min_of_configured_and_half_free(tmp_path: Path) -> None:
@@ -320,13 +338,13 @@ def test_a_longer_sequence_replaces_the_files_it_extends(tmp_path: Path) -> None
     """A conversation's next turn stores prompt + answer, which extends the previous turn's key: the
     shorter file goes (lookups trim the longer one to it), so a chat keeps one file, not one per turn."""
     store = make_store(tmp_path)
-    turn1, other = [5, 6, 7], [5, 9]
+    turn1, other = list(range(5, 45)), [5, 9]
     for key in (turn1, other):
         assert store.write(MODEL, WEIGHTS, key, host_cache(len(key))) is WriteOutcome.WRITTEN
     turn2 = turn1 + [8, 10, 11]
     assert store.write(MODEL, WEIGHTS, turn2, host_cache(len(turn2))) is WriteOutcome.WRITTEN
     assert store.entries(MODEL) == 2 and len(files_under(tmp_path)) == 2
     assert store.read(MODEL, WEIGHTS, turn1) is None and store.read(MODEL, WEIGHTS, other) is not None
-    m = store.lookup(MODEL, turn1 + [99])
-    assert m is not None and (m.key, m.common) == (tuple(turn2), 3)
+    hit = store.fetch(MODEL, WEIGHTS, turn1 + [99])
+    assert hit is not None and (hit.key, hit.common) == (tuple(turn2), len(turn1))
     assert store.disk_bytes(MODEL) == sum(p.stat().st_size for p in files_under(tmp_path))
