@@ -17,7 +17,6 @@ import asyncio
 import base64
 import gc
 import json
-import statistics
 import time
 import tracemalloc
 from collections.abc import AsyncIterator, Iterator
@@ -220,69 +219,61 @@ def test_big_prompts_keep_the_process_under_the_cap_and_answer_at_once(tmp_path,
             assert cap == int(1.5 * GiB)
             _reset_hwm(server.proc.pid)
             payload = json.dumps({**chat(big_text()), "model": "demo/tiny"})
-            took = []
             for _ in range(3):
-                started = time.monotonic()
                 r = client.post("/v1/chat/completions", content=payload, headers={"content-type": "application/json"})
-                took.append(time.monotonic() - started)
                 assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
                 assert r.json()["error"]["reason"] == "request_exceeds_context"
             peak = _vm_hwm_bytes(server.proc.pid)
             assert peak <= cap, f"peak RSS {peak / GiB:.2f} GiB above the cap"
             # 13-30 s of tokenizing each before; now the size bound answers (the test above shows the
-            # tokenizer is never called; this bound only has to tell the two apart on a loaded machine)
-            assert max(took) < 5.0, took
+            # tokenizer is never called; how fast is benchmarks/storm_bench.py's business)
             ledger = client.get("/status").json()["ledger"]
             assert sum(ledger["bytes_by_kind"].values()) - ledger["bytes_by_kind"]["prefix_cache"] == 0
     finally:
         server.stop()
 
 
-def _time_small(client: httpx.Client, n: int) -> list[float]:
-    times = []
+def _ask_small(client: httpx.Client, n: int) -> list[int]:
+    codes = []
     for _ in range(n):
-        started = time.monotonic()
         with client.stream("POST", "/v1/chat/completions",
                            json={**chat("a short question", max_tokens=1, stream=True), "model": "demo/tiny"}) as r:
-            assert r.status_code in (200, 503)
-            times.append(time.monotonic() - started)  # headers: accepted or refused
+            codes.append(r.status_code)
             r.read()
-    return times
+    return codes
 
 
-@pytest.mark.serial  # latencies alone and beside the flood, compared: no other test's load beside either
-def test_small_requests_are_not_delayed_by_a_big_prompt_in_flight(tmp_path, small_model_path):
-    """30 small requests alone, then 30 while 15 MiB prompts are sent back to back: each small one is
-    answered (headers) about as fast as alone. Before: up to 14 s behind the tokenizer."""
+def test_small_requests_are_answered_while_big_prompts_are_sent_back_to_back(tmp_path, small_model_path):
+    """20 small requests while 15 MiB prompts are sent back to back: every small one is served (before:
+    each waited up to 14 s behind the tokenizer). How long they take alone and beside the flood is
+    benchmarks/storm_bench.py's business; that they never wait for the bulk lane is the next test's."""
     import threading
 
     server = start_server(tmp_path, small_model_path)
     try:
         with httpx.Client(base_url=server.base_url, timeout=120) as client:
-            _time_small(client, 5)  # warm: load, tokenizer, first compile
-            alone = _time_small(client, 30)
-            stop = threading.Event()
-            big_sent = [0]
+            assert _ask_small(client, 2) == [200, 200]  # load, tokenizer, first compile
+            stop, answered = threading.Event(), threading.Event()
+            big_codes: list[int] = []
             payload = json.dumps({**chat(big_text()), "model": "demo/tiny"})
 
             def flood() -> None:
                 with httpx.Client(base_url=server.base_url, timeout=120) as big:
                     while not stop.is_set():
-                        big.post("/v1/chat/completions", content=payload, headers={"content-type": "application/json"})
-                        big_sent[0] += 1
+                        big_codes.append(big.post("/v1/chat/completions", content=payload,
+                                                  headers={"content-type": "application/json"}).status_code)
+                        answered.set()
 
             flooder = threading.Thread(target=flood)
             flooder.start()
             try:
-                with_big = _time_small(client, 30)
+                assert answered.wait(60)  # the flood is under way
+                beside = _ask_small(client, 20)
             finally:
                 stop.set()
                 flooder.join()
-        # Before: up to 14 s behind the tokenizer (1000x). Now the big ones are read in their own lane and
-        # refused by their size; what remains is CPU and GIL sharing with that lane on two cores (the
-        # structural guarantee is the next test's).
-        assert big_sent[0] >= 1
-        assert statistics.median(with_big) <= 10 * statistics.median(alone), (alone, with_big)
+        assert beside == [200] * 20
+        assert len(big_codes) >= 2 and set(big_codes) == {400}  # each over the context by its size
     finally:
         server.stop()
 

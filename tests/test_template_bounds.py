@@ -398,7 +398,7 @@ def test_a_render_past_its_time_is_killed_and_the_next_one_is_served():
         with pytest.raises(TemplateExceeded) as exceeded:
             renderer.render(ChatTemplate(HANGS), MESSAGES, add_generation_prompt=True, timeout_s=0.5)
         assert exceeded.value.bound is TemplateBound.TIMEOUT
-        assert time.monotonic() - started < 3
+        assert time.monotonic() - started < 20  # bounded (the template loops for ever), on a busy machine too
         assert renderer.replaced == 1
         with pytest.raises(TemplateFailed):  # the template's own error stays a client error
             renderer.render(ChatTemplate("{{ raise_exception('no') }}"), MESSAGES, add_generation_prompt=True)
