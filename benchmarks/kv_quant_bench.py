@@ -49,6 +49,7 @@ from kvcache.bits import KvBits  # noqa: E402
 from kvcache.quantized import make_quantized_cache  # noqa: E402
 from provider.engine import attention  # noqa: E402
 from provider.engine.decode import EngineBatchGenerator  # noqa: E402
+from provider.mlxlm import holds_sequences  # noqa: E402
 from provider.models.kv import KV_QUANTIZATION_BITS, kv_quantization_bits  # noqa: E402
 from provider.tinymodel import build_tiny_model  # noqa: E402
 
@@ -143,7 +144,7 @@ def decode_rate(model, prompts: list[list[int]], bits: KvBits | None, steps: int
     generator.insert(prompts, max_tokens=[steps + 2] * len(prompts), caches=caches)
     seen: dict[int, int] = {}
     started = None
-    while len(generator._unprocessed_sequences) or len(generator._prompt_batch) or len(generator._generation_batch):
+    while holds_sequences(generator):
         _, responses = generator.next()
         for r in responses:
             seen[r.uid] = seen.get(r.uid, 0) + 1

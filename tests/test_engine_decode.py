@@ -18,6 +18,7 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch
 
 from engine_arithmetic import assert_decisive_continuation
 from provider.engine.decode import DecodeBatch, EngineBatchGenerator, PrefillBatch
+from provider.mlxlm import generation_batch, holds_sequences, prompt_batch
 
 TEXTS = ("a river", "the mountain stream is quiet tonight", "seven", "batch of copper wire and salt stone",
          "north wind", "paper boat on a green lamp garden")
@@ -45,8 +46,7 @@ def run(generator_class, model, first, second, max_tokens, prefill_step_size=204
                 ended[r.uid] = r.prompt_cache
         if steps == 3:
             uids += generator.insert(second, max_tokens=max_tokens[len(first):])
-        if steps > 3 and not responses and not generator._unprocessed_sequences \
-                and not len(generator._prompt_batch) and not len(generator._generation_batch):
+        if steps > 3 and not responses and not holds_sequences(generator):
             break
     generator.close()
     if caches is not None:
@@ -101,12 +101,12 @@ class MlxLmDepartures(DecodeBatch):
 class MlxLmDeparturesGenerator(EngineBatchGenerator):
     def __init__(self, model, **kwargs) -> None:
         super().__init__(model, **kwargs)
-        self._generation_batch = MlxLmDepartures.empty(self.model, self.sampler)
+        self.generation_batch = MlxLmDepartures.empty(self.model, self.sampler)
 
     def _to_decoding(self):
-        before = self._generation_batch
+        before = self.generation_batch
         out = super()._to_decoding()
-        assert self._generation_batch is before  # extended in place: still the comparison's class
+        assert self.generation_batch is before  # extended in place: still the comparison's class
         return out
 
 
@@ -142,7 +142,7 @@ def test_a_finished_sequence_hands_back_mlx_lms_cache_and_the_batch_reads_its_pa
 def test_the_generator_decodes_with_the_engines_batch(loaded):
     model, _ = loaded
     generator = EngineBatchGenerator(model)
-    assert type(generator._generation_batch) is DecodeBatch and type(generator._prompt_batch) is PrefillBatch
+    assert type(generation_batch(generator)) is DecodeBatch and type(prompt_batch(generator)) is PrefillBatch
     generator.close()
     with pytest.raises(ValueError):
         EngineBatchGenerator(model, prefill_tokens=0)

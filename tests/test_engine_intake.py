@@ -11,6 +11,7 @@ import pytest
 
 from engine_reference import NO_EOS, PROMPTS, greedy, messages, reference_greedy
 from provider.engine import ChatRequest, Engine, Finished, worker
+from provider.mlxlm import waiting, waiting_uid
 
 
 class DuringStep:
@@ -34,7 +35,7 @@ class DuringStep:
             assert self.queued.wait(30)
             intake(me)
             slot = me._slots["m"]
-            self.unprocessed = [seq[0] for seq in slot.generator._unprocessed_sequences]
+            self.unprocessed = [waiting_uid(entry) for entry in waiting(slot.generator)]
             self.deferred = [type(c).__name__ for c in me._deferred]
             return None
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from engine_reference import NO_EOS, PROMPTS, greedy, messages, reference_greedy
+from provider import mlxlm
 from provider.engine import Calibrated, ChatRequest, Engine, Finished, LoadPhase, loading, warmup
 
 ROOMY = 600.0  # a budget no tiny model's passes come near: every measurement at its full size
@@ -20,8 +21,8 @@ async def test_a_load_with_room_measures_everything_and_serves_every_shape_once(
     def counted(slot, budget, passes, **kw):
         warmed = warm(slot, budget, passes, **kw)
         generator = slot.generator
-        served.append((warmed, list(generator._generation_batch.uids), list(generator._unprocessed_sequences),
-                       generator._counters.generation_tokens))
+        served.append((warmed, list(mlxlm.generation_batch(generator).uids), list(mlxlm.waiting(generator)),
+                       generator.counters.generation_tokens))
         return warmed
 
     monkeypatch.setattr(loading, "warm", counted)

@@ -21,6 +21,7 @@ from kvcache.bits import KvBits
 from kvcache.quantized import BatchQuantizedKVCache, PromptQuantizedKVCache, make_quantized_cache, quantizable
 from provider.engine import ChatRequest, Engine, EngineError, EngineFailure, Finished, SamplingParams, loading
 from provider.engine.decode import EngineBatchGenerator
+from provider.mlxlm import generation_batch, holds_sequences
 from provider.models.kv import kv_quantization_bits, quantized_bytes_per_element
 
 Q8, Q4 = KvBits(8, 8), KvBits(8, 4)  # the settings' forms: keys at 8 bits, values at 8 (q8) or 4 (q4), groups of 32
@@ -55,16 +56,15 @@ def run(model, bits, first, second, max_tokens, seen=None, ended=None, logits=No
     while True:
         _, responses = generator.next()
         steps += 1
-        if seen is not None and generator._generation_batch.prompt_cache:
-            seen.append(generator._generation_batch.prompt_cache[0])
+        if seen is not None and generation_batch(generator).prompt_cache:
+            seen.append(generation_batch(generator).prompt_cache[0])
         for r in responses:
             out.setdefault(r.uid, []).append(r.token)
             if r.finish_reason is not None and ended is not None:
                 ended[r.uid] = r.prompt_cache
         if steps == 3 and second:
             uids += insert(second, max_tokens[len(first):])
-        if steps > 3 and not responses and not generator._unprocessed_sequences \
-                and not len(generator._prompt_batch) and not len(generator._generation_batch):
+        if steps > 3 and not responses and not holds_sequences(generator):
             break
     generator.close()
     return [out[u] for u in uids], uids

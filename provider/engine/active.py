@@ -19,6 +19,7 @@ from provider.engine.commands import EventSink, ReleaseHook
 from provider.engine.prefill import PREFILL_STEP, SoloPrefill, SplitHead
 from provider.engine.textstream import CompletionText
 from provider.engine.types import EngineError, EngineFailure, Event, LoadedModelInfo, ModelStats, TokenLogprob
+from provider.mlxlm import waiting
 from provider.models.template import RendererUnavailable, TemplateExceeded, render_ids
 
 _TEMPLATE_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, TemplateExceeded, RendererUnavailable)
@@ -138,11 +139,11 @@ class Slot:
 
 
 def unmerged(generator: BatchGenerator) -> bool:
-    """Inserted sequences the generator has not yet taken into a batch (mlx-lm 0.32.x keeps them in
-    `_unprocessed_sequences`). It merges them in insertion order with the first one's cache type, so
-    ready requests (`prefill.for_batch`: block-rounded buffers) are never inserted beside requests
-    inserted as they are, or the merged batch would lose the block rounding the ledger counts on."""
-    return bool(generator._unprocessed_sequences)
+    """Inserted sequences the generator has not yet taken into a batch (`provider.mlxlm.waiting`). It
+    merges them in insertion order with the first one's cache type, so ready requests
+    (`prefill.for_batch`: block-rounded buffers) are never inserted beside requests inserted as they
+    are, or the merged batch would lose the block rounding the ledger counts on."""
+    return bool(waiting(generator))
 
 
 __all__ = ["Active", "Keep", "PrefixCacheLookup", "Slot", "unmerged"]

@@ -41,7 +41,7 @@ Prefill waves. mlx-lm's `BatchGenerator._next` decodes, then tops its prompt bat
 then prefills the rest. A server's first request wakes the engine alone, so its first wave is one
 prompt, and from then on the top-up before the move makes the waves alternate 7 / 1 / 7 / 1; each
 prompt waits a whole call between its prefill and its first decode, and on a GPU a pass of one short
-prompt costs about what a pass of eight does. `EngineBatchGenerator._next` instead takes every waiting
+prompt costs about what a pass of eight does. `EngineBatchGenerator.step` instead takes every waiting
 prompt whose place in the pass keeps it within `prefill_tokens` (padding included: the pass is
 `rows x longest chunk` tokens), prefills them in one pass, and moves each prompt that pass finished to
 decoding in the same call: its last token's pass is scheduled right behind the prefill, and the next
@@ -52,7 +52,9 @@ same prefill, the same last-token pass, the same decode step); only which prompt
 when, changes.
 
 `EngineBatchGenerator` is mlx-lm's `BatchGenerator` with a `PrefillBatch` as its prompt batch and a
-`DecodeBatch` as its generation batch: `extend` merges the batches mlx-lm builds into them.
+`DecodeBatch` as its generation batch: `extend` merges the batches mlx-lm builds into them. The parts
+of mlx-lm's that are private (the step and copy hooks, the batches' state, how it lays out a waiting or
+prefilling sequence, a batch cache's end) are reached through provider/mlxlm.py, by public names.
 """
 
 from __future__ import annotations
@@ -63,16 +65,29 @@ import time
 from collections.abc import Callable
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch, _right_pad_prompts
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from provider.engine import guided
 from provider.engine.layout import on_cpu
+from provider.mlxlm import (
+    BatchGeneratorBase,
+    GenerationBatchBase,
+    PromptBatchBase,
+    kv_end,
+    last_token_only,
+    prefill_segments,
+    prompt_tokens_total,
+    right_pad_prompts,
+    set_kv_end,
+    take_chunk,
+    waiting_segments,
+)
 
 DEFAULT_PREFILL_TOKENS = 2048  # mlx-lm's prefill_step_size: one prompt's pass at most, there
 
 
-class DecodeBatch(GenerationBatch):
+class DecodeBatch(GenerationBatchBase):
     def __init__(self, *args, **kwargs) -> None:
         self._padding_read: tuple[mx.array | None, list[int]] = (None, [])  # see `_left_padding`
         # Called once a step is scheduled, before its tokens are read: the host's time while the device
@@ -80,13 +95,13 @@ class DecodeBatch(GenerationBatch):
         self.while_computing: Callable[[], None] | None = None
         super().__init__(*args, **kwargs)
 
-    def _step(self) -> tuple[list[int], list[None]]:
+    def step(self) -> tuple[list[int], list[None]]:
         if any(self.logits_processors):
             if guided.only_guides(self.logits_processors):  # grammar masks, log-probabilities
                 return guided.step(self)
-            return super()._step()
-        self._current_tokens, self._current_logprobs = self._next_tokens, self._next_logprobs
-        inputs = self._current_tokens
+            return super().step()
+        self.current_tokens, self.current_logprobs = self.next_tokens, self.next_logprobs
+        inputs = self.current_tokens
         logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         samplers = [self.fallback_sampler if s is None else s for s in (self.samplers or [None] * len(self.uids))]
@@ -94,8 +109,8 @@ class DecodeBatch(GenerationBatch):
             sampled = (samplers[0] if samplers else self.fallback_sampler)(logprobs)
         else:
             sampled = mx.concatenate([s(logprobs[e: e + 1]) for e, s in enumerate(samplers)], axis=0)
-        self._next_tokens = sampled
-        self._next_logprobs = [None] * len(self.uids)  # kept aligned for mlx-lm's filter / extend
+        self.next_tokens = sampled
+        self.next_logprobs = [None] * len(self.uids)  # kept aligned for mlx-lm's filter / extend
         mx.async_eval(sampled)  # the next step runs while this one's tokens are read and delivered
         if self.while_computing is not None:
             self.while_computing()
@@ -126,8 +141,9 @@ class DecodeBatch(GenerationBatch):
         out = []
         for layer in self.prompt_cache:
             c = KVCache()
-            c.keys = mx.contiguous(layer.keys[idx: idx + 1, :, start: layer._idx])
-            c.values = mx.contiguous(layer.values[idx: idx + 1, :, start: layer._idx])
+            end = kv_end(layer)
+            c.keys = mx.contiguous(layer.keys[idx: idx + 1, :, start: end])
+            c.values = mx.contiguous(layer.values[idx: idx + 1, :, start: end])
             c.offset = c.keys.shape[2]
             out.append(c)
         return out
@@ -151,7 +167,7 @@ class DecodeBatch(GenerationBatch):
                 if shift:
                     layer.keys, layer.values = layer.keys[..., shift:, :], layer.values[..., shift:, :]
             layer.offset = layer.offset[keep]
-            layer._idx -= shift
+            set_kv_end(layer, kv_end(layer) - shift)
             layer.left_padding = mx.array(kept)  # from the host: nothing behind it to wait for
         self._padding_read = (caches[0].left_padding, kept)
 
@@ -160,7 +176,7 @@ def _batch_kv(cache: list) -> bool:
     return bool(cache) and all(type(c) is BatchKVCache for c in cache)
 
 
-class PrefillBatch(PromptProcessingBatch):
+class PrefillBatch(PromptBatchBase):
     def prompt(self, tokens: list[list[int]]) -> None:
         """mlx-lm's `PromptProcessingBatch.prompt`, the last chunk scheduled and the buffer cache kept."""
         if len(self.uids) != len(tokens):
@@ -173,7 +189,7 @@ class PrefillBatch(PromptProcessingBatch):
         longest = max(lengths)
         padding = [longest - n for n in lengths]
         if max(padding) > 0:
-            inputs = _right_pad_prompts(tokens, max_length=longest)
+            inputs = right_pad_prompts(tokens, max_length=longest)
             for c in self.prompt_cache:
                 c.prepare(lengths=lengths, right_padding=padding)
         else:
@@ -189,12 +205,12 @@ class PrefillBatch(PromptProcessingBatch):
                 c.finalize()
         mx.async_eval([c.state for c in self.prompt_cache])
 
-    def _copy(self) -> PrefillBatch:
+    def copy_for_split(self) -> PrefillBatch:
         """mlx-lm's copy for `split`, with the batch caches' objects copied instead of their arrays."""
         cache = self.prompt_cache
         self.prompt_cache = []
         try:
-            new = super()._copy()
+            new = super().copy_for_split()
         finally:
             self.prompt_cache = cache
         new.prompt_cache = [copy.copy(c) if type(c) is BatchKVCache else copy.deepcopy(c) for c in cache]
@@ -212,9 +228,9 @@ class PrefillBatch(PromptProcessingBatch):
         return batch
 
 
-class EngineBatchGenerator(BatchGenerator):
+class EngineBatchGenerator(BatchGeneratorBase):
     """mlx-lm's `BatchGenerator` with the engine's prompt and decode batches and its own schedule
-    (`_next`, "Prefill waves" in the module docstring). `prefill_tokens`: the most prompt tokens one
+    (`step`, "Prefill waves" in the module docstring). `prefill_tokens`: the most prompt tokens one
     pass prefills (padding included), whatever number of prompts that is."""
 
     def __init__(self, model, *, prefill_tokens: int = DEFAULT_PREFILL_TOKENS, **kwargs) -> None:
@@ -222,46 +238,48 @@ class EngineBatchGenerator(BatchGenerator):
         if prefill_tokens < 1:
             raise ValueError("prefill_tokens must be at least 1")
         self.prefill_tokens = prefill_tokens
-        self._prompt_batch = PrefillBatch.empty(self.model, self.sampler, prefill_step_size=self.prefill_step_size)
-        self._generation_batch = DecodeBatch.empty(self.model, self.sampler)
+        self.prompt_batch = PrefillBatch.empty(self.model, self.sampler, prefill_step_size=self.prefill_step_size)
+        self.generation_batch = DecodeBatch.empty(self.model, self.sampler)
 
-    def _next(self):
+    @property
+    def while_computing(self) -> Callable[[], None] | None:
+        """Called once each decode step is scheduled, before its tokens are read (`DecodeBatch`)."""
+        return self.generation_batch.while_computing
+
+    @while_computing.setter
+    def while_computing(self, call: Callable[[], None] | None) -> None:
+        self.generation_batch.while_computing = call
+
+    def step(self):
         """One decode step of the running batch, then one prefill pass over every waiting prompt that
         fits `prefill_tokens`; the prompts that pass finishes move to decoding at once."""
         generation_responses = []
         prompt_responses = []
-        if len(self._generation_batch) > 0:
+        counters = self.counters
+        if len(self.generation_batch) > 0:
             tic = time.perf_counter()
-            generation_responses = self._generation_batch.next()
-            self._counters.decode_time += time.perf_counter() - tic
-            self._counters.generation_tokens += len(generation_responses)
-            self._counters.generation_steps += 1
-            if self._counters.generation_steps % 512 == 0:
+            generation_responses = self.generation_batch.next()
+            counters.decode_time += time.perf_counter() - tic
+            counters.generation_tokens += len(generation_responses)
+            counters.generation_steps += 1
+            if counters.generation_steps % 512 == 0:
                 mx.clear_cache()
-        if len(self._generation_batch) >= self.completion_batch_size:
+        if len(self.generation_batch) >= self.completion_batch_size:
             return prompt_responses, generation_responses
         n = self._wave()
         if n > 0:
-            self._prompt_batch.extend(self._make_batch(n))
+            self.prompt_batch.extend(self.make_batch(n))
         prompt_responses += self._to_decoding()  # prompts with nothing left to prefill (a cache was given)
         prompts = []
-        for i, seq in enumerate(self._currently_processing):
-            response = PromptProcessingBatch.Response(self._prompt_batch.uids[i], 0, False, False)
-            segments = seq[0]
-            take = min(len(segments[0]), self.prefill_step_size)
-            prompts.append(segments[0][:take])
-            segments[0] = segments[0][take:]
-            if not segments[0]:
-                segments.pop(0)
-                response.end_of_segment = True
-            seq[1] += take
-            response.progress = (seq[1], seq[2])
-            prompt_responses.append(response)
+        for uid, entry in zip(self.prompt_batch.uids, self.prefilling):
+            chunk, progress, ended = take_chunk(entry, self.prefill_step_size)
+            prompts.append(chunk)
+            prompt_responses.append(PromptProcessingBatch.Response(uid, progress, ended, False))
         if prompts:
-            self._counters.prompt_tokens += sum(len(p) for p in prompts)
+            counters.prompt_tokens += sum(len(p) for p in prompts)
             tic = time.perf_counter()
-            self._prompt_batch.prompt(prompts)
-            self._counters.prompt_time += time.perf_counter() - tic
+            self.prompt_batch.prompt(prompts)
+            counters.prompt_time += time.perf_counter() - tic
             prompt_responses += self._to_decoding()  # the prompts this pass finished, without waiting a call
         return prompt_responses, generation_responses
 
@@ -269,12 +287,12 @@ class EngineBatchGenerator(BatchGenerator):
         """How many waiting prompts join the prompt batch: first come first, while the batch's padded
         pass stays within `prefill_tokens` (at least one prompt when the prompt batch is empty) and
         every prompt has a place in the decode batch."""
-        room = self.completion_batch_size - len(self._generation_batch) - len(self._prompt_batch)
-        rows = len(self._prompt_batch)
-        longest = max((_chunk(seq[0], self.prefill_step_size) for seq in self._currently_processing), default=0)
+        room = self.completion_batch_size - len(self.generation_batch) - len(self.prompt_batch)
+        rows = len(self.prompt_batch)
+        longest = max((_chunk(prefill_segments(e), self.prefill_step_size) for e in self.prefilling), default=0)
         n = 0
-        for seq in itertools.islice(self._unprocessed_sequences, max(0, room)):
-            segments = [s for s in seq[1] if s]
+        for entry in itertools.islice(self.waiting, max(0, room)):
+            segments = [s for s in waiting_segments(entry) if s]
             wider = max(longest, _chunk(segments, self.prefill_step_size))
             if rows and (rows + 1) * wider > self.prefill_tokens:
                 break
@@ -284,20 +302,20 @@ class EngineBatchGenerator(BatchGenerator):
     def _to_decoding(self) -> list[PromptProcessingBatch.Response]:
         """mlx-lm's split: the prompts left with only their last token start decoding (that token's
         pass is scheduled now; its output is read by the next decode step)."""
-        split = [i for i, seq in enumerate(self._currently_processing) if len(seq[0]) == 1 and len(seq[0][0]) == 1]
+        split = [i for i, entry in enumerate(self.prefilling) if last_token_only(entry)]
         if not split:
             return []
-        last_inputs = [self._currently_processing[i][0][0] for i in split]
-        progress = [(self._currently_processing[i][2],) * 2 for i in split]
+        last_inputs = [prefill_segments(self.prefilling[i])[0] for i in split]
+        progress = [(prompt_tokens_total(self.prefilling[i]),) * 2 for i in split]
         keep = set(split)
-        self._currently_processing = [s for i, s in enumerate(self._currently_processing) if i not in keep]
-        if len(split) == len(self._prompt_batch):
-            batch, self._prompt_batch = self._prompt_batch, PrefillBatch.empty(
+        self.prefilling = [e for i, e in enumerate(self.prefilling) if i not in keep]
+        if len(split) == len(self.prompt_batch):
+            batch, self.prompt_batch = self.prompt_batch, PrefillBatch.empty(
                 self.model, self.sampler, prefill_step_size=self.prefill_step_size)
         else:
-            batch = self._prompt_batch.split(split)
+            batch = self.prompt_batch.split(split)
         generation = batch.generate(last_inputs)
-        self._generation_batch.extend(generation)
+        self.generation_batch.extend(generation)
         return [PromptProcessingBatch.Response(uid, p, True, True) for uid, p in zip(generation.uids, progress)]
 
 

@@ -2,7 +2,7 @@
 
 A sequence that asks for either carries a `RowGuide`, which rides through mlx-lm's batch scheduling
 as the sequence's one "logits processor" (mlx-lm keeps that list aligned with the batch through
-every insert, split, filter and extend). `DecodeBatch._step` hands a batch holding guides to `step`
+every insert, split, filter and extend). `DecodeBatch.step` hands a batch holding guides to `step`
 here; a batch without one takes the plain step, unchanged.
 
 The step. A constrained sequence's mask for token n+1 depends on token n, which the plain step
@@ -74,9 +74,9 @@ def _guides(processors: Sequence[Sequence[Any]]) -> list[RowGuide | None]:
 
 
 def step(batch) -> tuple[list[int], list[TokenLogprob | None]]:
-    """`DecodeBatch._step` for a batch holding guides (module docstring)."""
-    batch._current_tokens, batch._current_logprobs = batch._next_tokens, batch._next_logprobs
-    inputs = batch._current_tokens
+    """`DecodeBatch.step` for a batch holding guides (module docstring)."""
+    batch.current_tokens, batch.current_logprobs = batch.next_tokens, batch.next_logprobs
+    inputs = batch.current_tokens
     logits = batch.model(inputs[:, None], cache=batch.prompt_cache)[:, -1, :]
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     guides = _guides(batch.logits_processors)
@@ -90,9 +90,9 @@ def step(batch) -> tuple[list[int], list[TokenLogprob | None]]:
                            normalize=any(_normalizes(guides[i], samplers[i] or batch.fallback_sampler)
                                          for i in constrained))
     sampled = _sample(batch, logprobs)
-    batch._next_tokens = sampled
-    batch._next_logprobs = _asked(guides, logprobs, sampled)
-    mx.async_eval(sampled, [p.arrays for p in batch._next_logprobs if p is not None])
+    batch.next_tokens = sampled
+    batch.next_logprobs = _asked(guides, logprobs, sampled)
+    mx.async_eval(sampled, [p.arrays for p in batch.next_logprobs if p is not None])
     for guide in guides:
         if guide is not None:
             guide.fresh = False
@@ -100,7 +100,7 @@ def step(batch) -> tuple[list[int], list[TokenLogprob | None]]:
         tokens = inputs.tolist()
     for sequence, token in zip(batch.tokens, tokens):
         sequence.append(token)
-    current = batch._current_logprobs or [None] * len(tokens)
+    current = batch.current_logprobs or [None] * len(tokens)
     return tokens, [None if p is None else p.read(t) for p, t in zip(current, tokens)]
 
 
@@ -118,7 +118,7 @@ def first_token(guide: RowGuide, sampler, logprobs: mx.array) -> tuple[int, Toke
 
 
 def _sample(batch, logprobs: mx.array) -> mx.array:
-    """The plain step's sampling (decode.DecodeBatch._step): one call when the batch shares a sampler."""
+    """The plain step's sampling (decode.DecodeBatch.step): one call when the batch shares a sampler."""
     samplers = [batch.fallback_sampler if s is None else s for s in (batch.samplers or [None] * len(batch.uids))]
     if not samplers or all(s is samplers[0] for s in samplers):
         return (samplers[0] if samplers else batch.fallback_sampler)(logprobs)

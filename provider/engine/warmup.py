@@ -48,6 +48,7 @@ from provider.engine.calibration import prompt
 from provider.engine.prefill import PREFILL_STEP, SoloPrefill, for_batch
 from provider.engine.sampling import sampler_for
 from provider.engine.types import SamplingParams
+from provider.mlxlm import holds_sequences, sequence_uids
 
 log = logging.getLogger("provider.engine")
 
@@ -169,17 +170,14 @@ def _run(slot: Slot) -> None:
 
 
 def _busy(slot: Slot) -> bool:
-    generator = slot.generator
-    return bool(generator._unprocessed_sequences or len(generator._prompt_batch) or len(generator._generation_batch))
+    return holds_sequences(slot.generator)
 
 
 def _empty(slot: Slot) -> None:
     """Take every warm-up request out of the batch (a shape that did not finish, or failed)."""
-    generator = slot.generator
-    uids = [*generator._prompt_batch.uids, *generator._generation_batch.uids,
-            *(seq[0] for seq in generator._unprocessed_sequences)]
+    uids = sequence_uids(slot.generator)
     if uids:
-        generator.remove(uids)
+        slot.generator.remove(uids)
 
 
 __all__ = ["MIN_PROMPT_TOKENS", "PROMPT_TOKENS", "Shape", "Warmed", "warm"]

@@ -253,7 +253,7 @@ class Worker:
             slot = load_text(cmd, self._generator, weight_layout=self._options.weight_layout,
                              solo_min_tokens=self._options.solo_min_tokens,
                              measure_budget_s=self._options.measure_budget_s)
-            slot.generator._generation_batch.while_computing = self._intake  # after the load's own steps
+            slot.generator.while_computing = self._intake  # after the load's own steps
             self._slots[cmd.model_id] = slot
             info = slot.info
         self.stats[cmd.model_id] = ModelStats(0, 0, 0)
@@ -552,7 +552,7 @@ class Worker:
             self._fail_all(slot, EngineFailure.INTERNAL_ERROR)
             slot.generator.close()
             slot.generator = self._generator(slot.model, slot.info.eos_token_ids)
-            slot.generator._generation_batch.while_computing = self._intake
+            slot.generator.while_computing = self._intake
         self._publish_stats(slot)
 
     def _on_token(self, slot: Slot, active: Active, token: int, finish: str | None,

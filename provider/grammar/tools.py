@@ -53,7 +53,9 @@ class ToolCallFormat:
         start = getattr(wrapper, "tool_call_start", None)
         if not getattr(wrapper, "has_tool_calling", False) or start is None:
             return None
-        hf = getattr(wrapper, "_tokenizer", wrapper)
+        from provider.mlxlm import unwrapped  # imports mlx-lm, which a wrapper's owner has imported
+
+        hf = unwrapped(wrapper)
         parser = str(getattr(hf, "init_kwargs", {}).get("tool_parser_type") or "")
         starts = getattr(wrapper, "tool_call_start_tokens", None) or ()
         ends = getattr(wrapper, "tool_call_end_tokens", None) or ()

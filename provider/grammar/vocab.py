@@ -36,7 +36,9 @@ class TokenTable:
     @classmethod
     def of(cls, wrapper: Any) -> TokenTable:
         """From mlx-lm's `TokenizerWrapper` (or a bare Hugging Face tokenizer). Blocking."""
-        hf = getattr(wrapper, "_tokenizer", wrapper)
+        from provider.mlxlm import unwrapped  # imports mlx-lm, which a wrapper's owner has imported
+
+        hf = unwrapped(wrapper)
         eos = frozenset(int(t) for t in (getattr(wrapper, "eos_token_ids", None) or ()))
         if not eos and getattr(hf, "eos_token_id", None) is not None:
             eos = frozenset({int(hf.eos_token_id)})

@@ -96,12 +96,12 @@ def diagnose(info: ModelInfo, fault: LoadFault) -> BrokenReason:
 
 def _model_type_supported(folder: Path) -> bool:
     """Whether mlx-lm has an implementation of the folder's model_type (its own lookup, remappings
-    included: `mlx_lm.utils._get_classes`, which the loader calls)."""
-    from mlx_lm.utils import _get_classes
+    included, which its loader calls: `provider.mlxlm.model_classes`)."""
+    from provider.mlxlm import model_classes  # imports mlx-lm: only when a folder is checked
 
     try:
         config = json.loads((folder / CONFIG_FILE).read_bytes())
-        _get_classes(config)
+        model_classes(config)
     except ValueError:  # "Model type ... not supported" (a JSON error was inspect_model's to find)
         return False
     except Exception:  # anything else is the loader's to say: not a verdict on the model type

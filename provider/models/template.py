@@ -74,10 +74,12 @@ class ChatTemplate:
         renderers for some model types, a tokenizer class with its own method): that stays in-process."""
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-        # mlx-lm's wrapper keeps the transformers tokenizer as `_tokenizer` (a transformers tokenizer's
-        # own `_tokenizer` is its Rust backend: not what renders).
-        inner = tokenizer if isinstance(tokenizer, PreTrainedTokenizerBase) else tokenizer._tokenizer
-        if inner is not tokenizer and vars(tokenizer).get("_chat_template") is not None:
+        from provider.mlxlm import own_chat_template, thinking_switch, wrapped_tokenizer
+
+        # A transformers tokenizer renders itself; mlx-lm's wrapper renders with the one it wraps, unless
+        # it has a template of its own.
+        inner = tokenizer if isinstance(tokenizer, PreTrainedTokenizerBase) else wrapped_tokenizer(tokenizer)
+        if inner is not tokenizer and own_chat_template(tokenizer) is not None:
             return None
         if type(inner).apply_chat_template is not PreTrainedTokenizerBase.apply_chat_template:
             return None
@@ -86,7 +88,7 @@ class ChatTemplate:
         except ValueError:  # no template: apply_chat_template raises the same, in-process
             return None
         variables = dict(inner.special_tokens_map)
-        switch = vars(tokenizer).get("_thinking_kwarg") if inner is not tokenizer else None
+        switch = thinking_switch(tokenizer) if inner is not tokenizer else None
         if switch is not None:
             variables[switch] = bool(tokenizer.has_thinking)
         return cls(source, variables)

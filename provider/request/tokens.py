@@ -479,7 +479,9 @@ def measure_bounds(tokenizer: Any, *, per_message: int | None = None) -> TokenBo
     the counter's start-up check measured it; None: measured here, the template bounded). Blocking."""
     if per_message is None:
         per_message = _per_message(tokenizer, [_bounded_length(tokenizer, m, g) for m, g in PROBES])
-    backend = getattr(getattr(tokenizer, "_tokenizer", tokenizer), "backend_tokenizer", None)
+    from provider.mlxlm import unwrapped  # deferred: importing mlx-lm costs ~1 s
+
+    backend = getattr(unwrapped(tokenizer), "backend_tokenizer", None)
     if backend is None:
         return NO_BOUND
     try:
