@@ -597,10 +597,14 @@ async def test_eviction_after_heartbeat_silence_fails_pending_and_keeps_socket(p
         silent = await routable_provider(double, providers)
         alive = await routable_provider(double, providers)
         beating = asyncio.Event()
+        # Both beat until the silent one has the job (the first routable by order): on a busy machine the
+        # request's routing could otherwise outlast the silent one's 0.6 s; then only `alive` beats.
+        beaters = [silent, alive]
 
         async def keep_alive() -> None:
             while True:
-                await alive.heartbeat()
+                for provider in list(beaters):
+                    await provider.heartbeat()
                 beating.set()
                 await asyncio.sleep(0.1)  # the heartbeat interval, a real period
 
@@ -610,6 +614,7 @@ async def test_eviction_after_heartbeat_silence_fails_pending_and_keeps_socket(p
             async with consumer_for(double) as client:
                 consumer = asyncio.create_task(client.chat.completions.create(**chat()))
                 job = await silent.next_job()
+                beaters.remove(silent)
                 await silent.accept(job)
                 evicted = await double.wait_for(lambda e: isinstance(e, Evicted), timeout=5)
                 assert evicted.provider_id == double.providers[0].provider_id
