@@ -10,6 +10,7 @@ import pytest
 from engine_reference import NO_EOS, PROMPTS, greedy, messages, reference_greedy
 from provider import mlxlm
 from provider.engine import Calibrated, ChatRequest, Engine, Finished, LoadPhase, loading, warmup
+from provider.telemetry import capture_redacted_logs
 
 ROOMY = 600.0  # a budget no tiny model's passes come near: every measurement at its full size
 
@@ -76,12 +77,15 @@ async def test_weights_read_in_parts_serve_as_read_at_once(tiny_model_path, refe
     assert list(fin.completion_ids) == expected
 
 
-async def test_a_warm_up_that_fails_costs_the_load_nothing(tiny_model_path, monkeypatch, caplog):
+async def test_a_warm_up_that_fails_costs_the_load_nothing(tiny_model_path, monkeypatch):
     monkeypatch.setattr(warmup, "_BURST", (8, 0))  # an empty prompt: mlx-lm refuses the insert
-    async with Engine(measure_budget_s=ROOMY) as engine:
-        info = await engine.load("m", tiny_model_path, eos_token_ids=NO_EOS)
-        assert await engine.kv_cache_bytes("m") == 0
-        _, fin = await engine.submit("m", ChatRequest("r", messages(PROMPTS[1]), greedy(3))).collect()
+    with capture_redacted_logs() as logs:
+        async with Engine(measure_budget_s=ROOMY) as engine:
+            info = await engine.load("m", tiny_model_path, eos_token_ids=NO_EOS)
+            assert await engine.kv_cache_bytes("m") == 0
+            _, fin = await engine.submit("m", ChatRequest("r", messages(PROMPTS[1]), greedy(3))).collect()
     assert isinstance(fin, Finished) and len(fin.completion_ids) == 3
-    assert [r.getMessage() for r in caplog.records if r.name == "provider.engine"] == ["warm-up failed"]
+    [failed] = [e for e in logs if e["logger"] == "provider.engine"]
+    assert (failed["event"], failed["level"], failed["model"], failed["phase"]) == ("warm_up_failed", "error", "m", "burst")
+    assert failed["exc_type"] == "ValueError" and "redacted" not in failed  # the type, never its message
     assert (info.warm_shapes, info.warm_skipped) == (2, 2)  # alone and solo served; burst failed, wide left

@@ -207,9 +207,11 @@ def test_solo_threshold():
 async def test_a_failure_on_a_solo_first_token_fails_that_request_and_the_engine_goes_on(tiny_model_path,
                                                                                           monkeypatch):
     """What a solo first token goes through (its text, stop strings, delivery) failing is that request's
-    failure, as it is in the batch's step: the engine thread lives on and serves the next request."""
+    failure, as it is in the batch's step: the engine thread lives on and serves the next request. The
+    log says which failure, for which model, and the exception's type: never its message or the prompt."""
     from provider.engine import Failed
     from provider.engine.types import EngineFailure
+    from provider.telemetry import capture_redacted_logs
 
     on_token = worker.Worker._on_token
 
@@ -219,9 +221,13 @@ async def test_a_failure_on_a_solo_first_token_fails_that_request_and_the_engine
         return on_token(me, slot, active, *args, **kwargs)
 
     monkeypatch.setattr(worker.Worker, "_on_token", failing)
-    async with Engine(solo_min_tokens=1) as engine:
-        await engine.load("m", tiny_model_path, eos_token_ids=NO_EOS)
-        _, bad = await engine.submit("m", ChatRequest("bad", messages(PROMPTS[0]), greedy(4))).collect()
-        _, good = await engine.submit("m", ChatRequest("good", messages(PROMPTS[1]), greedy(4))).collect()
+    with capture_redacted_logs() as logs:
+        async with Engine(solo_min_tokens=1) as engine:
+            await engine.load("m", tiny_model_path, eos_token_ids=NO_EOS)
+            _, bad = await engine.submit("m", ChatRequest("bad", messages(PROMPTS[0]), greedy(4))).collect()
+            _, good = await engine.submit("m", ChatRequest("good", messages(PROMPTS[1]), greedy(4))).collect()
     assert isinstance(bad, Failed) and bad.code is EngineFailure.INTERNAL_ERROR
     assert isinstance(good, Finished) and len(good.completion_ids) == 4
+    [failed] = [e for e in logs if e["logger"] == "provider.engine"]
+    assert (failed["event"], failed["model"], failed["exc_type"]) == ("first_token_failed", "m", "RuntimeError")
+    assert "a fault" not in repr(logs) and PROMPTS[0] not in repr(logs)

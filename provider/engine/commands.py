@@ -7,7 +7,6 @@ request events travel through the request's `EventSink`.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -16,8 +15,9 @@ from typing import Protocol
 
 from kvcache.bits import KvBits
 from provider.engine.types import ChatRequest, EngineError, EngineFailure, Event, LoadPhase
+from provider.telemetry import get_logger
 
-log = logging.getLogger("provider.engine")
+log = get_logger("provider.engine")
 
 # Called on the engine thread, exactly once per submitted request, after the request's KV cache
 # has left the batch (or the request was refused before it joined one).
@@ -121,7 +121,7 @@ def answer(reply: Future, fn: Callable[[], object]) -> None:
     except EngineError as exc:
         reply.set_exception(exc)
     except Exception:  # an edge: report a fixed code, keep the worker alive
-        log.exception("engine command failed")
+        log.exception("engine_command_failed")
         reply.set_exception(EngineError(EngineFailure.INTERNAL_ERROR))
 
 
@@ -132,4 +132,4 @@ def notify_released(hook: ReleaseHook | None, request_id: str) -> None:
     try:
         hook(request_id)
     except Exception:  # an edge
-        log.exception("on_released hook failed")
+        log.exception("release_hook_failed")

@@ -18,14 +18,14 @@ is logged and skipped: serving without it is slower, not unsafe.
 
 from __future__ import annotations
 
-import logging
 from types import ModuleType
 
 import mlx.core as mx
 
 from memory.mlx_limits import MlxLimits, tighter, wired_limit
+from provider.telemetry import get_logger
 
-log = logging.getLogger("provider.engine")
+log = get_logger("provider.engine")
 
 
 class DeviceLimits:
@@ -78,7 +78,7 @@ class DeviceLimits:
         try:
             previous = self._mx.set_wired_limit(target)
         except (RuntimeError, ValueError):
-            log.warning("wired limit refused by MLX", extra={"figure": target})
+            log.warning("wired_limit_refused", figure=target)
             return
         if self._restore_wired is None:
             self._restore_wired = previous
@@ -90,7 +90,7 @@ class DeviceLimits:
         try:
             self._mx.set_wired_limit(self._restore_wired)
         except (RuntimeError, ValueError):
-            log.warning("wired limit restore refused by MLX", extra={"figure": self._restore_wired})
+            log.warning("wired_limit_restore_refused", figure=self._restore_wired)
         self._restore_wired = None
 
 

@@ -18,7 +18,6 @@ stored entry is reserved in the ledger like any other.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,8 +31,9 @@ from provider.engine.active import Slot
 from provider.engine.reuse import PrefixReuse
 from provider.engine.types import EngineError
 from provider.engine.vision import Trace
+from provider.telemetry import get_logger
 
-log = logging.getLogger("provider.engine")
+log = get_logger("provider.engine")
 
 NEXT_TURN_CHUNK = 64  # tokens per idle step of a next-turn preparation: what a new request may wait for
 NEXT_TURN_QUIET_S = 0.25  # idle this long after an answer before preparing: a person takes longer to reply
@@ -108,7 +108,7 @@ class NextTurns:
                 if self._trace is not None:
                     self._trace(model_id, None, f"next_turn_{outcome.value}")
         except Exception:  # an edge: the preparation is an optimisation, never a reason to fail
-            log.exception("next turn preparation failed")
+            log.exception("next_turn_failed", model=model_id)
             self._turns.pop(model_id, None)
 
     def _start(self, slot: Slot, kv: ModelKvCache, turn: NextTurn) -> bool:

@@ -16,7 +16,6 @@ request goes on as if nothing was cached.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable, Sequence
 
 from kvcache import state
@@ -25,8 +24,9 @@ from kvcache.manager import MISS, REUSE_MIN_TOKENS, ModelKvCache, Reuse
 from provider.engine.active import Active, Keep, PrefixCacheLookup, Slot
 from provider.engine.commands import EventSink
 from provider.engine.types import Event
+from provider.telemetry import get_logger
 
-log = logging.getLogger("provider.engine")
+log = get_logger("provider.engine")
 
 SHARE_MIN_TOKENS = 32  # a queued prompt sharing at least this many more tokens gets the prompt stored
 
@@ -54,7 +54,7 @@ class PrefixReuse:
         try:
             matched = kv.longest_match(ids)
         except Exception:  # an edge: see the module docstring
-            log.exception("prefix cache lookup failed")
+            log.exception("prefix_cache_lookup_failed", model=model_id)
             return 0
         return matched if matched >= min(REUSE_MIN_TOKENS, len(ids) - 1) else 0
 
@@ -67,7 +67,7 @@ class PrefixReuse:
         try:
             found = kv.fetch(ids, min_tokens=REUSE_MIN_TOKENS)
         except Exception:  # an edge: see the module docstring
-            log.exception("prefix cache fetch failed")
+            log.exception("prefix_cache_fetch_failed", model=model_id)
             return MISS
         if found.cache is not None and state.quantization(found.cache) != kv_bits:
             return MISS  # another setting's KV: never mixed into this batch
@@ -91,7 +91,7 @@ class PrefixReuse:
                     kv.store(keep.active.prompt_ids + keep.active.completion_ids, keep.cache,
                              extends=keep.active.reused_key, reused=keep.active.reused)
             except Exception:  # an edge: see the module docstring
-                log.exception("prefix cache store failed")
+                log.exception("prefix_cache_store_failed", model=keep.model_id)
             if keep.finished is not None:
                 emit(*keep.finished)
 
@@ -108,7 +108,7 @@ class PrefixReuse:
         try:
             kv.store(ids, cache, extends=active.reused_key, reused=active.reused)
         except Exception:  # an edge: see the module docstring
-            log.exception("prefix cache store failed")
+            log.exception("prefix_cache_store_failed", model=slot.info.model_id)
 
     def write_quiet(self, slots: Iterable[Slot]) -> float | None:
         """Let each model's prefix cache write its quiet turns to SSD; seconds until the next is due."""
@@ -123,7 +123,7 @@ class PrefixReuse:
             try:
                 wait = kv.write_quiet(in_use)
             except Exception:  # an edge: see the module docstring
-                log.exception("prefix cache write failed")
+                log.exception("prefix_cache_write_failed", model=slot.info.model_id)
                 continue
             if wait is not None:
                 waits.append(max(wait, 0.0))

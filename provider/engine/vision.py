@@ -23,7 +23,6 @@ request (`ChatRequest.kv_tokens`).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -44,8 +43,9 @@ from provider.engine.types import (
     Usage,
 )
 from provider.engine.vlm import DEFAULT_PREFILL_STEP, LoadedVlm, Phase, VisionRun, kv_bytes_per_token, prompt_text_ids
+from provider.telemetry import get_logger
 
-log = logging.getLogger("provider.engine")
+log = get_logger("provider.engine")
 
 # Of the worker's time, what image prefill may take while text decodes: text keeps ≥ 87.5 % of its
 # rate (benchmarks/vision_bench.py asks for ≥ 80 %; the rest is margin for cache effects between the
@@ -205,7 +205,7 @@ class VisionSlot:
             self._fail(active, exc.code)
             return
         except Exception:  # an edge: fail this request, keep the worker and the other runs alive
-            log.exception("vision step failed", extra={"model_id": self.info.model_id})
+            log.exception("vision_step_failed", model=self.info.model_id, phase=phase)
             self._fail(active, EngineFailure.INTERNAL_ERROR)
             return
         if phase is Phase.ENCODE and not run.media_held:
@@ -223,7 +223,8 @@ class VisionSlot:
         if active.kv_tokens is not None:
             room = min(room, active.kv_tokens - prompt)
             if room < 1:  # the projection fell short of the real prompt: never grow past the reservation
-                log.warning("vision span short of the prompt", extra={"model_id": self.info.model_id})
+                log.warning("vision_span_short", model=self.info.model_id, prompt_tokens=prompt,
+                            kv_tokens=active.kv_tokens)
                 raise EngineError(EngineFailure.INTERNAL_ERROR)
         return room
 

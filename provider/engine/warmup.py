@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,8 +48,9 @@ from provider.engine.prefill import PREFILL_STEP, SoloPrefill, for_batch
 from provider.engine.sampling import sampler_for
 from provider.engine.types import SamplingParams
 from provider.mlxlm import holds_sequences, sequence_uids
+from provider.telemetry import get_logger
 
-log = logging.getLogger("provider.engine")
+log = get_logger("provider.engine")
 
 PROMPT_TOKENS = 128  # a chat's template and a short question
 MIN_PROMPT_TOKENS = 4
@@ -87,7 +87,7 @@ def warm(slot: Slot, budget: MeasureBudget, passes: Passes, *,
             with mx.stream(slot.generator.stream):
                 run()
         except Exception:  # an edge: see the module docstring
-            log.exception("warm-up failed", extra={"model_id": slot.info.model_id})
+            log.exception("warm_up_failed", model=slot.info.model_id, phase=shape)
             with contextlib.suppress(Exception):  # the batch as clean as it can be; the failure is logged
                 _empty(slot)
             break

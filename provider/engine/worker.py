@@ -34,7 +34,6 @@ text keeps streaming while an image is encoded.
 
 from __future__ import annotations
 
-import logging
 import queue
 import time
 from collections.abc import Mapping, Sequence
@@ -83,8 +82,9 @@ from provider.engine.types import (
     Usage,
 )
 from provider.engine.vision import DutyCycle, Trace, VisionSlot, step_vision_slots
+from provider.telemetry import get_logger
 
-log = logging.getLogger("provider.engine")
+log = get_logger("provider.engine")
 
 class Worker:
     def __init__(self, commands: queue.SimpleQueue[Command], options: EngineOptions, *,
@@ -187,7 +187,7 @@ class Worker:
                 if slot is not None:
                     self._start_queued(slot)
             except Exception:  # an edge: never the step's failure; the request is failed by _submit's own paths
-                log.exception("intake during a step failed")
+                log.exception("intake_failed", model=command.model_id)
 
     def _handle(self, command: Command) -> None:
         if isinstance(command, (Submit, Load, Unload, Stop)):
@@ -387,7 +387,7 @@ class Worker:
                 logits_processors=None if active.guide is None else [[active.guide]],
             )
         except Exception:  # an edge: this request fails, the batch goes on
-            log.exception("batch insert failed", extra={"model_id": slot.info.model_id})
+            log.exception("batch_insert_failed", model=slot.info.model_id)
             self._delivery.emit(active.sink, Failed(EngineFailure.INTERNAL_ERROR))
             self._retire(slot, active)
             return True
@@ -490,7 +490,7 @@ class Worker:
             with mx.stream(slot.generator.stream):
                 done, token, record = active.solo_step()
         except Exception:  # an edge: this request fails, the others go on
-            log.exception("prefill failed", extra={"model_id": slot.info.model_id})
+            log.exception("prefill_failed", model=slot.info.model_id)
             self._delivery.emit(active.sink, Failed(EngineFailure.INTERNAL_ERROR))
             self._retire(slot, active)
             return
@@ -509,7 +509,7 @@ class Worker:
                 self._reuse.share_prompt(slot, active, cache)
             self._on_token(slot, active, token, finish, cache if finish is not None else None, record)
         except Exception:  # an edge: as in the batch's step, this request fails and the engine goes on
-            log.exception("first token failed", extra={"model_id": slot.info.model_id})
+            log.exception("first_token_failed", model=slot.info.model_id)
             if active.request_id in self._where:
                 self._delivery.emit(active.sink, Failed(EngineFailure.INTERNAL_ERROR))
                 self._retire(slot, active)
@@ -531,7 +531,7 @@ class Worker:
                 if any(a.guide for a in ready) else None,
             )
         except Exception:  # an edge: these requests fail, the batch goes on
-            log.exception("batch insert failed", extra={"model_id": slot.info.model_id})
+            log.exception("batch_insert_failed", model=slot.info.model_id)
             for active in ready:
                 self._delivery.emit(active.sink, Failed(EngineFailure.INTERNAL_ERROR))
                 self._retire(slot, active)
@@ -548,7 +548,7 @@ class Worker:
                 if active is not None:
                     self._on_token(slot, active, r.token, r.finish_reason, r.prompt_cache, r.logprobs)
         except Exception:  # an edge: fail this model's requests, keep the worker alive
-            log.exception("decode step failed", extra={"model_id": slot.info.model_id})
+            log.exception("decode_step_failed", model=slot.info.model_id)
             self._fail_all(slot, EngineFailure.INTERNAL_ERROR)
             slot.generator.close()
             slot.generator = self._generator(slot.model, slot.info.eos_token_ids)
