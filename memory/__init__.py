@@ -8,14 +8,17 @@ Modules:
              values were rejected or clamped (`PolicySettings.adjustments`); the room left for
              weights (`room_for_weights`, `largest_loadable_bytes`) and what leaves none
              (`no_room_causes`)
-* `snapshot` `MemorySnapshot`, the one value everything else reads, and the one rule for MLX's
-             buffer cache (counted as used everywhere, reclaimed before any refusal or eviction)
+* `snapshot` `MemorySnapshot`, the one value everything else reads, the one rule for MLX's
+             buffer cache (counted as used everywhere, reclaimed before any refusal or eviction) and
+             the one for the process's other bytes (unattributed: counted as used beside MLX's)
 * `probe`    the only module that reads the machine (psutil, MLX counters, cgroup v1/v2 files):
              `memory.probe.snapshot()` or a long-lived `Probe`
 * `ledger`   the one process-wide reservation ledger (atomic check-and-insert, typed leases)
 * `fit`      fit verdicts and `free_for_load_bytes` for register, heartbeat and doctor
 * `media`    vision requests: projected decode bytes, the KV span, the request ceilings
 * `grammar`  a constrained request's grammar and mask rows: one bounded figure (`grammar_bytes`)
+* `activation` the activation reserve per model: a pass's memory as measured at load or estimated
+             from the config, scaled to a full prefill window at the model's context
 * `pressure` GREEN / YELLOW / RED / FATAL watermarks of projected utilization
 * `mlx_limits` MLX's memory, buffer-cache and wired limits from the cap figures
 * `settle`   the settle barrier after an unload
@@ -23,6 +26,7 @@ Modules:
 No other package does cap arithmetic; it calls these.
 """
 
+from memory.activation import ActivationProfile, ModelShape, ReserveSource
 from memory.fit import FitResult, FitVerdict, after_eviction, fit, free_for_load_bytes
 from memory.ledger import Lease, Ledger, LedgerSnapshot, Rejection, RejectionReason, ReservationKind
 from memory.media import (
@@ -36,6 +40,7 @@ from memory.media import (
 )
 from memory.mlx_limits import MlxLimits, mlx_limits
 from memory.policy import (
+    DEFAULT_ACTIVATION_RESERVE_BYTES,
     MAX_BYTES,
     MIN_KV_BYTES,
     MIN_OS_BYTES,
@@ -63,10 +68,14 @@ from memory.settle import SettleResult, settle
 from memory.snapshot import DeviceMemory, MemorySnapshot, MlxCounters
 
 __all__ = [
+    "ActivationProfile",
     "DeviceMemory",
+    "ModelShape",
+    "ReserveSource",
     "MAX_BYTES",
     "MIN_KV_BYTES",
     "MIN_OS_BYTES",
+    "DEFAULT_ACTIVATION_RESERVE_BYTES",
     "DEFAULT_SOFT_TOKENS_PER_IMAGE",
     "CapFigures",
     "EnvAction",

@@ -2,7 +2,9 @@
 
 `register`, heartbeats (`free_for_load_gb`) and `doctor` all call these two functions, so what is
 advertised can never drift from what the load gate (`Ledger.claim_pending_load`) enforces: a
-model fits now iff `weights_est + load_headroom ≤ min(eff_cap − mlx_used, sys_avail) − outstanding`.
+model fits now iff `weights_est + A + MIN_KV ≤ min(eff_cap − counted, sys_avail) − outstanding`, where A is
+`figures.reserve_for(the model's activation reserve)` (memory/activation.py) and counted is MLX's usage
+plus the process's unattributed bytes (memory/snapshot.py).
 
 Evicting idle models is modelled as their resident bytes leaving MLX's usage and returning to
 the OS: `mlx_used − evictable`, `sys_avail + evictable`. Pass as `evictable_bytes` the resident
@@ -53,8 +55,10 @@ def after_eviction(snapshot: MemorySnapshot, evictable: int) -> MemorySnapshot:
         return snapshot
     active = max(0, snapshot.mlx_active_bytes - evictable)
     leftover = max(0, evictable - snapshot.mlx_active_bytes)  # an estimate larger than active eats cache
-    return replace(snapshot, mlx_active_bytes=active,
-                   mlx_cache_bytes=max(0, snapshot.mlx_cache_bytes - leftover),
+    cache = max(0, snapshot.mlx_cache_bytes - leftover)
+    freed = snapshot.mlx_used_bytes - active - cache  # RSS loses MLX's bytes only: the unattributed term stays
+    return replace(snapshot, mlx_active_bytes=active, mlx_cache_bytes=cache,
+                   rss_bytes=max(0, snapshot.rss_bytes - freed),
                    available_bytes=saturate(snapshot.available_bytes + evictable))
 
 
@@ -65,13 +69,15 @@ def fit(
     *,
     evictable_bytes: int | Iterable[int] = 0,
     outstanding_bytes: int = 0,
+    activation_reserve_bytes: int | None = None,
 ) -> FitResult:
     """Verdict for a model whose weight files total `weight_bytes_on_disk`.
 
     `outstanding_bytes`: the ledger's outstanding reservations (`Ledger.outstanding_bytes()`).
+    `activation_reserve_bytes`: the model's own reserve (None: the one in force).
     """
     weights = padded_weight_bytes(weight_bytes_on_disk)
-    required = figures.required_load_bytes(weights)
+    required = figures.required_load_bytes(weights, activation_reserve_bytes)
     room_now = figures.load_room_bytes(snapshot, outstanding_bytes)
     room_after = figures.load_room_bytes(after_eviction(snapshot, _total(evictable_bytes)), outstanding_bytes)
     if required <= room_now:

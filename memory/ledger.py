@@ -10,7 +10,9 @@ Where the live headroom comes from: each call that admits takes the current `Mem
 (`snapshot=`), or, when none is passed, calls the `sample` callable given at construction (in
 production `Probe.recent`, a reading at most a few milliseconds old: memory/probe.py says why that
 keeps the cap). The snapshot is read, and the arithmetic done, inside the lock together with the
-outstanding total, which is always live. Tests pass snapshots by hand.
+outstanding total, which is always live. Tests pass snapshots by hand. The snapshot's unattributed term
+(the process's bytes outside MLX) is taken with the ledger's own host-side total at that moment
+(`ReservationKind.host_side`): a booking for host memory is counted once, here, not again in RSS.
 
 Every reservation is released exactly once by its owner, from its own cleanup path; `release` is
 idempotent and nothing ever expires by age (there is no clock in here).
@@ -47,6 +49,19 @@ class ReservationKind(StrEnum):
     PREFIX_INDEX = "prefix_index"  # the SSD prefix tier's index in memory (kvcache/blockindex), while it holds a file
     PROMPT = "prompt"  # a large request body's working memory while it is parsed and tokenized
     GRAMMAR = "grammar"  # a constrained request's grammar and mask rows (memory/grammar.py), intake to engine exit
+
+    @property
+    def host_side(self) -> bool:
+        """Booked for memory outside MLX (host RAM: Python objects, decoded rasters, a body's copies): once it
+        is allocated it is in the process's RSS, not in MLX's counters, so the snapshot's unattributed term
+        gives it way (memory/snapshot.py) instead of counting it twice. The other kinds are MLX's."""
+        return self in _HOST_SIDE
+
+
+# The kinds whose bytes live outside MLX: a body while it is parsed, a grammar's matcher and mask rows,
+# decoded images until the processor hands MLX its arrays, the SSD tier's index in memory.
+_HOST_SIDE = frozenset({ReservationKind.PROMPT, ReservationKind.GRAMMAR, ReservationKind.MEDIA,
+                        ReservationKind.PREFIX_INDEX})
 
 
 class RejectionReason(StrEnum):
@@ -119,6 +134,7 @@ class Ledger:
         self._count_by_kind = dict.fromkeys(ReservationKind, 0)
         self._bytes_by_kind = dict.fromkeys(ReservationKind, 0)
         self._total = 0
+        self._host = 0  # the host-side kinds' part of `_total`
         self._peak = 0  # high-water mark of Σ outstanding since construction
 
     @property
@@ -220,6 +236,8 @@ class Ledger:
         entry.nbytes += delta
         self._bytes_by_kind[entry.kind] += delta
         self._total += delta
+        if entry.kind.host_side:
+            self._host += delta
         if delta > 0:
             self._peak = max(self._peak, self._total)
 
@@ -246,6 +264,11 @@ class Ledger:
             entry = self._entries.get(pending_load_id) if pending_load_id is not None else None
             others = self._total - (entry.nbytes if entry else 0)
             return self._figures.load_is_serveable(snap, others, kv_floor_bytes=kv_floor_bytes)
+
+    def host_booked_bytes(self) -> int:
+        """Σ outstanding host-side reservations. Read without the lock (one int, kept by `_resize`), so a
+        probe may ask it while it samples for a call that holds the lock."""
+        return self._host
 
     @property
     def peak_bytes(self) -> int:
@@ -274,8 +297,9 @@ class Ledger:
         return LedgerSnapshot(MappingProxyType(counts), MappingProxyType(sizes))
 
     def _snapshot_for(self, snapshot: MemorySnapshot | None) -> MemorySnapshot:
-        if snapshot is not None:
-            return snapshot
-        if self._sample is None:
-            raise TypeError("Ledger has no sample(); pass snapshot=")
-        return self._sample()
+        """The reading to decide on, its unattributed term net of the host-side bookings now. Caller holds the lock."""
+        if snapshot is None:
+            if self._sample is None:
+                raise TypeError("Ledger has no sample(); pass snapshot=")
+            snapshot = self._sample()
+        return snapshot.booked(self._host)

@@ -20,15 +20,24 @@ list them. Explicit values are clamped but honoured. Byte figures saturate at `M
 of overflowing.
 
 `room_for_weights(figures)` is what is left for weights on an idle machine once every reserve is
-held back; `no_room_causes()` names the inputs that leave none (an absurd reserve, or an 8 GiB
-machine with the defaults).
+held back; `no_room_causes()` names the inputs that leave none for a model of any size (an absurd
+reserve, a machine below the OS floor).
+
+The activation reserve `A` is each model's own (memory/activation.py: the prefill window measured at
+its load, or its config's estimate before one) unless the operator set one
+(`DARKBLOOM_ACTIVATION_RESERVE_GB`, or an explicit value: `activation_reserve_set`), which then holds
+for every model. `CapFigures.activation_reserve_bytes` is the reserve in force: `for_models(reserves)`
+gives the figures while those models are loaded (one engine thread runs one pass at a time, so the
+largest of their reserves; 0 with none), and a load needs `weights + reserve_for(its reserve) + MIN_KV`.
+The live figures count the process's bytes outside MLX too (`MemorySnapshot.counted_bytes`: MLX's
+usage plus the unattributed term, memory/snapshot.py).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
@@ -137,6 +146,7 @@ class PolicySettings:
     activation_reserve_bytes: int = DEFAULT_ACTIVATION_RESERVE_BYTES
     memory_reserve_bytes: int = int(DEFAULT_MEMORY_RESERVE_GB * GiB)
     memory_limit_bytes: int | None = None
+    activation_reserve_set: bool = False  # the operator's reserve (explicit or env): every model's, unmeasured
     # What resolving had to reject or clamp (reported by doctor); not part of the inputs' identity.
     adjustments: tuple[EnvAdjustment, ...] = field(default=(), compare=False)
 
@@ -202,11 +212,12 @@ def resolve_settings(
             fraction = 1.0
 
     if activation_reserve_gb is not None:
-        activation = (DEFAULT_ACTIVATION_RESERVE_BYTES if math.isnan(activation_reserve_gb)
-                      else gib_to_bytes(activation_reserve_gb))
+        activation_set = not math.isnan(activation_reserve_gb)
+        activation = gib_to_bytes(activation_reserve_gb) if activation_set else DEFAULT_ACTIVATION_RESERVE_BYTES
     else:
         env_activation = _env_positive(env, ENV_ACTIVATION_RESERVE_GB, DEFAULT_ACTIVATION_RESERVE_BYTES / GiB,
                                        adjustments)
+        activation_set = env_activation is not None
         activation = DEFAULT_ACTIVATION_RESERVE_BYTES if env_activation is None else gib_to_bytes(env_activation)
 
     # The reserve and the limit arrive from config; a value at its default counts as "not set".
@@ -222,7 +233,8 @@ def resolve_settings(
     limit = memory_limit_bytes_from_gb(limit_gb)
 
     return PolicySettings(cap_fraction=fraction, activation_reserve_bytes=activation,
-                          memory_reserve_bytes=reserve, memory_limit_bytes=limit, adjustments=tuple(adjustments))
+                          memory_reserve_bytes=reserve, memory_limit_bytes=limit,
+                          activation_reserve_set=activation_set, adjustments=tuple(adjustments))
 
 
 def memory_limit_bytes_from_gb(memory_limit_gb: float | None) -> int | None:
@@ -256,7 +268,7 @@ class CapFigures:
 
     physical_bytes: int  # P, after the operator memory limit
     cap_fraction: float  # f
-    activation_reserve_bytes: int  # A
+    activation_reserve_bytes: int  # A in force (`for_models`); the operator's when `activation_reserve_set`
     memory_reserve_bytes: int  # R_cfg
     memory_limit_bytes: int | None
     hard_cap_bytes: int  # min(f·P, P − MIN_OS), 0 when P ≤ MIN_OS
@@ -265,35 +277,59 @@ class CapFigures:
     load_headroom_bytes: int  # A + MIN_KV: needed above the weights for a load to be worth it
     min_kv_bytes: int = MIN_KV_BYTES
     min_os_bytes: int = MIN_OS_BYTES
+    activation_reserve_set: bool = False  # the operator's A: every model's, whatever was measured
 
     @property
     def single_request_limit_bytes(self) -> int:
         """The most KV one request may ever reserve: half the hard cap."""
         return self.hard_cap_bytes // 2
 
-    def kv_budget_bytes(self, resident_weight_bytes: int, ram_prefix_bytes: int = 0) -> int:
-        """Static planning budget: max(0, hard_cap − W − A − ram_prefix)."""
-        claimed = saturate(resident_weight_bytes) + self.activation_reserve_bytes + saturate(ram_prefix_bytes)
+    def for_models(self, reserves: Iterable[int]) -> CapFigures:
+        """The figures while models of these activation reserves are loaded (or loading): A is the
+        largest of them, 0 with none (one engine thread: one pass at a time). Unchanged when the operator
+        set A."""
+        if self.activation_reserve_set:
+            return self
+        activation = max((saturate(r) for r in reserves), default=0)
+        if activation == self.activation_reserve_bytes:
+            return self
+        return replace(self, activation_reserve_bytes=activation,
+                       load_headroom_bytes=saturate(activation + self.min_kv_bytes))
+
+    def reserve_for(self, model_reserve_bytes: int | None) -> int:
+        """A once a model of this reserve is loaded too (None: the one in force); the operator's A when set."""
+        if self.activation_reserve_set or model_reserve_bytes is None:
+            return self.activation_reserve_bytes
+        return max(self.activation_reserve_bytes, saturate(model_reserve_bytes))
+
+    def kv_budget_bytes(self, resident_weight_bytes: int, ram_prefix_bytes: int = 0,
+                        activation_reserve_bytes: int | None = None) -> int:
+        """Static planning budget: max(0, hard_cap − W − A − ram_prefix), A `reserve_for` the model's."""
+        claimed = (saturate(resident_weight_bytes) + self.reserve_for(activation_reserve_bytes)
+                   + saturate(ram_prefix_bytes))
         return max(0, self.hard_cap_bytes - claimed)
 
     def load_room_bytes(self, snapshot: MemorySnapshot, outstanding_bytes: int = 0) -> int:
         """Room under the live ceiling before the activation reserve, net of reservations:
-        max(0, min(eff_cap − mlx_used, sys_avail) − outstanding). A load fits iff
-        `weights_est + load_headroom ≤` this (the same test `Ledger.claim_pending_load` makes)."""
-        under_cap = self.effective_cap_bytes - snapshot.mlx_used_bytes
+        max(0, min(eff_cap − counted, sys_avail) − outstanding), counted = mlx_used + the process's
+        unattributed bytes (memory/snapshot.py). A load fits iff `required_load_bytes ≤` this (the same test
+        `Ledger.claim_pending_load` makes)."""
+        under_cap = self.effective_cap_bytes - snapshot.counted_bytes
         return max(0, min(under_cap, snapshot.available_bytes) - saturate(outstanding_bytes))
 
     def live_headroom_bytes(self, snapshot: MemorySnapshot) -> int:
-        """live_headroom = max(0, min(eff_cap − mlx_used, sys_avail) − A)."""
+        """live_headroom = max(0, min(eff_cap − counted, sys_avail) − A)."""
         return max(0, self.load_room_bytes(snapshot) - self.activation_reserve_bytes)
 
     def available_bytes(self, snapshot: MemorySnapshot, outstanding_bytes: int = 0) -> int:
         """available = max(0, live_headroom − Σ outstanding reservations)."""
         return max(0, self.live_headroom_bytes(snapshot) - saturate(outstanding_bytes))
 
-    def required_load_bytes(self, weights_estimate_bytes: int) -> int:
-        """What a load needs free: weights_est + load_headroom (saturating)."""
-        return saturate(saturate(weights_estimate_bytes) + self.load_headroom_bytes)
+    def required_load_bytes(self, weights_estimate_bytes: int, activation_reserve_bytes: int | None = None) -> int:
+        """What a load needs free: weights_est + `reserve_for(the model's reserve)` + MIN_KV (saturating);
+        without a reserve, weights_est + load_headroom."""
+        return saturate(saturate(weights_estimate_bytes) + self.reserve_for(activation_reserve_bytes)
+                        + self.min_kv_bytes)
 
     def load_is_serveable(self, snapshot: MemorySnapshot, outstanding_bytes: int = 0, *,
                           kv_floor_bytes: int | None = None) -> bool:
@@ -339,6 +375,7 @@ def compute_figures(physical_bytes: int, settings: PolicySettings | None = None)
         effective_cap_bytes=effective,
         load_reserve_bytes=max(s.memory_reserve_bytes, p - hard_cap),
         load_headroom_bytes=saturate(s.activation_reserve_bytes + MIN_KV_BYTES),
+        activation_reserve_set=s.activation_reserve_set,
     )
 
 
@@ -402,24 +439,30 @@ ROOM_CAUSE_SETTING: dict[RoomCause, str] = {
 
 
 def no_room_causes(physical_bytes: int, settings: PolicySettings) -> tuple[RoomCause, ...]:
-    """Why `room_for_weights` is 0 for this machine and these settings; () when there is room.
+    """Why no model of any size can load on this machine with these settings; () when one can.
 
-    Each input is named when moving it alone to its most generous value (reserve 0, activation
-    reserve 0, no limit, fraction 1) would make room. When no single input would, every input that
-    is not at that value is named; SMALL_MACHINE when not even all of them together would."""
-    if room_for_weights(compute_figures(physical_bytes, settings)) > 0:
+    A model's activation reserve is its own (a small model's is small) unless the operator set one,
+    so the room is `room_for_weights` of the idle figures (`for_models(())`). Each input is named when
+    moving it alone to its most generous value (reserve 0, the operator's activation reserve unset, no
+    limit, fraction 1) would make room. When no single input would, every input that is not at that
+    value is named; SMALL_MACHINE when not even all of them together would."""
+    def room(s: PolicySettings) -> int:
+        return room_for_weights(compute_figures(physical_bytes, s).for_models(()))
+
+    if room(settings) > 0:
         return ()
     generous = {
         RoomCause.MEMORY_RESERVE: replace(settings, memory_reserve_bytes=0),
-        RoomCause.ACTIVATION_RESERVE: replace(settings, activation_reserve_bytes=0),
+        RoomCause.ACTIVATION_RESERVE: replace(settings, activation_reserve_bytes=0, activation_reserve_set=False),
         RoomCause.MEMORY_LIMIT: replace(settings, memory_limit_bytes=None),
         RoomCause.CAP_FRACTION: replace(settings, cap_fraction=1.0),
     }
-    alone = tuple(cause for cause, s in generous.items()
-                  if s != settings and room_for_weights(compute_figures(physical_bytes, s)) > 0)
+    if not settings.activation_reserve_set:
+        del generous[RoomCause.ACTIVATION_RESERVE]  # every model's own already: nothing to lower
+    alone = tuple(cause for cause, s in generous.items() if s != settings and room(s) > 0)
     if alone:
         return alone
     most_generous = PolicySettings(cap_fraction=1.0, activation_reserve_bytes=0, memory_reserve_bytes=0)
-    if room_for_weights(compute_figures(physical_bytes, most_generous)) == 0:
+    if room(most_generous) == 0:
         return (RoomCause.SMALL_MACHINE,)  # P ≤ MIN_OS: no setting can help
     return tuple(cause for cause, s in generous.items() if s != settings)

@@ -1,8 +1,10 @@
 """Pressure watermarks of projected utilization.
 
-    u = (mlx_used + incoming + overhead) / P
+    u = (mlx_used + unattributed + incoming + overhead) / P
 
-`mlx_used` counts MLX's buffer cache, as every other figure does (the one rule in
+The process's bytes outside MLX and the ledger (`unattributed`, memory/snapshot.py) are used memory
+too: growth nobody foresaw raises the level. `mlx_used` counts MLX's buffer cache, as every other figure
+does (the one rule in
 `memory/snapshot.py`; an earlier version discounted the cache here while the cap math counted it, so the
 heartbeat's pressure disagreed with admission). The cache is reclaimable all the same: the model manager clears
 it before it evicts for pressure, and decides again.
@@ -63,10 +65,10 @@ def level_for(utilization: float) -> PressureLevel:
 
 
 def projected_utilization(snapshot: MemorySnapshot, *, incoming_bytes: int = 0, overhead_bytes: int = 0) -> float:
-    """`(mlx_used + incoming + overhead) / P`; 1.0 when `P` is 0."""
+    """`(mlx_used + unattributed + incoming + overhead) / P`; 1.0 when `P` is 0."""
     if snapshot.physical_bytes <= 0:
         return 1.0
-    used = snapshot.mlx_used_bytes + max(0, incoming_bytes) + max(0, overhead_bytes)
+    used = snapshot.counted_bytes + max(0, incoming_bytes) + max(0, overhead_bytes)
     return used / snapshot.physical_bytes
 
 

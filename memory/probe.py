@@ -35,6 +35,14 @@ becomes the shared one; `invalidate()` drops the shared reading, so the next `re
 Thread safety: a reading is published only if no `invalidate()` ran while it was taken, and never
 replaces a later one.
 
+The process's bytes outside MLX: each reading carries RSS beside MLX's counters and, through
+`Probe.host_booked` (the ledger's `host_booked_bytes`, set once the ledger exists), what the ledger books
+for host memory when it was taken; the snapshot derives the unattributed term from them
+(memory/snapshot.py). The ledger takes the term again with its live host total for its own decisions.
+
+MLX's peak: `reset_peak_memory()` starts MLX's peak afresh for a measurement (a load measures each
+pass's peak: engine/calibration.py) while the readings keep reporting the process's peak since start.
+
 The device (`read_device_memory`): on Apple silicon, and on MLX's CPU device, MLX allocates from the
 machine's RAM, so the cap is taken of it (unified memory). On MLX's CUDA backend it allocates from
 the GPU's own memory (`mx.device_info()["total_memory"]`): the cap is taken of that, what MLX holds
@@ -62,11 +70,28 @@ SHARED_MAX_AGE_S = 0.005  # how long `Probe.recent()` hands out one reading
 DeviceMemoryFn = Callable[[], int | None]  # a discrete GPU's memory in bytes; None: unified memory
 
 
+_peak_before_reset = 0  # the process's MLX peak up to the last `reset_peak_memory()`
+_peak_lock = threading.Lock()
+
+
 def read_mlx_counters() -> MlxCounters:
-    """MLX active / cache / peak bytes (imports `mlx.core` on first use)."""
+    """MLX active / cache bytes, and the process's peak since start (imports `mlx.core` on first use)."""
     import mlx.core as mx  # deferred: the policy, ledger and tests of them never need MLX
 
-    return MlxCounters(mx.get_active_memory(), mx.get_cache_memory(), mx.get_peak_memory())
+    with _peak_lock:  # not between a reset's two steps
+        peak = max(_peak_before_reset, mx.get_peak_memory())
+    return MlxCounters(mx.get_active_memory(), mx.get_cache_memory(), peak)
+
+
+def reset_peak_memory() -> None:
+    """Start MLX's own peak afresh (`mx.get_peak_memory()` then reads the peak since now) for a measurement;
+    `read_mlx_counters` goes on reporting the process's peak since start."""
+    import mlx.core as mx
+
+    global _peak_before_reset
+    with _peak_lock:
+        _peak_before_reset = max(_peak_before_reset, mx.get_peak_memory())
+        mx.reset_peak_memory()
 
 
 def no_mlx_counters() -> MlxCounters:
@@ -91,7 +116,10 @@ def unified_memory() -> int | None:
 
 
 class Probe:
-    """Samples coherent `MemorySnapshot`s. Build once, call `snapshot()` as often as needed."""
+    """Samples coherent `MemorySnapshot`s. Build once, call `snapshot()` as often as needed.
+
+    `rss`: how the process's resident bytes are read (default: psutil's reading of this process); a test
+    rig emulating a machine whose memory is MLX's alone passes its own."""
 
     def __init__(
         self,
@@ -104,6 +132,7 @@ class Probe:
         clock: Callable[[], float] = time.monotonic,
         device_memory: DeviceMemoryFn = read_device_memory,
         max_age_s: float = SHARED_MAX_AGE_S,
+        rss: Callable[[], int] | None = None,
     ) -> None:
         self._max_age_s = max_age_s
         self._shared: tuple[float, MemorySnapshot] | None = None  # (when its sampling began, the reading)
@@ -117,6 +146,9 @@ class Probe:
         self._virtual_memory = virtual_memory
         self._clock = clock
         self._process = psutil.Process()
+        self._rss = rss if rss is not None else self._own_rss
+        # What the ledger books for host memory now (`Ledger.host_booked_bytes`); set once the ledger exists.
+        self.host_booked: Callable[[], int] = _nothing_booked
         self.refresh()
 
     def refresh(self) -> None:
@@ -165,10 +197,13 @@ class Probe:
                 self._shared = (began, snap)
         return snap
 
+    def _own_rss(self) -> int:
+        return int(self._process.memory_info().rss)
+
     def _sample(self) -> MemorySnapshot:
         counters = self._mlx_counters()
         vm = self._virtual_memory()
-        rss = self._process.memory_info().rss
+        rss = self._rss()
         reading = cgroup.read(self._cgroup_levels) if self._cgroup_levels else cgroup.CgroupReading(None, None)
 
         host = self._host_bytes
@@ -199,7 +234,12 @@ class Probe:
             device_memory=self.device,
             host_physical_bytes=host if discrete else None,
             host_available_bytes=max(0, host_available) if discrete else None,
+            host_booked_bytes=max(0, self.host_booked()),
         )
+
+
+def _nothing_booked() -> int:
+    return 0
 
 
 @functools.lru_cache(maxsize=16)

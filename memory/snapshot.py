@@ -15,6 +15,16 @@ The one rule for MLX's buffer cache (freed buffers MLX keeps for reuse, `mx.get_
   that only predicts (fast admission) is taken on `after_reclaim()` when the real snapshot refuses;
 * it is bounded: the engine caps it (`memory.mlx_limits`), so it cannot grow to tens of GiB between
   two decisions.
+
+The rule for the process's other memory (`unattributed_bytes`): every byte the process holds is under
+the cap, not only MLX's. With unified memory, RSS beyond MLX's active + cache bytes is the interpreter,
+libraries, Python objects, the allocator's free-but-kept slack and buffers no figure foresaw. Part of
+it the ledger already books (a body being parsed, a grammar, decoded images, the SSD tier's index:
+`host_booked_bytes`, set from the ledger's host-side reservations); the rest is *unattributed* and is
+counted as used beside MLX's bytes (`counted_bytes`) by the cap math and the pressure level, so growth
+nobody foresaw narrows admission instead of crossing the cap. A booking not yet in RSS does not make the
+term negative: it is counted in full by the ledger, and the process's bytes once. On a discrete GPU the
+cap is of the GPU's memory and RSS is host RAM: nothing of it is counted against that cap.
 """
 
 from __future__ import annotations
@@ -64,10 +74,11 @@ class MemorySnapshot:
     device_memory: DeviceMemory = DeviceMemory.UNIFIED
     host_physical_bytes: int | None = None  # discrete GPU only: host RAM (cgroup-lowered)
     host_available_bytes: int | None = None  # discrete GPU only: host RAM available
+    host_booked_bytes: int = 0  # the ledger's host-side reservations when sampled (see `booked`)
 
     def __post_init__(self) -> None:
         for name in ("physical_bytes", "available_bytes", "mlx_active_bytes", "mlx_cache_bytes",
-                     "mlx_peak_bytes", "rss_bytes"):
+                     "mlx_peak_bytes", "rss_bytes", "host_booked_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
 
@@ -75,6 +86,30 @@ class MemorySnapshot:
     def mlx_used_bytes(self) -> int:
         """`mlx_used` = MLX active + cache: every resident model's weights and KV, plus freed-but-kept buffers."""
         return self.mlx_active_bytes + self.mlx_cache_bytes
+
+    @property
+    def outside_mlx_bytes(self) -> int:
+        """What the process holds beyond MLX's buffers (RSS − active − cache), with unified memory; 0 on
+        a discrete GPU, whose cap RSS (host RAM) is not part of."""
+        if self.device_memory is DeviceMemory.DISCRETE:
+            return 0
+        return max(0, self.rss_bytes - self.mlx_used_bytes)
+
+    @property
+    def unattributed_bytes(self) -> int:
+        """The process's bytes outside MLX that the ledger does not book either (module docstring)."""
+        return max(0, self.outside_mlx_bytes - self.host_booked_bytes)
+
+    @property
+    def counted_bytes(self) -> int:
+        """What the cap math and the pressure level count as the process's now: MLX's usage + unattributed."""
+        return self.mlx_used_bytes + self.unattributed_bytes
+
+    def booked(self, host_bytes: int) -> MemorySnapshot:
+        """This reading with the ledger's host-side reservations (`Ledger.host_booked_bytes()`) taken off the
+        unattributed term: they are counted by the ledger already."""
+        host = max(0, host_bytes)
+        return self if host == self.host_booked_bytes else replace(self, host_booked_bytes=host)
 
     @property
     def unlimited_physical_bytes(self) -> int:
@@ -88,7 +123,9 @@ class MemorySnapshot:
         return self.mlx_cache_bytes
 
     def after_reclaim(self) -> MemorySnapshot:
-        """This snapshot as it will be once the cache is cleared: the cache is gone and the OS has it."""
+        """This snapshot as it will be once the cache is cleared: the cache is gone and the OS has it
+        (RSS with it: the process's other bytes stay what they are)."""
         if not self.mlx_cache_bytes:
             return self
-        return replace(self, mlx_cache_bytes=0, available_bytes=self.available_bytes + self.mlx_cache_bytes)
+        return replace(self, mlx_cache_bytes=0, available_bytes=self.available_bytes + self.mlx_cache_bytes,
+                       rss_bytes=max(0, self.rss_bytes - self.mlx_cache_bytes))

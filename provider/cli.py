@@ -512,6 +512,7 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
     ledger = status.get("ledger", {})
     for kind, nbytes in sorted(ledger.get("bytes_by_kind", {}).items()):
         lines.append(f"  ledger {kind}: {human_bytes(nbytes)}")
+    lines += render_memory(status.get("memory"))
     lines += render_diagnostics(status.get("diagnostics"), time.time() if now is None else now)
     kv = status.get("prefix_cache")
     if kv:
@@ -519,6 +520,16 @@ def render_status(status: dict[str, Any], now: float | None = None) -> str:
                      f"{kv.get('misses', 0)} misses; RAM {human_bytes(kv.get('ram_bytes'))}, "
                      f"disk {human_bytes(kv.get('disk_bytes'))}")
     return "\n".join(lines)
+
+
+def render_memory(m: Any) -> list[str]:
+    """The `memory` section of /status: MLX's bytes, the process's others and what admission counts of them."""
+    if not isinstance(m, dict) or "unattributed_bytes" not in m:
+        return []
+    mlx = (m.get("mlx_active_bytes") or 0) + (m.get("mlx_cache_bytes") or 0)
+    return [f"  memory: MLX {human_bytes(mlx)}, outside MLX {human_bytes(m.get('outside_mlx_bytes'))} "
+            f"({human_bytes(m.get('host_booked_bytes'))} booked, {human_bytes(m['unattributed_bytes'])} unattributed: "
+            f"counted by admission); admits {human_bytes(m.get('admits_bytes'))} more"]
 
 
 def render_diagnostics(d: Any, now: float) -> list[str]:

@@ -50,11 +50,13 @@ from kvcache.ssd import SsdStore
 from memory import ROOM_CAUSE_SETTING, FitVerdict, Ledger, Probe
 from provider.config import Settings, policy_settings
 from provider.engine import Engine, EngineOptions
+from provider.engine.activation import window_for
 from provider.guest.availability import Paused
 from provider.guest.monitor import GuestMonitor
 from provider.jobs import ServingStats
 from provider.metrics import EvictionCause, Metrics
 from provider.models import DigestCache, Inventory, ModelInfo, SkipReason, discover_models, weight_hash
+from provider.models.activation import ActivationStore, reserve_json, with_activation
 from provider.models.discovery import with_kv_quantization
 from provider.models.hashing import CACHE_FILE, weight_fingerprint_sync
 from provider.models.template import Lane, TemplateBound, renderer
@@ -253,10 +255,17 @@ class Runtime:
             await asyncio.to_thread(renderer(lane).start)
         probe = Probe(settings.memory_limit_gb)
         snapshot, policy = probe.snapshot(), policy_settings(settings)
+        base = memory.compute_figures(snapshot.physical_bytes, policy)
         # Reservations that bring no reading of their own (a large body's, a grammar's, a prefix entry's)
         # take the reading shared by the requests of the last few ms: the ledger's own total is always
-        # live (memory/probe.py says why that keeps the cap).
-        ledger = Ledger(memory.compute_figures(snapshot.physical_bytes, policy), sample=probe.recent)
+        # live (memory/probe.py says why that keeps the cap). The activation reserve in force is the loaded
+        # models' (none yet), each measured at its load or estimated before (the model manager keeps it).
+        ledger = Ledger(base.for_models(()), sample=probe.recent)
+        probe.host_booked = ledger.host_booked_bytes  # the process's bytes the ledger books outside MLX
+        options = engine_options(settings, base)
+        activation_store = ActivationStore(settings.state_dir)
+        inventory = await asyncio.to_thread(with_activation, inventory, window_tokens=window_for(options.prefill_tokens),
+                                            batch_rows=options.batch_size, store=activation_store)
         if hash_weights:  # the coordinator is told each model's weight hash: an Ollama model has one once imported
             inventory = dataclasses.replace(inventory, models=tuple(m for m in inventory.models if m.gguf is None))
         # An Ollama model not imported yet: its tokenizer is read from its GGUF (importing.tokenizer_folder).
@@ -265,7 +274,8 @@ class Runtime:
                                 loader=gguf_aware_loader(settings.imported_models_dir),
                                 template_timeout_s=settings.template_timeout_s)
         unservable = await counter.warm(m.id for m in inventory.models
-                                        if memory.fit(ledger.figures, snapshot, m.weight_bytes).ever_fits)
+                                        if memory.fit(ledger.figures, snapshot, m.weight_bytes,
+                                                      activation_reserve_bytes=m.activation_reserve_bytes).ever_fits)
         inventory = without_unservable(inventory, unservable, timeout_s=settings.template_timeout_s)
         _log_unservable(settings, inventory)
         if causes := memory.no_room_causes(snapshot.unlimited_physical_bytes, policy):
@@ -277,13 +287,14 @@ class Runtime:
         writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-ssd-write")
         prefix = await asyncio.to_thread(build_prefix_cache, settings, ledger, probe, writer)
         owns_engine = engine is None
-        engine = engine or Engine(engine_options(settings, ledger.figures), prefix_cache=prefix.get)
+        engine = engine or Engine(options, prefix_cache=prefix.get)
         digests = await asyncio.to_thread(DigestCache.open, settings.state_dir / WEIGHT_HASH_CACHE)
         hashes = WeightHashes({m.id: m.path for m in inventory.models}, progress=hash_progress, cache=digests,
                               fingerprints=not hash_weights)
         manager = ModelManager.from_settings(settings, engine, inventory, ledger, probe, metrics=metrics,
                                              eos_token_ids=eos_token_ids, prefix_cache=prefix,
-                                             weight_hash=hashes.get, progress=progress)
+                                             weight_hash=hashes.get, progress=progress,
+                                             activation_store=activation_store)
         servable = tuple(m.id for m, verdict in manager.verdicts() if verdict.ever_fits)
         if hash_weights:
             await hashes.warm(servable)
@@ -411,6 +422,7 @@ class Runtime:
         return {**self.manager.diagnostics.as_json(advice),
                 "pressure": {"level": level.level.name.lower(), "utilization": round(level.utilization, 4),
                              "mlx_active_bytes": snap.mlx_active_bytes, "mlx_cache_bytes": snap.mlx_cache_bytes,
+                             "unattributed_bytes": snap.unattributed_bytes,
                              "physical_bytes": snap.physical_bytes,
                              "thresholds": {"yellow": memory.pressure_thresholds()[0],
                                             "red": memory.pressure_thresholds()[1],
@@ -450,6 +462,8 @@ class Runtime:
                 "kv_bits": None if info.kv_bits is None else info.kv_bits.as_json(),
                 # prompts with this many tokens left to prefill go solo (engine/prefill.py); null: none do
                 "solo_prefill_min_tokens": loaded.solo_min_tokens if (loaded := self.manager.loaded(m.id)) else None,
+                # what its passes hold at most (its prefill window at its context) and where the figure came from
+                "activation_reserve": reserve_json(info, self.ledger.figures),
                 "preloaded": m.id in self.manager.kept_warm,
                 "active_requests": in_flight_by_model.get(m.id, 0),
                 "running": slot.num_running if slot else 0,
@@ -478,6 +492,13 @@ class Runtime:
             "memory": {"physical_bytes": snap.physical_bytes, "available_bytes": snap.available_bytes,
                        "mlx_active_bytes": snap.mlx_active_bytes, "mlx_cache_bytes": snap.mlx_cache_bytes,
                        "mlx_peak_bytes": snap.mlx_peak_bytes, "rss_bytes": snap.rss_bytes,
+                       # the process's bytes outside MLX, what the ledger books of them for the host, the rest
+                       # (unattributed: counted as used by admission and the pressure level), and the sum the
+                       # cap counts; what the ledger would admit now, from this same reading
+                       "outside_mlx_bytes": snap.outside_mlx_bytes, "host_booked_bytes": snap.host_booked_bytes,
+                       "unattributed_bytes": snap.unattributed_bytes, "counted_bytes": snap.counted_bytes,
+                       "admits_bytes": self.ledger.available_bytes(snap),
+                       "activation_reserve_bytes": self.ledger.figures.activation_reserve_bytes,
                        "free_for_load_bytes": capacity.free_for_load_bytes,
                        # which memory the figures above are of; a discrete GPU's host RAM beside it
                        "device_memory": snap.device_memory.value, "host_physical_bytes": snap.host_physical_bytes,

@@ -68,7 +68,7 @@ SAFE_KEYS: frozenset[str] = frozenset(
         # advice for the operator: always a literal written in our code
         "hint",
         # how a model was loaded (model_loaded): closed vocabularies and flags
-        "solo_from", "rates_from", "transposed_weights", "cpu_attention",
+        "solo_from", "rates_from", "transposed_weights", "cpu_attention", "activation_from",
     }
 )
 # Keys whose value is a number, or a string shown at most this long: what an operator set

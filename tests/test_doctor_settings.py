@@ -68,7 +68,9 @@ def test_a_bad_value_is_logged_with_its_variable_the_value_and_what_was_used(
     [line] = [json.loads(x) for x in json_log.getvalue().splitlines() if "memory_env_rejected" in x]
     assert (line["variable"], line["given"], line["used"]) == (variable, shown, used)
     assert "redacted" not in line and line["level"] == "warning"
-    assert report.cap.cap_fraction == 0.9 and report.cap.activation_reserve_bytes == 3 * GIB  # defaults apply
+    # the defaults apply: the cap fraction, and each model's own activation reserve (none loaded: 0 in force)
+    assert report.cap.cap_fraction == 0.9 and not report.cap.activation_reserve_set
+    assert report.cap.activation_reserve_bytes == 0
     [problem] = [p for p in report.problems if p.code is ProblemCode.SETTING_REJECTED]
     assert problem.subject == variable and problem.severity.value == "warning"
     shown_in_doctor = f"{shown:g}" if isinstance(shown, float) else repr(shown)
@@ -105,16 +107,23 @@ def test_reserves_that_leave_no_room_are_named_instead_of_every_model(tmp_path, 
     assert "reserve_leaves_no_room" in render_table(report) and named in render_table(report)
 
 
-def test_an_8_gib_mac_with_the_defaults_is_told_both_reserves_take_the_room(tmp_path, tiny_model_path):
+def test_an_8_gib_mac_with_the_defaults_serves_a_model_whose_own_reserve_is_small(tmp_path, tiny_model_path):
+    """The tiny model's activation reserve (its config's estimate: ~0.1 GiB) leaves room beside the 4 GiB
+    reserve; only the operator's fixed 3 GiB for every model takes it all, and then both are named."""
     report = doctor(tmp_path, tiny_model_path, {}, machine_gb=8)
-    [problem] = [p for p in report.problems if p.code is ProblemCode.NO_ROOM]
+    assert not [p for p in report.problems if p.code is ProblemCode.NO_ROOM]
+    [model] = report.models
+    assert model.fit.verdict.value == "fits_now" and model.model.activation_reserve_bytes < GIB // 4
+    fixed = doctor(tmp_path, tiny_model_path, {ACTIVATION: "3"}, machine_gb=8)
+    [problem] = [p for p in fixed.problems if p.code is ProblemCode.NO_ROOM]
     assert problem.subject == "memory_reserve_gb, DARKBLOOM_ACTIVATION_RESERVE_GB"
     assert "effective cap (4.0 GiB)" in problem.detail
 
 
 def test_a_model_too_big_for_the_room_left_is_still_blamed_on_the_model(tmp_path, small_model_path):
-    # 8.05 GiB: effective cap 4.05 GiB, 4 GiB of reserves, ~54 MB left: less than the small model's 60 MB padded.
-    report = doctor(tmp_path, small_model_path, {}, machine_gb=64, memory_limit_gb=8.05)
+    # 8.05 GiB, a fixed 3 GiB activation reserve: effective cap 4.05 GiB, 4 GiB of reserves, ~54 MB left:
+    # less than the small model's 60 MB padded.
+    report = doctor(tmp_path, small_model_path, {ACTIVATION: "3"}, machine_gb=64, memory_limit_gb=8.05)
     assert 0 < memory.room_for_weights(report.cap) < memory.padded_weight_bytes(report.models[0].model.weight_bytes)
     assert [(p.code, p.subject) for p in report.problems if p.severity.value == "error"] == [
         (ProblemCode.MODEL_NEVER_FITS, "demo/tiny")]

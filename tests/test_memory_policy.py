@@ -289,24 +289,30 @@ def test_largest_loadable_is_exactly_the_fit_boundary(p: int, reserve: float, ac
         assert f.required_load_bytes(padded_weight_bytes(largest + 1)) > f.effective_cap_bytes
 
 
-def test_an_8_gib_mac_has_no_room_with_the_defaults_and_both_reserves_are_why() -> None:
+def test_an_8_gib_mac_has_room_for_a_model_whose_own_reserve_is_small_but_none_with_a_fixed_3_gib() -> None:
     f = figures(8 * GiB, env={})
     assert f.effective_cap_bytes == 4 * GiB == f.load_headroom_bytes  # 3 GiB activations + 1 GiB KV take it all
     assert room_for_weights(f) == 0
-    assert no_room_causes(8 * GiB, resolve_settings({})) == (RoomCause.MEMORY_RESERVE, RoomCause.ACTIVATION_RESERVE)
+    # Each model's reserve is its own (measured at its load): 3 GiB are left for its weights and it.
+    assert room_for_weights(f.for_models(())) == 3 * GiB
+    assert no_room_causes(8 * GiB, resolve_settings({})) == ()
+    # The operator's fixed 3 GiB for every model leaves none, and both reserves are why.
+    fixed = resolve_settings({ACTIVATION: "3"})
+    assert no_room_causes(8 * GiB, fixed) == (RoomCause.MEMORY_RESERVE, RoomCause.ACTIVATION_RESERVE)
 
 
 @pytest.mark.parametrize("env, reserve_gb, causes", [
     ({}, 30.0, (RoomCause.MEMORY_RESERVE,)),  # a 30 GiB reserve on a 24 GiB machine
     ({ACTIVATION: "1000"}, 4.0, (RoomCause.ACTIVATION_RESERVE,)),
     ({ACTIVATION: "1e30"}, 4.0, (RoomCause.ACTIVATION_RESERVE,)),
-    ({FRACTION: "0.1"}, 4.0, (RoomCause.ACTIVATION_RESERVE, RoomCause.CAP_FRACTION)),  # either alone makes room
+    ({ACTIVATION: "3", FRACTION: "0.1"}, 4.0, (RoomCause.ACTIVATION_RESERVE, RoomCause.CAP_FRACTION)),  # either
+    ({FRACTION: "0.1"}, 4.0, ()),  # 2.4 GiB of cap: room for a small model with its own reserve
     ({}, 4.0, ()),  # the defaults leave room on 24 GiB
 ])
 def test_no_room_names_the_setting_that_takes_it(env: dict, reserve_gb: float, causes: tuple) -> None:
     settings = resolve_settings(env, memory_reserve_gb=reserve_gb)
     assert no_room_causes(24 * GiB, settings) == causes
-    assert (room_for_weights(compute_figures(24 * GiB, settings)) == 0) == bool(causes)
+    assert (room_for_weights(compute_figures(24 * GiB, settings).for_models(())) == 0) == bool(causes)
 
 
 def test_no_room_on_a_machine_below_the_os_floor_blames_the_machine() -> None:

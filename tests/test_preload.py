@@ -2,9 +2,11 @@
 the cap; a refusal is logged with its reason and the start goes on), reported ``running`` from the first
 heartbeat, served without a load, and not unloaded by ``idle_timeout_mins``.
 
-A small machine is emulated with ``memory_limit_gb`` (6.25 GiB, reserve 0.5 GiB): the effective cap is
-4.25 GiB and a load needs its padded weights + 4 GiB, so the tiny and small models fit and the medium one
-(≈ 0.42 GiB padded) never does.
+A small machine is emulated with ``memory_limit_gb`` (6.25 GiB, reserve 0.5 GiB: an effective cap of
+4.25 GiB). Where a model must never fit, 4.2 GiB (``NO_MEDIUM``: an effective cap of 2.2 GiB): a load
+needs its padded weights + its activation reserve + 1 GiB of KV, and the medium model's (≈ 0.44 GiB
+padded, its config's estimate ≈ 0.8 GiB at its 4,096 tokens of context) is ≈ 2.24 GiB, while the tiny
+and small models need ≈ 1.1 and ≈ 1.45 GiB before their loads measure less.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ AGENT = {"dev_posture": True, "heartbeat_interval_s": 0.5, "local_enabled": Fals
          "memory_limit_gb": 6.25}
 
 
+NO_MEDIUM = {**AGENT, "memory_limit_gb": 4.2}
+
+
 def loads(metrics) -> float:
     return metrics.model_loads_total.labels(result=LoadResult.LOADED.value)._value.get()
 
@@ -35,7 +40,7 @@ def loads(metrics) -> float:
 async def test_preloads_that_cannot_load_are_refused_with_their_reason_and_the_rest_load(
         tmp_path, tiny_model_path, small_model_path, medium_model_path):
     models = {"tiny": tiny_model_path, "small": small_model_path, "medium": medium_model_path}
-    settings = settings_for(tmp_path, models, **AGENT, max_model_slots=1,
+    settings = settings_for(tmp_path, models, **NO_MEDIUM, max_model_slots=1,
                             preload_models=("medium", "ghost", "tiny", "small"))
     with capture_redacted_logs() as logs:
         runtime = await Runtime.start(settings)
@@ -70,10 +75,10 @@ async def test_solo_prefill_off_is_said_in_status(tmp_path, tiny_model_path):
 
 async def test_a_preload_that_fits_only_by_evicting_an_earlier_one_is_refused(
         tmp_path, small_model_path, medium_model_path, monkeypatch):
-    """The activation reserve is set so that medium loads on an otherwise empty machine with 10 MiB to
-    spare, so not beside small (≈ 49 MB resident): preloading small then medium would evict small."""
+    """The activation reserve is set so that medium loads on an otherwise empty machine with 24 MiB to
+    spare, so not beside small (≈ 49 MB resident): preloading small then medium would evict small. What
+    the agent counts besides (its process's bytes outside MLX) is read from a runtime started first."""
     import memory
-    from memory import Probe
     from provider.models import discover_models
 
     settings = settings_for(tmp_path, {"small": small_model_path, "medium": medium_model_path},
@@ -81,8 +86,12 @@ async def test_a_preload_that_fits_only_by_evicting_an_earlier_one_is_refused(
     weights = {m.id: m.weight_bytes for m in discover_models(settings).models}
     policy = memory.resolve_settings({}, memory_reserve_gb=0.5, memory_limit_gb=7.25)
     effective = memory.compute_figures(settings.memory_limit_bytes, policy).effective_cap_bytes
-    baseline = Probe(settings.memory_limit_gb).snapshot().mlx_active_bytes
-    activation = effective - memory.MIN_KV_BYTES - memory.padded_weight_bytes(weights["medium"]) - baseline - (10 << 20)
+    first = await Runtime.start(settings.model_copy(update={"preload_models": ()}))
+    try:
+        baseline = first.probe.snapshot().counted_bytes
+    finally:
+        await first.aclose()
+    activation = effective - memory.MIN_KV_BYTES - memory.padded_weight_bytes(weights["medium"]) - baseline - (24 << 20)
     monkeypatch.setenv("DARKBLOOM_ACTIVATION_RESERVE_GB", repr(activation / (1 << 30)))
     runtime = await Runtime.start(settings)
     try:
@@ -111,7 +120,7 @@ async def test_idle_timeout_unloads_other_models_but_not_a_preloaded_one(tmp_pat
 async def test_a_preloaded_model_is_running_from_the_first_heartbeat_and_serves_without_a_load(
         coordinator_double, tmp_path, tiny_model_path, medium_model_path):
     double = coordinator_double
-    settings = settings_for(tmp_path, {"tiny": tiny_model_path, "medium": medium_model_path}, **AGENT,
+    settings = settings_for(tmp_path, {"tiny": tiny_model_path, "medium": medium_model_path}, **NO_MEDIUM,
                             coordinator_url=double.ws_url, preload_models=("tiny", "medium"))
     with capture_redacted_logs() as logs:
         agent = await Agent.start(settings, harden=False, eos_token_ids={"tiny": NO_EOS, "medium": NO_EOS})

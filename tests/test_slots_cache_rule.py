@@ -46,6 +46,11 @@ class FakeCache:
     def counters(self) -> MlxCounters:
         return MlxCounters(mx.get_active_memory(), mx.get_cache_memory() + self.nbytes, mx.get_peak_memory())
 
+    def rss(self) -> int:
+        """The emulated machine's memory is MLX's alone (as manager_rigs.py's): the cache's bytes are RSS."""
+        counters = self.counters()
+        return counters.active_bytes + counters.cache_bytes
+
     def wrap(self, engine: Engine) -> None:
         """Whichever way the engine is asked to clear (awaited, or queued by a booking), the fake
         empties when the engine thread has run the clear, as the real cache does."""
@@ -73,7 +78,7 @@ class CacheRig:
         gc.collect()
         mx.clear_cache()
         self.cache = FakeCache()
-        self.probe = Probe(memory_limit_gb=LIMIT_GB, mlx_counters=self.cache.counters)
+        self.probe = Probe(memory_limit_gb=LIMIT_GB, mlx_counters=self.cache.counters, rss=self.cache.rss)
         base = resolve_settings({}, memory_reserve_gb=RESERVE_GB, memory_limit_gb=LIMIT_GB)
         eff_cap = compute_figures(self.probe.machine_bytes, base).effective_cap_bytes
         activation = eff_cap - MIN_KV_BYTES - room_for_weights - mx.get_active_memory()

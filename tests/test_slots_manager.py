@@ -24,7 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from manager_rigs import LIMIT_GB, MESSAGES, NEVER_STOP, PROMPT, Rig, params, serve_once
+from manager_rigs import LIMIT_GB, MESSAGES, NEVER_STOP, PROMPT, Rig, mlx_bytes, params, serve_once
 from memory import GiB, Probe, ReservationKind, padded_weight_bytes
 from memory.probe import read_mlx_counters
 from protocol.errors import ErrorReason, FailureCode, RejectionReason
@@ -483,7 +483,7 @@ async def test_requests_arriving_together_share_one_memory_reading(rigs, tiny_mo
         reads.append(1)
         return read_mlx_counters()
 
-    probe = Probe(memory_limit_gb=LIMIT_GB, mlx_counters=counters, clock=lambda: now[0])
+    probe = Probe(memory_limit_gb=LIMIT_GB, mlx_counters=counters, clock=lambda: now[0], rss=mlx_bytes)
     m = rig.manager = ModelManager(rig.engine, rig.inventory, rig.ledger, rig.figures, probe,
                                    max_model_slots=3, idle_timeout_s=None, settle_timeout_s=2.0)
     await m.ensure_loaded("tiny")

@@ -19,6 +19,7 @@ from structlog.testing import capture_logs
 from kvcache.disk import DiskBudget, startup_sweep
 from kvcache.manager import KvCacheManager
 from kvcache.ssd import SsdStore
+from manager_rigs import mlx_bytes
 from memory import GiB, Ledger, Probe, ReservationKind, compute_figures, resolve_settings
 from provider.engine import ChatRequest, Engine, Finished, SamplingParams
 from provider.models import Inventory, discover
@@ -30,7 +31,7 @@ LONG = [{"role": "user", "content": " ".join(["unified memory holds the weights 
 
 class PrefixRig:
     def __init__(self, inventory: Inventory, root: Path) -> None:
-        self.probe = Probe(memory_limit_gb=4.0)
+        self.probe = Probe(memory_limit_gb=4.0, rss=mlx_bytes)  # a machine of MLX's bytes alone (manager_rigs.py)
         settings = resolve_settings({}, memory_reserve_gb=0.5, memory_limit_gb=4.0, activation_reserve_gb=0.25)
         self.figures = compute_figures(self.probe.machine_bytes, settings)
         self.ledger = Ledger(self.figures, sample=self.probe.snapshot)

@@ -15,6 +15,7 @@ from provider.doctor.guest import guest_json, guest_lines
 from provider.doctor.report import DoctorReport, ModelReport, broken_text
 from provider.doctor.routing import routing_json, routing_lines
 from provider.models import Inventory, Quantization
+from provider.models.activation import reserve_json
 from provider.models.kv import KV_QUANTIZATION_BITS, at_dtype, kv_quantization_setting, quantization_refusal, quantized
 from provider.models.searched import place_lines
 from provider.session.status import trust_line
@@ -80,7 +81,7 @@ def kv_room_tokens(cap: CapFigures, r: ModelReport) -> dict[str, int | None]:
     each kv_quantization (None: the setting cannot apply to this model)."""
     plain = at_dtype(r.model.kv)
     refused = r.model.is_vision or quantization_refusal(plain) is not None
-    room = cap.kv_budget_bytes(r.fit.weights_bytes)
+    room = cap.kv_budget_bytes(r.fit.weights_bytes, activation_reserve_bytes=r.model.activation_reserve_bytes)
     return {setting: None if bits is not None and refused
             else room // max(1, (plain if bits is None else quantized(plain, bits)).max_bytes_per_token)
             for setting, bits in KV_QUANTIZATION_BITS.items()}
@@ -102,6 +103,8 @@ def _model_json(r: ModelReport, cap: CapFigures, broken: dict[str, Any] | None =
         "kv_quantization": {"bits": None if m.kv_bits is None else m.kv_bits.as_json(),
                             "refused": m.kv_quantization_refused or None},
         "kv_room_tokens": kv_room_tokens(cap, r),  # beside this model alone, for each kv_quantization
+        # what its passes hold at most: measured at its last load (stored), else its config's estimate
+        "activation_reserve": reserve_json(m, cap),
         "verdict": r.fit.verdict.value,
         "required_bytes": r.fit.required_bytes,
         "ever_fits": r.fit.ever_fits,
@@ -110,6 +113,14 @@ def _model_json(r: ModelReport, cap: CapFigures, broken: dict[str, Any] | None =
         # the running agent failed to load it and remembers why (null: it did not, or no agent answers)
         "broken": broken,
     }
+
+
+def activation_text(reserve: dict[str, Any]) -> str:
+    """A model's activation reserve in a table cell: its size and where it comes from."""
+    text = f"{human_bytes(reserve['bytes'])} {reserve['source']}"
+    if reserve["measured_peak_bytes"] is not None:
+        text += f" (peak {human_bytes(reserve['measured_peak_bytes'])} at {reserve['measured_peak_tokens']} tokens)"
+    return text
 
 
 def _looked_in(inventory: Inventory) -> list[str]:
@@ -146,20 +157,22 @@ def render_table(report: DoctorReport) -> str:
         ("hard cap", f"{human_bytes(cap.hard_cap_bytes)}  (min({cap.cap_fraction:g} x physical, physical - 2 GiB))"),
         ("effective cap", f"{human_bytes(cap.effective_cap_bytes)}  (min(hard cap, physical - memory_reserve))"),
         ("load reserve", human_bytes(cap.load_reserve_bytes)),
-        ("activation reserve", human_bytes(cap.activation_reserve_bytes)),
+        ("activation reserve", human_bytes(cap.activation_reserve_bytes) + " (DARKBLOOM_ACTIVATION_RESERVE_GB)"
+         if cap.activation_reserve_set else "each model's own (see Models: measured at its load, else estimated)"),
         ("pressure", f"{report.pressure.level.name.lower()} ({report.pressure.utilization:.0%} of physical; "
                      "this process, nothing loaded)"),
     ], INDENT)
     out += ["", f"Runtime hash  {report.runtime_hash or 'unavailable'}", ""]
     out.append(f"Models ({len(report.models)}; fit with nothing loaded, so nothing evictable)")
     if report.models:
-        rows = [("id", "size", "quantization", "context", "needs", "verdict", "kv",
+        rows = [("id", "size", "quantization", "context", "activations", "needs", "verdict", "kv",
                  "KV room, tokens (none / q8 / q4)", "tools")]
         for r in report.models:
             m = r.model
             room = kv_room_tokens(cap, r)
             rows.append((m.id, human_bytes(m.weight_bytes), quantization_text(m.quantization, m.dtype.value),
-                         str(m.context_length or "-"), human_bytes(r.fit.required_bytes), r.fit.verdict.value,
+                         str(m.context_length or "-"), activation_text(reserve_json(m, cap)),
+                         human_bytes(r.fit.required_bytes), r.fit.verdict.value,
                          kv_quantization_setting(m.kv_bits) if m.kv_bits
                          else ("none (refused)" if m.kv_quantization_refused else "none"),
                          " / ".join("-" if room[s] is None else f"{room[s]:,}" for s in KV_QUANTIZATION_BITS),

@@ -32,8 +32,10 @@ from provider.control import find_status
 from provider.doctor.guest import GuestReport, gather_guest
 from provider.doctor.problems import Problem, ProblemCode, Severity, adjustment_problem
 from provider.doctor.routing import BLOCKING, RoutingReport, gather_routing, untrusted_sentence
+from provider.engine.activation import window_for
 from provider.hardening import Hardening
 from provider.models import Inventory, ModelInfo, discover_models
+from provider.models.activation import ActivationStore, with_activation
 from provider.models.broken import reason_words
 from provider.models.searched import places_text
 from provider.models.template import TemplateBound
@@ -175,15 +177,20 @@ def run_doctor(
     env = os.environ if env is None else env
     snapshot, hypothetical = machine_snapshot(settings, machine_gb=machine_gb)
     policy = policy_settings(settings, env)
-    cap = memory.compute_figures(snapshot.physical_bytes, policy)
+    cap = memory.compute_figures(snapshot.physical_bytes, policy).for_models(())  # the agent with nothing loaded
     level = memory.pressure(snapshot)
     status = running_agent_status(settings) if check_running_agent else None
     # A chat template past its time or memory bound is a skipped folder, as the agent finds at start
     # (and as a running agent found on a request).
     inventory = without_unservable(check_inventory(discover_models(settings), timeout_s=settings.template_timeout_s),
                                    _template_drops(status), timeout_s=settings.template_timeout_s)
+    # Each model's activation reserve as the agent has it before a load: what its last load measured (the
+    # state dir), else its config's estimate.
+    inventory = with_activation(inventory, window_tokens=window_for(None), batch_rows=settings.max_batch_size,
+                                store=ActivationStore(settings.state_dir))
     models = tuple(
-        ModelReport(m, memory.fit(cap, snapshot, m.weight_bytes, evictable_bytes=0, outstanding_bytes=0))
+        ModelReport(m, memory.fit(cap, snapshot, m.weight_bytes, evictable_bytes=0, outstanding_bytes=0,
+                                  activation_reserve_bytes=m.activation_reserve_bytes))
         for m in inventory.models
     )
     if check_coordinator_url:
@@ -325,7 +332,8 @@ def _no_room(settings: Settings, snapshot: MemorySnapshot, policy: PolicySetting
         RoomCause.CAP_FRACTION: f"cap fraction {cap.cap_fraction:g}",
         RoomCause.SMALL_MACHINE: f"{human_bytes(snapshot.unlimited_physical_bytes)} physical",
     }
-    detail = (f"a load needs its weights + the activation reserve ({human_bytes(cap.activation_reserve_bytes)}) "
+    reserve = human_bytes(cap.activation_reserve_bytes) if cap.activation_reserve_set else "its own, measured at its load"
+    detail = (f"a load needs its weights + the activation reserve ({reserve}) "
               f"+ the minimum KV ({human_bytes(cap.min_kv_bytes)}) under the effective cap "
               f"({human_bytes(cap.effective_cap_bytes)}); set by {', '.join(values[c] for c in causes)}")
     return Problem(ProblemCode.NO_ROOM, ", ".join(ROOM_CAUSE_SETTING[c] for c in causes), detail)

@@ -29,6 +29,9 @@ Rates (`Calibrator.rates`, after the warm-up, so no first use is in them):
 
 Tens of milliseconds on a tiny model on the CPU; a few hundred on a large one on a GPU; a 4-bit model
 on a CPU whose passes take seconds stops after the probe.
+
+Each prefill pass is also measured for memory (`Calibrator.meter`, activation.py): MLX's peak over it
+gives the model's activation reserve, with no pass of its own.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from provider.engine.activation import PassMeter
 from provider.engine.budget import MeasureBudget, Passes
 from provider.engine.prefill import (
     PREFILL_STEP,
@@ -91,6 +95,7 @@ class Calibrator:
         self.model = model
         self.budget = budget
         self.passes = Passes()
+        self.meter = PassMeter()  # each prefill pass's activation bytes (activation.py)
         self._split: SplitHead | None = None
         self._longest: tuple[int, list] = (0, [])  # the longest timed prompt and its cache
 
@@ -176,10 +181,11 @@ class Calibrator:
             run = (lambda c: split.last_logprobs(ids, c)) if split is not None else \
                 (lambda c: model_logprobs(self.model, ids, c))
         cache = make_prompt_cache(self.model)
-        started = time.perf_counter()
-        out = run(cache)
-        mx.eval(out, [c.state for c in cache])
-        self.passes.record(tokens, time.perf_counter() - started)
+        with self.meter.measure(tokens, cache):
+            started = time.perf_counter()
+            out = run(cache)
+            mx.eval(out, [c.state for c in cache])
+            self.passes.record(tokens, time.perf_counter() - started)
         if tokens >= self._longest[0]:
             self._longest = (tokens, cache)
         return out

@@ -16,8 +16,9 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from kvcache.quantized import quantizable
+from memory.activation import ActivationProfile
 from memory.settle import clear_buffer_cache
-from provider.engine import attention
+from provider.engine import activation, attention
 from provider.engine.active import Slot
 from provider.engine.budget import MeasureBudget
 from provider.engine.calibration import Calibration, Calibrator
@@ -26,7 +27,7 @@ from provider.engine.layout import MAX_WEIGHT_BYTES, on_cpu, transpose_weights
 from provider.engine.types import Calibrated, EngineError, EngineFailure, LoadedModelInfo, LoadPhase
 from provider.engine.warmup import warm
 from provider.models.kv import ALLOC_STEP
-from provider.models.metadata import context_length
+from provider.models.metadata import context_length, model_shape
 
 log = logging.getLogger("provider.engine")
 
@@ -44,7 +45,8 @@ def load_text(cmd: Load, generator: Callable[[object, frozenset[int]], BatchGene
               weight_layout: bool | None, solo_min_tokens: int | None, measure_budget_s: float | None) -> Slot:
     """A text model loaded through mlx-lm, its generator made, then on the load's budget (budget.py):
     its solo prefill calibrated, the shapes serving uses warmed (warmup.py), its rates timed
-    (calibration.py). Each step ends with a `LoadPhase` to `cmd.progress`. Raises
+    (calibration.py), and from the peaks of those passes its activation reserve's figures
+    (activation.py). Each step ends with a `LoadPhase` to `cmd.progress`. Raises
     `EngineError(LOAD_FAILED)` for any broken model folder."""
     progress = cmd.progress or _no_progress
     before = mx.get_active_memory()
@@ -92,6 +94,7 @@ def load_text(cmd: Load, generator: Callable[[object, frozenset[int]], BatchGene
     warmed = warm(slot, budget, calibrator.passes, on_shape=lambda shape: progress(LoadPhase.WARM_SHAPE))
     measured = time.monotonic()
     rates = _timed_rates(slot, calibrator)
+    profile = _activation(slot, calibrator, config)
     progress(LoadPhase.RATES_TIMED)
     done = time.monotonic()
     slot.info = dataclasses.replace(
@@ -99,7 +102,8 @@ def load_text(cmd: Load, generator: Callable[[object, frozenset[int]], BatchGene
         prefill_tps=rates.prefill_tps, decode_tps=rates.decode_tps, load_seconds=done - started, kv_bits=slot.kv_bits,
         weights_seconds=weights_s, measure_seconds=(calibrated - started - weights_s) + (done - measured),
         warm_seconds=measured - calibrated, measure_budget_seconds=budget.seconds, solo_from=solo_from,
-        rates_from=rates.source, warm_shapes=len(warmed.served), warm_skipped=len(warmed.skipped))
+        rates_from=rates.source, warm_shapes=len(warmed.served), warm_skipped=len(warmed.skipped),
+        activation=profile)
     return slot
 
 
@@ -151,6 +155,22 @@ def _timed_rates(slot: Slot, calibrator: Calibrator) -> Calibration:
         return Calibration(0.0, 0.0, Calibrated.FALLBACK)
     finally:
         calibrator.close()
+        clear_buffer_cache()
+
+
+def _activation(slot: Slot, calibrator: Calibrator, config: dict) -> ActivationProfile | None:
+    """The activation reserve's figures from the peaks of the load's passes (activation.py)."""
+    try:
+        with mx.stream(slot.generator.stream):
+            shape = model_shape(config, activation.activation_dtype(slot.model).size)
+            return activation.profile(calibrator.meter, shape, slot.model,
+                                      window=activation.window_tokens(slot.generator, slot.split is not None),
+                                      batch_rows=slot.generator.completion_batch_size,
+                                      quantized_kv=slot.kv_bits is not None)
+    except Exception:  # an edge: without the measurement the config's estimate stands
+        log.exception("activation measurement failed", extra={"model_id": slot.info.model_id})
+        return None
+    finally:
         clear_buffer_cache()
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcache.bits import KvBits
+from memory.activation import ActivationProfile
 
 
 class FinishReason(enum.StrEnum):
@@ -230,6 +231,9 @@ class LoadedModelInfo:
     warm_shapes: int = 0  # warm-up shapes served (warmup.py)
     warm_skipped: int = 0  # ... and left to the first requests (the budget was spent)
     kv_bits: KvBits | None = None  # the form its KV is kept quantized in inside the batch; None: the model's dtype
+    # Its activation reserve's figures, measured over the load's timed passes (activation.py); None: not
+    # measured (a vision model, no pass ran, a config without the shape).
+    activation: ActivationProfile | None = None
 
 
 @dataclass(frozen=True, slots=True)

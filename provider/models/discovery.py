@@ -46,6 +46,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from kvcache.bits import KvBits
+from memory.activation import ActivationProfile, ModelShape
+from memory.policy import DEFAULT_ACTIVATION_RESERVE_BYTES
 from provider.models import gguf_source, metadata
 from provider.models.gguf import GgufError
 from provider.models.kv import KvConfigError, KvLayout, kv_layout, kv_quantization_bits, quantization_refusal, quantized
@@ -122,10 +124,22 @@ class ModelInfo:
     kv_quantization_refused: str = ""
     # A GGUF (an Ollama model) the first load imports into `path`; None: `path` is the model folder.
     gguf: Path | None = None
+    # What its config says about its passes' size (None: a field is missing); the activation reserve's
+    # figures (memory/activation.py): measured at a load, kept from one, or the config's estimate
+    # (provider/models/activation.py); None: the fixed reserve.
+    shape: ModelShape | None = None
+    activation: ActivationProfile | None = None
 
     @property
     def is_vision(self) -> bool:
         return self.vision is not None
+
+    @property
+    def activation_reserve_bytes(self) -> int:
+        """What its passes hold at most beside its weights and KV (its prefill window at its context)."""
+        if self.activation is None:
+            return DEFAULT_ACTIVATION_RESERVE_BYTES
+        return self.activation.reserve_bytes(self.context_length)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -385,6 +399,7 @@ def _inspect(cand: _Candidate) -> ModelInfo:
         context_length=metadata.context_length(config),
         kv=kv_layout(config, dtype.nbytes),
         vision=vision,
+        shape=metadata.model_shape(config, dtype.nbytes),
     )
 
 
@@ -398,7 +413,7 @@ def _inspect_gguf(cand: _Candidate) -> ModelInfo:
         weight_bytes=found.output_bytes, model_type=found.config["model_type"],
         quantization=metadata.quantization(found.config), dtype=dtype,
         context_length=metadata.context_length(found.config), kv=kv_layout(found.config, dtype.nbytes),
-        gguf=cand.gguf,
+        gguf=cand.gguf, shape=metadata.model_shape(found.config, dtype.nbytes),
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from safetensors import SafetensorError, safe_open
 
+from memory.activation import ModelShape
 from provider.models.kv import text_config
 
 CONFIG_FILE = "config.json"
@@ -164,3 +165,21 @@ def activation_dtype(weight_files: Sequence[Path], config: Mapping[str, Any]) ->
     if float_bytes:
         return max(float_bytes, key=float_bytes.__getitem__)
     return config_dtype(config) or DType.FLOAT32
+
+
+def model_shape(config: Mapping[str, Any], dtype_bytes: int) -> ModelShape | None:
+    """The text model's shape for the activation estimate (memory/activation.py), nesting handled; None
+    when a field it needs is missing or not a positive integer."""
+    cfg = text_config(config)
+    fields: dict[str, int] = {}
+    for name, key in (("hidden", "hidden_size"), ("intermediate", "intermediate_size"),
+                      ("heads", "num_attention_heads"), ("vocab", "vocab_size")):
+        value = cfg.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            return None
+        fields[name] = value
+    kv_heads = cfg.get("num_key_value_heads") or fields["heads"]
+    head_dim = cfg.get("head_dim") or fields["hidden"] // fields["heads"]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (kv_heads, head_dim)):
+        return None
+    return ModelShape(kv_heads=kv_heads, head_dim=head_dim, dtype_bytes=max(1, dtype_bytes), **fields)

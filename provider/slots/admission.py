@@ -196,7 +196,7 @@ def model_refusal(figures: CapFigures, snapshot: MemorySnapshot, info: ModelInfo
     under the cap here, not even with the least KV beside its weights (`request_exceeds_node`)."""
     if broken:
         return Refused(Failure.model_load_failed())
-    if not fit(figures, snapshot, info.weight_bytes).ever_fits:
+    if not fit(figures, snapshot, info.weight_bytes, activation_reserve_bytes=info.activation_reserve_bytes).ever_fits:
         return Refused(Failure.exceeds_node(RejectionReason.MEMORY_CAP))
     return None
 
@@ -226,10 +226,12 @@ def _occupied(view: ManagerView, target: str) -> int:
 
 
 def plan_room(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, *, target: str,
-              weight_bytes_on_disk: int, extra_kv_bytes: int = 0) -> RoomPlan | Refused:
+              weight_bytes_on_disk: int, extra_kv_bytes: int = 0,
+              activation_reserve_bytes: int | None = None) -> RoomPlan | Refused:
     """The shortest LRU prefix of idle models whose eviction lets `target` load.
 
-    Needs `padded weights + A + MIN_KV (+ extra_kv_bytes)` of room under the cap and a free slot.
+    Needs `padded weights + A + MIN_KV (+ extra_kv_bytes)` of room under the cap and a free slot, A the
+    reserve in force once the target's own (`activation_reserve_bytes`) is in it (`CapFigures.reserve_for`).
     Refuses without evicting anything when even evicting every idle model would not do:
     `exceeds_node(memory_cap)` if it could never fit on this machine, `slot_state` if only the
     slot cap stands in the way, `memory_cap` otherwise.
@@ -243,7 +245,7 @@ def plan_room(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, 
         victims = candidates[:k]
         result = fit(figures, snapshot, weight_bytes_on_disk,
                      evictable_bytes=leaving + sum(v.resident_bytes for v in victims),
-                     outstanding_bytes=view.firm_outstanding_bytes)
+                     outstanding_bytes=view.firm_outstanding_bytes, activation_reserve_bytes=activation_reserve_bytes)
         memory_ok = result.required_bytes + max(0, extra_kv_bytes) <= result.room_after_eviction_bytes
         slot_ok = occupied - k < view.max_model_slots
         if memory_ok and slot_ok:
@@ -385,7 +387,7 @@ def decide(view: ManagerView, figures: CapFigures, snapshot: MemorySnapshot, *, 
         return kv_refusal(view, figures, snapshot, info, kv)
 
     room = plan_room(view, figures, snapshot, target=model_id, weight_bytes_on_disk=info.weight_bytes,
-                     extra_kv_bytes=max(0, share - MIN_KV_BYTES))
+                     extra_kv_bytes=max(0, share - MIN_KV_BYTES), activation_reserve_bytes=info.activation_reserve_bytes)
     if isinstance(room, Refused):
         return room
     claim = padded_weight_bytes(info.weight_bytes) + MIN_KV_BYTES - min(share, MIN_KV_BYTES)

@@ -12,7 +12,9 @@ causes it (`ModelManager.book` / `_book_load`), or the warm-up path plans room a
      Ollama model not imported yet is imported first, on a worker thread (provider/importing.py);
   3. checks the config's KV bytes per token against the engine's real cache and keeps the larger
      (each request's KV is reserved as its tokens × that figure), topping up what the requests booked
-     with it reserved;
+     with it reserved; takes the activation reserve the engine measured over the load's passes as the
+     model's own (memory/activation.py: the reserve in force follows at once, and the measurement is
+     kept in the state dir once the model is published, for the next start and `doctor`);
   4. post-load guard: measured headroom ≥ the KV floor (MIN_KV less what its own requests reserved)
      + every other reservation, else unload, release, refuse; only then publishes the model as
      LOADED and attaches its prefix cache.
@@ -121,6 +123,9 @@ class Loader:
             if loaded.vision and slot.info.vision is not None:  # what the processor adds per image
                 slot.info = dataclasses.replace(slot.info, vision=dataclasses.replace(
                     slot.info.vision, image_text_tokens=loaded.image_text_tokens))
+            if loaded.activation is not None:  # measured over the load's passes: the guard below counts it
+                slot.info = dataclasses.replace(slot.info, activation=loaded.activation)
+                self._s.sync_activation_reserve()
             await self._step(LoadStep.LOADED, slot)
             checked = self._s.clock()
             if not await self._check_kv_per_token(slot):
@@ -156,6 +161,8 @@ class Loader:
             slot.state = ModelState.LOADED
             self._count(LoadResult.LOADED)
             self._on_resident_change()
+            if loaded.activation is not None and self._s.activation_store is not None:
+                await asyncio.to_thread(self._s.activation_store.put, slot.info, loaded.activation)
             log.info("model_loaded", model=model_id, weights_bytes=loaded.weights_bytes,
                      estimate_bytes=padded_weight_bytes(slot.info.weight_bytes),
                      load_s=round(loaded.load_seconds, 3), weights_s=round(loaded.weights_seconds, 3),
@@ -166,7 +173,8 @@ class Loader:
                      rates_from=loaded.rates_from, warm_shapes_count=loaded.warm_shapes,
                      warm_skipped_count=loaded.warm_skipped,
                      solo_min_tokens=loaded.solo_min_tokens, transposed_weights=loaded.transposed_weights,
-                     cpu_attention=loaded.cpu_attention)
+                     cpu_attention=loaded.cpu_attention, activation_reserve_bytes=slot.info.activation_reserve_bytes,
+                     activation_from=slot.info.activation.source if slot.info.activation else "default")
             return None
         except ImportFailed as exc:  # its words name the file's fault, never a request's
             log.warning("model_import_failed", model=model_id, reason=str(exc))
@@ -195,6 +203,7 @@ class Loader:
                 claim.release()
                 slot.claim = None
                 slot.state = ModelState.NOT_LOADED
+                self._s.sync_activation_reserve()
                 if remembered:  # no longer advertised: the coordinator hears it now, not at the next tick
                     self._on_resident_change()
 

@@ -59,6 +59,7 @@ from provider.engine import Engine, LoadedModelInfo
 from provider.guest.availability import Paused
 from provider.metrics import EvictionCause, Metrics
 from provider.models import Inventory, ModelInfo, on_disk
+from provider.models.activation import ActivationStore
 from provider.progress import ProgressFactory
 from provider.request.media import NO_MEDIA, MediaPlan
 from provider.slots.admission import (
@@ -126,6 +127,7 @@ class ModelManager:
         eos_token_ids: Mapping[str, frozenset[int]] | None = None,
         fault: FaultHook | None = None,
         progress: ProgressFactory | None = None,
+        activation_store: ActivationStore | None = None,
     ) -> None:
         if figures != ledger.figures:
             raise ValueError("figures must be the ledger's own (one cap, one source)")
@@ -135,7 +137,8 @@ class ModelManager:
             raise ValueError("max_vision_requests must be >= 1")
         prefix = PrefixRoom(prefix_cache, weight_hash)
         self._s = ManagerState(engine, ledger, probe, prefix, clock, metrics,
-                               {m.id: ModelSlot(m) for m in inventory.models})
+                               {m.id: ModelSlot(m) for m in inventory.models}, activation_store=activation_store)
+        self._s.sync_activation_reserve()  # nothing loaded: no pass to hold room for
         self._inventory = inventory
         self._max_slots = max_model_slots
         self._max_vision = max_vision_requests
@@ -422,6 +425,7 @@ class ModelManager:
             return False
         slot.claim = claim
         slot.state = ModelState.LOADING
+        self._s.sync_activation_reserve()  # its passes run from now on (its measuring ones first)
         slot.load_moved()
         slot.load_task = asyncio.create_task(self._loader.load(slot), name=f"load:{slot.model_id}")
         return True
@@ -570,7 +574,8 @@ class ModelManager:
                     continue
                 snap = self._s.probe.snapshot()
                 plan = plan_room(self.view(), self.figures, snap, target=slot.model_id,
-                                 weight_bytes_on_disk=slot.info.weight_bytes)
+                                 weight_bytes_on_disk=slot.info.weight_bytes,
+                                 activation_reserve_bytes=slot.info.activation_reserve_bytes)
                 if _gives_way(plan, snap):  # MLX's buffer cache goes first (memory/snapshot.py)
                     await self._s.engine.reclaim()
                     continue
@@ -710,6 +715,7 @@ class ModelManager:
         """A model was published or unloaded: the gauge, and whoever reports capacity (the session
         sends a heartbeat at once rather than letting the coordinator route on a stale one)."""
         self._s.probe.invalidate()  # weights came or went: the next decision reads the machine afresh
+        self._s.sync_activation_reserve()
         if self._s.metrics is not None:
             self._s.metrics.set_loaded_models(len(self.warm_models()))
         self._room = self.models_with_room()  # this heartbeat reports it: no second one for the same change

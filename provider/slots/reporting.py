@@ -64,7 +64,7 @@ class Reporter:
         outstanding = self._view().firm_outstanding_bytes
         return [(s.info, fit(self._s.figures, snap, s.info.weight_bytes,
                              evictable_bytes=self.evictable_bytes(also=s.model_id),
-                             outstanding_bytes=outstanding))
+                             outstanding_bytes=outstanding, activation_reserve_bytes=s.info.activation_reserve_bytes))
                 for s in self._s.slots.values()]
 
     def register_rates(self) -> tuple[float, float]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from memory import CapFigures, Ledger, Probe
 from provider.engine import Engine
 from provider.metrics import Metrics
+from provider.models.activation import ActivationStore
 from provider.slots.broken import BrokenModels
 from provider.slots.prefix import PrefixRoom
 from provider.slots.state import ModelSlot, ModelState
@@ -30,6 +31,7 @@ class ManagerState:
     slots: dict[str, ModelSlot]  # one record per inventory model (forget / adopt change the set)
     room_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one room plan (evict, settle) at a time
     draining: bool = False  # every new request and load is refused
+    activation_store: ActivationStore | None = None  # what loads measured, kept for the next start and doctor
     broken: BrokenModels = field(init=False)  # models whose failed load is remembered (slots/broken.py)
 
     def __post_init__(self) -> None:
@@ -38,6 +40,13 @@ class ManagerState:
     @property
     def figures(self) -> CapFigures:
         return self.ledger.figures
+
+    def sync_activation_reserve(self) -> None:
+        """The reserve in force is the largest of the models that can run a pass (loading or loaded; one
+        engine thread runs one at a time), each its own (memory/activation.py), unless the operator set one."""
+        reserves = [s.info.activation_reserve_bytes for s in self.slots.values()
+                    if s.state in (ModelState.LOADING, ModelState.LOADED)]
+        self.ledger.replace_figures(self.ledger.figures.for_models(reserves))
 
     def leaving(self) -> list[asyncio.Task]:
         """The unloads under way (their models' memory is leaving)."""
