@@ -16,6 +16,7 @@ from kvcache.manager import ModelKvCache
 from kvcache.quantized import make_quantized_cache
 from provider.engine import guided
 from provider.engine.commands import EventSink, ReleaseHook
+from provider.engine.lifecycle import RequestEvent, RequestLifecycle, RequestState
 from provider.engine.prefill import PREFILL_STEP, SoloPrefill, SplitHead
 from provider.engine.textstream import CompletionText
 from provider.engine.types import EngineError, EngineFailure, Event, LoadedModelInfo, ModelStats, TokenLogprob
@@ -30,7 +31,8 @@ PrefixCacheLookup = Callable[[str], ModelKvCache | None]
 
 @dataclass(slots=True, eq=False)
 class Active:
-    """One request of a model: queued, prefilled alone (`solo`), `ready` to join, or in the batch (`uid`)."""
+    """One request of a model. Its phase is `state` (lifecycle.py); its Slot holds it where its phase
+    has it wait or run: queued, prefilled alone (`solo`), `ready` to join the batch, or in it (`uid`)."""
 
     request_id: str
     sink: EventSink
@@ -58,6 +60,18 @@ class Active:
     received: float = field(default_factory=time.monotonic)
     started: float = 0.0
     first_token: float = 0.0
+    lifecycle: RequestLifecycle = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.lifecycle = RequestLifecycle(self.request_id)
+
+    @property
+    def state(self) -> RequestState:
+        return self.lifecycle.state
+
+    def step(self, event: RequestEvent) -> RequestState:
+        """Its lifecycle's step (lifecycle.py): the only way its phase changes."""
+        return self.lifecycle.step(event)
 
     def solo_step(self) -> tuple[int, int | None, TokenLogprob | None]:
         """One chunk of the prompt prefilled alone: the tokens it took, and after the last chunk the first
@@ -115,7 +129,7 @@ class Slot:
 
     def model_stats(self) -> ModelStats:
         actives = self.actives()
-        running = sum(1 for a in actives if a.completion_ids)
+        running = sum(1 for a in actives if a.state is RequestState.DECODING)
         tokens = sum(a.prompt_tokens + len(a.completion_ids) for a in actives)
         return ModelStats(running, len(actives) - running, tokens)
 

@@ -19,6 +19,10 @@ prefilled alone since its last step, the most mlx-lm itself prefills between two
 Prompts with less left to prefill go to the `BatchGenerator` as they are (its batched prefill
 waves); the two kinds are never inserted into it between the same two steps (`active.unmerged`).
 
+Each text request has one state (lifecycle.py): WAITING in its model's queue, PREFILLING (alone, or
+in the batch before its first token), DECODING, FINISHING, RELEASED; the transitions are that table's
+and the worker steps them where they happen (`_start`, `_on_token`, `_finish`, `_retire`).
+
 Intake during a step. A decode step's host work ends when it is scheduled; then the engine thread
 waits for the device. In that time (`DecodeBatch.while_computing`) it takes the Submits queued since
 the loop last drained and starts them, so a request that arrives during the step joins the prefill
@@ -62,6 +66,7 @@ from provider.engine.commands import (
 from provider.engine.decode import new_generator, prefill_tokens_for_device
 from provider.engine.delivery import Delivery
 from provider.engine.device import DeviceLimits
+from provider.engine.lifecycle import RequestEvent, RequestState
 from provider.engine.loading import kv_bytes_per_token, load_text, load_vision, on_cpu_unless
 from provider.engine.next_turn import NextTurns
 from provider.engine.options import EngineOptions
@@ -374,6 +379,7 @@ class Worker:
             cache = reuse.cache if reuse.cache is not None else slot.new_cache()
             active.solo = SoloPrefill(slot.model, slot.split, cache, rest, chunk=PREFILL_STEP)
             slot.solo = active
+            active.step(RequestEvent.START)
             active.started = time.monotonic()
             return True
         slot.joining = False
@@ -391,6 +397,7 @@ class Worker:
             self._delivery.emit(active.sink, Failed(EngineFailure.INTERNAL_ERROR))
             self._retire(slot, active)
             return True
+        active.step(RequestEvent.START)
         slot.requests[active.uid] = active
         active.started = time.monotonic()
         return True
@@ -431,7 +438,10 @@ class Worker:
             self._retire(slot, active)
 
     def _retire(self, slot: Slot, active: Active) -> None:
-        """Forget a request, wherever it is (its cache has left the batch), and tell the ledger."""
+        """Forget a request, wherever it is held (its cache has left the batch), and tell the ledger. Its
+        end is decided here when nothing decided it before (a cancel, a failure)."""
+        if active.state is not RequestState.FINISHING:
+            active.step(RequestEvent.END)
         if active.uid is not None:
             slot.requests.pop(active.uid, None)
         elif slot.solo is active:
@@ -443,6 +453,7 @@ class Worker:
         active.solo = active.cache = None
         if active.guide is not None and active.guide.constraint is not None:
             active.guide.constraint.release()  # its grammar's reservation (memory/grammar.py)
+        active.step(RequestEvent.RELEASE)
         del self._where[active.request_id]
         self._publish_stats(slot)  # a cancel leaves no later step to refresh them
         notify_released(active.on_released, active.request_id)
@@ -557,6 +568,7 @@ class Worker:
 
     def _on_token(self, slot: Slot, active: Active, token: int, finish: str | None,
                   cache: list | None = None, logprob: TokenLogprob | None = None) -> None:
+        active.step(RequestEvent.TOKEN)
         active.completion_ids.append(token)
         if not active.first_token:
             active.first_token = time.monotonic()
@@ -587,6 +599,7 @@ class Worker:
             self._delivery.request_text(active, out.text)
 
     def _finish(self, slot: Slot, active: Active, reason: FinishReason) -> None:
+        active.step(RequestEvent.END)
         if active.messages is not None and active.answer is not None:
             self._next_turns.finished(slot.info.model_id, active.messages, "".join(active.answer), active.tools)
         usage = Usage(active.prompt_tokens, len(active.completion_ids))
