@@ -77,9 +77,14 @@ async def test_two_models_decode_round_robin(engine, tiny_model_path, quantized_
 
 
 async def test_load_errors_are_typed(engine, tiny_model_path, tmp_path):
-    with pytest.raises(EngineError) as missing:
+    from provider.telemetry import capture_redacted_logs
+
+    with capture_redacted_logs() as logs, pytest.raises(EngineError) as missing:
         await engine.load("x", tmp_path / "nope")
     assert missing.value.code is EngineFailure.LOAD_FAILED
+    [failed] = [e for e in logs if e["logger"] == "provider.engine"]
+    assert (failed["event"], failed["level"], failed["model"]) == ("model_load_failed", "error", "x")
+    assert failed["exc_type"] and "nope" not in repr(failed)  # the exception's type and frames, not its text
     await engine.load("tiny", tiny_model_path)
     with pytest.raises(EngineError) as twice:
         await engine.load("tiny", tiny_model_path)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import logging
 import time
 from collections.abc import Callable
 
@@ -28,8 +27,9 @@ from provider.engine.types import Calibrated, EngineError, EngineFailure, Loaded
 from provider.engine.warmup import warm
 from provider.models.kv import ALLOC_STEP
 from provider.models.metadata import context_length, model_shape
+from provider.telemetry import get_logger
 
-log = logging.getLogger("provider.engine")
+log = get_logger("provider.engine")
 
 # Caches that grow with the sequence (recurrent state has a constant size and is not per token).
 _GROWING_CACHES = (KVCache, RotatingKVCache, QuantizedKVCache)
@@ -59,7 +59,7 @@ def load_text(cmd: Load, generator: Callable[[object, frozenset[int]], BatchGene
         transposed = transpose_weights(model, max_bytes=bound) if on_cpu_unless(weight_layout) else 0
         ctx = context_length(config)
     except Exception:  # an edge: any broken model folder must not kill the worker
-        log.exception("model load failed", extra={"model_id": cmd.model_id})
+        log.exception("model_load_failed", model=cmd.model_id)
         gc.collect()
         mx.clear_cache()
         raise EngineError(EngineFailure.LOAD_FAILED) from None
@@ -81,7 +81,7 @@ def load_text(cmd: Load, generator: Callable[[object, frozenset[int]], BatchGene
     slot = Slot(info, model, tokenizer, generator(model, eos))
     if cmd.kv_bits is not None:
         if not quantizable(model):  # a cache that is not plain KV (sliding windows, recurrent state)
-            log.warning("kv quantization refused: the model's cache is not plain KV", extra={"model_id": cmd.model_id})
+            log.warning("kv_quantization_refused", model=cmd.model_id, reason="cache_not_plain_kv")
             slot.generator.close()
             raise EngineError(EngineFailure.LOAD_FAILED)
         slot.kv_bits = cmd.kv_bits
@@ -135,7 +135,7 @@ def _calibrate(slot: Slot, calibrator: Calibrator, solo_min_tokens: int | None) 
         with mx.stream(slot.generator.stream):
             solo = calibrator.solo(solo_min_tokens)
     except Exception:  # an edge: without the measurement the model is served as mlx-lm serves it
-        log.exception("prefill calibration failed", extra={"model_id": slot.info.model_id})
+        log.exception("prefill_calibration_failed", model=slot.info.model_id)
         return Calibrated.OFF
     finally:
         clear_buffer_cache()
@@ -151,7 +151,7 @@ def _timed_rates(slot: Slot, calibrator: Calibrator) -> Calibration:
         with mx.stream(slot.generator.stream):
             return calibrator.rates()
     except Exception:  # an edge: without the passes the rates stay unreported (0)
-        log.exception("rate calibration failed", extra={"model_id": slot.info.model_id})
+        log.exception("rate_calibration_failed", model=slot.info.model_id)
         return Calibration(0.0, 0.0, Calibrated.FALLBACK)
     finally:
         calibrator.close()
@@ -168,7 +168,7 @@ def _activation(slot: Slot, calibrator: Calibrator, config: dict) -> ActivationP
                                       batch_rows=slot.generator.completion_batch_size,
                                       quantized_kv=slot.kv_bits is not None)
     except Exception:  # an edge: without the measurement the config's estimate stands
-        log.exception("activation measurement failed", extra={"model_id": slot.info.model_id})
+        log.exception("activation_measurement_failed", model=slot.info.model_id)
         return None
     finally:
         clear_buffer_cache()
@@ -186,7 +186,7 @@ def load_vision(cmd: Load) -> tuple[LoadedModelInfo, object]:
         ctx = context_length(vlm.config)
         wrapper = image_text_tokens(vlm)
     except Exception:  # an edge: a broken folder (or no mlx-vlm) must not kill the worker
-        log.exception("vision model load failed", extra={"model_id": cmd.model_id})
+        log.exception("vision_model_load_failed", model=cmd.model_id)
         gc.collect()
         mx.clear_cache()
         raise EngineError(EngineFailure.LOAD_FAILED) from None
