@@ -20,7 +20,7 @@ import pytest
 
 from coordinator_double import JOB_HEADER, Completed, Registered, Rejected
 from double_fixtures import consumer_for, quick_config
-from memory import GiB, padded_weight_bytes
+from memory import GiB, Probe, padded_weight_bytes
 from memory.diagnostics import Recommendation
 from provider.agent import EXIT_OK, EXIT_RESTART, Agent, self_restart_enabled
 from provider.cli import render_status
@@ -115,12 +115,16 @@ def double_config():
 
 
 async def test_a_needed_restart_drains_and_the_supervisor_starts_the_agent_again(coordinator_double, tmp_path,
-                                                                                  tiny_model_path):
+                                                                                  tiny_model_path, monkeypatch):
     double = coordinator_double
-    # Two models (one folder). The machine: just room for a model's load plus 128 MiB; a 256 MiB buffer
-    # that never comes back leaves less than the largest model needs: a restart is needed.
+    # Two models (one folder), with the operator's fixed 3 GiB activation reserve. The machine: room for a
+    # model's load, for what this process holds outside MLX (counted by the cap too) and 256 MiB; a buffer
+    # of that much and 128 MiB more that never comes back leaves less than the largest model needs: a
+    # restart is needed.
+    monkeypatch.setenv("DARKBLOOM_ACTIVATION_RESERVE_GB", "3")
+    outside = Probe().snapshot().outside_mlx_bytes
     required = (4 * GiB) + padded_weight_bytes(weights_bytes(tiny_model_path))  # A 3 GiB + MIN_KV 1 GiB
-    limit_gb = (required + 2 * GiB + 128 * MiB) / GiB  # hard cap = P − 2 GiB below 20 GiB
+    limit_gb = (required + 2 * GiB + outside + 256 * MiB) / GiB  # hard cap = P − 2 GiB below 20 GiB
     settings = Settings(coordinator_url=double.ws_url, dev_posture=True, state_dir=tmp_path / "p",
                         hf_cache_dir=tmp_path / "hub", model_aliases={"a": tiny_model_path, "b": tiny_model_path},
                         memory_limit_gb=limit_gb, memory_reserve_gb=0.5, heartbeat_interval_s=0.5,
@@ -145,10 +149,10 @@ async def test_a_needed_restart_drains_and_the_supervisor_starts_the_agent_again
                 lines = stream.aiter_lines()
                 first = [line async for line in _until_data(lines)]
                 assert first
-                leak = mx.zeros((256 * MiB // 4,), dtype=mx.float32)  # memory that will not come back
+                leak = mx.zeros(((outside + 384 * MiB) // 4,), dtype=mx.float32)  # memory that will not come back
                 mx.eval(leak)
                 mark = double.mark()
-                assert await agent.manager.unload("b")  # its settle samples the baseline: +256 MiB
+                assert await agent.manager.unload("b")  # its settle samples the baseline: + the leak
                 assert agent.manager.restart_advice().needed
                 assert agent.exit_code == EXIT_RESTART and agent.manager.draining
                 # New work is refused: the heartbeat says draining, so the coordinator stops routing here,

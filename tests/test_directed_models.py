@@ -63,10 +63,11 @@ async def test_load_model_of_a_cold_model_starts_succeeds_and_the_next_heartbeat
 async def test_load_model_of_a_model_too_large_fails_with_the_reason_and_loads_nothing(
         coordinator_double, start_agent, tiny_model_path, medium_model_path):
     double = coordinator_double
-    # A cap of 4.2 GiB: a load needs its padded weights + 4 GiB (activation + minimum KV): the tiny model
-    # fits, the ~380 MB one never does.
+    # A cap of 2.2 GiB: a load needs its padded weights + its activation reserve + 1 GiB of KV: the tiny
+    # model (~1.1 GiB with its config's estimate) fits, the ~380 MB one (~2.24 GiB: its reserve at its
+    # 4,096 tokens of context is ~0.8 GiB) never does.
     agent = await start_agent(double.ws_url, {"tiny": tiny_model_path, "medium": medium_model_path},
-                              memory_limit_gb=6.2, memory_reserve_gb=0.0)
+                              memory_limit_gb=4.2, memory_reserve_gb=0.0)
     await double.wait_routable(model="tiny", timeout=15)
     mark = double.mark()
     await double.send_frame(0, load_model("medium"))

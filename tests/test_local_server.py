@@ -176,11 +176,12 @@ def test_metrics_parse_with_prometheus_client(server):
 
 
 def test_a_model_too_large_for_this_machine_is_a_400_naming_it_its_need_and_the_cap(tmp_path, tiny_model_path):
-    """A 6 GiB machine: effective cap 2 GiB, but a load needs weights + 3 GiB activation
-    + 1 GiB KV. On the owner's own server there is no other node to reroute to, so this is permanent: a
-    400 (no Retry-After, which an SDK would take as "try again") whose message names the model, what it
-    needs and the cap, and nothing loads. The coordinator's front keeps its rerouted 503."""
-    small = start_server(tmp_path, tiny_model_path, "--memory-limit-gb", "6")
+    """A 6 GiB machine: effective cap 2 GiB, but a load needs weights + the operator's fixed 3 GiB
+    activation reserve + 1 GiB KV. On the owner's own server there is no other node to reroute to, so this
+    is permanent: a 400 (no Retry-After, which an SDK would take as "try again") whose message names the
+    model, what it needs and the cap, and nothing loads. The coordinator's front keeps its rerouted 503."""
+    small = start_server(tmp_path, tiny_model_path, "--memory-limit-gb", "6",
+                         env_extra={"DARKBLOOM_ACTIVATION_RESERVE_GB": "3"})
     try:
         with pytest.raises(openai.BadRequestError) as err:
             small.client().chat.completions.create(

@@ -88,6 +88,7 @@ def test_admission_never_admits_past_the_cap_whatever_the_unattributed_term(
     ledger = Ledger(cap)
     for i, (kind, nbytes) in enumerate([*host, *device]):
         ledger.reserve(f"r{i}", kind, nbytes, snapshot=snap)
+    # (a reservation of 0 bytes promises nothing, so it is granted even on a machine already past its cap)
     granted = ledger.reserve("ask", ReservationKind.REQUEST_KV, ask, snapshot=snap).granted
     if not granted:
         return

@@ -9,13 +9,17 @@ Every number comes from `memory/` -- the same functions the agent enforces -- so
 disagree with the load gate:
 
 * cap figures: `memory.figures(P)` where `P` is the probe's physical size (machine RAM lowered to a
-  cgroup limit and to `memory_limit_gb`), with the operator's `memory_reserve_gb`;
-* pressure: `memory.pressure(snapshot)` of *this* process (it has loaded nothing, so MLX usage is 0;
-  the running agent's own pressure is in `darkbloom-provider status`);
+  cgroup limit and to `memory_limit_gb`), with the operator's `memory_reserve_gb`, as the agent has them
+  with nothing loaded (`for_models(())`: no activation reserve in force unless the operator set one);
+* pressure: `memory.pressure(snapshot)` of *this* process (it has loaded nothing, so MLX usage is 0 and
+  what counts is its own memory outside MLX, standing for the agent's; the running agent's own pressure
+  is in `darkbloom-provider status`);
 * the running agent (its loopback `/status`, when one answers): the restart recommendation and the
   coordinator's last `trust_status` (trust level, status, reason; `agent.trust` in `--json`);
-* per model: `memory.fit(figures, snapshot, weight_bytes, evictable_bytes=0)` -- nothing is loaded
-  in the doctor's process, so nothing is evictable and `fits_now` / `too_large` are the only answers.
+* per model: `memory.fit(figures, snapshot, weight_bytes, evictable_bytes=0)` with the model's own
+  activation reserve (what its last load measured, kept in the state dir, else its config's estimate:
+  provider/models/activation.py) -- nothing is loaded in the doctor's process, so nothing is evictable
+  and `fits_now` / `too_large` are the only answers.
 
 Problems (`Problem`) come in two severities. An ERROR makes `doctor` exit 1:
 
@@ -62,7 +66,8 @@ An invalid configuration never reaches this module: the CLI exits 78 with one li
 `report_json()` is a stable interface (keys are only ever added): ``cap`` holds every
 `CapFigures` field (bytes) plus ``*_gib`` conveniences, ``pressure`` {level, utilization},
 ``runtime_hash``, ``models`` [{id, path, source, weight_bytes, quantization, context_length,
-kv_bytes_per_token, verdict, required_bytes, ever_fits, capabilities {tools}}] (``tools``: the model
+kv_bytes_per_token, activation_reserve {bytes, source, window_tokens, measured_peak_bytes,
+measured_peak_tokens}, verdict, required_bytes, ever_fits, capabilities {tools}}] (``tools``: the model
 calls tools, as `/v1/models` says; null when its tokenizer could not be read), ``skipped`` [{id, path, reason}],
 ``searched`` [{source: alias | model_dir | hf_cache, id (an alias's), path, exists}] (where discovery
 looked; ``no_models`` names them too),

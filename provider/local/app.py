@@ -240,6 +240,7 @@ def create_app(backend: Backend, metrics: Metrics, *, chat: bool = True, mode: s
     @app.get("/metrics")
     async def prometheus() -> Response:
         backend.refresh_metrics()  # the sampled gauges: ledger bytes, prefix cache
+        metrics.set_cap_figures(cap_metric_figures(backend.figures))  # the activation reserve in force moves
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     if not chat:
