@@ -72,7 +72,7 @@ def test_models_health_and_status(server):
     assert status["mode"] == "local" and status["in_flight"] == 0
     assert [(m["id"], m["state"]) for m in status["models"]] in ([(MODEL, "loaded")], [(MODEL, "not_loaded")])
     assert set(status["ledger"]["bytes_by_kind"]) == {"request_kv", "media", "pending_load", "prefix_cache", "prompt",
-                                                       "grammar"}
+                                                       "grammar", "prefix_index"}
     assert status["pressure"]["level"] in ("green", "yellow", "red", "fatal")
     assert status["cap"]["effective_cap_bytes"] > 0
     assert set(status["prefix_cache"]) >= {"hits", "partial_hits", "misses", "ram_bytes", "disk_bytes"}
