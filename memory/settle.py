@@ -16,17 +16,14 @@ without MLX and without waiting. It blocks: run it on the thread that owns MLX (
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import gc
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 
+from memory.heap import malloc_trim
 from memory.policy import GiB
 
 TOLERANCE_FLOOR_BYTES = 2 * GiB
@@ -60,24 +57,13 @@ def read_active_memory() -> int:
     return mx.get_active_memory()
 
 
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
 def clear_buffer_cache() -> None:
     """Drop MLX's buffer cache and return freed heap to the OS (glibc keeps freed weight buffers
     otherwise). No cycle collection: what the cache rule and loads need, cheaply."""
     import mlx.core as mx
 
     mx.clear_cache()
-    trim = _malloc_trim()
+    trim = malloc_trim()
     if trim is not None:
         trim(0)
 

@@ -9,7 +9,8 @@ round-robin across models), then hands the step's events to the asyncio loop in 
 most one step, and requests join and leave the running batch between any two steps. Between steps,
 and when the prefix cache has a conversation turn due on its SSD tier while idle (the blocking wait
 then ends at that time), it writes the turns that went quiet (reuse.py). While idle it may prepare a
-local conversation's next turn (next_turn.py).
+local conversation's next turn (next_turn.py). The C heap's free pages go back to the system at most
+every 30 s while it works and when it has nothing left to do (memory/heap.py).
 
 Solo prefill (`prefill.py`). A prompt whose part still to prefill (after the prefix cache) is at
 least the model's `solo_min_tokens` is prefilled by itself, a chunk per loop, its first token out
@@ -45,6 +46,7 @@ from collections.abc import Mapping, Sequence
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
+from memory.heap import Trimmer
 from memory.settle import clear_buffer_cache, reclaim
 from provider.engine import attention, guided
 from provider.engine.active import Active, PrefixCacheLookup, Slot, unmerged
@@ -108,6 +110,7 @@ class Worker:
         self._next_turns = NextTurns(options.next_turn_scratch_bytes, self._reuse, trace)
         self._deferred: list[Command] = []  # taken during a step, handled at its end (see "Intake during a step")
         self._stopped = False
+        self._heap = Trimmer()  # the heap's free pages back to the system now and then (memory/heap.py)
         # Read by other threads; only ever replaced item by item (atomic under the GIL).
         self.stats: dict[str, ModelStats] = {}
 
@@ -136,6 +139,7 @@ class Worker:
                 self._reuse.store_kept(self._delivery.emit)
                 self._delivery.flush()
                 self._reuse.write_quiet(self._slots.values())
+                self._heap.working()
                 continue
             if self._deferred:  # taken during the step that ended the last request: handled before idling
                 self._drain_commands()
@@ -144,10 +148,13 @@ class Worker:
             due = self._next_turns.due_in()  # wake when the next-turn preparation is due (at once while it runs)
             if due is not None:
                 wait = due if wait is None else min(wait, due)
+            if wait is None:  # nothing left to do: what the work freed goes back before the engine sleeps
+                self._heap.idle()
             try:  # idle: wake for the next command, or when a cached turn is due on SSD
                 command = self._commands.get(timeout=wait)
             except queue.Empty:
                 self._next_turns.step(self._slots)
+                self._heap.working()
                 continue
             self._handle(command)
             self._delivery.flush()
