@@ -177,8 +177,8 @@ def sequences(n: int, seed: int) -> list[list[int]]:
 def test_the_ssd_tier_holds_a_small_constant_per_file(tmp_path: Path) -> None:
     """What the tier keeps in memory for each file (its index and its disk budget's record), measured
     with tracemalloc: under 1 KiB a file for sequences of 500-2,000 tokens, where the index of token
-    tuples it had before held ~36 bytes a token (18-72 KiB a file); and what it charges to the ledger
-    (`index_bytes`) is at least what it holds and not much more."""
+    tuples it had before held ~40 bytes a token (20-80 KiB a file) and one of packed token ids holds ~5;
+    and what it charges to the ledger (`index_bytes`) is at least what it holds and not much more."""
     n = 200
     seqs = sequences(n, seed=1)
     store = SsdStore(tmp_path, budget=DiskBudget(tmp_path, 2**30, free_bytes_fn=lambda _: 2**40))
@@ -198,7 +198,7 @@ def test_the_ssd_tier_holds_a_small_constant_per_file(tmp_path: Path) -> None:
     assert store.entries(MODEL) == n + 1
     assert held / n < 1024, f"{held / n:.0f} bytes a file"
     assert held <= charged < 1.3 * held, (held, charged)
-    # the same sequences in the token-tuple index the tier had before: far more
+    # the same sequences in a token index (kvcache/trie: the RAM tier's, token ids packed 4 bytes each): more
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
@@ -208,7 +208,7 @@ def test_the_ssd_tier_holds_a_small_constant_per_file(tmp_path: Path) -> None:
         old_held = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
-    assert old_held > 10 * held, (old_held, held)
+    assert old_held > 5 * held, (old_held, held)
 
 
 def test_the_index_costs_the_same_for_short_and_long_sequences() -> None:

@@ -8,6 +8,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvcache.trie import PrefixIndex
 
+TOKEN_BYTES = 4  # the index packs each token id in 4 bytes
+
 # A small alphabet and short keys make shared prefixes, prefix-of-key and longer-key cases common.
 keys = st.lists(st.integers(0, 3), min_size=1, max_size=6).map(tuple)
 queries = st.lists(st.integers(0, 3), min_size=0, max_size=8).map(tuple)
@@ -83,12 +85,12 @@ class IndexMachine(RuleBasedStateMachine):
     @invariant()
     def no_dead_paths(self) -> None:
         # Every node is on the path of a stored key (removal prunes), counts agree, edges are keyed by
-        # their first token, and a node that holds no key has at least two children (edges end only
+        # their first (packed) token, and a node that holds no key has at least two children (edges end only
         # where keys part), so the tree has at most two nodes per stored key.
         def walk(node, depth: int) -> int:
             below = int(node.terminal) + sum(walk(c, depth + 1) for c in node.children.values())
             assert node.below == below
-            assert all(c.edge and c.edge[0] == t for t, c in node.children.items())
+            assert all(len(t) == TOKEN_BYTES and c.edge.startswith(t) for t, c in node.children.items())
             if depth:
                 assert below > 0 and (node.terminal or len(node.children) >= 2)
             return below
@@ -115,3 +117,24 @@ def test_lookup_prefers_shorter_stored_prefix_or_trims_longer_one() -> None:
     assert index.lookup((8,)) is None and index.lookup(()) is None
     assert index.clear() == [((1, 2, 3, 4, 5), "conversation"), ((1, 2), "system")]
     assert len(index) == 0 and index.lookup((1, 2)) is None
+
+
+def test_a_stored_key_costs_a_few_bytes_a_token() -> None:
+    """Keys and edges are packed token ids: ~8 bytes a token held (the key, its edge), where tuples of
+    Python ints held ~44 (a pointer and an int object per token in the key, another pointer in an edge)."""
+    import random
+    import tracemalloc
+
+    rng = random.Random(7)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        index: PrefixIndex[int] = PrefixIndex()
+        for i in range(200):
+            tokens = [rng.randrange(300, 150_000) for _ in range(500)]  # fresh ints, as a tokenizer makes them
+            index.insert(tokens, i)
+            del tokens
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(index) == 200 and held / (200 * 500) < 12, f"{held / (200 * 500):.1f} bytes a token"
