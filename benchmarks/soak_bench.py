@@ -1,6 +1,6 @@
-"""Memory with uptime: `serve --local` on the tiny preset through 10,000 varied short requests.
+"""Memory with uptime: `serve --local` on the tiny preset through 10,000 (up to 50,000) varied short requests.
 
-Run: `nice -n 10 sh tools/with-blas.sh .venv/bin/python benchmarks/soak_bench.py [--requests 10000]`
+Run: `nice -n 10 sh tools/with-blas.sh .venv/bin/python benchmarks/soak_bench.py [--requests 50000]`
 
 A provider that has served for a day must hold no more memory outside its model, its KV and its
 prefix cache than a fresh one. This soak starts our server as `peer_bench.py` does (`start_ours`,
@@ -8,9 +8,12 @@ the tiny preset built by `provider.tinymodel`, EOS unreachable so every request 
 `--max-tokens`), then sends `--requests` streaming chat requests, `--concurrency` at a time, each a
 distinct prompt of 1 to `--max-words` words (so prefill and decode see many different shapes). The
 server runs with `memory_limit_gb = --memory-limit-gb` and `memory_reserve_gb = 0.5` (a cap of 6 GiB
-by default, which bounds the prefix cache whatever the machine's RAM) and no SSD tier
-(`kv_ssd_budget_gb = 0`). After every `--window` requests the clients stop until none is in flight,
-and the server's memory is read:
+by default, which bounds the prefix cache whatever the machine's RAM) and otherwise the default
+settings: the SSD tier on (`--no-ssd` turns it off, `kv_ssd_budget_gb = 0`). After every `--window`
+requests the clients stop until none is in flight, and the server's memory is read twice: at once
+("busy": what serving holds, the heap's free pages since its last trim included) and after `--rest-s`
+seconds with nothing sent ("at rest": the engine's idle work done, next-turn preparations and SSD
+writes, and the heap trimmed when it went idle: memory/heap.py):
 
 * RSS: the server process's resident memory (psutil);
 * MLX active / MLX cache: MLX's allocator, from the server's `/status` (`memory.mlx_active_bytes`,
@@ -19,8 +22,11 @@ and the server's memory is read:
 * prefix cache: its RAM tier (`/status` `prefix_cache.ram_bytes`), which is inside MLX active and
   grows by design up to its share of the cap;
 * outside: RSS - MLX active - MLX cache, what the process holds besides MLX's buffers (Python
-  objects, compiled kernels and compile caches, allocator slack). This is the column that must stay
-  flat: the last line gives its growth from the end of the first window to the end of the run.
+  objects, compiled kernels and compile caches, allocator slack), busy and at rest. This is the
+  column that must stay flat: the last lines give its growth from the end of the first window to
+  request 10,000 and from request 10,000 to the end of the run (goal: at most 20 MiB each);
+* SSD files / SSD MiB: the SSD tier's files and their bytes on disk (the server's state directory),
+  whose in-memory index is part of "outside".
 
 Also per window: p50 of the requests' latency (send to the end of the stream) and of their time to
 first token, and the requests that failed (a 503 counts; the run goes on).
@@ -57,9 +63,11 @@ GOAL_MIB = 20  # growth of the memory outside MLX from the first window's end to
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=10_000)
+    parser.add_argument("--requests", type=int, default=10_000, help="how many requests (up to 50,000 and more)")
     parser.add_argument("--window", type=int, default=1_000, help="requests between two memory readings")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rest-s", type=float, default=10.0,
+                        help="seconds with nothing sent before the second reading (the server at rest)")
     parser.add_argument("--max-tokens", type=int, default=4, help="tokens generated per request")
     parser.add_argument("--max-words", type=int, default=120, help="a prompt has 1 to this many words")
     parser.add_argument("--memory-limit-gb", type=float, default=6.5,
@@ -67,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "default, which bounds the prefix cache whatever the machine's RAM")
     parser.add_argument("--preset", default="tiny", choices=("tiny", "small"))
     parser.add_argument("--seed", type=int, default=36)
+    parser.add_argument("--no-ssd", action="store_true", help="the SSD tier off (kv_ssd_budget_gb = 0)")
     parser.add_argument("--ours-toml", action="append", default=[], metavar="LINE",
                         help="a line for the server's config, e.g. 'kv_ssd_budget_gb = 0' (repeatable)")
     parser.add_argument("--server-root", type=Path, default=None,
@@ -82,14 +91,29 @@ def prompt(rng: random.Random, max_words: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"{rng.randrange(10**9)} " + " ".join(words)}]
 
 
-def server_memory(server: Server) -> dict[str, int]:
+def ssd_files(state_dir: Path) -> tuple[int, int]:
+    """The SSD tier's files (one per cached sequence) and their bytes, from the server's state directory."""
+    count = size = 0
+    for folder in (state_dir / "kvcache").glob("*.*"):
+        for entry in os.scandir(folder) if folder.is_dir() else ():
+            try:
+                size += entry.stat().st_size
+                count += 1
+            except FileNotFoundError:  # evicted meanwhile
+                pass
+    return count, size
+
+
+def server_memory(server: Server, state_dir: Path) -> dict[str, int]:
     with urllib.request.urlopen(server.status_url, timeout=30) as reply:
         status = json.loads(reply.read())
     memory = status["memory"]
     rss = psutil.Process(server.proc.pid).memory_info().rss
     active, cache = memory["mlx_active_bytes"], memory["mlx_cache_bytes"]
+    files, disk = ssd_files(state_dir)
     return {"rss": rss, "mlx_active": active, "mlx_cache": cache,
-            "prefix_cache": status["prefix_cache"]["ram_bytes"], "outside": rss - active - cache}
+            "prefix_cache": status["prefix_cache"]["ram_bytes"], "outside": rss - active - cache,
+            "ssd_files": files, "ssd_bytes": disk}
 
 
 async def window(server: Server, prompts: list[list[dict[str, str]]], concurrency: int,
@@ -108,32 +132,54 @@ async def window(server: Server, prompts: list[list[dict[str, str]]], concurrenc
     return done
 
 
-def row(served: int, memory: dict[str, int], requests: list[Request]) -> dict:
+def row(served: int, busy: dict[str, int], memory: dict[str, int], requests: list[Request]) -> dict:
+    """A window's line: `memory` read at rest, `busy` at once when its last request ended."""
     ok = [r for r in requests if r.error is None]
     latency = statistics.median(r.end - r.start for r in ok) if ok else float("nan")
     ttft = statistics.median(r.ttft for r in ok) if ok else float("nan")
-    return {"served": served, **memory, "latency_p50_s": latency, "ttft_p50_s": ttft,
+    return {"served": served, **memory, "rss_busy": busy["rss"], "outside_busy": busy["outside"],
+            "latency_p50_s": latency, "ttft_p50_s": ttft,
             "failed": len(requests) - len(ok), "load1": os.getloadavg()[0]}
 
 
 def print_table(args: argparse.Namespace, rows: list[dict], started: float) -> None:
     print(f"\nserve --local, {args.preset} preset, {args.requests} requests at c = {args.concurrency}, "
-          f"1-{args.max_words} words, {args.max_tokens} tokens each; memory read with nothing in flight "
+          f"1-{args.max_words} words, {args.max_tokens} tokens each, SSD tier {'off' if args.no_ssd else 'on'}; "
+          f"memory read when a window ends (busy) and {args.rest_s:g} s later (at rest) "
           f"({time.monotonic() - started:.0f} s)\n")
-    print("| requests | RSS MiB | MLX active MiB | MLX cache MiB | prefix cache MiB | outside MiB "
-          "| latency p50 ms | TTFT p50 ms | failed | load |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| requests | RSS MiB | MLX active MiB | MLX cache MiB | prefix cache MiB | SSD files | SSD MiB "
+          "| outside MiB, busy | outside MiB, at rest | latency p50 ms | TTFT p50 ms | failed | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['served']:,} | {r['rss'] / MiB:.0f} | {r['mlx_active'] / MiB:.0f} | {r['mlx_cache'] / MiB:.0f} "
-              f"| {r['prefix_cache'] / MiB:.1f} | {r['outside'] / MiB:.1f} | {r['latency_p50_s'] * 1e3:.0f} "
+              f"| {r['prefix_cache'] / MiB:.1f} | {r['ssd_files']:,} | {r['ssd_bytes'] / MiB:.0f} "
+              f"| {r['outside_busy'] / MiB:.1f} | {r['outside'] / MiB:.1f} | {r['latency_p50_s'] * 1e3:.0f} "
               f"| {r['ttft_p50_s'] * 1e3:.0f} | {r['failed']} | {r['load1']:.1f} |")
-    if len(rows) >= 2:
-        first, last = rows[0], rows[-1]
-        growth = (last["outside"] - first["outside"]) / MiB
-        print(f"\noutside MLX, from request {first['served']:,} to {last['served']:,}: {growth:+.1f} MiB "
-              f"(goal <= {GOAL_MIB} MiB); RSS {(last['rss'] - first['rss']) / MiB:+.1f} MiB, "
-              f"prefix cache {(last['prefix_cache'] - first['prefix_cache']) / MiB:+.1f} MiB; "
-              f"latency p50 x{last['latency_p50_s'] / first['latency_p50_s']:.2f}")
+    print()
+    for a, b in spans(rows):
+        growth = (b["outside"] - a["outside"]) / MiB
+        busy = (b["outside_busy"] - a["outside_busy"]) / MiB
+        print(f"outside MLX, from request {a['served']:,} to {b['served']:,}: {growth:+.1f} MiB at rest "
+              f"(goal <= {GOAL_MIB} MiB), {busy:+.1f} MiB busy; RSS at rest {(b['rss'] - a['rss']) / MiB:+.1f} MiB, "
+              f"prefix cache {(b['prefix_cache'] - a['prefix_cache']) / MiB:+.1f} MiB, "
+              f"SSD files {b['ssd_files'] - a['ssd_files']:+,}; "
+              f"latency p50 x{b['latency_p50_s'] / a['latency_p50_s']:.2f}")
+
+
+MILESTONE = 10_000  # the goals' split: the first window's end to here, and here to the end
+
+
+def spans(rows: list[dict]) -> list[tuple[dict, dict]]:
+    """The growth spans: the first window's end to request 10,000 (or the end, if sooner), then 10,000 to
+    the end."""
+    if len(rows) < 2:
+        return []
+    first, last = rows[0], rows[-1]
+    middle = next((r for r in rows if r["served"] >= MILESTONE), last)
+    out = [(first, middle)] if middle is not first else []
+    if middle is not last:
+        out.append((middle, last))
+    return out
 
 
 async def main(argv: list[str] | None = None) -> int:
@@ -144,8 +190,8 @@ async def main(argv: list[str] | None = None) -> int:
     work = args.work_dir.resolve() if args.work_dir else Path(tempfile.mkdtemp(prefix="soak-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
-    settings = [f"memory_limit_gb = {args.memory_limit_gb}", "memory_reserve_gb = 0.5", "kv_ssd_budget_gb = 0",
-                *args.ours_toml]
+    settings = [f"memory_limit_gb = {args.memory_limit_gb}", "memory_reserve_gb = 0.5",
+                *(["kv_ssd_budget_gb = 0"] if args.no_ssd else []), *args.ours_toml]
     server = start_ours(model_path, work, None, settings)
     rows: list[dict] = []
     started = time.monotonic()
@@ -159,10 +205,16 @@ async def main(argv: list[str] | None = None) -> int:
             requests = await window(server, [prompt(rng, args.max_words) for _ in range(n)],
                                     args.concurrency, args.max_tokens)
             served += n
-            rows.append(row(served, await asyncio.to_thread(server_memory, server), requests))
+            busy = await asyncio.to_thread(server_memory, server, work / "state")
+            await asyncio.sleep(args.rest_s)  # a real delay: the second reading is of the server at rest
+            rows.append(row(served, busy, await asyncio.to_thread(server_memory, server, work / "state"), requests))
             r = rows[-1]
-            print(f"{served:,} requests ({time.monotonic() - started:.0f} s): outside MLX {r['outside'] / MiB:.1f} MiB, "
-                  f"latency p50 {r['latency_p50_s'] * 1e3:.0f} ms", file=sys.stderr, flush=True)
+            errors = sorted({q.error for q in requests if q.error is not None})
+            if errors:
+                print(f"failed: {', '.join(errors)}", file=sys.stderr)
+            print(f"{served:,} requests ({time.monotonic() - started:.0f} s): outside MLX "
+                  f"{r['outside_busy'] / MiB:.1f} MiB busy, {r['outside'] / MiB:.1f} at rest, "
+                  f"SSD files {r['ssd_files']:,}, latency p50 {r['latency_p50_s'] * 1e3:.0f} ms", file=sys.stderr, flush=True)
             if args.json_out is not None:
                 args.json_out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                      "windows": rows}, indent=1))
